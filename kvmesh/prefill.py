@@ -35,19 +35,22 @@ class Prefilled:
     nbytes: int
 
 
-def prefill(
+def run_prompt(
     model: nn.Module,
     tokens,
-    press: Press | None = None,
+    observe_last: int = 0,
     step_size: int = 512,
     progress: ProgressFn | None = None,
-) -> Prefilled:
-    """Run `tokens` through `model` into a fresh cache, then compress it with `press`."""
+) -> tuple[list, mx.array, dict | None]:
+    """Run `tokens` through `model` into a fresh dense cache.
+
+    Returns the cache, the logits after the last token, and, when `observe_last` > 0, the queries
+    of the last `observe_last` tokens per layer (what attention-based presses score with).
+    """
     tokens = mx.array(tokens)
     n = tokens.size
     if n == 0:
         raise ValueError("cannot prefill an empty prompt")
-    press = press or Press()
     cache = make_prompt_cache(model)
     for i, c in enumerate(cache):
         if type(c) is not KVCache:
@@ -57,21 +60,37 @@ def prefill(
             )
     progress = progress or (lambda done, total: None)
 
-    # The last chunk is the observation window of attention-based presses (at least one token).
-    head = n - max(1, min(press.needs_queries, n))
+    # The last chunk holds the observed tokens (and at least one, for the logits).
+    head = n - max(1, min(observe_last, n))
     for start in range(0, head, step_size):
         model(tokens[start : min(start + step_size, head)][None], cache=cache)
         mx.eval([c.state for c in cache])
         progress(min(start + step_size, head), n)
-    observe = record_queries(model, cache) if press.needs_queries else nullcontext()
-    with observe as observed:
+    with record_queries(model, cache) if observe_last else nullcontext() as observed:
         logits = model(tokens[head:][None], cache=cache)[0, -1]
         mx.eval(logits, [c.state for c in cache])
     progress(n, n)
+    return cache, logits, observed
 
-    dense_nbytes = sum(stored_nbytes(c) for c in cache)
+
+def prefill(
+    model: nn.Module,
+    tokens,
+    press: Press | None = None,
+    step_size: int = 512,
+    progress: ProgressFn | None = None,
+) -> Prefilled:
+    """Run `tokens` through `model` into a fresh cache, then compress it with `press`."""
+    press = press or Press()
+    cache, logits, observed = run_prompt(model, tokens, press.needs_queries, step_size, progress)
     pressed = press.apply(cache, observed)
-    return Prefilled(pressed, logits, n, dense_nbytes, sum(stored_nbytes(c) for c in pressed))
+    return Prefilled(
+        cache=pressed,
+        logits=logits,
+        num_tokens=cache[0].offset,
+        dense_nbytes=sum(stored_nbytes(c) for c in cache),
+        nbytes=sum(stored_nbytes(c) for c in pressed),
+    )
 
 
 def greedy(logits: mx.array) -> mx.array:

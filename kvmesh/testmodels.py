@@ -70,7 +70,7 @@ def preset_config(preset: Preset) -> dict:
     del config["description"], config["dtype"]
     config.update(
         rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         torch_dtype=preset.dtype,
         bos_token_id=SPECIAL_TOKENS.index(BOS),
         eos_token_id=SPECIAL_TOKENS.index(EOS),

@@ -1,0 +1,68 @@
+"""Shared fixtures: offline models built once per session, and an isolated hash cache."""
+
+import os
+
+import mlx.core as mx
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache_dir(tmp_path, monkeypatch):
+    """Each test gets its own weight-hash cache, so no test sees another's remembered hashes."""
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "kvmesh-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from kvmesh.testmodels import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    from kvmesh.testmodels import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """(model, tokenizer) of the tiny llama, in float32. Tests that change the dtype restore it."""
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_dir))
+
+
+@pytest.fixture(scope="session")
+def qwen3(qwen3_dir):
+    import mlx_lm
+
+    return mlx_lm.load(str(qwen3_dir))
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tiny):
+    """A few hundred real tokens of English text."""
+    from importlib import resources
+
+    text = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
+    return tiny[1].encode(text)[:300]
+
+
+@pytest.fixture
+def in_dtype():
+    """Switch a model to a dtype for one test, and back to float32 afterwards."""
+    used = []
+
+    def switch(model, dtype):
+        used.append(model)
+        model.set_dtype(dtype)
+        return model
+
+    yield switch
+    for model in used:
+        model.set_dtype(mx.float32)
