@@ -41,3 +41,8 @@ def test_make_test_into_non_empty_dir_fails_cleanly(tmp_path):
     result = run("model", "make-test", str(tmp_path), check=False)
     assert result.returncode == 1
     assert result.stderr.startswith(f"kvmesh: error: {tmp_path}: exists")
+
+
+def test_demo_runs_and_checks_itself():
+    result = run("demo", "--steps", "4")
+    assert "identical" in result.stdout and "DIFFERENT" not in result.stdout
