@@ -229,6 +229,16 @@ def sparse_from_dense(cache, keep: mx.array | None = None):
     )
 
 
+def truncate(layer, n: int):
+    """The first `n` positions of a layer that evicted nothing: the cache of a shorter prefix."""
+    if layer.n_kept != layer.offset or not 0 < n <= layer.offset:
+        raise ValueError(f"cannot cut {n} positions from a layer of {layer.n_kept} kept / {layer.offset}")
+    keys, values = (gather_positions(x, None, n) for x in layer.keys_and_values())
+    if isinstance(layer, SparseQuantizedKVCache):
+        return SparseQuantizedKVCache.from_arrays(keys, values, n, layer.group_size, layer.bits)
+    return SparseKVCache.from_arrays(keys, values, n)
+
+
 def stored_nbytes(cache) -> int:
     """Bytes of one layer's stored positions, without the spare capacity mlx-lm buffers keep."""
     if isinstance(cache, _SparseBase):

@@ -1,0 +1,170 @@
+from kvmesh.v1 import model_pb2 as _model_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_NONE: _ClassVar[Codec]
+    CODEC_ZSTD: _ClassVar[Codec]
+
+class DigestAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DIGEST_ALGORITHM_UNSPECIFIED: _ClassVar[DigestAlgorithm]
+    DIGEST_ALGORITHM_XXH3: _ClassVar[DigestAlgorithm]
+
+class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REJECT_REASON_UNSPECIFIED: _ClassVar[RejectReason]
+    REJECT_REASON_SCHEMA: _ClassVar[RejectReason]
+    REJECT_REASON_MODEL_CONFIG: _ClassVar[RejectReason]
+    REJECT_REASON_WEIGHTS: _ClassVar[RejectReason]
+    REJECT_REASON_TOKENIZER: _ClassVar[RejectReason]
+    REJECT_REASON_CHAT_TEMPLATE: _ClassVar[RejectReason]
+    REJECT_REASON_GEOMETRY: _ClassVar[RejectReason]
+    REJECT_REASON_PREFIX: _ClassVar[RejectReason]
+    REJECT_REASON_CODEC: _ClassVar[RejectReason]
+    REJECT_REASON_DTYPE: _ClassVar[RejectReason]
+    REJECT_REASON_CACHE_CLASS: _ClassVar[RejectReason]
+    REJECT_REASON_SIZE_LIMIT: _ClassVar[RejectReason]
+    REJECT_REASON_MALFORMED: _ClassVar[RejectReason]
+CODEC_UNSPECIFIED: Codec
+CODEC_NONE: Codec
+CODEC_ZSTD: Codec
+DIGEST_ALGORITHM_UNSPECIFIED: DigestAlgorithm
+DIGEST_ALGORITHM_XXH3: DigestAlgorithm
+REJECT_REASON_UNSPECIFIED: RejectReason
+REJECT_REASON_SCHEMA: RejectReason
+REJECT_REASON_MODEL_CONFIG: RejectReason
+REJECT_REASON_WEIGHTS: RejectReason
+REJECT_REASON_TOKENIZER: RejectReason
+REJECT_REASON_CHAT_TEMPLATE: RejectReason
+REJECT_REASON_GEOMETRY: RejectReason
+REJECT_REASON_PREFIX: RejectReason
+REJECT_REASON_CODEC: RejectReason
+REJECT_REASON_DTYPE: RejectReason
+REJECT_REASON_CACHE_CLASS: RejectReason
+REJECT_REASON_SIZE_LIMIT: RejectReason
+REJECT_REASON_MALFORMED: RejectReason
+
+class Prefix(_message.Message):
+    __slots__ = ("num_tokens", "sha256", "block_size", "block_hashes")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    sha256: str
+    block_size: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_tokens: _Optional[int] = ..., sha256: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class LayerSpec(_message.Message):
+    __slots__ = ("cache_class", "n_kept", "offset", "bits", "group_size", "tensors")
+    CACHE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    N_KEPT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    cache_class: str
+    n_kept: int
+    offset: int
+    bits: int
+    group_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, cache_class: _Optional[str] = ..., n_kept: _Optional[int] = ..., offset: _Optional[int] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class Compression(_message.Message):
+    __slots__ = ("method", "config_json")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    config_json: str
+    def __init__(self, method: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class Encoding(_message.Message):
+    __slots__ = ("codec", "level", "byte_shuffle", "chunk_size", "chunk_count", "raw_bytes", "encoded_bytes", "digest_algorithm", "payload_digest")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    codec: Codec
+    level: int
+    byte_shuffle: bool
+    chunk_size: int
+    chunk_count: int
+    raw_bytes: int
+    encoded_bytes: int
+    digest_algorithm: DigestAlgorithm
+    payload_digest: str
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., level: _Optional[int] = ..., byte_shuffle: _Optional[bool] = ..., chunk_size: _Optional[int] = ..., chunk_count: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., payload_digest: _Optional[str] = ...) -> None: ...
+
+class CacheManifest(_message.Message):
+    __slots__ = ("schema_version", "cache_id", "model", "prefix", "num_layers", "num_kv_heads", "head_dim", "dtype", "layers", "compression", "encoding", "created_unix_ms", "node_id")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    cache_id: str
+    model: _model_pb2.ModelFingerprint
+    prefix: Prefix
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    compression: Compression
+    encoding: Encoding
+    created_unix_ms: int
+    node_id: str
+    def __init__(self, schema_version: _Optional[int] = ..., cache_id: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., prefix: _Optional[_Union[Prefix, _Mapping]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("index", "tensor", "byte_offset", "raw_length", "checksum", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RAW_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    tensor: int
+    byte_offset: int
+    raw_length: int
+    checksum: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., tensor: _Optional[int] = ..., byte_offset: _Optional[int] = ..., raw_length: _Optional[int] = ..., checksum: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
