@@ -120,7 +120,13 @@ def check_manifest(m: pb.CacheManifest, profile: ReceiverProfile) -> Rejection |
         )
     if rejection := validate_manifest(m):
         return rejection
-    theirs, ours = m.model, profile.model
+    ours = profile.model
+    geometry = {"layers": (m.num_layers, ours.num_layers), "kv heads": (m.num_kv_heads, ours.num_kv_heads),
+                "head dim": (m.head_dim, ours.head_dim), "dtype": (m.dtype, ours.dtype)}
+    for what, (theirs_value, ours_value) in geometry.items():
+        if theirs_value != ours_value:
+            return Rejection(pb.REJECT_REASON_GEOMETRY, f"{what} {theirs_value} in the cache, {ours_value} in this model")
+    theirs = m.model
     model_checks = [
         (pb.REJECT_REASON_MODEL_CONFIG, "model config", theirs.config_sha256, ours.config_sha256, False),
         (pb.REJECT_REASON_WEIGHTS, "weights", theirs.weights_sha256, ours.weights_sha256, profile.accept_other_weights),
@@ -135,11 +141,6 @@ def check_manifest(m: pb.CacheManifest, profile: ReceiverProfile) -> Rejection |
                 f"the cache was made with other {what} ({their_hash[:12] or 'none'}) than this "
                 f"model's ({our_hash[:12] or 'none'}; model {ours.model_id})",
             )
-    geometry = {"layers": (m.num_layers, ours.num_layers), "kv heads": (m.num_kv_heads, ours.num_kv_heads),
-                "head dim": (m.head_dim, ours.head_dim), "dtype": (m.dtype, ours.dtype)}
-    for what, (theirs_value, ours_value) in geometry.items():
-        if theirs_value != ours_value:
-            return Rejection(pb.REJECT_REASON_GEOMETRY, f"{what} {theirs_value} in the cache, {ours_value} in this model")
     if profile.prompt is not None:
         n = m.prefix.num_tokens
         if n > len(profile.prompt) or prefix_sha256(profile.prompt[:n], m.prefix.block_size) != m.prefix.sha256:

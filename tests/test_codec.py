@@ -1,0 +1,193 @@
+"""Wire encoding: bit-exact round trips, and every kind of bad chunk refused with a clear error."""
+
+import itertools
+
+import mlx.core as mx
+import pytest
+
+from kvmesh.codec import CacheDecoder, IntegrityError, decode_chunks, encode_chunks
+from kvmesh.fingerprint import fingerprint
+from kvmesh.manifest import build_manifest, chunk_plan, content_id, layer_tensors
+from kvmesh.prefill import prefill
+from kvmesh.prefix import PrefixKey
+from kvmesh.presses import make_press
+
+PRESSES = {
+    "dense": ("full", {}),
+    "sparse": ("snapkv", {"ratio": 0.5, "window": 16}),
+    "quantized": ("quantize", {"kv_bits": 4}),
+    "sparse+quantized": ("knorm", {"ratio": 0.5, "kv_bits": 8}),
+}
+CODECS = [("none", False), ("zstd", False), ("zstd", True)]
+
+
+@pytest.fixture(scope="module")
+def tiny_fp(tiny_dir):
+    return fingerprint(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def caches(tiny, prompt_ids):
+    """{(kind, dtype): cache} of the 300-token prompt, for every cache kind, in two dtypes."""
+    model = tiny[0]
+    out = {}
+    for dtype in (mx.float32, mx.bfloat16):
+        model.set_dtype(dtype)
+        for kind, (method, config) in PRESSES.items():
+            out[kind, dtype] = (prefill(model, prompt_ids, make_press(method, config)).cache, make_press(method, config))
+    model.set_dtype(mx.float32)
+    return out
+
+
+def encoded(cache, press, fp, prompt_ids, codec="zstd", shuffle=True, chunk_size=8192):
+    manifest = build_manifest(cache, fp, PrefixKey.of(prompt_ids), press, codec, 1, shuffle, chunk_size)
+    chunks = list(encode_chunks(cache, manifest))
+    return manifest, chunks
+
+
+def assert_same_tensors(a, b):
+    assert [type(x) for x in a] == [type(y) for y in b]
+    assert [(x.offset, x.n_kept) for x in a] == [(y.offset, y.n_kept) for y in b]
+    for x, y in zip(a, b):
+        for s, t in zip(layer_tensors(x), layer_tensors(y)):
+            assert s.dtype == t.dtype and mx.array_equal(s, t).item()
+
+
+@pytest.mark.parametrize("codec, shuffle", CODECS, ids=["none", "zstd", "zstd+shuffle"])
+@pytest.mark.parametrize("kind", PRESSES)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_round_trip_is_bit_exact(caches, tiny_fp, prompt_ids, kind, dtype, codec, shuffle):
+    cache, press = caches[kind, dtype]
+    manifest, chunks = encoded(cache, press, tiny_fp, prompt_ids, codec, shuffle)
+    assert len(chunks) == manifest.encoding.chunk_count > 1
+    assert manifest.encoding.encoded_bytes == sum(len(c.data) for c in chunks)
+    assert_same_tensors(decode_chunks(manifest, chunks), cache)
+
+
+def test_chunks_hold_whole_rows_and_respect_the_chunk_size(caches, tiny_fp, prompt_ids):
+    cache, press = caches["dense", mx.float32]
+    manifest, chunks = encoded(cache, press, tiny_fp, prompt_ids, chunk_size=10_000)
+    row = 2 * 64 * 4  # kv heads x head dim x float32
+    assert all(c.raw_length % row == 0 and c.raw_length <= 10_000 for c in chunks)
+    assert sum(c.raw_length for c in chunks) == manifest.encoding.raw_bytes
+
+
+def test_encoding_twice_gives_the_same_id_and_digest(caches, tiny_fp, prompt_ids):
+    cache, press = caches["sparse", mx.float32]
+    a, _ = encoded(cache, press, tiny_fp, prompt_ids)
+    b, _ = encoded(cache, press, tiny_fp, prompt_ids)
+    assert a.encoding.payload_digest == b.encoding.payload_digest
+    assert content_id(a) == content_id(b)
+
+
+def test_one_thread_and_two_encode_the_same(caches, tiny_fp, prompt_ids):
+    cache, press = caches["dense", mx.bfloat16]
+    manifest = build_manifest(cache, tiny_fp, PrefixKey.of(prompt_ids), press, chunk_size=8192)
+    one = [c.SerializeToString() for c in encode_chunks(cache, manifest, threads=1)]
+    two = [c.SerializeToString() for c in encode_chunks(cache, manifest, threads=2)]
+    assert one == two
+
+
+@pytest.fixture
+def stream(caches, tiny_fp, prompt_ids):
+    cache, press = caches["dense", mx.bfloat16]
+    return encoded(cache, press, tiny_fp, prompt_ids)
+
+
+def feed_all(manifest, chunks, trailer=None):
+    decoder = CacheDecoder(manifest)
+    for chunk in chunks:
+        decoder.feed(chunk)
+    return decoder.finish(trailer)
+
+
+def test_corrupt_chunk(stream):
+    manifest, chunks = stream
+    data = bytearray(chunks[3].data)
+    data[len(data) // 2] ^= 0x01
+    chunks[3].data = bytes(data)
+    with pytest.raises(IntegrityError, match="chunk 3 (is corrupt|is not valid zstd data)"):
+        feed_all(manifest, chunks)
+
+
+def test_corrupt_chunk_without_compression(caches, tiny_fp, prompt_ids):
+    cache, press = caches["dense", mx.float32]
+    manifest, chunks = encoded(cache, press, tiny_fp, prompt_ids, codec="none")
+    chunks[2].data = chunks[2].data[:-1] + bytes([chunks[2].data[-1] ^ 0x80])
+    with pytest.raises(IntegrityError, match="chunk 2 is corrupt: its checksum does not match"):
+        feed_all(manifest, chunks)
+
+
+def test_truncated_stream(stream):
+    manifest, chunks = stream
+    with pytest.raises(IntegrityError, match=f"truncated: {len(chunks) - 1} of {len(chunks)} chunks"):
+        feed_all(manifest, chunks[:-1])
+
+
+def test_reordered_chunks(stream):
+    manifest, chunks = stream
+    chunks[1], chunks[2] = chunks[2], chunks[1]
+    with pytest.raises(IntegrityError, match="chunk 2 arrived where chunk 1 was expected"):
+        feed_all(manifest, chunks)
+
+
+def test_duplicated_chunk(stream):
+    manifest, chunks = stream
+    with pytest.raises(IntegrityError, match="chunk 4 arrived where chunk 5 was expected"):
+        feed_all(manifest, chunks[:5] + [chunks[4]] + chunks[5:])
+
+
+def test_extra_chunk(stream):
+    manifest, chunks = stream
+    extra = type(chunks[0])()
+    extra.CopyFrom(chunks[-1])
+    extra.index = len(chunks)
+    with pytest.raises(IntegrityError, match=f"beyond the {len(chunks)} the manifest announced"):
+        feed_all(manifest, chunks + [extra])
+
+
+def test_oversized_chunk(stream):
+    manifest, chunks = stream
+    chunks[0].data = chunks[0].data + bytes(2 * chunks[0].raw_length)
+    with pytest.raises(IntegrityError, match="chunk 0 is oversized"):
+        feed_all(manifest, chunks)
+
+
+def test_chunk_that_lies_about_its_place(stream):
+    manifest, chunks = stream
+    chunks[1].byte_offset += 256
+    with pytest.raises(IntegrityError, match="chunk 1 claims tensor 0 bytes"):
+        feed_all(manifest, chunks)
+
+
+def test_chunk_that_decodes_to_another_length(caches, tiny_fp, prompt_ids):
+    """Right place, plausible size, but the zstd frame holds other than the announced length."""
+    manifest, chunks = encoded(*caches["dense", mx.float32], tiny_fp, prompt_ids)
+    _, other = encoded(*caches["dense", mx.float32], tiny_fp, prompt_ids, chunk_size=4096)
+    chunks[0].data = other[0].data
+    with pytest.raises(IntegrityError, match="chunk 0 decodes to 4096 bytes, 8192 were announced"):
+        feed_all(manifest, chunks)
+
+
+def test_wrong_final_digest(stream):
+    manifest, chunks = stream
+    with pytest.raises(IntegrityError, match="payload digest does not match"):
+        feed_all(manifest, chunks, trailer="0" * 32)
+
+
+def test_wrong_manifest_digest(stream):
+    manifest, chunks = stream
+    manifest.encoding.payload_digest = "f" * 32
+    with pytest.raises(IntegrityError, match="payload digest does not match"):
+        feed_all(manifest, chunks)
+
+
+def test_chunk_plan_covers_every_byte_once(stream):
+    manifest, _ = stream
+    plan = chunk_plan(manifest)
+    for tensor, slots in itertools.groupby(plan, key=lambda s: s.tensor):
+        offset = 0
+        for slot in slots:
+            assert slot.byte_offset == offset
+            offset += slot.raw_length
+        assert offset == [t for layer in manifest.layers for t in layer.tensors][tensor].nbytes

@@ -1,0 +1,104 @@
+"""mlx-lm prompt-cache files enter the mesh, and mesh caches become files mlx-lm uses."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from kvmesh.errors import KvmeshError
+from kvmesh.fingerprint import fingerprint
+from kvmesh.manifest import layer_tensors
+from kvmesh.mlx_files import export_prompt_cache, import_prompt_cache
+from kvmesh.prefill import prefill
+from kvmesh.presses import make_press
+from kvmesh.sparse_cache import sparse_from_dense
+from kvmesh.store import CacheStore
+
+PROMPT = "The kettle on the stove began to sing just as the rain started."
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def mlx_lm_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_lm", *args], capture_output=True, text=True, env=ENV, timeout=300
+    )
+
+
+def cache_prompt_tokens(tokenizer) -> list[int]:
+    """The tokens `mlx_lm cache_prompt` feeds for PROMPT with a chat-template model."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=False, continue_final_message=True
+    )
+
+
+def test_import_a_file_made_by_mlx_lm_cache_prompt(tiny, tiny_dir, tmp_path):
+    path = tmp_path / "prompt.safetensors"
+    made = mlx_lm_cli("cache_prompt", "--model", str(tiny_dir), "--prompt", PROMPT, "--prompt-cache-file", str(path))
+    assert made.returncode == 0, made.stderr
+    tokens = cache_prompt_tokens(tiny[1])
+    store = CacheStore(tmp_path / "store")
+    manifest = import_prompt_cache(store, path, fingerprint(tiny_dir), tokens)
+    assert manifest.prefix.num_tokens == len(tokens) and manifest.compression.method == "full"
+    _, stored = store.load(manifest.cache_id)
+    original = [sparse_from_dense(c) for c in load_prompt_cache(str(path))]
+    for a, b in zip(stored, original):
+        assert all(mx.array_equal(x, y).item() for x, y in zip(layer_tensors(a), layer_tensors(b)))
+    assert store.lookup(manifest.model.model_id, tokens + [5, 6]).tokens == len(tokens)
+
+
+def test_import_refuses_a_prompt_of_another_length(tiny, tiny_dir, tmp_path):
+    path = tmp_path / "prompt.safetensors"
+    save_prompt_cache(str(path), prefill(tiny[0], [1, 2, 3, 4]).cache)
+    with pytest.raises(KvmeshError, match="the cache holds 4 tokens, the prompt has 3"):
+        import_prompt_cache(CacheStore(tmp_path / "store"), path, fingerprint(tiny_dir), [1, 2, 3])
+
+
+def test_import_refuses_a_file_that_is_not_a_prompt_cache(tiny_dir, tmp_path):
+    path = tmp_path / "junk.safetensors"
+    path.write_bytes(b"not safetensors at all")
+    with pytest.raises(KvmeshError, match="not an mlx-lm prompt cache"):
+        import_prompt_cache(CacheStore(tmp_path / "store"), path, fingerprint(tiny_dir), [1])
+
+
+PLAIN_MLX_LM_LOAD = textwrap.dedent(
+    """
+    import sys
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+    cache, meta = load_prompt_cache(sys.argv[1], return_metadata=True)
+    print(type(cache[0]).__name__, cache[0].offset, meta["kvmesh_cache_id"])
+    """
+)
+
+
+@pytest.mark.parametrize("press", [("full", {}), ("quantize", {"kv_bits": 8})], ids=["float", "8bit"])
+def test_export_for_mlx_lm_generate(tiny, tiny_dir, tmp_path, press):
+    tokens = cache_prompt_tokens(tiny[1])
+    store = CacheStore(tmp_path / "store")
+    manifest = store.put(prefill(tiny[0], tokens, make_press(*press)).cache, fingerprint(tiny_dir), tokens, make_press(*press))
+    path = export_prompt_cache(store, manifest.cache_id, tmp_path / "out.safetensors", str(tiny_dir))
+
+    # A process that never imported kvmesh reads mlx-lm's own classes...
+    loaded = subprocess.run([sys.executable, "-c", PLAIN_MLX_LM_LOAD, str(path)], capture_output=True, text=True, check=True)
+    expected_class = "QuantizedKVCache" if press[0] == "quantize" else "KVCache"
+    assert loaded.stdout.split() == [expected_class, str(len(tokens)), manifest.cache_id]
+    # ...and mlx-lm's generate command continues from the file.
+    args = ["--prompt-cache-file", str(path), "--prompt", " and then", "--max-tokens", "3"]
+    if press[0] == "quantize":
+        args += ["--kv-bits", "8"]
+    generated = mlx_lm_cli("generate", *args)
+    assert generated.returncode == 0, generated.stderr
+    assert "Generation: 3 tokens" in generated.stdout
+
+
+def test_an_evicted_cache_exports_with_kvmesh_classes(tiny, tiny_dir, tmp_path):
+    press = make_press("streaming_llm", {"budget": 8})
+    tokens = cache_prompt_tokens(tiny[1])
+    store = CacheStore(tmp_path / "store")
+    manifest = store.put(prefill(tiny[0], tokens, press).cache, fingerprint(tiny_dir), tokens, press)
+    path = export_prompt_cache(store, manifest.cache_id, tmp_path / "out.safetensors", str(tiny_dir))
+    cache = load_prompt_cache(str(path))  # kvmesh.sparse_cache is imported here
+    assert type(cache[0]).__name__ == "SparseKVCache" and (cache[0].n_kept, cache[0].offset) == (8, len(tokens))

@@ -1,0 +1,299 @@
+"""The on-disk store: round trips, lookup, LRU, bad input, and crashes of a real writer process."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import pytest
+
+from kvmesh.codec import IntegrityError
+from kvmesh.fingerprint import fingerprint
+from kvmesh.manifest import layer_tensors
+from kvmesh.prefill import generate_from_cache, prefill
+from kvmesh.presses import make_press
+from kvmesh.store import CacheStore, NotFoundError, StoreError, read_entry_chunks, read_entry_manifest
+
+
+@pytest.fixture(scope="module")
+def fp(tiny_dir):
+    return fingerprint(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def long_ids(tiny):
+    from importlib import resources
+
+    text = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
+    return tiny[1].encode(text)[:600]
+
+
+@pytest.fixture(scope="module")
+def dense500(tiny, long_ids):
+    return prefill(tiny[0], long_ids[:500]).cache
+
+
+@pytest.fixture
+def store(tmp_path):
+    return CacheStore(tmp_path / "store")
+
+
+def same_tensors(a, b) -> bool:
+    return all(
+        mx.array_equal(s, t).item() for x, y in zip(a, b) for s, t in zip(layer_tensors(x), layer_tensors(y))
+    )
+
+
+def put_dense500(store, dense500, fp, long_ids, **options):
+    return store.put(dense500, fp, long_ids[:500], chunk_size=64 << 10, **options)
+
+
+def test_put_load_and_survive_a_restart(store, dense500, fp, long_ids, tmp_path):
+    manifest = put_dense500(store, dense500, fp, long_ids)
+    assert manifest.encoding.payload_digest and len(manifest.cache_id) == 32
+    reopened = CacheStore(tmp_path / "store")
+    [entry] = reopened.entries()
+    assert (entry.cache_id, entry.num_tokens, entry.method, entry.evicts_nothing) == (manifest.cache_id, 500, "full", True)
+    loaded_manifest, cache = reopened.load(manifest.cache_id)
+    assert loaded_manifest == manifest
+    assert same_tensors(cache, dense500)
+
+
+def test_serving_reads_the_stored_chunks_without_recompressing(store, dense500, fp, long_ids):
+    manifest = put_dense500(store, dense500, fp, long_ids)
+    with open(store.entries_dir / f"{manifest.cache_id}.kvc", "rb") as f:
+        on_disk = [c.data for c in read_entry_chunks(f, read_entry_manifest(f, "x"), "x")]
+    assert [c.data for c in store.chunks(manifest.cache_id)] == on_disk
+
+
+def test_lookup_finds_the_longest_prefix_across_entries(store, tiny, dense500, fp, long_ids):
+    dense = put_dense500(store, dense500, fp, long_ids)
+    snap = make_press("snapkv", {"ratio": 0.5, "window": 16})
+    sparse = store.put(prefill(tiny[0], long_ids[:300], snap).cache, fp, long_ids[:300], snap)
+    short = store.put(prefill(tiny[0], long_ids[:200]).cache, fp, long_ids[:200])
+    junk = [7] * 100
+
+    def best(prompt):
+        match = store.lookup(fp.model_id, prompt)
+        return match and (match.entry.cache_id, match.tokens)
+
+    assert best(long_ids) == (dense.cache_id, 500)
+    # The sparse entry serves only its exact 300; the dense 500 shares two 128-token blocks.
+    assert best(long_ids[:300] + junk) == (sparse.cache_id, 300)
+    # Three shared blocks of the dense 500 beat the exact 200.
+    assert best(long_ids[:450] + junk) == (dense.cache_id, 384)
+    assert best(long_ids[:250] + junk) == (short.cache_id, 200)
+    assert best(junk) is None
+    assert store.lookup("0123456789abcdef", long_ids) is None
+
+
+def test_a_dense_entry_serves_a_block_aligned_shorter_prefix(store, tiny, dense500, fp, long_ids):
+    manifest = put_dense500(store, dense500, fp, long_ids)
+    cut = store.prefix_entry(manifest.cache_id, 384)
+    assert cut.prefix.num_tokens == 384 and cut.cache_id != manifest.cache_id
+    _, cache = store.load(cut.cache_id)
+    fresh = prefill(tiny[0], long_ids[:384]).cache
+    assert same_tensors(cache, fresh)
+    suffix = long_ids[384:390]
+    assert [t for t, _ in generate_from_cache(tiny[0], cache, suffix, 4)] == [
+        t for t, _ in generate_from_cache(tiny[0], fresh, suffix, 4)
+    ]
+    # Asking again serves the entry that was cut.
+    assert store.prefix_entry(manifest.cache_id, 384).cache_id == cut.cache_id
+
+
+def test_a_sparse_entry_serves_only_its_own_prefix(store, tiny, fp, long_ids):
+    press = make_press("streaming_llm", {"budget": 64})
+    manifest = store.put(prefill(tiny[0], long_ids[:300], press).cache, fp, long_ids[:300], press)
+    with pytest.raises(StoreError, match="only caches that evicted nothing serve shorter prefixes"):
+        store.prefix_entry(manifest.cache_id, 256)
+
+
+def test_lru_eviction_under_a_byte_budget(tmp_path, tiny, fp, long_ids):
+    caches = {n: prefill(tiny[0], long_ids[:n]).cache for n in (100, 110, 120)}
+    probe = CacheStore(tmp_path / "probe")
+    sizes = {n: probe.entry(probe.put(c, fp, long_ids[:n]).cache_id).file_bytes for n, c in caches.items()}
+
+    store = CacheStore(tmp_path / "store", max_bytes=sizes[100] + sizes[110] + sizes[120] - 1)
+    first = store.put(caches[100], fp, long_ids[:100]).cache_id
+    second = store.put(caches[110], fp, long_ids[:110]).cache_id
+    store.load(first)  # now `second` is the least recently used
+    third = store.put(caches[120], fp, long_ids[:120]).cache_id
+    assert {e.cache_id for e in store.entries()} == {first, third}
+    assert store.total_bytes() <= store.max_bytes
+    assert not (store.entries_dir / f"{second}.kvc").exists()
+
+
+def test_an_entry_larger_than_the_budget_is_refused(tmp_path, dense500, fp, long_ids):
+    store = CacheStore(tmp_path / "store", max_bytes=1000)
+    with pytest.raises(StoreError, match="more than the store's budget of 1,000"):
+        put_dense500(store, dense500, fp, long_ids)
+    assert store.entries() == [] and list(store.entries_dir.iterdir()) == []
+
+
+def corrupt(chunks, how):
+    if how == "corrupt":
+        data = bytearray(chunks[2].data)
+        data[10] ^= 0xFF
+        chunks[2].data = bytes(data)
+    elif how == "truncated":
+        del chunks[-1]
+    elif how == "reordered":
+        chunks[1], chunks[2] = chunks[2], chunks[1]
+    elif how == "duplicated":
+        chunks.insert(3, chunks[2])
+    elif how == "oversized":
+        chunks[0].data += bytes(3 * chunks[0].raw_length)
+    return chunks
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "reordered", "duplicated", "oversized", "digest"])
+def test_bad_input_leaves_nothing_in_the_store(tmp_path, store, dense500, fp, long_ids, how):
+    source = CacheStore(tmp_path / "source")
+    manifest = put_dense500(source, dense500, fp, long_ids)
+    chunks = corrupt(list(source.chunks(manifest.cache_id)), how)
+    trailer = "0" * 32 if how == "digest" else None
+    with pytest.raises(IntegrityError):
+        store.receive(manifest, chunks, trailer)
+    assert store.entries() == []
+    assert list(store.entries_dir.iterdir()) == [] and list(store.incoming_dir.iterdir()) == []
+
+
+def test_a_malformed_manifest_is_refused_before_any_chunk(store, tmp_path, dense500, fp, long_ids):
+    manifest = put_dense500(CacheStore(tmp_path / "source"), dense500, fp, long_ids)
+    manifest.layers[0].tensors[0].shape[0] = 10**12
+
+    def never():
+        raise AssertionError("no chunk may be read for a malformed manifest")
+        yield
+
+    with pytest.raises(IntegrityError, match="malformed manifest"):
+        store.receive(manifest, never())
+
+
+def test_damage_on_disk_is_detected_when_read(store, dense500, fp, long_ids):
+    manifest = put_dense500(store, dense500, fp, long_ids)
+    path = store.entries_dir / f"{manifest.cache_id}.kvc"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="chunk 0 is damaged on disk"):
+        store.load(manifest.cache_id)
+
+
+def test_export_then_import_elsewhere(store, tmp_path, tiny, fp, long_ids):
+    press = make_press("knorm", {"ratio": 0.5, "kv_bits": 4})
+    cache = prefill(tiny[0], long_ids[:300], press).cache
+    manifest = store.put(cache, fp, long_ids[:300], press)
+    exported = store.export(manifest.cache_id, tmp_path / "cache.kvc")
+    other = CacheStore(tmp_path / "other")
+    assert other.import_file(exported).cache_id == manifest.cache_id
+    assert same_tensors(other.load(manifest.cache_id)[1], cache)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not-kvmesh"])
+def test_importing_a_bad_file_leaves_nothing(store, tmp_path, dense500, fp, long_ids, damage):
+    source = CacheStore(tmp_path / "source")
+    exported = source.export(put_dense500(source, dense500, fp, long_ids).cache_id, tmp_path / "c.kvc")
+    data = exported.read_bytes()
+    exported.write_bytes(data[: len(data) // 2] + data[-200:] if damage == "truncated" else b"hello" * 100)
+    with pytest.raises(IntegrityError):
+        store.import_file(exported)
+    assert store.entries() == [] and list(store.incoming_dir.iterdir()) == []
+
+
+def test_ids_never_become_paths(store):
+    for bad in ("../../etc/passwd", "a" * 31, "A" * 32, "g" * 32):
+        with pytest.raises(NotFoundError):
+            store.manifest(bad)
+
+
+def test_recovery_removes_orphans_and_dangling_rows(store, tmp_path, dense500, fp, long_ids):
+    kept = put_dense500(store, dense500, fp, long_ids)
+    (store.incoming_dir / "deadbeef.part").write_bytes(b"half a cache")
+    orphan = store.entries_dir / ("ab" * 16 + ".kvc")
+    orphan.write_bytes(b"renamed but never indexed")
+    other = put_dense500(CacheStore(tmp_path / "other"), dense500, fp, long_ids, codec="none")
+    # An indexed entry whose file is gone (deleted by hand, or lost with a disk).
+    store.receive(other, CacheStore(tmp_path / "other").chunks(other.cache_id))
+    (store.entries_dir / f"{other.cache_id}.kvc").unlink()
+
+    reopened = CacheStore(store.root)
+    assert [e.cache_id for e in reopened.entries()] == [kept.cache_id]
+    assert list(reopened.incoming_dir.iterdir()) == [] and not orphan.exists()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from kvmesh.store import CacheStore, read_entry_chunks, read_entry_manifest
+
+    store = CacheStore(sys.argv[1])
+    with open(sys.argv[2], "rb") as f:
+        manifest = read_entry_manifest(f, "export")
+
+        def chunks():
+            for i, chunk in enumerate(read_entry_chunks(f, manifest, "export")):
+                if i == 3:
+                    print("ready", flush=True)
+                    sys.stdin.read()  # hold the half-written entry until killed
+                yield chunk
+
+        store.receive(manifest, chunks())
+    """
+)
+
+
+def test_a_writer_killed_mid_write_leaves_the_store_consistent(store, tmp_path, tiny, dense500, fp, long_ids):
+    kept = store.put(prefill(tiny[0], long_ids[:200]).cache, fp, long_ids[:200])
+    source = CacheStore(tmp_path / "source")
+    exported = source.export(put_dense500(source, dense500, fp, long_ids).cache_id, tmp_path / "c.kvc")
+
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(store.root), str(exported)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        assert len(list(store.incoming_dir.iterdir())) == 1  # the half-written entry
+        os.kill(writer.pid, signal.SIGKILL)
+    finally:
+        writer.wait()
+    assert writer.returncode == -signal.SIGKILL
+
+    reopened = CacheStore(store.root)
+    assert [e.cache_id for e in reopened.entries()] == [kept.cache_id]
+    assert list(reopened.incoming_dir.iterdir()) == []
+    assert reopened.load(kept.cache_id)[0].cache_id == kept.cache_id
+
+
+FULL_DISK_WRITER = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from kvmesh.store import CacheStore, StoreError
+
+    store = CacheStore(sys.argv[1])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+    try:
+        store.import_file(sys.argv[2])
+    except StoreError as e:
+        print(e)
+        sys.exit(3)
+    """
+)
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing(store, tmp_path, dense500, fp, long_ids):
+    source = CacheStore(tmp_path / "source")
+    exported = source.export(put_dense500(source, dense500, fp, long_ids).cache_id, tmp_path / "c.kvc")
+    assert exported.stat().st_size > 200_000
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_WRITER, str(store.root), str(exported)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 3, result.stderr
+    assert result.stdout.startswith(f"cannot write to the store at {store.root}: File too large")
+    assert store.entries() == [] and list(store.incoming_dir.iterdir()) == []
