@@ -30,6 +30,66 @@ def cmd_model_info(args) -> int:
     return 0
 
 
+def read_text(path: str) -> str:
+    try:
+        return open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise KvmeshError(f"{path}: cannot read: {e.strerror or e}") from e
+
+
+def open_store(args):
+    from .store import CacheStore
+
+    return CacheStore(args.store)
+
+
+def cmd_cache_list(args) -> int:
+    entries = open_store(args).entries()
+    if args.json:
+        print(json.dumps([vars(e) for e in entries], indent=2))
+        return 0
+    if not entries:
+        print("the store is empty")
+    for e in entries:
+        kind = "dense" if e.evicts_nothing else "sparse"
+        print(f"{e.cache_id}  model {e.model_id}  {e.num_tokens:>7} tokens  {e.method:<13} {kind:<6} "
+              f"{e.file_bytes:>14,} bytes")
+    return 0
+
+
+def cmd_cache_export(args) -> int:
+    path = open_store(args).export(args.cache_id, args.file)
+    print(f"exported {args.cache_id} to {path}")
+    return 0
+
+
+def cmd_cache_import(args) -> int:
+    manifest = open_store(args).import_file(args.file)
+    print(f"imported {manifest.cache_id} ({manifest.prefix.num_tokens} tokens)")
+    return 0
+
+
+def cmd_cache_import_mlx(args) -> int:
+    from mlx_lm.utils import load_tokenizer
+
+    from .fingerprint import fingerprint
+    from .mlx_files import cache_prompt_tokens, import_prompt_cache
+
+    text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    tokens = cache_prompt_tokens(load_tokenizer(args.model), text)
+    manifest = import_prompt_cache(open_store(args), args.file, fingerprint(args.model), tokens)
+    print(f"imported {manifest.cache_id} ({manifest.prefix.num_tokens} tokens)")
+    return 0
+
+
+def cmd_cache_export_mlx(args) -> int:
+    from .mlx_files import export_prompt_cache
+
+    path = export_prompt_cache(open_store(args), args.cache_id, args.file, args.model)
+    print(f"exported {args.cache_id} to {path} for mlx_lm.generate --prompt-cache-file")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -67,6 +127,36 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--repo-id", default="", help="Hugging Face repo id, if known")
     info.add_argument("--revision", default="", help="Hugging Face revision, if known")
     info.set_defaults(func=cmd_model_info)
+
+    cache = commands.add_parser("cache", help="list, export and import caches in the local store")
+    cache.add_argument("--store", default=None, help="store directory (default: the platform data dir, "
+                       "or $KVMESH_DATA_DIR/store)")
+    cache_commands = cache.add_subparsers(title="cache commands", metavar="COMMAND", required=True)
+    listing = cache_commands.add_parser("list", help="list stored caches")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.set_defaults(func=cmd_cache_list)
+    export = cache_commands.add_parser("export", help="write a stored cache to one file")
+    export.add_argument("cache_id")
+    export.add_argument("file")
+    export.set_defaults(func=cmd_cache_export)
+    imported = cache_commands.add_parser("import", help="import a file written by `cache export`")
+    imported.add_argument("file")
+    imported.set_defaults(func=cmd_cache_import)
+    import_mlx = cache_commands.add_parser(
+        "import-mlx", help="import an mlx-lm prompt-cache file (from `mlx_lm.cache_prompt`)",
+        description="mlx-lm files do not record their prompt: give the same prompt and model.",
+    )
+    import_mlx.add_argument("file")
+    import_mlx.add_argument("--model", required=True, help="the model directory the cache was made with")
+    source = import_mlx.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt given to mlx_lm.cache_prompt")
+    source.add_argument("--prompt-file", help="a file holding that prompt")
+    import_mlx.set_defaults(func=cmd_cache_import_mlx)
+    export_mlx = cache_commands.add_parser("export-mlx", help="write a stored cache as an mlx-lm prompt-cache file")
+    export_mlx.add_argument("cache_id")
+    export_mlx.add_argument("file")
+    export_mlx.add_argument("--model", required=True, help="model path or hub id recorded for mlx_lm.generate")
+    export_mlx.set_defaults(func=cmd_cache_export_mlx)
 
     demo = commands.add_parser("demo", help="run the kvmesh demo on a built-in tiny model")
     demo.add_argument("--steps", type=int, default=24, help="tokens to generate in each check")

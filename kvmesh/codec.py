@@ -49,12 +49,23 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
-    """Group the i-th byte of every value together: exponent bytes compress, mantissa bytes don't."""
-    return np.ascontiguousarray(raw.reshape(-1, itemsize).T)
+    """Group the i-th byte of every value together: exponent bytes compress, mantissa bytes don't.
+
+    One strided copy per byte plane: several times faster than a transposed copy in numpy.
+    """
+    values = raw.reshape(-1, itemsize)
+    planes = np.empty((itemsize, values.shape[0]), np.uint8)
+    for i in range(itemsize):
+        planes[i] = values[:, i]
+    return planes
 
 
 def unshuffle(data: bytes, itemsize: int) -> np.ndarray:
-    return np.ascontiguousarray(np.frombuffer(data, np.uint8).reshape(itemsize, -1).T)
+    planes = np.frombuffer(data, np.uint8).reshape(itemsize, -1)
+    values = np.empty((planes.shape[1], itemsize), np.uint8)
+    for i in range(itemsize):
+        values[:, i] = planes[i]
+    return values
 
 
 def payload_digest(slots: Iterable[tuple[int, int]]) -> str:
@@ -153,24 +164,42 @@ class ChunkChecker:
 
     def check(self, chunk: pb.Chunk) -> bytes | np.ndarray:
         """The chunk's raw bytes, once it proved to be the next chunk, intact."""
-        i = len(self.sums)
-        if i >= len(self.plan):
+        raw = self.decode(chunk)
+        self.accept(chunk)
+        return raw
+
+    def check_all(self, chunks: Iterable[pb.Chunk], threads: int = 1) -> Iterator[tuple[pb.Chunk, bytes | np.ndarray]]:
+        """`check` over a stream, decompressing on `threads` threads; results stay in order."""
+        for chunk, raw in ordered_map(lambda c: (c, self.decode(c)), chunks, threads):
+            self.accept(chunk)
+            yield chunk, raw
+
+    def decode(self, chunk: pb.Chunk) -> bytes | np.ndarray:
+        """Check one chunk against its slot in the plan, then decode it and verify its checksum.
+
+        Needs no state, so chunks can be decoded on several threads.
+        """
+        if chunk.index >= len(self.plan):
             raise IntegrityError(f"chunk {chunk.index} is beyond the {len(self.plan)} the manifest announced")
-        if chunk.index != i:
-            raise IntegrityError(
-                f"chunk {chunk.index} arrived where chunk {i} was expected (reordered, duplicated or lost)"
-            )
-        slot = self.plan[i]
+        slot = self.plan[chunk.index]
         if (chunk.tensor, chunk.byte_offset, chunk.raw_length) != (slot.tensor, slot.byte_offset, slot.raw_length):
             raise IntegrityError(
-                f"chunk {i} claims tensor {chunk.tensor} bytes {chunk.byte_offset}+{chunk.raw_length}; "
+                f"chunk {chunk.index} claims tensor {chunk.tensor} bytes {chunk.byte_offset}+{chunk.raw_length}; "
                 f"the manifest puts it at tensor {slot.tensor} bytes {slot.byte_offset}+{slot.raw_length}"
             )
         raw = self._decode(chunk)
         if xxhash.xxh3_64_intdigest(raw) != chunk.checksum:
-            raise IntegrityError(f"chunk {i} is corrupt: its checksum does not match its bytes")
-        self.sums.append((chunk.raw_length, chunk.checksum))
+            raise IntegrityError(f"chunk {chunk.index} is corrupt: its checksum does not match its bytes")
         return raw
+
+    def accept(self, chunk: pb.Chunk) -> None:
+        """Record a decoded chunk, which must be the next one in the payload."""
+        expected = len(self.sums)
+        if chunk.index != expected:
+            raise IntegrityError(
+                f"chunk {chunk.index} arrived where chunk {expected} was expected (reordered, duplicated or lost)"
+            )
+        self.sums.append((chunk.raw_length, chunk.checksum))
 
     def _decode(self, chunk: pb.Chunk) -> bytes | np.ndarray:
         encoding = self.manifest.encoding
@@ -219,7 +248,13 @@ class CacheDecoder:
         self.views = [_uint_view(b)[0] for b in self.buffers]
 
     def feed(self, chunk: pb.Chunk) -> None:
-        raw = self.checker.check(chunk)
+        self._write(chunk, self.checker.check(chunk))
+
+    def feed_all(self, chunks: Iterable[pb.Chunk], threads: int = 1) -> None:
+        for chunk, raw in self.checker.check_all(chunks, threads):
+            self._write(chunk, raw)
+
+    def _write(self, chunk: pb.Chunk, raw: bytes | np.ndarray) -> None:
         slot = self.checker.plan[chunk.index]
         view = self.views[slot.tensor]
         rows = np.frombuffer(raw, dtype=view.dtype).reshape(-1, view.shape[0], view.shape[2])
@@ -242,8 +277,9 @@ class CacheDecoder:
         return caches
 
 
-def decode_chunks(manifest: pb.CacheManifest, chunks: Iterable[pb.Chunk], trailer_digest: str | None = None) -> list:
+def decode_chunks(
+    manifest: pb.CacheManifest, chunks: Iterable[pb.Chunk], trailer_digest: str | None = None, threads: int = 1
+) -> list:
     decoder = CacheDecoder(manifest)
-    for chunk in chunks:
-        decoder.feed(chunk)
+    decoder.feed_all(chunks, threads)
     return decoder.finish(trailer_digest)

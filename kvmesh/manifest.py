@@ -104,11 +104,15 @@ def build_manifest(
     press: Press,
     codec: str = "zstd",
     level: int = 1,
-    byte_shuffle: bool = True,
+    byte_shuffle: bool | None = None,
     chunk_size: int = 1 << 20,
     node_id: str = "",
 ) -> pb.CacheManifest:
-    """The manifest of a sparse cache, complete except for what encoding it tells (sizes, digest, id)."""
+    """The manifest of a sparse cache, complete except for what encoding it tells (sizes, digest, id).
+
+    `byte_shuffle=None` shuffles bfloat16 caches only: measured on KV of the small preset, it
+    raised zstd's ratio by 16% for bfloat16 but only 8.6% for float16 (scripts/bench_codec.py).
+    """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
     if prefix.num_tokens != cache[0].offset:
@@ -117,6 +121,9 @@ def build_manifest(
     float_dtypes = {t.dtype for layer in layers for t in layer.tensors if t.dtype != "uint32"}
     if len(float_dtypes) != 1:
         raise ValueError(f"a cache must have one float dtype, found {sorted(float_dtypes)}")
+    dtype = float_dtypes.pop()
+    if byte_shuffle is None:
+        byte_shuffle = dtype == "bfloat16"
     manifest = pb.CacheManifest(
         schema_version=SCHEMA_VERSION,
         model=model.to_proto(),
@@ -129,7 +136,7 @@ def build_manifest(
         num_layers=len(layers),
         num_kv_heads=layers[0].tensors[0].shape[1],
         head_dim=model.head_dim,
-        dtype=float_dtypes.pop(),
+        dtype=dtype,
         layers=layers,
         compression=pb.Compression(method=press.method, config_json=canonical_json(press.config()).decode()),
         encoding=pb.Encoding(

@@ -144,7 +144,7 @@ class CacheStore:
         press: Press | None = None,
         codec: str = "zstd",
         level: int = 1,
-        byte_shuffle: bool = True,
+        byte_shuffle: bool | None = None,
         chunk_size: int = 1 << 20,
         node_id: str = "",
         threads: int = 2,
@@ -166,8 +166,7 @@ class CacheStore:
         checker = ChunkChecker(manifest)
 
         def checked() -> Iterator[pb.Chunk]:
-            for chunk in chunks:
-                checker.check(chunk)
+            for chunk, _ in checker.check_all(chunks, threads=2):
                 yield chunk
             checker.finish(trailer_digest)
 

@@ -46,3 +46,32 @@ def test_make_test_into_non_empty_dir_fails_cleanly(tmp_path):
 def test_demo_runs_and_checks_itself():
     result = run("demo", "--steps", "4")
     assert "identical" in result.stdout and "DIFFERENT" not in result.stdout
+
+
+def test_cache_commands_round_trip_an_mlx_lm_file(tiny_dir, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("Rivers run to the sea, and the sea does not fill.")
+    made = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(tiny_dir),
+         "--prompt", prompt_file.read_text(), "--prompt-cache-file", str(tmp_path / "p.safetensors")],
+        capture_output=True, text=True,
+    )
+    assert made.returncode == 0, made.stderr
+    store = ["cache", "--store", str(tmp_path / "store")]
+    out = run(*store, "import-mlx", str(tmp_path / "p.safetensors"), "--model", str(tiny_dir),
+              "--prompt-file", str(prompt_file)).stdout
+    assert out.startswith("imported ")
+    [entry] = json.loads(run(*store, "list", "--json").stdout)
+    assert entry["method"] == "full" and entry["evicts_nothing"]
+
+    run(*store, "export", entry["cache_id"], str(tmp_path / "c.kvc"))
+    other = ["cache", "--store", str(tmp_path / "other")]
+    assert run(*other, "import", str(tmp_path / "c.kvc")).stdout.startswith(f"imported {entry['cache_id']}")
+    run(*other, "export-mlx", entry["cache_id"], str(tmp_path / "back.safetensors"), "--model", str(tiny_dir))
+    assert (tmp_path / "back.safetensors").stat().st_size > 0
+
+
+def test_cache_import_of_a_missing_file_is_one_clear_line(tmp_path):
+    result = run("cache", "--store", str(tmp_path / "s"), "import", str(tmp_path / "nope.kvc"), check=False)
+    assert result.returncode == 1
+    assert result.stderr == f"kvmesh: error: {tmp_path / 'nope.kvc'}: cannot read: No such file or directory\n"

@@ -191,3 +191,21 @@ def test_chunk_plan_covers_every_byte_once(stream):
             assert slot.byte_offset == offset
             offset += slot.raw_length
         assert offset == [t for layer in manifest.layers for t in layer.tensors][tensor].nbytes
+
+
+def test_decoding_on_two_threads_gives_the_same_caches(stream, caches):
+    manifest, chunks = stream
+    assert_same_tensors(decode_chunks(manifest, chunks, threads=2), caches["dense", mx.bfloat16][0])
+
+
+@pytest.mark.parametrize("damage", ["reorder", "corrupt"])
+def test_decoding_on_two_threads_refuses_the_same_damage(stream, damage):
+    manifest, chunks = stream
+    if damage == "reorder":
+        chunks[4], chunks[5] = chunks[5], chunks[4]
+        expected = "chunk 5 arrived where chunk 4 was expected"
+    else:
+        chunks[6].checksum ^= 1
+        expected = "chunk 6 is corrupt"
+    with pytest.raises(IntegrityError, match=expected):
+        decode_chunks(manifest, chunks, threads=2)

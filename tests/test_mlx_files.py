@@ -12,7 +12,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from kvmesh.errors import KvmeshError
 from kvmesh.fingerprint import fingerprint
 from kvmesh.manifest import layer_tensors
-from kvmesh.mlx_files import export_prompt_cache, import_prompt_cache
+from kvmesh.mlx_files import cache_prompt_tokens, export_prompt_cache, import_prompt_cache
 from kvmesh.prefill import prefill
 from kvmesh.presses import make_press
 from kvmesh.sparse_cache import sparse_from_dense
@@ -28,18 +28,11 @@ def mlx_lm_cli(*args) -> subprocess.CompletedProcess:
     )
 
 
-def cache_prompt_tokens(tokenizer) -> list[int]:
-    """The tokens `mlx_lm cache_prompt` feeds for PROMPT with a chat-template model."""
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=False, continue_final_message=True
-    )
-
-
 def test_import_a_file_made_by_mlx_lm_cache_prompt(tiny, tiny_dir, tmp_path):
     path = tmp_path / "prompt.safetensors"
     made = mlx_lm_cli("cache_prompt", "--model", str(tiny_dir), "--prompt", PROMPT, "--prompt-cache-file", str(path))
     assert made.returncode == 0, made.stderr
-    tokens = cache_prompt_tokens(tiny[1])
+    tokens = cache_prompt_tokens(tiny[1], PROMPT)
     store = CacheStore(tmp_path / "store")
     manifest = import_prompt_cache(store, path, fingerprint(tiny_dir), tokens)
     assert manifest.prefix.num_tokens == len(tokens) and manifest.compression.method == "full"
@@ -76,7 +69,7 @@ PLAIN_MLX_LM_LOAD = textwrap.dedent(
 
 @pytest.mark.parametrize("press", [("full", {}), ("quantize", {"kv_bits": 8})], ids=["float", "8bit"])
 def test_export_for_mlx_lm_generate(tiny, tiny_dir, tmp_path, press):
-    tokens = cache_prompt_tokens(tiny[1])
+    tokens = cache_prompt_tokens(tiny[1], PROMPT)
     store = CacheStore(tmp_path / "store")
     manifest = store.put(prefill(tiny[0], tokens, make_press(*press)).cache, fingerprint(tiny_dir), tokens, make_press(*press))
     path = export_prompt_cache(store, manifest.cache_id, tmp_path / "out.safetensors", str(tiny_dir))
@@ -96,7 +89,7 @@ def test_export_for_mlx_lm_generate(tiny, tiny_dir, tmp_path, press):
 
 def test_an_evicted_cache_exports_with_kvmesh_classes(tiny, tiny_dir, tmp_path):
     press = make_press("streaming_llm", {"budget": 8})
-    tokens = cache_prompt_tokens(tiny[1])
+    tokens = cache_prompt_tokens(tiny[1], PROMPT)
     store = CacheStore(tmp_path / "store")
     manifest = store.put(prefill(tiny[0], tokens, press).cache, fingerprint(tiny_dir), tokens, press)
     path = export_prompt_cache(store, manifest.cache_id, tmp_path / "out.safetensors", str(tiny_dir))
