@@ -2,7 +2,6 @@
 
 import os
 
-import mlx.core as mx
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -31,7 +30,7 @@ def qwen3_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    """(model, tokenizer) of the tiny llama, in float32. Tests that change the dtype restore it."""
+    """(model, tokenizer) of the tiny llama, in float32. Never change its dtype: see tiny_in."""
     import mlx_lm
 
     return mlx_lm.load(str(tiny_dir))
@@ -53,16 +52,22 @@ def prompt_ids(tiny):
     return tiny[1].encode(text)[:300]
 
 
-@pytest.fixture
-def in_dtype():
-    """Switch a model to a dtype for one test, and back to float32 afterwards."""
-    used = []
+@pytest.fixture(scope="session")
+def tiny_in(tiny_dir):
+    """tiny_in(dtype): a private copy of the tiny model in that dtype.
 
-    def switch(model, dtype):
-        used.append(model)
-        model.set_dtype(dtype)
-        return model
+    Switching the shared model's dtype and back is lossy (bfloat16 -> float32 keeps the rounding),
+    so tests that need another dtype get their own copy.
+    """
+    import mlx_lm
 
-    yield switch
-    for model in used:
-        model.set_dtype(mx.float32)
+    copies = {}
+
+    def load(dtype):
+        if dtype not in copies:
+            model, _ = mlx_lm.load(str(tiny_dir))
+            model.set_dtype(dtype)
+            copies[dtype] = model
+        return copies[dtype]
+
+    return load

@@ -27,15 +27,13 @@ def tiny_fp(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def caches(tiny, prompt_ids):
-    """{(kind, dtype): cache} of the 300-token prompt, for every cache kind, in two dtypes."""
-    model = tiny[0]
+def caches(tiny_in, prompt_ids):
+    """{(kind, dtype): (cache, press)} of the 300-token prompt, every cache kind, two dtypes."""
     out = {}
     for dtype in (mx.float32, mx.bfloat16):
-        model.set_dtype(dtype)
         for kind, (method, config) in PRESSES.items():
-            out[kind, dtype] = (prefill(model, prompt_ids, make_press(method, config)).cache, make_press(method, config))
-    model.set_dtype(mx.float32)
+            press = make_press(method, config)
+            out[kind, dtype] = (prefill(tiny_in(dtype), prompt_ids, press).cache, press)
     return out
 
 

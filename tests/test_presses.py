@@ -58,7 +58,8 @@ def test_knorm_keeps_lowest_norm_keys_per_head(dense_run):
         norms = np.linalg.norm(np.array(d.keys[0, :, :300]), axis=-1)
         for h, kept in enumerate(kept_positions(d, s)):
             evicted = set(range(300)) - kept
-            assert max(norms[h, sorted(kept)]) <= min(norms[h, sorted(evicted)])
+            # NumPy's norm may differ from MLX's in the last bit: allow one part in a million.
+            assert max(norms[h, sorted(kept)]) <= min(norms[h, sorted(evicted)]) * (1 + 1e-6)
 
 
 def snapkv_reference(queries, keys, scale, window, kernel, budget):

@@ -34,8 +34,8 @@ def reference(model, prompt, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
-def test_nothing_evicted_equals_mlx_lm(tiny, prompt_ids, in_dtype, dtype):
-    model = in_dtype(tiny[0], dtype)
+def test_nothing_evicted_equals_mlx_lm(tiny_in, prompt_ids, dtype):
+    model = tiny_in(dtype)
     want = reference(model, prompt_ids)
     # A cache of the prefix, continued with only the suffix tokens...
     cached = prefill(model, prompt_ids[:-7])
