@@ -90,6 +90,27 @@ def cmd_cache_export_mlx(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    from .node import node_id
+    from .server import start_server
+
+    store = open_store(args)
+    me = node_id(store.root)
+    running = start_server(store, me, args.listen, max_transfers=args.max_transfers)
+    host = args.listen.rsplit(":", 1)[0]
+    print(f"kvmesh: node {me} serving {store.root} on {host}:{running.port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    running.stop(grace=5.0)
+    print("kvmesh: stopped", flush=True)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -157,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     export_mlx.add_argument("file")
     export_mlx.add_argument("--model", required=True, help="model path or hub id recorded for mlx_lm.generate")
     export_mlx.set_defaults(func=cmd_cache_export_mlx)
+
+    serve = commands.add_parser("serve", help="serve the local store to peers over gRPC (no discovery)")
+    serve.add_argument("--store", default=None, help="store directory (default: the platform data dir)")
+    serve.add_argument("--listen", default="127.0.0.1:0", help="address:port to listen on (port 0: any free)")
+    serve.add_argument("--max-transfers", type=int, default=4, help="transfers served at once; others wait")
+    serve.set_defaults(func=cmd_serve)
 
     demo = commands.add_parser("demo", help="run the kvmesh demo on a built-in tiny model")
     demo.add_argument("--steps", type=int, default=24, help="tokens to generate in each check")

@@ -27,7 +27,7 @@ from pathlib import Path
 import platformdirs
 import xxhash
 
-from .codec import ChunkChecker, IntegrityError, decode_chunks, encode_chunks, max_encoded_length
+from .codec import CacheDecoder, ChunkChecker, IntegrityError, decode_chunks, encode_chunks, max_encoded_length
 from .compat import CODEC_NAMES, validate_manifest
 from .errors import KvmeshError
 from .fingerprint import ModelFingerprint
@@ -156,18 +156,30 @@ class CacheStore:
         )
         return self._write(manifest, encode_chunks(cache, manifest, threads))
 
-    def receive(self, manifest: pb.CacheManifest, chunks: Iterable[pb.Chunk], trailer_digest: str | None = None) -> pb.CacheManifest:
+    def receive(
+        self,
+        manifest: pb.CacheManifest,
+        chunks: Iterable[pb.Chunk],
+        trailer_digest: str | None = None,
+        decoder: CacheDecoder | None = None,
+    ) -> pb.CacheManifest:
         """Store a cache that arrives as chunks (from a peer or a file), checking every one.
 
+        With a `decoder`, each chunk is also decoded into it (one pass for fetch-and-keep).
         A bad chunk raises IntegrityError and leaves nothing in the store.
         """
         if rejection := validate_manifest(manifest):
             raise IntegrityError(f"malformed manifest: {rejection.message}")
-        checker = ChunkChecker(manifest)
+        checker = decoder.checker if decoder else ChunkChecker(manifest)
 
         def checked() -> Iterator[pb.Chunk]:
-            for chunk, _ in checker.check_all(chunks, threads=2):
-                yield chunk
+            if decoder:
+                for chunk in chunks:
+                    decoder.feed(chunk)
+                    yield chunk
+            else:
+                for chunk, _ in checker.check_all(chunks, threads=2):
+                    yield chunk
             checker.finish(trailer_digest)
 
         return self._write(manifest, checked())

@@ -71,3 +71,34 @@ def tiny_in(tiny_dir):
         return copies[dtype]
 
     return load
+
+
+@pytest.fixture
+def serve():
+    """serve(store_root, *args) -> address: a real `kvmesh serve` process on loopback.
+
+    Its address comes from the line it prints once it listens; every process started is
+    terminated (or found already dead) at the end of the test.
+    """
+    import subprocess
+    import sys
+
+    processes = []
+
+    def start(store_root, *args) -> str:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "serve", "--store", str(store_root), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        processes.append(process)
+        line = process.stdout.readline()
+        assert "serving" in line, f"the server did not start: {line!r} {process.stderr.read()}"
+        start.processes[line.split()[-1]] = process
+        return line.split()[-1]
+
+    start.processes = {}
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+        process.wait(timeout=30)

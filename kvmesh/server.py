@@ -1,0 +1,235 @@
+"""The gRPC service a daemon serves from its store: Info, Lookup, Fetch and Publish.
+
+Fetch is manifest-first: the sender answers an open with the manifest alone and sends no chunk
+until the receiver accepts. Chunks are read from the store file as they were encoded, so serving
+never recompresses. A bounded number of transfers run at once; others wait for a slot.
+"""
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from . import __version__
+from .codec import IntegrityError
+from .compat import check_manifest, validate_manifest
+from .protocol import GRPC_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, accept, profile_from_proto, reject
+from .store import CacheStore, NotFoundError, StoreError
+from .v1 import service_pb2 as spb
+from .v1 import service_pb2_grpc
+
+log = logging.getLogger("kvmesh.server")
+
+
+@dataclass
+class TransferCounters:
+    """What the service did, for Info and for tests that must prove what was (not) sent."""
+
+    cap: int
+    stats: spb.TransferStats = field(default_factory=spb.TransferStats)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self):
+        self.stats.transfers_cap = self.cap
+        self.slots = threading.BoundedSemaphore(self.cap)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    def snapshot(self) -> spb.TransferStats:
+        with self.lock:
+            copy = spb.TransferStats()
+            copy.CopyFrom(self.stats)
+            return copy
+
+    @contextmanager
+    def slot(self, context: grpc.ServicerContext):
+        """Hold one of the `cap` transfer slots, waiting for one while the caller is still there."""
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        while not self.slots.acquire(timeout=0.5):
+            if not context.is_active() or (deadline is not None and time.monotonic() > deadline):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.cap} transfers in progress")
+        with self.lock:
+            self.stats.transfers_active += 1
+            self.stats.transfers_max_seen = max(self.stats.transfers_max_seen, self.stats.transfers_active)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.stats.transfers_active -= 1
+            self.slots.release()
+
+
+class KvMeshService(service_pb2_grpc.KvMeshServicer):
+    def __init__(self, store: CacheStore, node_id: str, max_transfers: int = 4, accept_publish: bool = True):
+        self.store = store
+        self.node_id = node_id
+        self.accept_publish = accept_publish
+        self.counters = TransferCounters(max_transfers)
+
+    def Info(self, request, context):
+        entries = self.store.entries()
+        return spb.InfoResponse(
+            node_id=self.node_id,
+            version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            model_ids=sorted({e.model_id for e in entries}),
+            store=spb.StoreStats(
+                entries=len(entries),
+                bytes=sum(e.file_bytes for e in entries),
+                budget_bytes=self.store.max_bytes or 0,
+            ),
+            transfers=self.counters.snapshot(),
+        )
+
+    def Lookup(self, request, context):
+        matched = self.store.blocks_matched(request.model_id, list(request.block_hashes))
+        block = request.block_size
+        response = spb.LookupResponse()
+        for e in self.store.entries(request.model_id):
+            blocks = matched.get(e.cache_id, 0)
+            # An entry whose every complete block matches may hold exactly the requester's prefix
+            # (the requester checks prefix_sha256); one that evicted nothing serves its matched blocks.
+            if blocks < e.num_tokens // block and not (e.evicts_nothing and blocks):
+                continue
+            response.candidates.add(
+                cache_id=e.cache_id, num_tokens=e.num_tokens, prefix_sha256=e.prefix_sha256,
+                matched_tokens=min(blocks * block, e.num_tokens), evicts_nothing=e.evicts_nothing,
+                method=e.method, raw_bytes=e.raw_bytes, stored_bytes=e.file_bytes,
+            )
+        return response
+
+    def Fetch(self, requests: Iterator[spb.FetchRequest], context) -> Iterator[spb.FetchResponse]:
+        first = next(requests, None)
+        if first is None or first.WhichOneof("msg") != "open":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a fetch starts with an open message")
+        opened = first.open
+        self.counters.add("fetches_started")
+        peer = context.peer()
+        with self.counters.slot(context):
+            manifest = self._manifest(opened, context)
+            if opened.HasField("profile"):
+                if rejection := check_manifest(manifest, profile_from_proto(opened.profile)):
+                    self.counters.add("fetches_rejected")
+                    log.info("refused %s to %s: %s", manifest.cache_id, peer, rejection)
+                    yield spb.FetchResponse(refused=reject(rejection))
+                    return
+            yield spb.FetchResponse(manifest=manifest)
+            reply = next(requests, None)
+            if reply is None or reply.WhichOneof("msg") != "decision":
+                self.counters.add("fetches_failed")
+                return
+            if not reply.decision.accept:
+                self.counters.add("fetches_rejected")
+                log.info("%s rejected %s: %s", peer, manifest.cache_id, reply.decision.message)
+                return
+            try:
+                for chunk in self.store.chunks(manifest.cache_id):
+                    yield spb.FetchResponse(chunk=chunk)
+                    self.counters.add("chunk_bytes_sent", len(chunk.data))
+            except (IntegrityError, StoreError) as e:
+                self.counters.add("fetches_failed")
+                log.error("cannot serve %s: %s", manifest.cache_id, e)
+                context.abort(grpc.StatusCode.DATA_LOSS, f"this peer's copy is damaged: {e}")
+            except GeneratorExit:
+                self.counters.add("fetches_failed")
+                log.info("fetch of %s by %s cancelled", manifest.cache_id, peer)
+                raise
+            yield spb.FetchResponse(trailer=spb.Trailer(
+                payload_digest=manifest.encoding.payload_digest, chunk_count=manifest.encoding.chunk_count,
+            ))
+            self.counters.add("fetches_completed")
+
+    def _manifest(self, opened: spb.FetchOpen, context):
+        try:
+            if opened.num_tokens:
+                return self.store.prefix_entry(opened.cache_id, opened.num_tokens)
+            return self.store.manifest(opened.cache_id)
+        except NotFoundError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except (StoreError, IntegrityError) as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    def Publish(self, requests: Iterator[spb.PublishRequest], context) -> Iterator[spb.PublishResponse]:
+        first = next(requests, None)
+        if first is None or first.WhichOneof("msg") != "manifest":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a publish starts with a manifest")
+        manifest = first.manifest
+        if not self.accept_publish:
+            self.counters.add("publishes_rejected")
+            yield spb.PublishResponse(decision=spb.Decision(accept=False, message="this peer does not accept publishes"))
+            return
+        if rejection := validate_manifest(manifest):
+            self.counters.add("publishes_rejected")
+            yield spb.PublishResponse(decision=reject(rejection))
+            return
+        with self.counters.slot(context):
+            yield spb.PublishResponse(decision=accept())
+
+            def chunks():
+                for request in requests:
+                    kind = request.WhichOneof("msg")
+                    if kind == "chunk":
+                        yield request.chunk
+                    elif kind == "trailer":
+                        if request.trailer.payload_digest != manifest.encoding.payload_digest:
+                            raise IntegrityError("the trailer's digest differs from the manifest's")
+                        return
+                    else:
+                        raise IntegrityError(f"unexpected {kind} message during a publish")
+                raise IntegrityError("the publisher went away before the trailer")
+
+            try:
+                stored = self.store.receive(manifest, chunks())
+            except (IntegrityError, StoreError) as e:
+                context.abort(grpc.StatusCode.DATA_LOSS, f"publish refused, nothing stored: {e}")
+            self.counters.add("publishes_accepted")
+            yield spb.PublishResponse(result=spb.PublishResult(cache_id=stored.cache_id))
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    service: KvMeshService
+    port: int
+    health: health.HealthServicer
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+
+
+def start_server(
+    store: CacheStore,
+    node_id: str,
+    address: str = "127.0.0.1:0",
+    max_transfers: int = 4,
+    accept_publish: bool = True,
+    credentials: grpc.ServerCredentials | None = None,
+) -> RunningServer:
+    """Serve the kvmesh service, standard health checking and reflection at `address`."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * max_transfers + 4), options=GRPC_OPTIONS)
+    service = KvMeshService(store, node_id, max_transfers, accept_publish)
+    service_pb2_grpc.add_KvMeshServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
+    if port == 0:
+        raise StoreError(f"cannot listen on {address}")
+    server.start()
+    return RunningServer(server, service, port, health_servicer)

@@ -1,0 +1,356 @@
+"""The gRPC service and client, against real `kvmesh serve` processes on 127.0.0.1."""
+
+import copy
+import dataclasses
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import grpc
+import mlx.core as mx
+import pytest
+import xxhash
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.client import PeerClient, PeerError, fetch_from_any
+from kvmesh.codec import IntegrityError
+from kvmesh.compat import CacheRejected, ReceiverProfile
+from kvmesh.errors import KvmeshError
+from kvmesh.fingerprint import fingerprint
+from kvmesh.manifest import layer_tensors
+from kvmesh.prefill import generate_from_cache, prefill
+from kvmesh.presses import Press, make_press
+from kvmesh.sparse_cache import SparseKVCache
+from kvmesh.store import FOOTER, MAGIC, RECORD_HEADER, CacheStore
+from kvmesh.v1 import cache_pb2 as pb
+
+KINDS = {
+    "dense": ("full", {}),
+    "sparse": ("snapkv", {"ratio": 0.5, "window": 16}),
+    "quantized": ("quantize", {"kv_bits": 8}),
+    "sparse+quantized": ("streaming_llm", {"budget": 96, "kv_bits": 4}),
+}
+
+
+@pytest.fixture(scope="module")
+def fp(tiny_dir):
+    return fingerprint(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def producer(tiny, prompt_ids, fp, tmp_path_factory):
+    """A store holding the prompt's first 250 tokens in every cache kind and both codecs."""
+    root = tmp_path_factory.mktemp("producer")
+    store = CacheStore(root)
+    made = {}
+    for kind, (method, config) in KINDS.items():
+        press = make_press(method, config)
+        cache = prefill(tiny[0], prompt_ids[:250], press).cache
+        for codec in ("none", "zstd"):
+            made[kind, codec] = (store.put(cache, fp, prompt_ids[:250], press, codec=codec, chunk_size=16384), cache)
+    return root, made
+
+
+@pytest.fixture(scope="module")
+def big(fp, tmp_path_factory):
+    """A store with one 32 MB cache of random keys in the tiny geometry (codec none)."""
+    root = tmp_path_factory.mktemp("big")
+    n = 8000
+    cache = [
+        SparseKVCache.from_arrays(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)), n)
+        for _ in range(fp.num_layers)
+    ]
+    tokens = [i % 500 for i in range(n)]
+    manifest = CacheStore(root).put(cache, fp, tokens, Press(), codec="none", chunk_size=64 << 10)
+    return root, manifest, tokens
+
+
+def copy_store(root, tmp_path, name):
+    return shutil.copytree(root, tmp_path / name)
+
+
+def generation(model, cache, suffix):
+    return [(t, lp) for t, lp in generate_from_cache(model, copy.deepcopy(cache), suffix, 5)]
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fetched_caches_generate_like_the_producer(tiny, prompt_ids, fp, producer, serve, tmp_path, kind, codec):
+    root, made = producer
+    manifest, cache = made[kind, codec]
+    address = serve(copy_store(root, tmp_path, "served"))
+    client_store = CacheStore(tmp_path / "client")
+    with PeerClient(address) as client:
+        fetched = client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids), store=client_store)
+    assert fetched.manifest.cache_id == manifest.cache_id
+    assert [e.cache_id for e in client_store.entries()] == [manifest.cache_id]
+    suffix = prompt_ids[250:256]
+    want, got = generation(tiny[0], cache, suffix), generation(tiny[0], fetched.cache, suffix)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert mx.array_equal(a, b).item()  # both codecs are lossless
+
+
+def test_lookup_and_a_block_aligned_prefix_of_a_dense_cache(tiny, prompt_ids, fp, producer, serve, tmp_path):
+    root, made = producer
+    address = serve(copy_store(root, tmp_path, "served"))
+    prompt = prompt_ids[:200] + [9] * 50
+    with PeerClient(address) as client:
+        matches = client.lookup(fp.model_id, prompt)
+        # Only caches that evicted nothing share whole blocks with a prompt that diverges at 200.
+        assert {m.candidate.cache_id for m in matches} == {made["dense", c][0].cache_id for c in ("none", "zstd")} | {
+            made["quantized", c][0].cache_id for c in ("none", "zstd")}
+        assert {m.tokens for m in matches} == {128}
+        assert client.lookup(fp.model_id, prompt_ids)[0].tokens == 250
+        dense_id = made["dense", "zstd"][0].cache_id
+        fetched = client.fetch(dense_id, ReceiverProfile(fp, prompt=prompt), num_tokens=128)
+    assert [(c.offset, c.n_kept) for c in fetched.cache] == [(128, 128)] * fp.num_layers
+    fresh = prefill(tiny[0], prompt_ids[:128]).cache
+    assert all(mx.array_equal(a, b).item() for x, y in zip(fresh, fetched.cache) for a, b in zip(layer_tensors(x), layer_tensors(y)))
+
+
+def tampered_entry(path, change):
+    """Rewrite an entry file's manifest with `change` applied (checksums made to match)."""
+    data = path.read_bytes()
+    length, _, magic = FOOTER.unpack(data[-FOOTER.size :])
+    manifest = pb.CacheManifest.FromString(data[-FOOTER.size - length : -FOOTER.size])
+    change(manifest)
+    new = manifest.SerializeToString()
+    path.write_bytes(data[: -FOOTER.size - length] + new + FOOTER.pack(len(new), xxhash.xxh3_64_intdigest(new), magic))
+
+
+def replaced(fp, **fields):
+    return dataclasses.replace(fp, **fields)
+
+
+@pytest.mark.parametrize(
+    "reason, profile_change, manifest_change",
+    [
+        ("schema", {}, lambda m: setattr(m, "schema_version", 9)),
+        ("model_config", {"config_sha256": "1" * 64}, None),
+        ("weights", {"weights_sha256": "2" * 64}, None),
+        ("tokenizer", {"tokenizer_sha256": "3" * 64}, None),
+        ("chat_template", {"chat_template_sha256": "4" * 64}, None),
+        ("geometry", {"num_layers": 32}, None),
+        ("prefix", {"prompt": [5] * 300}, None),
+        ("codec", {"codecs": frozenset({"none"})}, None),
+        ("size_limit", {"max_bytes": 1000}, None),
+        ("malformed", {}, lambda m: m.layers[1].tensors[0].shape.__setitem__(0, 10**9)),
+        ("cache_class", {}, lambda m: setattr(m.layers[0], "cache_class", "MambaCache")),
+    ],
+)
+def test_an_incompatible_cache_is_rejected_before_any_chunk(
+    prompt_ids, fp, producer, serve, tmp_path, reason, profile_change, manifest_change
+):
+    root, made = producer
+    served = copy_store(root, tmp_path, "served")
+    manifest = made["dense", "zstd"][0]
+    if manifest_change:
+        tampered_entry(served / "entries" / f"{manifest.cache_id}.kvc", manifest_change)
+    address = serve(served)
+    options = {"prompt": prompt_ids, "codecs": frozenset({"none", "zstd"}), "max_bytes": 1 << 30}
+    for key in ("prompt", "codecs", "max_bytes"):
+        options[key] = profile_change.pop(key, options[key])
+    profile = ReceiverProfile(replaced(fp, **profile_change), **options)
+    client_store = CacheStore(tmp_path / "client")
+    with PeerClient(address) as client:
+        with pytest.raises(CacheRejected) as e:
+            client.fetch(manifest.cache_id, profile, store=client_store)
+        assert e.value.rejection.reason_name == reason
+        assert str(e.value).startswith(f"cache rejected ({reason}: ")
+        stats = client.info().transfers
+    assert stats.chunk_bytes_sent == 0 and stats.fetches_rejected == 1 and stats.fetches_completed == 0
+    assert client_store.entries() == []
+
+
+def test_a_peer_killed_mid_stream_then_another_peer_serves(fp, big, serve, tmp_path):
+    root, manifest, tokens = big
+    first = serve(copy_store(root, tmp_path, "a"))
+    second = serve(copy_store(root, tmp_path, "b"))
+    client_store = CacheStore(tmp_path / "client")
+    killed = threading.Event()
+
+    def kill_first(received, total):
+        if not killed.is_set():
+            process = serve.processes[first]
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            killed.set()
+
+    profile = ReceiverProfile(fp, prompt=tokens)
+    with PeerClient(first) as client:
+        with pytest.raises(PeerError) as e:
+            client.fetch(manifest.cache_id, profile, store=client_store, progress=kill_first)
+    assert e.value.address == first
+    assert client_store.entries() == [] and list(client_store.incoming_dir.iterdir()) == []
+
+    address, fetched = fetch_from_any([first, second], manifest.cache_id, profile, store=client_store)
+    assert address == second and fetched.manifest.cache_id == manifest.cache_id
+    assert [e.cache_id for e in client_store.entries()] == [manifest.cache_id]
+
+
+def corrupt_a_chunk_in_flight(entry_path, index):
+    """Damage chunk `index`'s data but keep its record checksum valid: only the receiver can tell."""
+    data = bytearray(entry_path.read_bytes())
+    at = len(MAGIC)
+    for _ in range(index):
+        length, _ = RECORD_HEADER.unpack_from(data, at)
+        at += RECORD_HEADER.size + length
+    length, _ = RECORD_HEADER.unpack_from(data, at)
+    chunk = pb.Chunk.FromString(bytes(data[at + RECORD_HEADER.size : at + RECORD_HEADER.size + length]))
+    chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
+    record = chunk.SerializeToString()
+    assert len(record) == length
+    data[at : at + RECORD_HEADER.size + length] = RECORD_HEADER.pack(length, xxhash.xxh3_64_intdigest(record)) + record
+    entry_path.write_bytes(bytes(data))
+
+
+def test_a_corrupted_chunk_is_refused_and_the_server_serves_on(prompt_ids, fp, producer, serve, tmp_path):
+    root, made = producer
+    served = copy_store(root, tmp_path, "served")
+    bad, good = made["dense", "none"][0], made["sparse", "zstd"][0]
+    corrupt_a_chunk_in_flight(served / "entries" / f"{bad.cache_id}.kvc", 3)
+    address = serve(served)
+    client_store = CacheStore(tmp_path / "client")
+    profile = ReceiverProfile(fp, prompt=prompt_ids)
+    with PeerClient(address) as client:
+        with pytest.raises(IntegrityError, match="chunk 3 is corrupt"):
+            client.fetch(bad.cache_id, profile, store=client_store)
+        assert client_store.entries() == []
+        assert client.fetch(good.cache_id, profile, store=client_store).manifest.cache_id == good.cache_id
+
+
+class Stop(Exception):
+    pass
+
+
+def wait_for(condition, seconds=10.0):
+    """Poll a peer's state (no event crosses the process boundary) until `condition` holds."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the peer"
+        time.sleep(0.05)
+
+
+def test_a_client_cancel_ends_the_transfer_on_both_sides(fp, big, serve, tmp_path):
+    root, manifest, tokens = big
+    address = serve(copy_store(root, tmp_path, "served"))
+    client_store = CacheStore(tmp_path / "client")
+
+    def cancel(received, total):
+        if received > total // 10:
+            raise Stop
+
+    with PeerClient(address) as client:
+        with pytest.raises(Stop):
+            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=tokens), store=client_store, progress=cancel)
+        wait_for(lambda: client.info().transfers.transfers_active == 0)
+        stats = client.info().transfers
+        assert stats.fetches_failed == 1 and stats.chunk_bytes_sent < manifest.encoding.encoded_bytes
+        assert client_store.entries() == [] and list(client_store.incoming_dir.iterdir()) == []
+        # The server serves the next request as usual.
+        assert client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=tokens)).manifest.cache_id == manifest.cache_id
+
+
+def test_concurrent_fetches_all_succeed_within_the_cap(fp, big, serve, tmp_path):
+    root, manifest, tokens = big
+    address = serve(copy_store(root, tmp_path, "served"), "--max-transfers", "2")
+    results, errors = [], []
+
+    def fetch():
+        try:
+            with PeerClient(address) as client:
+                results.append(client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=tokens)).wire_bytes)
+        except KvmeshError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=fetch) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and results == [manifest.encoding.encoded_bytes] * 5
+    with PeerClient(address) as client:
+        stats = client.info().transfers
+    assert stats.fetches_completed == 5 and 1 <= stats.transfers_max_seen <= 2 == stats.transfers_cap
+
+
+def test_publish_then_fetch_back(tiny, prompt_ids, fp, producer, serve, tmp_path):
+    root, made = producer
+    address = serve(tmp_path / "empty")
+    manifest = made["sparse+quantized", "zstd"][0]
+    with PeerClient(address) as client:
+        assert client.publish(CacheStore(root), manifest.cache_id) == manifest.cache_id
+        assert client.info().store.entries == 1
+        fetched = client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+    assert [(c.offset, c.n_kept, c.bits) for c in fetched.cache] == [(250, 96, 4)] * fp.num_layers
+
+
+def test_a_peer_that_takes_no_publishes_says_so(producer, serve, tmp_path):
+    root, made = producer
+    from kvmesh.server import start_server
+
+    running = start_server(CacheStore(tmp_path / "ro"), "readonly", accept_publish=False)
+    try:
+        with PeerClient(f"127.0.0.1:{running.port}") as client:
+            with pytest.raises(CacheRejected, match="does not accept publishes"):
+                client.publish(CacheStore(root), made["dense", "none"][0].cache_id)
+    finally:
+        running.stop()
+
+
+def test_an_unreachable_peer_is_a_clear_error():
+    with PeerClient("127.0.0.1:9", timeout=2.0) as client:
+        with pytest.raises(PeerError, match="peer 127.0.0.1:9: .*unavailable"):
+            client.info()
+
+
+def test_standard_health_check(serve, tmp_path):
+    address = serve(tmp_path / "store")
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kvmesh.v1.KvMesh"):
+            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+GENERIC_CLIENT = textwrap.dedent(
+    """
+    # A generic client: everything it knows of kvmesh comes from the server's reflection service.
+    import sys
+    import grpc
+    from google.protobuf import descriptor_pool, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    channel = grpc.insecure_channel(sys.argv[1])
+    database = ProtoReflectionDescriptorDatabase(channel)
+    print(" ".join(sorted(database.get_services())))
+    pool = descriptor_pool.DescriptorPool(database)
+    service = pool.FindServiceByName("kvmesh.v1.KvMesh")
+    method = service.FindMethodByName("Info")
+    request = message_factory.GetMessageClass(method.input_type)
+    response = message_factory.GetMessageClass(method.output_type)
+    info = channel.unary_unary(
+        "/kvmesh.v1.KvMesh/Info", request_serializer=request.SerializeToString,
+        response_deserializer=response.FromString,
+    )(request(), timeout=10)
+    print(info.node_id, info.protocol_version)
+    assert not any(name.startswith("kvmesh") for name in sys.modules), "used kvmesh code"
+    """
+)
+
+
+def test_a_generic_client_works_from_reflection_alone(serve, tmp_path):
+    address = serve(tmp_path / "store")
+    result = subprocess.run([sys.executable, "-c", GENERIC_CLIENT, address], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    services, info = result.stdout.splitlines()
+    assert "kvmesh.v1.KvMesh" in services.split() and "grpc.health.v1.Health" in services.split()
+    node_id = (tmp_path / "store" / "node-id").read_text().strip()
+    assert info.split() == [node_id, "1"]
