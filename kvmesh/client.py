@@ -160,8 +160,7 @@ class PeerClient:
             if store is not None:
                 manifest = store.receive(manifest, chunks(), decoder=decoder)
             else:
-                for chunk in chunks():
-                    decoder.feed(chunk)
+                decoder.feed_all(chunks(), threads=2)
             cache = decoder.finish(manifest.encoding.payload_digest)
             return Fetched(manifest, cache, time.perf_counter() - start, received["bytes"])
         except grpc.RpcError as e:

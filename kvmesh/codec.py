@@ -251,8 +251,14 @@ class CacheDecoder:
         self._write(chunk, self.checker.check(chunk))
 
     def feed_all(self, chunks: Iterable[pb.Chunk], threads: int = 1) -> None:
+        for _ in self.feed_iter(chunks, threads):
+            pass
+
+    def feed_iter(self, chunks: Iterable[pb.Chunk], threads: int = 1) -> Iterator[pb.Chunk]:
+        """Feed chunks (decompressed on `threads` threads), yielding each once it is written."""
         for chunk, raw in self.checker.check_all(chunks, threads):
             self._write(chunk, raw)
+            yield chunk
 
     def _write(self, chunk: pb.Chunk, raw: bytes | np.ndarray) -> None:
         slot = self.checker.plan[chunk.index]

@@ -108,7 +108,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             )
         return response
 
-    def Fetch(self, requests: Iterator[spb.FetchRequest], context) -> Iterator[spb.FetchResponse]:
+    def Fetch(self, requests: Iterator[spb.FetchRequest], context) -> Iterator[spb.FetchResponse | bytes]:
         first = next(requests, None)
         if first is None or first.WhichOneof("msg") != "open":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a fetch starts with an open message")
@@ -133,9 +133,9 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 log.info("%s rejected %s: %s", peer, manifest.cache_id, reply.decision.message)
                 return
             try:
-                for chunk in self.store.chunks(manifest.cache_id):
-                    yield spb.FetchResponse(chunk=chunk)
-                    self.counters.add("chunk_bytes_sent", len(chunk.data))
+                for record in self.store.chunk_records(manifest.cache_id):
+                    yield chunk_response(record)
+                    self.counters.add("chunk_bytes_sent", len(record))
             except (IntegrityError, StoreError) as e:
                 self.counters.add("fetches_failed")
                 log.error("cannot serve %s: %s", manifest.cache_id, e)
@@ -196,6 +196,44 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             yield spb.PublishResponse(result=spb.PublishResult(cache_id=stored.cache_id))
 
 
+def chunk_response(record: bytes) -> bytes:
+    """A serialized FetchResponse holding a stored, already serialized Chunk.
+
+    Field 2 (`chunk`), length-delimited: tag, varint length, then the record as it lies on disk.
+    This skips parsing and re-serializing each 1 MiB chunk on the sending side.
+    """
+    n, length = len(record), bytearray()
+    while n >= 0x80:
+        length.append((n & 0x7F) | 0x80)
+        n >>= 7
+    length.append(n)
+    return b"\x12" + bytes(length) + record
+
+
+def serialize_fetch_response(response: spb.FetchResponse | bytes) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_service(service: KvMeshService, server: grpc.Server) -> None:
+    """Like the generated add_KvMeshServicer_to_server, but Fetch may yield pre-serialized bytes."""
+    handlers = {
+        "Info": grpc.unary_unary_rpc_method_handler(
+            service.Info, spb.InfoRequest.FromString, spb.InfoResponse.SerializeToString
+        ),
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            service.Lookup, spb.LookupRequest.FromString, spb.LookupResponse.SerializeToString
+        ),
+        "Fetch": grpc.stream_stream_rpc_method_handler(
+            service.Fetch, spb.FetchRequest.FromString, serialize_fetch_response
+        ),
+        "Publish": grpc.stream_stream_rpc_method_handler(
+            service.Publish, spb.PublishRequest.FromString, spb.PublishResponse.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 @dataclass
 class RunningServer:
     server: grpc.Server
@@ -219,7 +257,7 @@ def start_server(
     """Serve the kvmesh service, standard health checking and reflection at `address`."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * max_transfers + 4), options=GRPC_OPTIONS)
     service = KvMeshService(store, node_id, max_transfers, accept_publish)
-    service_pb2_grpc.add_KvMeshServicer_to_server(service, server)
+    add_service(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):

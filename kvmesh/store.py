@@ -174,9 +174,7 @@ class CacheStore:
 
         def checked() -> Iterator[pb.Chunk]:
             if decoder:
-                for chunk in chunks:
-                    decoder.feed(chunk)
-                    yield chunk
+                yield from decoder.feed_iter(chunks, threads=2)
             else:
                 for chunk, _ in checker.check_all(chunks, threads=2):
                     yield chunk
@@ -283,10 +281,14 @@ class CacheStore:
 
     def chunks(self, cache_id: str) -> Iterator[pb.Chunk]:
         """The stored chunks, exactly as they were encoded (no recompression)."""
+        return map(pb.Chunk.FromString, self.chunk_records(cache_id))
+
+    def chunk_records(self, cache_id: str) -> Iterator[bytes]:
+        """The stored chunks as serialized Chunk messages, checked against their record checksums."""
         f = self._open(cache_id)
         with f:
             manifest = read_entry_manifest(f, source=cache_id)
-            yield from read_entry_chunks(f, manifest, source=cache_id)
+            yield from read_entry_records(f, manifest, source=cache_id)
         self.touch(cache_id)
 
     def _open(self, cache_id: str):
@@ -434,6 +436,10 @@ def read_entry_manifest(f, source: str) -> pb.CacheManifest:
 
 
 def read_entry_chunks(f, manifest: pb.CacheManifest, source: str) -> Iterator[pb.Chunk]:
+    return map(pb.Chunk.FromString, read_entry_records(f, manifest, source))
+
+
+def read_entry_records(f, manifest: pb.CacheManifest, source: str) -> Iterator[bytes]:
     """The chunk records after the magic, each checked against its record checksum."""
     limit = max_encoded_length(manifest.encoding.chunk_size) + 1024
     for i in range(manifest.encoding.chunk_count):
@@ -446,4 +452,4 @@ def read_entry_chunks(f, manifest: pb.CacheManifest, source: str) -> Iterator[pb
         data = f.read(length)
         if len(data) != length or xxhash.xxh3_64_intdigest(data) != checksum:
             raise IntegrityError(f"{source}: chunk {i} is damaged on disk")
-        yield pb.Chunk.FromString(data)
+        yield data

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Fetch throughput over loopback against raw TCP, time to a rejection, and receiver peak memory.
+
+    scripts/dev run python scripts/bench_transfer.py [--mb 256] [--repeat 3]
+
+The cache is real KV of the `small` preset (from scripts/bench_codec.py's work dir, prefilled on
+first use), tiled along the tokens to about --mb megabytes. A `kvmesh serve` process serves it;
+fetches run in fresh client processes so their peak memory is their own. The raw TCP transfer
+moves the same stored bytes between two processes in the same run, as the ceiling to compare with.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from rich.console import Console
+from rich.table import Table
+
+from kvmesh.fingerprint import default_cache_dir
+from kvmesh.presses import Press
+from kvmesh.sparse_cache import SparseKVCache
+from kvmesh.store import CacheStore
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_codec import prepared_cache  # noqa: E402
+
+FETCH_CHILD = """
+import json, sys, time, dataclasses
+import mlx.core as mx
+from kvmesh.client import PeerClient
+from kvmesh.compat import CacheRejected, ReceiverProfile
+from kvmesh.fingerprint import ModelFingerprint
+from kvmesh.v1 import model_pb2
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+address, cache_id, fp_hex, reject = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "reject"
+fp = ModelFingerprint.from_proto(model_pb2.ModelFingerprint.FromString(bytes.fromhex(fp_hex)))
+if reject:
+    fp = dataclasses.replace(fp, weights_sha256="0" * 64)
+client = PeerClient(address)
+client.info()  # connect first: time the transfer, not the TCP handshake
+
+def fetch():
+    start = time.perf_counter()
+    try:
+        fetched = client.fetch(cache_id, ReceiverProfile(fp))
+        mx.eval([c.keys for c in fetched.cache])
+        return time.perf_counter() - start, "fetched"
+    except CacheRejected as e:
+        return time.perf_counter() - start, str(e)
+
+before = status("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")
+cold, outcome = fetch()
+grown = status("VmHWM:") - before
+# Again in the same process: memory the allocator already holds, as in a long-running daemon.
+warm, _ = fetch()
+print(json.dumps({"cold": cold, "warm": warm, "grown": grown, "outcome": outcome}))
+"""
+
+TCP_SENDER = """
+import socket, sys
+path = sys.argv[1]
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+connection, _ = listener.accept()
+with open(path, "rb") as f:
+    connection.sendfile(f)
+connection.close()
+"""
+
+
+def raw_tcp_seconds(path: Path, size: int) -> float:
+    """Send `path` over loopback TCP from another process into one reused buffer."""
+    sender = subprocess.Popen([sys.executable, "-c", TCP_SENDER, str(path)], stdout=subprocess.PIPE, text=True)
+    port = int(sender.stdout.readline())
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        start = time.perf_counter()
+        received = 0
+        while n := s.recv_into(view):
+            received += n
+        elapsed = time.perf_counter() - start
+    sender.wait()
+    assert received == size, (received, size)
+    return elapsed
+
+
+def fetch_in_child(address: str, cache_id: str, fp, reject: bool = False) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", FETCH_CHILD, address, cache_id, fp.to_proto().SerializeToString().hex(),
+         "reject" if reject else "accept"],
+        capture_output=True, text=True, check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=256, help="approximate cache size")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens prefilled before tiling")
+    parser.add_argument("--work-dir", type=Path, default=default_cache_dir() / "bench")
+    args = parser.parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    if not sys.platform.startswith("linux"):
+        sys.exit("bench_transfer reads /proc for peak memory: run it on Linux")
+
+    cache, fp, ids = prepared_cache(args.work_dir, args.tokens)
+    per_copy = sum(c.nbytes for c in cache)
+    copies = max(1, round(args.mb * 1e6 / per_copy))
+    tiled = [
+        SparseKVCache.from_arrays(mx.concatenate([c.keys] * copies, 2), mx.concatenate([c.values] * copies, 2), c.offset * copies)
+        for c in cache
+    ]
+    tokens = ids * copies
+    env = {**os.environ}
+    table = Table(title=f"fetch over loopback, {sum(c.nbytes for c in tiled) / 1e6:.0f} MB {fp.dtype} KV "
+                        f"({len(tokens)} tokens), medians of {args.repeat}")
+    for column in ("codec", "wire MB", "cold fetch MB/s", "warm fetch MB/s", "raw TCP MB/s", "warm / TCP", "peak RSS / cache"):
+        table.add_column(column, justify="right")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = CacheStore(Path(tmp) / "store")
+        manifests = {codec: store.put(tiled, fp, tokens, Press(), codec=codec) for codec in ("none", "zstd")}
+        del tiled
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "serve", "--store", str(store.root)],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )
+        address = server.stdout.readline().split()[-1]
+        try:
+            for codec, manifest in manifests.items():
+                raw = manifest.encoding.raw_bytes
+                entry = store.entries_dir / f"{manifest.cache_id}.kvc"
+                runs = [fetch_in_child(address, manifest.cache_id, fp) for _ in range(args.repeat)]
+                tcp = statistics.median(raw_tcp_seconds(entry, entry.stat().st_size) for _ in range(args.repeat))
+                cold = statistics.median(r["cold"] for r in runs)
+                warm = statistics.median(r["warm"] for r in runs)
+                grown = statistics.median(r["grown"] for r in runs)
+                wire = manifest.encoding.encoded_bytes
+                table.add_row(codec, f"{wire / 1e6:.0f}", f"{raw / 1e6 / cold:.0f}", f"{raw / 1e6 / warm:.0f}",
+                              f"{entry.stat().st_size / 1e6 / tcp:.0f}", f"{tcp / warm:.2f}", f"{grown / raw:.2f}")
+            rejected = [fetch_in_child(address, manifests["zstd"].cache_id, fp, reject=True) for _ in range(args.repeat)]
+        finally:
+            server.terminate()
+            server.wait()
+    Console(width=120).print(table)
+    print("fetch MB/s counts decoded cache bytes, from request to caches ready: cold is a fresh process "
+          "(first touch of new memory), warm the second fetch in it; raw TCP moves the stored entry file "
+          "once, into one reused buffer, with no decoding")
+    print(f"request to rejection (other weights), median: {statistics.median(r['warm'] for r in rejected) * 1000:.1f} ms "
+          f"({rejected[0]['outcome']})")
+
+
+if __name__ == "__main__":
+    main()
