@@ -144,10 +144,11 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 self.counters.add("fetches_failed")
                 log.info("fetch of %s by %s cancelled", manifest.cache_id, peer)
                 raise
+            # Counted before the trailer goes: the receiver may ask for Info as soon as it has it.
+            self.counters.add("fetches_completed")
             yield spb.FetchResponse(trailer=spb.Trailer(
                 payload_digest=manifest.encoding.payload_digest, chunk_count=manifest.encoding.chunk_count,
             ))
-            self.counters.add("fetches_completed")
 
     def _manifest(self, opened: spb.FetchOpen, context):
         try:
