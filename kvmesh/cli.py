@@ -4,9 +4,79 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from . import __version__
 from .errors import KvmeshError
+
+
+def read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise KvmeshError(f"{path}: cannot read: {e.strerror or e}") from e
+
+
+def data_dir(args) -> Path:
+    from .config import default_data_dir
+
+    return Path(args.data_dir) if args.data_dir else default_data_dir()
+
+
+def open_store(args):
+    """--store, else the running daemon's store, else <data dir>/store."""
+    from .daemon import STATE_FILE
+    from .store import CacheStore
+
+    if getattr(args, "store", None):
+        return CacheStore(args.store)
+    state = data_dir(args) / STATE_FILE
+    if state.exists():
+        return CacheStore(json.loads(state.read_text()).get("store") or data_dir(args) / "store")
+    return CacheStore(data_dir(args) / "store")
+
+
+def progress_bar(description: str, unit: str):
+    """A rich progress bar on stderr (quiet when stderr is not a terminal) and its update function."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    amount = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
+    bar = Progress("[progress.description]{task.description}", BarColumn(), amount, TimeRemainingColumn(),
+                   console=console, transient=True, disable=not console.is_terminal)
+    task = bar.add_task(description, total=None)
+    return bar, lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def load_model(path: str):
+    import mlx_lm
+
+    from .fingerprint import fingerprint
+
+    fp = fingerprint(path) if Path(path).exists() else None
+    try:
+        model, tokenizer = mlx_lm.load(path)
+    except Exception as e:  # mlx-lm raises plain exceptions for missing files and unknown models
+        raise KvmeshError(f"{path}: cannot load the model: {e}") from e
+    if fp is None:
+        from mlx_lm.utils import hf_repo_to_path
+
+        fp = fingerprint(hf_repo_to_path(path), repo_id=path)
+    return model, tokenizer, fp
+
+
+def prompt_tokens(tokenizer, file: str | None, prompt: str | None) -> list[int]:
+    """The file's tokens (with BOS), then the prompt's: a cache of the file is a prefix of these."""
+    if not file and not prompt:
+        raise KvmeshError("give a --file, a --prompt, or both")
+    tokens = tokenizer.encode(read_text(file)) if file else []
+    if prompt:
+        tokens += tokenizer.encode(prompt, add_special_tokens=not tokens)
+    return tokens
+
+
+# model
 
 
 def cmd_model_make_test(args) -> int:
@@ -30,17 +100,7 @@ def cmd_model_info(args) -> int:
     return 0
 
 
-def read_text(path: str) -> str:
-    try:
-        return open(path, encoding="utf-8").read()
-    except OSError as e:
-        raise KvmeshError(f"{path}: cannot read: {e.strerror or e}") from e
-
-
-def open_store(args):
-    from .store import CacheStore
-
-    return CacheStore(args.store)
+# cache
 
 
 def cmd_cache_list(args) -> int:
@@ -90,24 +150,163 @@ def cmd_cache_export_mlx(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
-    import signal
-    import threading
+# daemon and mesh
 
-    from .node import node_id
-    from .server import start_server
 
-    store = open_store(args)
-    me = node_id(store.root)
-    running = start_server(store, me, args.listen, max_transfers=args.max_transfers)
-    host = args.listen.rsplit(":", 1)[0]
-    print(f"kvmesh: node {me} serving {store.root} on {host}:{running.port}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    running.stop(grace=5.0)
-    print("kvmesh: stopped", flush=True)
+def cmd_daemon(args) -> int:
+    from .config import load_config
+    from .daemon import Daemon, setup_logging
+
+    overrides = {
+        "data_dir": args.data_dir, "store": args.store, "interfaces": args.interface or None,
+        "port": args.port, "peers": args.peer or None, "max_transfers": args.max_transfers,
+        "store_budget": args.store_budget, "health_interval": args.health_interval,
+        "log_format": args.log_format, "log_level": args.log_level,
+        "discovery": False if args.no_discovery else None,
+    }
+    config = load_config(Path(args.config) if args.config else None, overrides=overrides)
+    setup_logging(config)
+    Daemon(config).run(grace=args.grace)
+    return 0
+
+
+def cmd_status(args) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from .daemon import control_status
+
+    status = control_status(data_dir(args))
+    if args.json:
+        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True), indent=2))
+        return 0
+    info = status.info
+    print(f"node {info.node_id} (kvmesh {info.version}) on {', '.join(status.listen)}")
+    print(f"store: {info.store.entries} caches, {info.store.bytes:,} bytes")
+    print(f"peers: {sum(p.healthy for p in status.peers)} live of {len(status.peers)} known")
+    t = info.transfers
+    print(f"fetches served: {t.fetches_completed} done, {t.fetches_rejected} rejected, {t.fetches_failed} failed; "
+          f"{t.transfers_active} active (cap {t.transfers_cap})")
+    return 0
+
+
+def cmd_peers(args) -> int:
+    from .daemon import control_status
+
+    peers = [p for p in control_status(data_dir(args)).peers if args.all or p.healthy]
+    if args.json:
+        print(json.dumps([{"node_id": p.node_id, "addresses": list(p.addresses), "source": p.source,
+                           "healthy": p.healthy, "version": p.version} for p in peers], indent=2))
+        return 0
+    if not peers:
+        print("no live peers" if not args.all else "no peers known")
+    for p in peers:
+        state = "live" if p.healthy else f"lost ({p.failures} failed checks)"
+        print(f"{p.node_id}  {', '.join(p.addresses)}  {p.source}  {state}")
+    return 0
+
+
+def mesh_peers(args) -> list[str]:
+    """--peer addresses, else the live peers of the local daemon, if one runs."""
+    from .daemon import control_status
+
+    if args.peer:
+        return list(args.peer)
+    if args.no_mesh:
+        return []
+    try:
+        return [p.addresses[0] for p in control_status(data_dir(args)).peers if p.healthy and p.addresses]
+    except KvmeshError:
+        return []
+
+
+def cmd_prefill(args) -> int:
+    import time
+
+    from .prefill import prefill
+    from .presses import make_press
+
+    model, tokenizer, fp = load_model(args.model)
+    tokens = prompt_tokens(tokenizer, args.file, args.prompt)
+    config = {k: v for k, v in {"ratio": args.ratio, "budget": args.budget, "kv_bits": args.kv_bits}.items() if v is not None}
+    press = make_press(args.method, config)
+    bar, update = progress_bar("prefill", "tokens")
+    start = time.perf_counter()
+    with bar:
+        cached = prefill(model, tokens, press, progress=update)
+    elapsed = time.perf_counter() - start
+    manifest = open_store(args).put(cached.cache, fp, tokens, press, codec=args.codec)
+    result = {"cache_id": manifest.cache_id, "tokens": len(tokens), "prefill_s": round(elapsed, 3),
+              "dense_bytes": cached.dense_nbytes, "bytes": cached.nbytes, "stored_bytes": manifest.encoding.encoded_bytes}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"stored {manifest.cache_id}: {len(tokens)} tokens prefilled in {elapsed:.2f} s, "
+              f"{cached.dense_nbytes:,} -> {cached.nbytes:,} bytes ({press.method}), "
+              f"{manifest.encoding.encoded_bytes:,} on disk")
+    return 0
+
+
+def cmd_fetch(args) -> int:
+    from .client import PeerClient
+    from .compat import ReceiverProfile
+    from .fingerprint import fingerprint
+
+    profile = ReceiverProfile(fingerprint(args.model))
+    bar, update = progress_bar("fetch", "bytes")
+    with bar, PeerClient(args.peer) as client:
+        fetched = client.fetch(args.cache_id, profile, num_tokens=args.tokens, store=open_store(args), progress=update)
+    print(f"fetched {fetched.manifest.cache_id} from {args.peer}: {fetched.manifest.prefix.num_tokens} tokens, "
+          f"{fetched.wire_bytes:,} bytes in {fetched.seconds:.2f} s")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .mesh import generate
+
+    model, tokenizer, fp = load_model(args.model)
+    tokens = prompt_tokens(tokenizer, args.file, args.prompt)
+    bar, update = progress_bar("fetch", "bytes")
+    with bar:
+        result = generate(model, fp, tokens, open_store(args), mesh_peers(args), args.max_tokens, update)
+    text = tokenizer.decode(result.tokens)
+    source = result.source
+    saving = result.estimated_saving_s
+    if args.json:
+        print(json.dumps({"text": text, "tokens": result.tokens, "prefix_from": source.where,
+                          "prefix_tokens": source.tokens, "prompt_tokens": result.prompt_tokens,
+                          "fetch_s": round(source.seconds, 4), "wire_bytes": source.wire_bytes,
+                          "prefill_s": round(result.prefill_s, 4), "generate_s": round(result.generate_s, 4),
+                          "estimated_saving_s": None if saving is None else round(saving, 3),
+                          "skipped": source.skipped}, indent=2))
+        return 0
+    print(text)
+    print(file=sys.stderr)
+    if source.tokens:
+        print(f"prefix: {source.tokens} of {result.prompt_tokens} tokens from {source.where} "
+              f"({source.wire_bytes:,} bytes on the wire, {source.seconds:.2f} s)", file=sys.stderr)
+    else:
+        print(f"prefix: none cached; all {result.prompt_tokens} tokens prefilled here", file=sys.stderr)
+    print(f"prefill of the remaining {result.prompt_tokens - source.tokens} tokens: {result.prefill_s:.2f} s; "
+          f"{len(result.tokens)} tokens generated in {result.generate_s:.2f} s", file=sys.stderr)
+    if saving is not None:
+        print(f"estimated time saved against prefilling the cached tokens here: {saving:.2f} s", file=sys.stderr)
+    for reason in source.skipped:
+        print(f"skipped: {reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_service(args) -> int:
+    from .service_files import service_file
+
+    platform = args.platform or ("macos" if sys.platform == "darwin" else "linux")
+    default_path, content, enable = service_file(platform)
+    if args.print:
+        sys.stdout.write(content.decode())
+        return 0
+    path = Path(args.output) if args.output else default_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    print(f"wrote {path}; turn it on with: {enable}")
     return 0
 
 
@@ -125,77 +324,122 @@ def build_parser() -> argparse.ArgumentParser:
         description="Share LLM KV caches between Apple-silicon Macs on one network.",
     )
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
+    parser.add_argument("--data-dir", default=None, help="daemon data directory (default: the platform "
+                        "data dir, or $KVMESH_DATA_DIR)")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    def command(name: str, func: Callable, help: str, parent=commands, **kwargs) -> argparse.ArgumentParser:
+        sub = parent.add_parser(name, help=help, description=kwargs.pop("description", help), **kwargs)
+        sub.set_defaults(func=func)
+        return sub
+
+    def store_option(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--store", default=None, help="store directory (default: the daemon's, or <data dir>/store)")
+
+    def prompt_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("model", help="model directory or Hugging Face repo id")
+        sub.add_argument("--file", help="a text file: its tokens come first (the shared prefix)")
+        sub.add_argument("--prompt", help="text after the file (or the whole prompt); no chat template")
 
     model = commands.add_parser("model", help="build test models and show model fingerprints")
     model_commands = model.add_subparsers(title="model commands", metavar="COMMAND", required=True)
-
-    make = model_commands.add_parser(
-        "make-test",
-        help="build an offline model with random weights (for tests, demos, benchmarks)",
-        description="Presets: " + "; ".join(f"{k}: {p.description}" for k, p in PRESETS.items()),
-    )
+    make = command("make-test", cmd_model_make_test, "build an offline model with random weights", model_commands,
+                   description="Presets: " + "; ".join(f"{k}: {p.description}" for k, p in PRESETS.items()))
     make.add_argument("dir", help="directory to create (must not exist, or be empty)")
     make.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     make.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    make.set_defaults(func=cmd_model_make_test)
-
-    info = model_commands.add_parser(
-        "info", help="print the fingerprint of a local model directory"
-    )
+    info = command("info", cmd_model_info, "print the fingerprint of a local model directory", model_commands)
     info.add_argument("path", help="model directory (config.json, *.safetensors, tokenizer)")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--repo-id", default="", help="Hugging Face repo id, if known")
     info.add_argument("--revision", default="", help="Hugging Face revision, if known")
-    info.set_defaults(func=cmd_model_info)
 
     cache = commands.add_parser("cache", help="list, export and import caches in the local store")
-    cache.add_argument("--store", default=None, help="store directory (default: the platform data dir, "
-                       "or $KVMESH_DATA_DIR/store)")
+    store_option(cache)
     cache_commands = cache.add_subparsers(title="cache commands", metavar="COMMAND", required=True)
-    listing = cache_commands.add_parser("list", help="list stored caches")
+    listing = command("list", cmd_cache_list, "list stored caches", cache_commands)
     listing.add_argument("--json", action="store_true", help="print JSON")
-    listing.set_defaults(func=cmd_cache_list)
-    export = cache_commands.add_parser("export", help="write a stored cache to one file")
+    export = command("export", cmd_cache_export, "write a stored cache to one file", cache_commands)
     export.add_argument("cache_id")
     export.add_argument("file")
-    export.set_defaults(func=cmd_cache_export)
-    imported = cache_commands.add_parser("import", help="import a file written by `cache export`")
+    imported = command("import", cmd_cache_import, "import a file written by `cache export`", cache_commands)
     imported.add_argument("file")
-    imported.set_defaults(func=cmd_cache_import)
-    import_mlx = cache_commands.add_parser(
-        "import-mlx", help="import an mlx-lm prompt-cache file (from `mlx_lm.cache_prompt`)",
-        description="mlx-lm files do not record their prompt: give the same prompt and model.",
-    )
+    import_mlx = command("import-mlx", cmd_cache_import_mlx, "import an mlx-lm prompt-cache file (from mlx_lm.cache_prompt)",
+                         cache_commands, description="mlx-lm files do not record their prompt: give the same prompt and model.")
     import_mlx.add_argument("file")
     import_mlx.add_argument("--model", required=True, help="the model directory the cache was made with")
     source = import_mlx.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt given to mlx_lm.cache_prompt")
     source.add_argument("--prompt-file", help="a file holding that prompt")
-    import_mlx.set_defaults(func=cmd_cache_import_mlx)
-    export_mlx = cache_commands.add_parser("export-mlx", help="write a stored cache as an mlx-lm prompt-cache file")
+    export_mlx = command("export-mlx", cmd_cache_export_mlx, "write a stored cache as an mlx-lm prompt-cache file", cache_commands)
     export_mlx.add_argument("cache_id")
     export_mlx.add_argument("file")
     export_mlx.add_argument("--model", required=True, help="model path or hub id recorded for mlx_lm.generate")
-    export_mlx.set_defaults(func=cmd_cache_export_mlx)
 
-    serve = commands.add_parser("serve", help="serve the local store to peers over gRPC (no discovery)")
-    serve.add_argument("--store", default=None, help="store directory (default: the platform data dir)")
-    serve.add_argument("--listen", default="127.0.0.1:0", help="address:port to listen on (port 0: any free)")
-    serve.add_argument("--max-transfers", type=int, default=4, help="transfers served at once; others wait")
-    serve.set_defaults(func=cmd_serve)
+    daemon = command("daemon", cmd_daemon, "run the daemon: serve the store, advertise, find peers",
+                     description="Settings come from --config (default: the platform config dir's config.toml), "
+                                 "then KVMESH_<SETTING> variables, then these flags.")
+    daemon.add_argument("--config", help="TOML file with the settings below (names with _ or -)")
+    store_option(daemon)
+    daemon.add_argument("--interface", action="append", help="IP address to serve and advertise on (repeat); "
+                        "default: this machine's routable IPv4 addresses")
+    daemon.add_argument("--port", type=int, help="port (default 7077; 0: any free port)")
+    daemon.add_argument("--peer", action="append", help="host:port of a peer to use without discovery (repeat)")
+    daemon.add_argument("--no-discovery", action="store_true", help="no mDNS: static peers only")
+    daemon.add_argument("--max-transfers", type=int, help="transfers served at once (default 4); others wait")
+    daemon.add_argument("--store-budget", type=int, help="bytes the store may hold (default: no limit)")
+    daemon.add_argument("--health-interval", type=float, help="seconds between peer health checks (default 1)")
+    daemon.add_argument("--log-format", choices=["text", "json"])
+    daemon.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    daemon.add_argument("--grace", type=float, default=10.0, help="seconds transfers in flight get at shutdown")
 
-    demo = commands.add_parser("demo", help="run the kvmesh demo on a built-in tiny model")
-    demo.add_argument("--steps", type=int, default=24, help="tokens to generate in each check")
-    demo.set_defaults(func=cmd_demo)
+    status = command("status", cmd_status, "show what the local daemon is doing")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    peers = command("peers", cmd_peers, "list the peers the local daemon knows")
+    peers.add_argument("--all", action="store_true", help="also peers that stopped answering")
+    peers.add_argument("--json", action="store_true", help="print JSON")
+
+    prefill = command("prefill", cmd_prefill, "prefill a prompt with a local model and store its (compressed) cache")
+    prompt_options(prefill)
+    store_option(prefill)
+    prefill.add_argument("--method", default="full", help="compression method: full, quantize, streaming_llm, snapkv, knorm")
+    prefill.add_argument("--ratio", type=float, help="fraction of tokens to evict")
+    prefill.add_argument("--budget", type=int, help="tokens to keep per layer")
+    prefill.add_argument("--kv-bits", type=int, help="quantize what is kept to 2-8 bits")
+    prefill.add_argument("--codec", default="zstd", choices=["zstd", "none"], help="wire and disk encoding")
+    prefill.add_argument("--json", action="store_true", help="print JSON")
+
+    fetch = command("fetch", cmd_fetch, "fetch a cache from a peer into the local store")
+    fetch.add_argument("cache_id")
+    fetch.add_argument("--peer", required=True, help="host:port of the peer")
+    fetch.add_argument("--model", required=True, help="the local model the cache must fit")
+    fetch.add_argument("--tokens", type=int, default=0, help="only a block-aligned prefix of this many tokens")
+    store_option(fetch)
+
+    generate = command("generate", cmd_generate, "generate, reusing the longest cached prefix on the mesh",
+                       description="The local store is asked first, then peers (--peer, or the local daemon's). "
+                                   "Only the tokens after the cached prefix are prefilled.")
+    prompt_options(generate)
+    store_option(generate)
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--peer", action="append", help="host:port of a peer to ask (repeat)")
+    generate.add_argument("--no-mesh", action="store_true", help="only the local store")
+    generate.add_argument("--json", action="store_true", help="print JSON")
+
+    service = command("service", cmd_service, "write a launchd (macOS) or systemd (Linux) service for the daemon")
+    service.add_argument("--platform", choices=["macos", "linux"], help="default: this machine's")
+    service.add_argument("--output", help="where to write it (default: the per-user location)")
+    service.add_argument("--print", action="store_true", help="print it instead of writing it")
+
+    demo = command("demo", cmd_demo, "run the whole mesh locally on a built-in tiny model")
+    demo.add_argument("--steps", type=int, default=24, help="tokens to generate")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        return args.func(args)
     except KvmeshError as e:
         print(f"kvmesh: error: {e}", file=sys.stderr)
         return 1

@@ -1,51 +1,147 @@
-"""`kvmesh demo`: what kvmesh does, end to end, on a built-in tiny model (no download, no network)."""
+"""`kvmesh demo`: the whole mesh on one machine, on a built-in tiny model (no download, no LAN).
 
+Three daemons start on loopback with their own data directories and find each other over mDNS
+(restricted to 127.0.0.1). Node A prefills a document; node B generates from that document plus a
+question, fetching A's cache instead of prefilling; a consumer with other weights is refused
+before any byte; node C serves a compressed copy. Every check must pass for exit code 0.
+"""
+
+import subprocess
+import sys
 import tempfile
 import time
 from importlib import resources
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import generate_step
 from rich.console import Console
+from rich.table import Table
 
-from .evaluate import compare_presses, results_table
+from .client import PeerClient
+from .compat import CacheRejected, ReceiverProfile
+from .daemon import control_status
+from .errors import KvmeshError
 from .fingerprint import FileHashCache, fingerprint
+from .mesh import generate
+from .prefill import generate_from_cache, prefill
 from .presses import make_press
+from .store import CacheStore
 from .testmodels import make_test_model
+
+NODES = ("A", "B", "C")
+
+
+def start_daemons(root: Path) -> dict[str, tuple[subprocess.Popen, str]]:
+    daemons = {}
+    for name in NODES:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "--data-dir", str(root / name), "daemon",
+             "--interface", "127.0.0.1", "--port", "0", "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=open(root / f"{name}.log", "w"), text=True,
+        )
+        line = process.stdout.readline()
+        if "serving on" not in line:
+            raise KvmeshError(f"daemon {name} did not start; see {root / f'{name}.log'}")
+        daemons[name] = (process, line.split()[-1])
+    return daemons
+
+
+def wait_for_discovery(root: Path, timeout: float = 20.0) -> float:
+    """Seconds until every daemon lists the other two as live peers."""
+    start = time.perf_counter()
+    while True:
+        if all(sum(p.healthy for p in control_status(root / n).peers) == len(NODES) - 1 for n in NODES):
+            return time.perf_counter() - start
+        if time.perf_counter() - start > timeout:
+            raise KvmeshError(f"the daemons did not find each other within {timeout:.0f} s")
+        time.sleep(0.1)
 
 
 def run_demo(steps: int = 24) -> int:
-    """Print each step; return 0 when every check passed, 1 otherwise."""
     console = Console(width=110)
+    checks: list[tuple[str, bool]] = []
+
+    def check(what: str, ok: bool) -> None:
+        checks.append((what, ok))
+        console.print(f"  {'[green]ok[/]' if ok else '[red]FAILED[/]'}  {what}")
+
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp:
-        model_dir = make_test_model(f"{tmp}/tiny", "tiny")
-        fp = fingerprint(model_dir, hash_cache=FileHashCache(f"{tmp}/hashes.sqlite3"))
-        console.print(f"[bold]model[/] tiny llama built offline in {model_dir}: id {fp.model_id}, "
-                      f"{fp.num_layers} layers, {fp.num_kv_heads} kv heads x {fp.head_dim}, {fp.dtype}")
+        root = Path(tmp)
+        hashes = FileHashCache(root / "hashes.sqlite3")
+        model_dir = make_test_model(root / "tiny", "tiny")
+        other_dir = make_test_model(root / "tiny-other-weights", "tiny", seed=1)
+        fp, other_fp = fingerprint(model_dir, hashes), fingerprint(other_dir, hashes)
         model, tokenizer = mlx_lm.load(str(model_dir))
+        console.print(f"[bold]model[/] tiny llama built offline: id {fp.model_id}, {fp.num_layers} layers, "
+                      f"{fp.num_kv_heads} kv heads x {fp.head_dim}, {fp.dtype}")
 
-    document = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
-    prefix = tokenizer.encode(document)
-    question = tokenizer.encode("\nQuestions: what is a cache?", add_special_tokens=False)
-    console.print(f"[bold]prompt[/] a {len(prefix)}-token document, then a {len(question)}-token question")
+        daemons = start_daemons(root)
+        try:
+            seconds = wait_for_discovery(root)
+            console.print(f"[bold]mesh[/] daemons A, B, C on {', '.join(a for _, a in daemons.values())} "
+                          f"found each other over mDNS in {seconds:.1f} s")
+            document = tokenizer.encode(resources.files("kvmesh").joinpath("data/corpus.txt").read_text())
+            question = tokenizer.encode("\nQuestions: what is a cache?", add_special_tokens=False)
+            prompt = document + question
 
-    start = time.perf_counter()
-    reference = [int(t) for t, _ in generate_step(mx.array(prefix + question), model, max_tokens=steps)]
-    console.print(f"[bold]reference[/] mlx-lm generation from the whole prompt: {time.perf_counter() - start:.2f} s")
+            start = time.perf_counter()
+            cached = prefill(model, document)
+            prefill_s = time.perf_counter() - start
+            CacheStore(root / "A" / "store").put(cached.cache, fp, document)
+            console.print(f"[bold]A[/] prefilled the {len(document)}-token document in {prefill_s:.2f} s "
+                          f"and stored its cache ({cached.nbytes:,} bytes)")
+            snap = make_press("snapkv", {"ratio": 0.75, "kv_bits": 8})
+            CacheStore(root / "C" / "store").put(prefill(model, document, snap).cache, fp, document, snap)
+            console.print("[bold]C[/] holds a snapkv-compressed copy (a quarter of the tokens, 8-bit)")
 
-    presses = [make_press("full")] + [
-        make_press(m, c) for m, c in [
-            ("streaming_llm", {"ratio": 0.5}), ("snapkv", {"ratio": 0.5}), ("knorm", {"ratio": 0.5}),
-            ("quantize", {"kv_bits": 8}), ("snapkv", {"ratio": 0.75, "kv_bits": 4}),
-        ]
-    ]
-    results = compare_presses(model, prefix, question, presses, steps=steps)
-    console.print(results_table(results, "the document's cache, compressed, then continued with the question"))
+            start = time.perf_counter()
+            reference = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=steps)]
+            reference_s = time.perf_counter() - start
 
-    identical = results[0].tokens == reference
-    console.print(
-        f"[bold]check[/] uncompressed cache + question gives the reference tokens: "
-        + ("[green]identical[/]" if identical else "[red]DIFFERENT[/]")
-    )
-    return 0 if identical else 1
+            peers_of_b = [p.addresses[0] for p in control_status(root / "B").peers if p.healthy]
+            result = generate(model, fp, prompt, CacheStore(root / "B" / "store"), peers_of_b, steps)
+            source = result.source
+            console.print(f"[bold]B[/] generated from the document + a question: prefix of {source.tokens} tokens "
+                          f"from {source.where}, {source.wire_bytes:,} bytes on the wire in {source.seconds:.3f} s")
+            check("B's tokens equal a local full prefill's", result.tokens == reference)
+            check("B fetched the whole document from A", source.tokens == len(document) and source.where.endswith(daemons["A"][1]))
+
+            with PeerClient(daemons["A"][1]) as a:
+                sent_before = a.info().transfers.chunk_bytes_sent
+                try:
+                    a.fetch(source.cache_id, ReceiverProfile(other_fp, prompt=prompt))
+                    rejected = None
+                except CacheRejected as e:
+                    rejected = e.rejection
+                sent_after = a.info().transfers.chunk_bytes_sent
+            console.print(f"[bold]other weights[/] a node with another model asked A for the cache: "
+                          f"{'refused: ' + str(rejected) if rejected else 'ACCEPTED'}")
+            check("a cache for other weights is refused before any byte", rejected is not None and sent_after == sent_before)
+
+            [entry] = CacheStore(root / "C" / "store").entries()
+            with PeerClient(daemons["C"][1]) as c:
+                compressed = c.fetch(entry.cache_id, ReceiverProfile(fp, prompt=prompt))
+            tokens = [t for t, _ in generate_from_cache(model, compressed.cache, question, steps)]
+            agree = sum(x == y for x, y in zip(tokens, reference))
+            check("C's compressed cache arrives and generates", len(tokens) == steps)
+
+            table = Table(title="the document's prefix: prefill here vs fetch from a peer")
+            for column in ("how", "seconds", "bytes on the wire", "tokens = full prefill"):
+                table.add_column(column, justify="left" if column == "how" else "right")
+            table.add_row(f"prefill {len(document)} tokens (A)", f"{prefill_s:.3f}", "-", "-")
+            table.add_row(f"no cache: prompt + {steps} tokens (mlx-lm)", f"{reference_s:.3f}", "-", f"{steps} / {steps}")
+            table.add_row("fetch full cache from A (B)", f"{source.seconds:.3f}", f"{source.wire_bytes:,}",
+                          f"{sum(x == y for x, y in zip(result.tokens, reference))} / {steps}")
+            table.add_row("fetch snapkv 8-bit from C", f"{compressed.seconds:.3f}", f"{compressed.wire_bytes:,}",
+                          f"{agree} / {steps}")
+            console.print(table)
+        finally:
+            for process, _ in daemons.values():
+                process.terminate()
+            for process, _ in daemons.values():
+                process.wait(timeout=30)
+    failed = [what for what, ok in checks if not ok]
+    console.print("[green]all checks passed[/]" if not failed else f"[red]{len(failed)} check(s) failed[/]")
+    return 1 if failed else 0

@@ -250,12 +250,15 @@ class RunningServer:
 def start_server(
     store: CacheStore,
     node_id: str,
-    address: str = "127.0.0.1:0",
+    addresses: str | list[str] = "127.0.0.1:0",
     max_transfers: int = 4,
     accept_publish: bool = True,
     credentials: grpc.ServerCredentials | None = None,
 ) -> RunningServer:
-    """Serve the kvmesh service, standard health checking and reflection at `address`."""
+    """Serve the kvmesh service, standard health checking and reflection.
+
+    Every address gets the same port: the first one's, when its port is 0 (any free port).
+    """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * max_transfers + 4), options=GRPC_OPTIONS)
     service = KvMeshService(store, node_id, max_transfers, accept_publish)
     add_service(service, server)
@@ -264,11 +267,13 @@ def start_server(
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, credentials)
-    if port == 0:
-        raise StoreError(f"cannot listen on {address}")
+    port = 0
+    for address in [addresses] if isinstance(addresses, str) else addresses:
+        host, wanted = address.rsplit(":", 1)
+        target = f"{host}:{port or wanted}"
+        bound = server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
+        if bound == 0:
+            raise StoreError(f"cannot listen on {target}: is the address this machine's, and the port free?")
+        port = bound
     server.start()
     return RunningServer(server, service, port, health_servicer)

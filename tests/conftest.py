@@ -75,30 +75,30 @@ def tiny_in(tiny_dir):
 
 @pytest.fixture
 def serve():
-    """serve(store_root, *args) -> address: a real `kvmesh serve` process on loopback.
+    """serve(store_root, *args) -> address: a real daemon process serving that store on 127.0.0.1.
 
-    Its address comes from the line it prints once it listens; every process started is
-    terminated (or found already dead) at the end of the test.
+    No discovery (tests of discovery start their own daemons). The address comes from the line
+    the daemon prints once it listens; its data dir is <store_root>.data. Every process started
+    is terminated (or found already dead) at the end of the test.
     """
     import subprocess
     import sys
 
-    processes = []
-
     def start(store_root, *args) -> str:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", "--store", str(store_root), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-m", "kvmesh.cli", "--data-dir", f"{store_root}.data", "daemon",
+             "--store", str(store_root), "--interface", "127.0.0.1", "--port", "0", "--no-discovery", *args],
+            stdout=subprocess.PIPE, stderr=open(f"{store_root}.log", "w"), text=True,
         )
-        processes.append(process)
         line = process.stdout.readline()
-        assert "serving" in line, f"the server did not start: {line!r} {process.stderr.read()}"
-        start.processes[line.split()[-1]] = process
-        return line.split()[-1]
+        assert "serving on" in line, f"the daemon did not start: {line!r}; see {store_root}.log"
+        address = line.split()[-1]
+        start.processes[address] = process
+        return address
 
     start.processes = {}
     yield start
-    for process in processes:
+    for process in start.processes.values():
         if process.poll() is None:
             process.terminate()
         process.wait(timeout=30)

@@ -352,5 +352,5 @@ def test_a_generic_client_works_from_reflection_alone(serve, tmp_path):
     assert result.returncode == 0, result.stderr
     services, info = result.stdout.splitlines()
     assert "kvmesh.v1.KvMesh" in services.split() and "grpc.health.v1.Health" in services.split()
-    node_id = (tmp_path / "store" / "node-id").read_text().strip()
+    node_id = (tmp_path / "store.data" / "node-id").read_text().strip()
     assert info.split() == [node_id, "1"]

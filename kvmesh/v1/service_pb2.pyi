@@ -183,3 +183,35 @@ class PublishResponse(_message.Message):
     decision: Decision
     result: PublishResult
     def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerState(_message.Message):
+    __slots__ = ("node_id", "addresses", "source", "healthy", "failures", "version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    source: str
+    healthy: bool
+    failures: int
+    version: str
+    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., healthy: _Optional[bool] = ..., failures: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("info", "listen", "peers", "data_dir")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_DIR_FIELD_NUMBER: _ClassVar[int]
+    info: InfoResponse
+    listen: _containers.RepeatedScalarFieldContainer[str]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerState]
+    data_dir: str
+    def __init__(self, info: _Optional[_Union[InfoResponse, _Mapping]] = ..., listen: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerState, _Mapping]]] = ..., data_dir: _Optional[str] = ...) -> None: ...

@@ -229,3 +229,78 @@ class KvMesh:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ControlStub:
+    """Served on loopback only, for the local CLI: what the daemon sees.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Status = channel.unary_unary(
+                '/kvmesh.v1.Control/Status',
+                request_serializer=kvmesh_dot_v1_dot_service__pb2.StatusRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_service__pb2.StatusResponse.FromString,
+                _registered_method=True)
+
+
+class ControlServicer:
+    """Served on loopback only, for the local CLI: what the daemon sees.
+    """
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=kvmesh_dot_v1_dot_service__pb2.StatusRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_service__pb2.StatusResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvmesh.v1.Control', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvmesh.v1.Control', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Control:
+    """Served on loopback only, for the local CLI: what the daemon sees.
+    """
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Control/Status',
+            kvmesh_dot_v1_dot_service__pb2.StatusRequest.SerializeToString,
+            kvmesh_dot_v1_dot_service__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

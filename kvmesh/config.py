@@ -1,0 +1,99 @@
+"""Daemon settings: defaults, then a TOML file, then KVMESH_* environment variables, then flags."""
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import platformdirs
+
+from .errors import KvmeshError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+DEFAULT_PORT = 7077
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("KVMESH_DATA_DIR") or platformdirs.user_data_dir("kvmesh"))
+
+
+def default_config_file() -> Path:
+    return Path(platformdirs.user_config_dir("kvmesh")) / "config.toml"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    data_dir: Path = field(default_factory=default_data_dir)
+    # Where caches are kept; empty: <data_dir>/store.
+    store: str = ""
+    # IP addresses to listen and advertise on; empty: this machine's routable IPv4 addresses.
+    interfaces: tuple[str, ...] = ()
+    port: int = DEFAULT_PORT
+    # host:port of peers to use without discovery (networks that block multicast).
+    peers: tuple[str, ...] = ()
+    discovery: bool = True
+    max_transfers: int = 4
+    # Bytes the store may hold before least-recently used caches go; 0: no limit.
+    store_budget: int = 0
+    health_interval: float = 1.0
+    log_format: str = "text"
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if self.log_format not in ("text", "json"):
+            raise KvmeshError(f"log_format must be text or json, not {self.log_format!r}")
+        if not 0 <= self.port < 65536:
+            raise KvmeshError(f"port must be in 0..65535, not {self.port}")
+        if self.max_transfers < 1:
+            raise KvmeshError("max_transfers must be at least 1")
+
+    @property
+    def store_dir(self) -> Path:
+        return Path(self.store).expanduser() if self.store else Path(self.data_dir) / "store"
+
+
+def _convert(name: str, value, source: str):
+    """A setting from a file or the environment, as the field's type."""
+    kind = {f.name: f.default for f in fields(DaemonConfig) if f.name != "data_dir"}.get(name)
+    try:
+        if name == "data_dir":
+            return Path(value).expanduser()
+        if isinstance(kind, tuple):
+            return tuple(v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip())
+        if isinstance(kind, bool):
+            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+        return type(kind)(value)
+    except (TypeError, ValueError) as e:
+        raise KvmeshError(f"{source}: bad value {value!r} for {name}: {e}") from e
+
+
+def load_config(
+    file: Path | None = None, env: Mapping[str, str] | None = None, overrides: Mapping | None = None
+) -> DaemonConfig:
+    """Settings from `file` (or the default config file, if it exists), env, then overrides."""
+    env = os.environ if env is None else env
+    names = {f.name for f in fields(DaemonConfig)}
+    values: dict = {}
+    path = file or default_config_file()
+    if file is not None or path.exists():
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise KvmeshError(f"{path}: cannot read the config: {e}") from e
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in names:
+                raise KvmeshError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(names))}")
+            values[name] = _convert(name, value, str(path))
+    for name in names:
+        if (value := env.get(f"KVMESH_{name.upper()}")) is not None:
+            values[name] = _convert(name, value, f"KVMESH_{name.upper()}")
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = _convert(name, value, f"--{name.replace('_', '-')}")
+    return replace(DaemonConfig(), **values)
