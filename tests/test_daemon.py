@@ -1,0 +1,211 @@
+"""Real daemon processes on 127.0.0.1: discovery over real mDNS, generation across peers, shutdown."""
+
+import json
+import os
+import plistlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from importlib import resources
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from kvmesh.client import PeerClient
+from kvmesh.compat import ReceiverProfile
+from kvmesh.config import DaemonConfig, load_config
+from kvmesh.errors import KvmeshError
+from kvmesh.fingerprint import fingerprint
+from kvmesh.prefill import prefill
+from kvmesh.store import CacheStore
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def kvmesh(data_dir, *args, check=True) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "--data-dir", str(data_dir), *args],
+        capture_output=True, text=True, env=ENV, check=check, timeout=300,
+    )
+
+
+class Daemons:
+    """Daemon processes of one test, each in its own data dir, stopped at the end."""
+
+    def __init__(self, root):
+        self.root, self.processes = root, {}
+
+    def start(self, name, *args) -> str:
+        data = self.root / name
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "--data-dir", str(data), "daemon",
+             "--interface", "127.0.0.1", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=open(self.root / f"{name}.log", "a"), text=True, env=ENV,
+        )
+        line = process.stdout.readline()
+        assert "serving on" in line, f"daemon {name} did not start: see {self.root / name}.log"
+        self.processes[name] = process
+        return line.split()[-1]
+
+    def peers(self, name, all=False) -> list[dict]:
+        return json.loads(kvmesh(self.root / name, "peers", "--json", *(["--all"] if all else [])).stdout)
+
+    def wait_for_peers(self, name, predicate, seconds=15.0):
+        """Poll a daemon's peer list (it lives in another process) until `predicate` holds."""
+        deadline = time.monotonic() + seconds
+        while not predicate(peers := self.peers(name)):
+            assert time.monotonic() < deadline, f"{name} never saw the expected peers; it has {peers}"
+            time.sleep(0.2)
+        return peers
+
+    def stop_all(self):
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            process.wait(timeout=30)
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    d = Daemons(tmp_path)
+    yield d
+    d.stop_all()
+
+
+def node_id(data_dir) -> str:
+    return (data_dir / "node-id").read_text().strip()
+
+
+def test_daemons_find_each_other_and_generate_uses_a_peers_cache(daemons, tiny, tiny_dir, tmp_path):
+    address_a = daemons.start("A")
+    daemons.start("B")
+    peers = daemons.wait_for_peers("B", lambda p: len(p) == 1)
+    assert peers[0]["node_id"] == node_id(tmp_path / "A") and peers[0]["addresses"] == [address_a]
+    assert peers[0]["source"] == "mdns"
+
+    document = tmp_path / "doc.txt"
+    document.write_text(resources.files("kvmesh").joinpath("data/corpus.txt").read_text()[:3000])
+    stored = json.loads(kvmesh(tmp_path / "A", "prefill", str(tiny_dir), "--file", str(document), "--json").stdout)
+    out = json.loads(kvmesh(tmp_path / "B", "generate", str(tiny_dir), "--file", str(document),
+                            "--prompt", " What does this test check?", "--max-tokens", "12", "--json").stdout)
+    assert out["prefix_from"] == f"peer {address_a}" and out["prefix_tokens"] == stored["tokens"]
+    assert out["wire_bytes"] > 0 and out["skipped"] == []
+
+    model, tokenizer = tiny
+    tokens = tokenizer.encode(document.read_text()) + tokenizer.encode(" What does this test check?", add_special_tokens=False)
+    reference = [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=12)]
+    assert out["tokens"] == reference
+
+    # B kept what it fetched: the same request is now served from its own store.
+    again = json.loads(kvmesh(tmp_path / "B", "generate", str(tiny_dir), "--file", str(document),
+                              "--prompt", " What does this test check?", "--max-tokens", "12", "--json").stdout)
+    assert again["prefix_from"] == "local store" and again["tokens"] == reference
+
+
+def test_a_killed_peer_is_dropped_within_seconds(daemons, tmp_path):
+    daemons.start("A")
+    daemons.start("B")
+    daemons.wait_for_peers("B", lambda p: len(p) == 1)
+    killed_at = time.monotonic()
+    daemons.processes["A"].send_signal(signal.SIGKILL)
+    daemons.processes["A"].wait()
+    daemons.wait_for_peers("B", lambda p: p == [], seconds=10)
+    assert time.monotonic() - killed_at < 10
+    [lost] = daemons.peers("B", all=True)
+    assert lost["node_id"] == node_id(tmp_path / "A") and not lost["healthy"]
+
+
+def test_a_stopped_peer_says_goodbye(daemons, tmp_path):
+    daemons.start("A")
+    daemons.start("B")
+    daemons.wait_for_peers("B", lambda p: len(p) == 1)
+    daemons.processes["A"].terminate()
+    assert daemons.processes["A"].wait(timeout=30) == 0
+    daemons.wait_for_peers("B", lambda p: p == [], seconds=10)
+    # A goodbye removes the peer entirely, not just from the live list.
+    assert daemons.peers("B", all=True) == []
+
+
+def test_static_peers_work_without_discovery(daemons, tmp_path):
+    address_a = daemons.start("A", "--no-discovery")
+    daemons.start("B", "--no-discovery", "--peer", address_a)
+    [peer] = daemons.wait_for_peers("B", lambda p: len(p) == 1 and p[0]["healthy"])
+    assert peer["addresses"] == [address_a] and peer["source"] == "static"
+
+
+def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_node(daemons, fp_tiny, tiny, tmp_path):
+    cache = prefill(tiny[0], [i % 400 + 4 for i in range(3000)]).cache
+    tokens = [i % 400 + 4 for i in range(3000)]
+    manifest = CacheStore(tmp_path / "A" / "store").put(cache, fp_tiny, tokens, codec="none", chunk_size=16 << 10)
+    address = daemons.start("A", "--no-discovery")
+    node = node_id(tmp_path / "A")
+    process = daemons.processes["A"]
+    signalled = threading.Event()
+
+    def sigterm_once(received, total):
+        if not signalled.is_set():
+            process.send_signal(signal.SIGTERM)
+            signalled.set()
+
+    with PeerClient(address) as client:
+        fetched = client.fetch(manifest.cache_id, ReceiverProfile(fp_tiny, prompt=tokens), progress=sigterm_once)
+    assert signalled.is_set() and fetched.manifest.cache_id == manifest.cache_id
+    assert process.wait(timeout=30) == 0
+    assert not (tmp_path / "A" / "daemon.json").exists()
+    log = (tmp_path / "A.log").read_text()
+    assert "shutting down" in log and "stopped" in log
+
+    daemons.start("A", "--no-discovery")
+    assert node_id(tmp_path / "A") == node
+    status = json.loads(kvmesh(tmp_path / "A", "status", "--json").stdout)
+    assert status["info"]["node_id"] == node and status["info"]["store"]["entries"] == 1
+
+
+@pytest.fixture(scope="module")
+def fp_tiny(tiny_dir):
+    return fingerprint(tiny_dir)
+
+
+def test_cli_without_a_daemon_says_so(tmp_path):
+    result = kvmesh(tmp_path / "none", "peers", check=False)
+    assert result.returncode == 1
+    assert result.stderr == f"kvmesh: error: no kvmesh daemon is running for {tmp_path / 'none'} (start one with `kvmesh daemon`)\n"
+
+
+def test_config_file_then_environment_then_flags(tmp_path):
+    config = tmp_path / "kvmesh.toml"
+    config.write_text('port = 7100\nmax-transfers = 2\ninterfaces = ["10.0.0.5"]\nlog_format = "json"\n')
+    env = {"KVMESH_PORT": "7200", "KVMESH_PEERS": "10.0.0.9:7077, 10.0.0.10:7077"}
+    loaded = load_config(config, env=env, overrides={"max_transfers": 3, "log_format": None})
+    assert loaded.port == 7200 and loaded.max_transfers == 3 and loaded.log_format == "json"
+    assert loaded.interfaces == ("10.0.0.5",) and loaded.peers == ("10.0.0.9:7077", "10.0.0.10:7077")
+    assert load_config(config, env={}).port == 7100
+    assert DaemonConfig().port == 7077
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("prot = 1\n", "unknown setting 'prot'"), ("port = 'many'\n", "bad value 'many' for port"),
+     ("log_format = 'xml'\n", "log_format must be text or json"), ("port = [\n", "cannot read the config")],
+)
+def test_bad_config_is_a_clear_error(tmp_path, text, message):
+    config = tmp_path / "kvmesh.toml"
+    config.write_text(text)
+    with pytest.raises(KvmeshError, match=message):
+        load_config(config, env={})
+
+
+def test_service_files(tmp_path):
+    plist = plistlib.loads(kvmesh(tmp_path, "service", "--platform", "macos", "--print").stdout.encode())
+    assert plist["Label"] == "dev.kvmesh.daemon"
+    assert plist["ProgramArguments"] == [sys.executable, "-m", "kvmesh.cli", "daemon", "--log-format", "json"]
+    assert plist["RunAtLoad"] is True and plist["KeepAlive"] == {"SuccessfulExit": False}
+    unit = tmp_path / "kvmesh.service"
+    out = kvmesh(tmp_path, "service", "--platform", "linux", "--output", str(unit)).stdout
+    assert "systemctl --user" in out
+    text = unit.read_text()
+    assert f"ExecStart={sys.executable} -m kvmesh.cli daemon --log-format json" in text and "Restart=on-failure" in text

@@ -1,0 +1,135 @@
+"""Three hosts in network namespaces on one bridge: discovery, a fetch, a crash and a partition.
+
+Needs root and iproute2; skipped otherwise. Every name carries this run's prefix, and teardown
+removes exactly what the test made, also when it fails. Nothing touches the host's own network.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from importlib import resources
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from kvmesh.fingerprint import fingerprint
+from kvmesh.prefill import prefill
+from kvmesh.store import CacheStore
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces"
+)
+PORT = 7077
+
+
+def ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Lan:
+    def __init__(self, root, prefix: str, size: int):
+        self.root, self.hub = root, f"{prefix}-hub"
+        self.nodes = {i: f"{prefix}-n{i}" for i in range(1, size + 1)}
+        self.daemons: dict[int, subprocess.Popen] = {}
+
+    def address(self, i: int) -> str:
+        return f"10.77.0.{i}"
+
+    def up(self):
+        ip("netns", "add", self.hub)
+        ip("-n", self.hub, "link", "set", "lo", "up")
+        ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.hub, "link", "set", "br0", "type", "bridge", "mcast_snooping", "0")
+        ip("-n", self.hub, "link", "set", "br0", "up")
+        for i, ns in self.nodes.items():
+            ip("netns", "add", ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("link", "add", f"veth{i}", "netns", self.hub, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("-n", self.hub, "link", "set", f"veth{i}", "master", "br0", "up")
+            ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+
+    def down(self):
+        for ns in [*self.nodes.values(), self.hub]:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def kvmesh(self, i: int, *args, check=True) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["ip", "netns", "exec", self.nodes[i], sys.executable, "-m", "kvmesh.cli",
+             "--data-dir", str(self.root / f"n{i}"), *args],
+            capture_output=True, text=True, check=check, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+
+    def start(self, i: int):
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", self.nodes[i], sys.executable, "-m", "kvmesh.cli",
+             "--data-dir", str(self.root / f"n{i}"), "daemon", "--interface", self.address(i),
+             "--port", str(PORT), "--health-interval", "0.5"],
+            stdout=subprocess.PIPE, stderr=open(self.root / f"n{i}.log", "a"), text=True,
+        )
+        assert "serving on" in process.stdout.readline(), f"daemon n{i} did not start; see n{i}.log"
+        self.daemons[i] = process
+
+    def live_peers(self, i: int) -> set[str]:
+        return {p["addresses"][0] for p in json.loads(self.kvmesh(i, "peers", "--json").stdout)}
+
+    def wait_until(self, i: int, predicate, seconds: float) -> float:
+        """Poll node i's live peers (another process, another namespace) until `predicate` holds."""
+        start = time.monotonic()
+        while not predicate(peers := self.live_peers(i)):
+            assert time.monotonic() - start < seconds, f"n{i} sees {peers} after {seconds} s"
+            time.sleep(0.2)
+        return time.monotonic() - start
+
+
+@pytest.fixture
+def lan(tmp_path):
+    network = Lan(tmp_path, f"kvm{os.getpid() % 100000}", 3)
+    try:
+        network.up()
+        yield network
+    finally:
+        network.down()
+
+
+def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tmp_path):
+    for i in lan.nodes:
+        lan.start(i)
+    everyone = {f"{lan.address(i)}:{PORT}" for i in lan.nodes}
+    for i in lan.nodes:
+        lan.wait_until(i, lambda peers, i=i: peers == everyone - {f"{lan.address(i)}:{PORT}"}, seconds=20)
+
+    # A fetch across the bridge: n1 holds the document's cache, n2 generates from it.
+    model, tokenizer = tiny
+    document = tmp_path / "doc.txt"
+    document.write_text(resources.files("kvmesh").joinpath("data/corpus.txt").read_text()[:2000])
+    doc_tokens = tokenizer.encode(document.read_text())
+    CacheStore(tmp_path / "n1" / "store").put(prefill(model, doc_tokens).cache, fingerprint(tiny_dir), doc_tokens)
+    out = json.loads(lan.kvmesh(2, "generate", str(tiny_dir), "--file", str(document), "--prompt", " Why?",
+                                "--max-tokens", "8", "--json").stdout)
+    assert out["prefix_from"] == f"peer {lan.address(1)}:{PORT}" and out["prefix_tokens"] == len(doc_tokens)
+    prompt = doc_tokens + tokenizer.encode(" Why?", add_special_tokens=False)
+    assert out["tokens"] == [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=8)]
+
+    # A crash: n3's daemon is SIGKILLed; n1 drops it within seconds.
+    lan.daemons[3].send_signal(signal.SIGKILL)
+    lan.daemons[3].wait()
+    dropped_in = lan.wait_until(1, lambda peers: f"{lan.address(3)}:{PORT}" not in peers, seconds=10)
+    assert dropped_in < 10
+
+    # A partition: n2's link goes down at the bridge; n1 drops it, then sees it again after repair.
+    ip("-n", lan.hub, "link", "set", "veth2", "down")
+    lan.wait_until(1, lambda peers: f"{lan.address(2)}:{PORT}" not in peers, seconds=15)
+    ip("-n", lan.hub, "link", "set", "veth2", "up")
+    lan.wait_until(1, lambda peers: f"{lan.address(2)}:{PORT}" in peers, seconds=15)
