@@ -43,9 +43,11 @@ def test_make_test_into_non_empty_dir_fails_cleanly(tmp_path):
     assert result.stderr.startswith(f"kvmesh: error: {tmp_path}: exists")
 
 
-def test_demo_runs_and_checks_itself():
-    result = run("demo", "--steps", "4")
-    assert "identical" in result.stdout and "DIFFERENT" not in result.stdout
+def test_demo_runs_the_mesh_and_checks_itself():
+    out = run("demo", "--steps", "4").stdout  # exits non-zero when a check fails
+    assert "found each other over mDNS" in out
+    assert out.count(" ok  ") == 4 and "FAILED" not in out and "all checks passed" in out
+    assert "refused: weights: the cache was made with other" in out
 
 
 def test_cache_commands_round_trip_an_mlx_lm_file(tiny_dir, tmp_path):
