@@ -207,3 +207,22 @@ def test_per_head_indices_must_match_heads():
 def test_rotating_cache_is_refused():
     with pytest.raises(UnsupportedCacheError, match="RotatingKVCache"):
         sparse_from_dense(RotatingKVCache(max_size=16))
+
+
+def test_mlx_lm_stream_generate_and_generate_take_sparse_caches(tiny, prompt_ids):
+    import mlx_lm
+
+    model, tokenizer = tiny
+    prefix, suffix = prompt_ids[:-4], prompt_ids[-4:]
+    dense, _, _ = run_prompt(model, prefix)
+    want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, suffix, max_tokens=6, prompt_cache=dense)]
+    sparse = prefill(model, prefix).cache
+    got = [r.token for r in mlx_lm.stream_generate(model, tokenizer, suffix, max_tokens=6, prompt_cache=sparse)]
+    assert got == want and len(got) == 6
+    evicted = prefill(model, prefix, make_press("snapkv", {"ratio": 0.5, "window": 16})).cache
+    before = [(c.offset, c.n_kept) for c in evicted]
+    text = mlx_lm.generate(model, tokenizer, suffix, max_tokens=6, prompt_cache=evicted)
+    assert text
+    # Every new token was stored after the kept ones, and counted in the logical offset too.
+    grown = {(c.offset - o, c.n_kept - k) for c, (o, k) in zip(evicted, before)}
+    assert len(grown) == 1 and (grew := grown.pop())[0] == grew[1] >= len(suffix) + 5
