@@ -76,6 +76,65 @@ def prompt_tokens(tokenizer, file: str | None, prompt: str | None) -> list[int]:
     return tokens
 
 
+def mesh_credentials(args):
+    """This node's mesh credentials, if it has joined a mesh."""
+    from .credentials import load_credentials
+    from .node import node_id
+
+    return load_credentials(data_dir(args), node_id(data_dir(args)))
+
+
+# mesh membership
+
+
+def cmd_mesh_init(args) -> int:
+    from .credentials import init_mesh
+    from .node import node_id
+
+    creds = init_mesh(data_dir(args), node_id(data_dir(args)), args.name)
+    print(f"created a mesh in {data_dir(args) / 'mesh'}; this node's certificate runs to {creds.expires:%Y-%m-%d}.")
+    print("On each other Mac: `kvmesh mesh export` here, then `kvmesh mesh join <that line>` there.")
+    return 0
+
+
+def cmd_mesh_export(args) -> int:
+    from .credentials import export_bundle
+
+    print(export_bundle(data_dir(args)))
+    print("This line is the mesh's secret: whoever has it can join. Copy it only to your own Macs.", file=sys.stderr)
+    return 0
+
+
+def cmd_mesh_join(args) -> int:
+    from .credentials import join_mesh
+    from .node import node_id
+
+    bundle = sys.stdin.read() if args.bundle == "-" else args.bundle
+    creds = join_mesh(data_dir(args), node_id(data_dir(args)), bundle)
+    print(f"joined the mesh; this node's certificate runs to {creds.expires:%Y-%m-%d}. Restart the daemon to serve the network.")
+    return 0
+
+
+def cmd_mesh_renew(args) -> int:
+    from .credentials import CredentialsError, mesh_dir, renew
+    from .node import node_id
+
+    if not (mesh_dir(data_dir(args)) / "ca.key").exists():
+        raise CredentialsError(f"no mesh in {mesh_dir(data_dir(args))}: run `kvmesh mesh init` or `join` first")
+    creds = renew(data_dir(args), node_id(data_dir(args)))
+    print(f"renewed; the certificate runs to {creds.expires:%Y-%m-%d}. Peers need nothing new.")
+    return 0
+
+
+def cmd_mesh_status(args) -> int:
+    creds = mesh_credentials(args)
+    if creds is None:
+        print("no mesh: the daemon serves loopback only (`kvmesh mesh init` or `kvmesh mesh join`)")
+    else:
+        print(f"member of a mesh; node certificate valid to {creds.expires:%Y-%m-%d %H:%M} UTC")
+    return 0
+
+
 # model
 
 
@@ -163,6 +222,9 @@ def cmd_daemon(args) -> int:
         "store_budget": args.store_budget, "health_interval": args.health_interval,
         "log_format": args.log_format, "log_level": args.log_level,
         "discovery": False if args.no_discovery else None,
+        "share_models": args.share_model or None, "accept_publish": False if args.read_only else None,
+        "publishers": args.publisher or None, "idle_timeout": args.idle_timeout,
+        "peer_calls_per_second": args.peer_rate,
     }
     config = load_config(Path(args.config) if args.config else None, overrides=overrides)
     setup_logging(config)
@@ -253,7 +315,7 @@ def cmd_fetch(args) -> int:
 
     profile = ReceiverProfile(fingerprint(args.model))
     bar, update = progress_bar("fetch", "bytes")
-    with bar, PeerClient(args.peer) as client:
+    with bar, PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
         fetched = client.fetch(args.cache_id, profile, num_tokens=args.tokens, store=open_store(args), progress=update)
     print(f"fetched {fetched.manifest.cache_id} from {args.peer}: {fetched.manifest.prefix.num_tokens} tokens, "
           f"{fetched.wire_bytes:,} bytes in {fetched.seconds:.2f} s")
@@ -267,7 +329,8 @@ def cmd_generate(args) -> int:
     tokens = prompt_tokens(tokenizer, args.file, args.prompt)
     bar, update = progress_bar("fetch", "bytes")
     with bar:
-        result = generate(model, fp, tokens, open_store(args), mesh_peers(args), args.max_tokens, update)
+        result = generate(model, fp, tokens, open_store(args), mesh_peers(args), args.max_tokens, update,
+                          credentials=mesh_credentials(args))
     text = tokenizer.decode(result.tokens)
     source = result.source
     saving = result.estimated_saving_s
@@ -376,6 +439,16 @@ def build_parser() -> argparse.ArgumentParser:
     export_mlx.add_argument("file")
     export_mlx.add_argument("--model", required=True, help="model path or hub id recorded for mlx_lm.generate")
 
+    mesh = commands.add_parser("mesh", help="create or join the mesh of your Macs (certificates for mutual TLS)")
+    mesh_commands = mesh.add_subparsers(title="mesh commands", metavar="COMMAND", required=True)
+    init = command("init", cmd_mesh_init, "create a new mesh (once, on the first Mac)", mesh_commands)
+    init.add_argument("--name", default="", help="a name for the mesh, shown in its CA certificate")
+    command("export", cmd_mesh_export, "print the mesh secret for `mesh join` on your other Macs", mesh_commands)
+    join = command("join", cmd_mesh_join, "join the mesh printed by `mesh export` on another Mac", mesh_commands)
+    join.add_argument("bundle", help="the line `kvmesh mesh export` printed, or - to read it from stdin")
+    command("renew", cmd_mesh_renew, "issue this node a fresh certificate now (also done automatically)", mesh_commands)
+    command("status", cmd_mesh_status, "whether this node belongs to a mesh", mesh_commands)
+
     daemon = command("daemon", cmd_daemon, "run the daemon: serve the store, advertise, find peers",
                      description="Settings come from --config (default: the platform config dir's config.toml), "
                                  "then KVMESH_<SETTING> variables, then these flags.")
@@ -392,6 +465,12 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--log-format", choices=["text", "json"])
     daemon.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     daemon.add_argument("--grace", type=float, default=10.0, help="seconds transfers in flight get at shutdown")
+    daemon.add_argument("--share-model", action="append", help="share only caches of this model id (repeat)")
+    daemon.add_argument("--read-only", action="store_true", help="take no publishes from peers")
+    daemon.add_argument("--publisher", action="append", help="node id allowed to publish here (repeat); "
+                        "default: every member")
+    daemon.add_argument("--idle-timeout", type=float, help="seconds a peer's stream may stall (default 30)")
+    daemon.add_argument("--peer-rate", type=float, help="calls per second allowed per peer (default 50)")
 
     status = command("status", cmd_status, "show what the local daemon is doing")
     status.add_argument("--json", action="store_true", help="print JSON")

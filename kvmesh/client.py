@@ -16,7 +16,8 @@ from .codec import CacheDecoder, IntegrityError
 from .compat import CacheRejected, ReceiverProfile, check_manifest
 from .errors import KvmeshError
 from .prefix import BLOCK_SIZE, block_hashes, prefix_sha256
-from .protocol import GRPC_OPTIONS, accept, profile_to_proto, reject, rejection_of
+from .credentials import MeshCredentials
+from .protocol import accept, open_channel, profile_to_proto, reject, rejection_of
 from .store import CacheStore
 from .v1 import cache_pb2 as pb
 from .v1 import service_pb2 as spb
@@ -51,12 +52,10 @@ class Fetched:
 
 
 class PeerClient:
-    def __init__(self, address: str, timeout: float = 10.0, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, address: str, timeout: float = 10.0, credentials: MeshCredentials | None = None):
+        """A client of the peer at `address`; with mesh `credentials`, over mutual TLS."""
         self.address, self.timeout = address, timeout
-        if credentials is None:
-            self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        else:
-            self.channel = grpc.secure_channel(address, credentials, options=GRPC_OPTIONS)
+        self.channel = open_channel(address, credentials)
         self.stub = service_pb2_grpc.KvMeshStub(self.channel)
 
     def close(self) -> None:
@@ -202,12 +201,13 @@ class PeerClient:
 
 
 def fetch_from_any(
-    addresses: Sequence[str], cache_id: str, profile: ReceiverProfile, **fetch_options
+    addresses: Sequence[str], cache_id: str, profile: ReceiverProfile,
+    credentials: MeshCredentials | None = None, **fetch_options,
 ) -> tuple[str, Fetched]:
     """Fetch from the first peer that delivers; a peer that fails is skipped for the next."""
     errors = []
     for address in addresses:
-        with PeerClient(address) as client:
+        with PeerClient(address, credentials=credentials) as client:
             try:
                 return address, client.fetch(cache_id, profile, **fetch_options)
             except (PeerError, IntegrityError) as e:

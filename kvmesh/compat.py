@@ -16,7 +16,7 @@ from .prefix import prefix_sha256
 from .v1 import cache_pb2 as pb
 
 MAX_LAYERS = 1024
-MAX_CHUNK_SIZE = 64 << 20
+MAX_CHUNK_SIZE = 16 << 20
 MIN_CHUNK_SIZE = 4 << 10
 MAX_BLOCK_SIZE = 1 << 16
 CODEC_NAMES = {v: k for k, v in CODECS.items()}

@@ -9,6 +9,7 @@ from pathlib import Path
 import platformdirs
 
 from .errors import KvmeshError
+from .policy import Policy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,6 +44,14 @@ class DaemonConfig:
     health_interval: float = 1.0
     log_format: str = "text"
     log_level: str = "info"
+    # Policy (see kvmesh.policy.Policy): what is shared and taken, and per-peer limits.
+    share_models: tuple[str, ...] = ()
+    accept_publish: bool = True
+    publishers: tuple[str, ...] = ()
+    max_publish_bytes: int = 8 << 30
+    peer_calls_per_second: float = 50.0
+    peer_transfers: int = 2
+    idle_timeout: float = 30.0
 
     def __post_init__(self):
         if self.log_format not in ("text", "json"):
@@ -51,6 +60,10 @@ class DaemonConfig:
             raise KvmeshError(f"port must be in 0..65535, not {self.port}")
         if self.max_transfers < 1:
             raise KvmeshError("max_transfers must be at least 1")
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(**{f.name: getattr(self, f.name) for f in fields(Policy)})
 
     @property
     def store_dir(self) -> Path:

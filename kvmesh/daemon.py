@@ -4,6 +4,7 @@ It needs no model: it only stores and moves caches. The local CLI reaches it thr
 service on loopback, found through `daemon.json` in the data directory.
 """
 
+import ipaddress
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 import grpc
 
 from .config import DaemonConfig
+from .credentials import load_credentials
 from .discovery import Discovery, HealthChecker, Peer, PeerTable, routable_addresses
 from .errors import KvmeshError
 from .node import node_id
@@ -117,11 +119,18 @@ class Daemon:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.node_id = node_id(data_dir)
         self.store = CacheStore(config.store_dir, max_bytes=config.store_budget or None)
+        self.credentials = load_credentials(data_dir, self.node_id)
         interfaces = list(config.interfaces) or routable_addresses(None)
-        if not interfaces:
-            raise KvmeshError("no network interface to serve on: give --interface")
+        if self.credentials is None:
+            lan = [a for a in interfaces if not ipaddress.ip_address(a).is_loopback]
+            if lan:
+                log.warning("no mesh credentials: serving loopback only, not %s; run `kvmesh mesh init` "
+                            "(first Mac) or `kvmesh mesh join` (the others) to serve the network", ", ".join(lan))
+            interfaces = [a for a in interfaces if a not in lan] or ["127.0.0.1"]
+        self.mode = "mutual TLS" if self.credentials else "loopback only, no mesh credentials"
         self.server = start_server(
-            self.store, self.node_id, [_host_port(ip, config.port) for ip in interfaces], config.max_transfers
+            self.store, self.node_id, [_host_port(ip, config.port) for ip in interfaces], config.max_transfers,
+            policy=config.policy, credentials=self.credentials.server_credentials() if self.credentials else None,
         )
         self.listen = [_host_port(ip, self.server.port) for ip in interfaces]
 
@@ -133,17 +142,17 @@ class Daemon:
         for address in config.peers:
             self.peers.upsert(Peer(f"static:{address}", (address,), "static", healthy=False))
         if config.discovery:
-            self.discovery = Discovery(self.node_id, self.server.port, interfaces, self.peers)
+            self.discovery = Discovery(self.node_id, self.server.port, interfaces, self.peers, tls=self.credentials is not None)
             self.discovery.start()
-        self.health = HealthChecker(self.peers, config.health_interval)
+        self.health = HealthChecker(self.peers, config.health_interval, credentials=self.credentials)
         self.health.start()
 
         state = DaemonState(os.getpid(), self.node_id, f"127.0.0.1:{control_port}", self.listen, str(self.store.root))
         tmp = data_dir / f"{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(vars(state)))
         tmp.replace(data_dir / STATE_FILE)
-        log.info("node %s serving %s on %s (control 127.0.0.1:%d)", self.node_id, self.store.root,
-                 ", ".join(self.listen), control_port)
+        log.info("node %s serving %s on %s, %s (control 127.0.0.1:%d)", self.node_id, self.store.root,
+                 ", ".join(self.listen), self.mode, control_port)
 
     def stop(self, grace: float = 10.0) -> None:
         """Goodbye to the mesh first, then let transfers in flight finish for `grace` seconds."""
@@ -164,7 +173,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         self.start()
-        print(f"kvmesh: node {self.node_id} serving on {', '.join(self.listen)}", flush=True)
+        print(f"kvmesh: node {self.node_id} ({self.mode}) serving on {', '.join(self.listen)}", flush=True)
         stop.wait()
         log.info("shutting down")
         self.stop(grace)

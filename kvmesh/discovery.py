@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zeroconf import DNSQuestionType, IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 from . import __version__
-from .protocol import PROTOCOL_VERSION, SERVICE_NAME
+from .credentials import MeshCredentials
+from .protocol import PROTOCOL_VERSION, SERVICE_NAME, open_channel
 
 SERVICE_TYPE = "_kvmesh._tcp.local."
 log = logging.getLogger("kvmesh.discovery")
@@ -108,8 +109,8 @@ def routable_addresses(interfaces: Sequence[str] | None) -> list[str]:
 class Discovery:
     """Advertise this node and keep a PeerTable of the others found by mDNS."""
 
-    def __init__(self, node_id: str, port: int, interfaces: Sequence[str] | None, table: PeerTable):
-        self.node_id, self.port, self.table = node_id, port, table
+    def __init__(self, node_id: str, port: int, interfaces: Sequence[str] | None, table: PeerTable, tls: bool = False):
+        self.node_id, self.port, self.table, self.tls = node_id, port, table, tls
         self.interfaces = list(interfaces) if interfaces else None
         self.zeroconf: Zeroconf | None = None
         self.browser: ServiceBrowser | None = None
@@ -126,7 +127,7 @@ class Discovery:
             SERVICE_TYPE,
             f"{self.node_id}.{SERVICE_TYPE}",
             port=self.port,
-            properties={"id": self.node_id, "pv": str(PROTOCOL_VERSION), "v": __version__},
+            properties={"id": self.node_id, "pv": str(PROTOCOL_VERSION), "v": __version__, "tls": "1" if self.tls else "0"},
             server=f"{self.node_id}.local.",
             parsed_addresses=addresses,
         )
@@ -165,9 +166,9 @@ class Discovery:
             self.zeroconf = None
 
 
-def check_health(address: str, timeout: float) -> bool:
+def check_health(address: str, timeout: float, credentials: MeshCredentials | None = None) -> bool:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with open_channel(address, credentials) as channel:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout
             )
@@ -179,8 +180,12 @@ def check_health(address: str, timeout: float) -> bool:
 class HealthChecker:
     """Checks every known peer each `interval` seconds, on its own thread."""
 
-    def __init__(self, table: PeerTable, interval: float = 1.0, drop_after: int = 2, forget_after: float = 600.0):
+    def __init__(
+        self, table: PeerTable, interval: float = 1.0, drop_after: int = 2, forget_after: float = 600.0,
+        credentials: MeshCredentials | None = None,
+    ):
         self.table, self.interval, self.drop_after, self.forget_after = table, interval, drop_after, forget_after
+        self.credentials = credentials
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-health", daemon=True)
 
@@ -190,7 +195,7 @@ class HealthChecker:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             for peer in self.table.all():
-                ok = any(check_health(a, timeout=self.interval) for a in peer.addresses)
+                ok = any(check_health(a, self.interval, self.credentials) for a in peer.addresses)
                 self.table.checked(peer.node_id, ok, self.drop_after)
                 if not ok and peer.source == "mdns" and time.monotonic() - peer.last_ok > self.forget_after:
                     self.table.remove(peer.node_id, f"silent for {self.forget_after:.0f} s")

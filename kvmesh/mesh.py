@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .client import PeerClient, PeerError, Progress
 from .codec import IntegrityError
 from .compat import CacheRejected, ReceiverProfile
+from .credentials import MeshCredentials
 from .fingerprint import ModelFingerprint
 from .prefill import generate_from_cache
 from .store import CacheStore
@@ -57,6 +58,7 @@ def find_prefix(
     store: CacheStore,
     peers: Sequence[str],
     progress: Progress | None = None,
+    credentials: MeshCredentials | None = None,
 ) -> tuple[list | None, PrefixSource]:
     """The cache of the longest prefix of `tokens[:-1]` found, and where it came from.
 
@@ -69,7 +71,7 @@ def find_prefix(
     skipped = []
     for address in peers:
         try:
-            with PeerClient(address, timeout=5.0) as client:
+            with PeerClient(address, timeout=5.0, credentials=credentials) as client:
                 offers += [(m.tokens, address, m) for m in client.lookup(model_fp.model_id, wanted)]
         except PeerError as e:
             skipped.append(str(e))
@@ -87,7 +89,7 @@ def find_prefix(
     for n, address, match in offers:
         candidate = match.candidate
         try:
-            with PeerClient(address) as client:
+            with PeerClient(address, credentials=credentials) as client:
                 fetched = client.fetch(
                     candidate.cache_id, profile, num_tokens=n if n < candidate.num_tokens else 0,
                     store=store, progress=progress,
@@ -110,9 +112,10 @@ def generate(
     max_tokens: int = 64,
     progress: Progress | None = None,
     on_token: Callable[[int], None] | None = None,
+    credentials: MeshCredentials | None = None,
 ) -> Generation:
     """Greedy generation after `tokens`, reusing the longest cached prefix found on the mesh."""
-    cache, source = find_prefix(model_fp, tokens, store, peers, progress)
+    cache, source = find_prefix(model_fp, tokens, store, peers, progress, credentials)
     suffix = list(tokens[source.tokens :])
     start = time.perf_counter()
     out, first_at = [], None

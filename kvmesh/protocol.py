@@ -1,7 +1,10 @@
 """What both ends of a kvmesh gRPC connection agree on: limits, and profile/decision messages."""
 
+import grpc
+
 from .compat import CODEC_NAMES, MAX_CHUNK_SIZE, ReceiverProfile, Rejection
 from .codec import max_encoded_length
+from .credentials import SERVER_NAME, MeshCredentials
 from .fingerprint import ModelFingerprint
 from .manifest import CODECS
 from .v1 import service_pb2 as spb
@@ -14,6 +17,18 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# A peer that opens a connection and never finishes the TLS handshake is dropped after this.
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.server_handshake_timeout_ms", 10_000)]
+
+
+def open_channel(address: str, credentials: MeshCredentials | None = None) -> grpc.Channel:
+    """A channel to a peer: mutual TLS with mesh credentials (the peer must prove it is a member)."""
+    if credentials is None:
+        return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    return grpc.secure_channel(
+        address, credentials.channel_credentials(),
+        options=GRPC_OPTIONS + [("grpc.ssl_target_name_override", SERVER_NAME)],
+    )
 
 
 def profile_to_proto(profile: ReceiverProfile) -> spb.ReceiverProfile:

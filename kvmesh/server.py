@@ -20,12 +20,17 @@ from grpc_reflection.v1alpha import reflection
 from . import __version__
 from .codec import IntegrityError
 from .compat import check_manifest, validate_manifest
-from .protocol import GRPC_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, accept, profile_from_proto, reject
+from .protocol import PROTOCOL_VERSION, SERVER_OPTIONS, SERVICE_NAME, accept, profile_from_proto, reject
+from .policy import PeerLimits, Policy
+from .prefix import BLOCK_SIZE
 from .store import CacheStore, NotFoundError, StoreError
+from .v1 import cache_pb2 as pb
 from .v1 import service_pb2 as spb
 from .v1 import service_pb2_grpc
 
 log = logging.getLogger("kvmesh.server")
+# A lookup names at most this many blocks: prompts of 8M tokens.
+MAX_LOOKUP_BLOCKS = 65536
 
 
 @dataclass
@@ -69,15 +74,74 @@ class TransferCounters:
             self.slots.release()
 
 
+LOCAL = "local"
+
+
+def peer_identity(context: grpc.ServicerContext) -> str:
+    """The node id in the peer's mesh certificate, or LOCAL for a plaintext (loopback-only) caller."""
+    names = context.auth_context().get("x509_common_name")
+    return names[0].decode() if names else LOCAL
+
+
+def next_within(requests: Iterator, seconds: float, context: grpc.ServicerContext, what: str):
+    """The peer's next message, or the stream is cut: a peer that stalls must not hold a slot."""
+    box: dict = {}
+    arrived = threading.Event()
+
+    def read():
+        try:
+            box["message"] = next(requests, None)
+        except Exception as e:  # the stream broke: re-raised in the handler's thread
+            box["error"] = e
+        arrived.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not arrived.wait(seconds):
+        log.warning("%s sent no %s within %.0f s: stream cut", context.peer(), what, seconds)
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {what} within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["message"]
+
+
 class KvMeshService(service_pb2_grpc.KvMeshServicer):
-    def __init__(self, store: CacheStore, node_id: str, max_transfers: int = 4, accept_publish: bool = True):
+    def __init__(self, store: CacheStore, node_id: str, max_transfers: int = 4, policy: Policy | None = None):
         self.store = store
         self.node_id = node_id
-        self.accept_publish = accept_publish
+        self.policy = policy or Policy()
+        self.limits = PeerLimits(self.policy)
         self.counters = TransferCounters(max_transfers)
 
+    def _admit(self, context: grpc.ServicerContext) -> str:
+        """The caller's identity, once it is within its call rate.
+
+        Per-peer limits hold mesh members to account; local callers are this machine's own user.
+        """
+        peer = peer_identity(context)
+        if peer != LOCAL and not self.limits.allow_call(peer):
+            log.warning("%s over its rate of %.0f calls/s: refused", peer, self.policy.peer_calls_per_second)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls: slow down")
+        return peer
+
+    @contextmanager
+    def _transfer(self, peer: str, context: grpc.ServicerContext):
+        """One of this peer's transfers, in one of the daemon's transfer slots."""
+        if peer == LOCAL:
+            with self.counters.slot(context):
+                yield
+            return
+        if not self.limits.start_transfer(peer):
+            log.warning("%s already runs %d transfers: refused", peer, self.policy.peer_transfers)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {self.policy.peer_transfers} transfers per peer")
+        try:
+            with self.counters.slot(context):
+                yield
+        finally:
+            self.limits.end_transfer(peer)
+
     def Info(self, request, context):
-        entries = self.store.entries()
+        self._admit(context)
+        entries = [e for e in self.store.entries() if self.policy.shares(e.model_id)]
         return spb.InfoResponse(
             node_id=self.node_id,
             version=__version__,
@@ -92,30 +156,35 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         )
 
     def Lookup(self, request, context):
-        matched = self.store.blocks_matched(request.model_id, list(request.block_hashes))
-        block = request.block_size
+        self._admit(context)
+        if request.block_size != BLOCK_SIZE or len(request.block_hashes) > MAX_LOOKUP_BLOCKS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"lookups use blocks of {BLOCK_SIZE} tokens, at most {MAX_LOOKUP_BLOCKS} of them")
         response = spb.LookupResponse()
+        if not self.policy.shares(request.model_id):
+            return response
+        matched = self.store.blocks_matched(request.model_id, list(request.block_hashes))
         for e in self.store.entries(request.model_id):
             blocks = matched.get(e.cache_id, 0)
             # An entry whose every complete block matches may hold exactly the requester's prefix
             # (the requester checks prefix_sha256); one that evicted nothing serves its matched blocks.
-            if blocks < e.num_tokens // block and not (e.evicts_nothing and blocks):
+            if blocks < e.num_tokens // BLOCK_SIZE and not (e.evicts_nothing and blocks):
                 continue
             response.candidates.add(
                 cache_id=e.cache_id, num_tokens=e.num_tokens, prefix_sha256=e.prefix_sha256,
-                matched_tokens=min(blocks * block, e.num_tokens), evicts_nothing=e.evicts_nothing,
+                matched_tokens=min(blocks * BLOCK_SIZE, e.num_tokens), evicts_nothing=e.evicts_nothing,
                 method=e.method, raw_bytes=e.raw_bytes, stored_bytes=e.file_bytes,
             )
         return response
 
     def Fetch(self, requests: Iterator[spb.FetchRequest], context) -> Iterator[spb.FetchResponse | bytes]:
-        first = next(requests, None)
+        peer = self._admit(context)
+        first = next_within(requests, self.policy.idle_timeout, context, "open")
         if first is None or first.WhichOneof("msg") != "open":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a fetch starts with an open message")
         opened = first.open
         self.counters.add("fetches_started")
-        peer = context.peer()
-        with self.counters.slot(context):
+        with self._transfer(peer, context):
             manifest = self._manifest(opened, context)
             if opened.HasField("profile"):
                 if rejection := check_manifest(manifest, profile_from_proto(opened.profile)):
@@ -124,7 +193,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                     yield spb.FetchResponse(refused=reject(rejection))
                     return
             yield spb.FetchResponse(manifest=manifest)
-            reply = next(requests, None)
+            reply = next_within(requests, self.policy.idle_timeout, context, "decision")
             if reply is None or reply.WhichOneof("msg") != "decision":
                 self.counters.add("fetches_failed")
                 return
@@ -152,32 +221,43 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
 
     def _manifest(self, opened: spb.FetchOpen, context):
         try:
+            manifest = self.store.manifest(opened.cache_id)
+            if not self.policy.shares(manifest.model.model_id):
+                raise NotFoundError(f"no cache {opened.cache_id} in the store")  # unshared looks absent
             if opened.num_tokens:
                 return self.store.prefix_entry(opened.cache_id, opened.num_tokens)
-            return self.store.manifest(opened.cache_id)
+            return manifest
         except NotFoundError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (StoreError, IntegrityError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     def Publish(self, requests: Iterator[spb.PublishRequest], context) -> Iterator[spb.PublishResponse]:
-        first = next(requests, None)
+        peer = self._admit(context)
+        first = next_within(requests, self.policy.idle_timeout, context, "manifest")
         if first is None or first.WhichOneof("msg") != "manifest":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a publish starts with a manifest")
         manifest = first.manifest
-        if not self.accept_publish:
+        refusal = None
+        if not self.policy.may_publish(peer):
+            refusal = spb.Decision(accept=False, message=f"this peer does not accept publishes from {peer}")
+        elif rejection := validate_manifest(manifest):
+            refusal = reject(rejection)
+        elif manifest.encoding.raw_bytes > self.policy.max_publish_bytes:
+            refusal = spb.Decision(
+                accept=False, reason=pb.REJECT_REASON_SIZE_LIMIT,
+                message=f"{manifest.encoding.raw_bytes:,} bytes exceed the publish limit of {self.policy.max_publish_bytes:,}",
+            )
+        if refusal is not None:
             self.counters.add("publishes_rejected")
-            yield spb.PublishResponse(decision=spb.Decision(accept=False, message="this peer does not accept publishes"))
+            log.info("refused a publish from %s: %s", peer, refusal.message)
+            yield spb.PublishResponse(decision=refusal)
             return
-        if rejection := validate_manifest(manifest):
-            self.counters.add("publishes_rejected")
-            yield spb.PublishResponse(decision=reject(rejection))
-            return
-        with self.counters.slot(context):
+        with self._transfer(peer, context):
             yield spb.PublishResponse(decision=accept())
 
             def chunks():
-                for request in requests:
+                while (request := next_within(requests, self.policy.idle_timeout, context, "chunk")) is not None:
                     kind = request.WhichOneof("msg")
                     if kind == "chunk":
                         yield request.chunk
@@ -192,8 +272,11 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             try:
                 stored = self.store.receive(manifest, chunks())
             except (IntegrityError, StoreError) as e:
+                self.counters.add("publishes_rejected")
+                log.warning("publish from %s refused, nothing stored: %s", peer, e)
                 context.abort(grpc.StatusCode.DATA_LOSS, f"publish refused, nothing stored: {e}")
             self.counters.add("publishes_accepted")
+            log.info("%s published %s", peer, stored.cache_id)
             yield spb.PublishResponse(result=spb.PublishResult(cache_id=stored.cache_id))
 
 
@@ -252,15 +335,18 @@ def start_server(
     node_id: str,
     addresses: str | list[str] = "127.0.0.1:0",
     max_transfers: int = 4,
-    accept_publish: bool = True,
+    policy: Policy | None = None,
     credentials: grpc.ServerCredentials | None = None,
 ) -> RunningServer:
     """Serve the kvmesh service, standard health checking and reflection.
 
     Every address gets the same port: the first one's, when its port is 0 (any free port).
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * max_transfers + 4), options=GRPC_OPTIONS)
-    service = KvMeshService(store, node_id, max_transfers, accept_publish)
+    # Calls beyond the worker threads are refused by gRPC itself, never queued without bound.
+    workers = 4 * max_transfers + 4
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
+                         maximum_concurrent_rpcs=workers)
+    service = KvMeshService(store, node_id, max_transfers, policy)
     add_service(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

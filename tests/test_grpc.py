@@ -25,6 +25,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.fingerprint import fingerprint
 from kvmesh.manifest import layer_tensors
 from kvmesh.prefill import generate_from_cache, prefill
+from kvmesh.policy import Policy
 from kvmesh.presses import Press, make_press
 from kvmesh.sparse_cache import SparseKVCache
 from kvmesh.store import FOOTER, MAGIC, RECORD_HEADER, CacheStore
@@ -296,7 +297,7 @@ def test_a_peer_that_takes_no_publishes_says_so(producer, serve, tmp_path):
     root, made = producer
     from kvmesh.server import start_server
 
-    running = start_server(CacheStore(tmp_path / "ro"), "readonly", accept_publish=False)
+    running = start_server(CacheStore(tmp_path / "ro"), "readonly", policy=Policy(accept_publish=False))
     try:
         with PeerClient(f"127.0.0.1:{running.port}") as client:
             with pytest.raises(CacheRejected, match="does not accept publishes"):

@@ -78,7 +78,8 @@ class Lan:
              "--port", str(PORT), "--health-interval", "0.5"],
             stdout=subprocess.PIPE, stderr=open(self.root / f"n{i}.log", "a"), text=True,
         )
-        assert "serving on" in process.stdout.readline(), f"daemon n{i} did not start; see n{i}.log"
+        line = process.stdout.readline()
+        assert "(mutual TLS) serving on" in line, f"daemon n{i} did not start as a mesh member: {line!r}"
         self.daemons[i] = process
 
     def live_peers(self, i: int) -> set[str]:
@@ -104,6 +105,11 @@ def lan(tmp_path):
 
 
 def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tmp_path):
+    # One mesh: made on n1, joined by the others (without it a daemon serves loopback only).
+    lan.kvmesh(1, "mesh", "init")
+    bundle = lan.kvmesh(1, "mesh", "export").stdout.strip()
+    for i in (2, 3):
+        lan.kvmesh(i, "mesh", "join", bundle)
     for i in lan.nodes:
         lan.start(i)
     everyone = {f"{lan.address(i)}:{PORT}" for i in lan.nodes}

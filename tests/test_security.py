@@ -1,0 +1,388 @@
+"""Mesh membership and TLS, with real daemons: who is refused, what the wire shows, what is shared."""
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import mlx.core as mx
+import pytest
+from cryptography import x509
+
+from kvmesh.client import PeerClient, PeerError
+from kvmesh.compat import CacheRejected, ReceiverProfile
+from kvmesh.credentials import (
+    CredentialsError,
+    MeshCredentials,
+    export_bundle,
+    init_mesh,
+    issue_node_cert,
+    join_mesh,
+    load_credentials,
+    mesh_dir,
+    renew,
+)
+from kvmesh.fingerprint import fingerprint
+from kvmesh.node import node_id
+from kvmesh.prefill import prefill
+from kvmesh.sparse_cache import SparseKVCache
+from kvmesh.protocol import MAX_MESSAGE_BYTES, open_channel
+from kvmesh.store import CacheStore, read_entry_chunks, read_entry_manifest
+from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.v1 import service_pb2 as spb
+from kvmesh.v1 import service_pb2_grpc
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 that records what passes each way (a wire tap for the tests)."""
+
+    def __init__(self, target: str):
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.to_server, self.to_client = bytearray(), bytearray()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, server, self.to_server), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, self.to_client), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source, sink, record):
+        try:
+            while data := source.recv(1 << 16):
+                record += data
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.listener.close()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """Data dirs: a (made the mesh), b and d (joined it), c (another mesh)."""
+    root = tmp_path_factory.mktemp("mesh")
+    init_mesh(root / "a", node_id(root / "a"))
+    for name in ("b", "d"):
+        join_mesh(root / name, node_id(root / name), export_bundle(root / "a"))
+    init_mesh(root / "c", node_id(root / "c"))
+    return root
+
+
+def creds(mesh, name) -> MeshCredentials:
+    return load_credentials(mesh / name, node_id(mesh / name))
+
+
+@pytest.fixture(scope="module")
+def served(mesh, tiny, tiny_dir, prompt_ids):
+    """A's store holds one uncompressed cache (codec none, so its bytes are recognisable)."""
+    fp = fingerprint(tiny_dir)
+    manifest = CacheStore(mesh / "a" / "store").put(prefill(tiny[0], prompt_ids).cache, fp, prompt_ids, codec="none")
+    return manifest, fp
+
+
+class Daemon:
+    def __init__(self, data_dir, *args, env=None):
+        self.log = data_dir.parent / f"{data_dir.name}.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "--data-dir", str(data_dir), "daemon", "--interface", "127.0.0.1",
+             "--port", "0", "--no-discovery", *args],
+            stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True, env=env or ENV,
+        )
+        self.line = self.process.stdout.readline()
+        assert "serving on" in self.line, f"the daemon did not start; see {self.log}"
+        self.address = self.line.split()[-1]
+
+    def handshake_failures(self) -> int:
+        return self.log.read_text().count("Handshake failed")
+
+    def wait_for_more_handshake_failures(self, before: int, seconds: float = 10.0) -> int:
+        """gRPC core logs a refused handshake from its own thread: poll the log for it."""
+        deadline = time.monotonic() + seconds
+        while (now := self.handshake_failures()) <= before:
+            assert time.monotonic() < deadline, "no refused handshake was logged"
+            time.sleep(0.05)
+        return now
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def daemon_a(mesh, served):
+    daemon = Daemon(mesh / "a")
+    yield daemon
+    daemon.stop()
+
+
+def stats(daemon, mesh):
+    with PeerClient(daemon.address, credentials=creds(mesh, "b")) as client:
+        return client.info().transfers
+
+
+def test_a_member_fetches_over_tls_and_the_wire_shows_no_payload(mesh, served, daemon_a, prompt_ids):
+    manifest, fp = served
+    assert "(mutual TLS) serving on" in daemon_a.line
+    relay = Relay(daemon_a.address)
+    try:
+        with PeerClient(relay.address, credentials=creds(mesh, "b")) as client:
+            fetched = client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+    finally:
+        relay.close()
+    assert fetched.manifest.cache_id == manifest.cache_id
+    assert len(relay.to_client) > manifest.encoding.raw_bytes  # the whole payload went through the tap
+    with open(mesh / "a" / "store" / "entries" / f"{manifest.cache_id}.kvc", "rb") as f:
+        chunks = list(read_entry_chunks(f, read_entry_manifest(f, "a"), "a"))
+    for chunk in chunks[:: max(1, len(chunks) // 8)]:
+        needle = chunk.data[1000:1064]
+        assert needle not in relay.to_client, "plaintext cache bytes on the wire"
+    assert b"kvmesh.v1.KvMesh" not in relay.to_server  # even the method names are encrypted
+
+
+def expired_credentials(mesh) -> MeshCredentials:
+    ca = mesh_dir(mesh / "a")
+    trust = (ca / "trust.pem").read_bytes()
+    start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=40)
+    key, cert = issue_node_cert((ca / "ca.key").read_bytes(), trust, "eeeeeeeeeeeeeeee", not_before=start, days=30)
+    return MeshCredentials(trust, key, cert)
+
+
+@pytest.mark.parametrize("who", ["no credentials", "another mesh", "an expired certificate"])
+def test_non_members_are_refused_and_logged_and_get_nothing(mesh, served, daemon_a, prompt_ids, who):
+    manifest, fp = served
+    # An outsider may know the mesh's CA certificate (it is not secret): it trusts A, but its own
+    # certificate is from another mesh, so A must be the one that refuses.
+    outsider = creds(mesh, "c")
+    credentials = {"no credentials": None,
+                   "another mesh": MeshCredentials(creds(mesh, "a").trust_pem, outsider.key_pem, outsider.cert_pem),
+                   "an expired certificate": expired_credentials(mesh)}[who]
+    before = daemon_a.handshake_failures()
+    with PeerClient(daemon_a.address, timeout=5.0, credentials=credentials) as client:
+        with pytest.raises(PeerError):
+            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids), deadline=10)
+    daemon_a.wait_for_more_handshake_failures(before)
+    transfers = stats(daemon_a, mesh)
+    assert transfers.fetches_started == 0 and transfers.chunk_bytes_sent == 0
+
+
+def test_a_replayed_call_is_refused(mesh, served, daemon_a, prompt_ids):
+    manifest, fp = served
+    relay = Relay(daemon_a.address)
+    try:
+        with PeerClient(relay.address, credentials=creds(mesh, "b")) as client:
+            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+    finally:
+        relay.close()
+    captured = bytes(relay.to_server)
+    after_fetch = stats(daemon_a, mesh)
+    before = daemon_a.handshake_failures()
+
+    host, port = daemon_a.address.rsplit(":", 1)
+    answer = bytearray()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(captured)
+        try:
+            while data := s.recv(1 << 16):
+                answer += data
+        except (ConnectionResetError, socket.timeout):
+            pass
+    daemon_a.wait_for_more_handshake_failures(before)
+    replayed = stats(daemon_a, mesh)
+    assert replayed.fetches_started == after_fetch.fetches_started
+    assert replayed.chunk_bytes_sent == after_fetch.chunk_bytes_sent
+    assert len(answer) < 16384  # a handshake and an alert, no payload
+
+
+def test_rotated_certificates_keep_the_mesh(mesh, served, daemon_a, prompt_ids):
+    manifest, fp = served
+    old = creds(mesh, "b")
+    renewed = renew(mesh / "b", node_id(mesh / "b"))
+    assert renewed.cert_pem != old.cert_pem and renewed.expires >= old.expires
+    with PeerClient(daemon_a.address, credentials=renewed) as client:
+        assert client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id == manifest.cache_id
+
+
+def test_an_ending_certificate_is_renewed_when_loaded(mesh, tmp_path):
+    data = tmp_path / "e"
+    join_mesh(data, node_id(data), export_bundle(mesh / "a"))
+    ca = mesh_dir(data)
+    start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=25)
+    key, cert = issue_node_cert((ca / "ca.key").read_bytes(), (ca / "trust.pem").read_bytes(), node_id(data),
+                                not_before=start, days=30)
+    (ca / "node.pem").write_bytes(cert)
+    loaded = load_credentials(data, node_id(data))
+    assert loaded.expires - datetime.datetime.now(datetime.timezone.utc) > datetime.timedelta(days=29)
+    assert x509.load_pem_x509_certificate(loaded.cert_pem).subject.rfc4514_string() == f"CN={node_id(data)}"
+
+
+def test_a_bad_bundle_is_a_clear_error(tmp_path):
+    with pytest.raises(CredentialsError, match="not a kvmesh mesh bundle"):
+        join_mesh(tmp_path / "x", "0123456789abcdef", "kvmesh-mesh-v1:bm90IGpzb24=")
+    assert not (mesh_dir(tmp_path / "x") / "ca.key").exists()
+
+
+def test_the_mesh_key_is_private_to_its_owner(mesh):
+    for name in ("ca.key", "node.key"):
+        assert (mesh_dir(mesh / "a") / name).stat().st_mode & 0o077 == 0
+
+
+def test_without_credentials_a_daemon_serves_loopback_only_and_says_so(tmp_path):
+    daemon = Daemon(tmp_path / "lonely", "--interface", "192.0.2.1")
+    try:
+        assert "(loopback only, no mesh credentials) serving on 127.0.0.1:" in daemon.line
+        assert "192.0.2.1" not in daemon.line
+    finally:
+        daemon.stop()
+    assert "no mesh credentials: serving loopback only, not 192.0.2.1" in daemon.log.read_text()
+
+
+def test_policy_limits_what_is_shared_and_who_publishes(mesh, served, tmp_path, prompt_ids):
+    manifest, fp = served
+    b, d = node_id(mesh / "b"), node_id(mesh / "d")
+    daemon = Daemon(mesh / "a", "--share-model", "0000000000000000", "--publisher", b)
+    try:
+        with PeerClient(daemon.address, credentials=creds(mesh, "b")) as client:
+            assert client.info().model_ids == [] and client.lookup(fp.model_id, prompt_ids) == []
+            with pytest.raises(PeerError, match="not_found"):
+                client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+        # d is a member but not a publisher: read-only here.
+        publish_from = CacheStore(tmp_path / "d-store")
+        small = publish_from.put(small_cache(), fp, prompt_ids[:64], codec="none")
+        with PeerClient(daemon.address, credentials=creds(mesh, "d")) as client:
+            with pytest.raises(CacheRejected, match=f"does not accept publishes from {d}"):
+                client.publish(publish_from, small.cache_id)
+        with PeerClient(daemon.address, credentials=creds(mesh, "b")) as client:
+            assert client.publish(publish_from, small.cache_id) == small.cache_id
+    finally:
+        daemon.stop()
+    assert f"refused a publish from {d}" in daemon.log.read_text()
+
+
+def small_cache() -> list:
+    """A 64-token cache in the tiny geometry (4 layers, 2 kv heads of 64)."""
+    return [SparseKVCache.from_arrays(mx.ones((1, 2, 64, 64)), mx.ones((1, 2, 64, 64)), 64) for _ in range(4)]
+
+
+def rss(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def raw_publish(address: str, credentials: MeshCredentials, messages) -> list:
+    """Publish hand-made messages, as a hostile peer would; returns the responses."""
+    with open_channel(address, credentials) as channel:
+        return list(service_pb2_grpc.KvMeshStub(channel).Publish(iter(messages), timeout=20))
+
+
+def lying(manifest: pb.CacheManifest, lie) -> pb.CacheManifest:
+    copy = pb.CacheManifest()
+    copy.CopyFrom(manifest)
+    lie(copy)
+    return copy
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads daemon memory from /proc")
+def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_path, prompt_ids):
+    manifest, fp = served
+    env = {**ENV, "KVMESH_MAX_PUBLISH_BYTES": str(manifest.encoding.raw_bytes - 1)}
+    daemon = Daemon(mesh / "a", "--idle-timeout", "1", "--peer-rate", "20", env=env)
+    attacker, member = creds(mesh, "d"), creds(mesh, "b")
+    good_fetches, errors, stop = [], [], threading.Event()
+
+    def well_behaved():
+        """A member fetching ten times a second, within its rate, throughout the attack."""
+        with PeerClient(daemon.address, credentials=member) as client:
+            while not stop.wait(0.1):
+                try:
+                    good_fetches.append(client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).wire_bytes)
+                except PeerError as e:
+                    errors.append(e)
+
+    try:
+        baseline = rss(daemon.process.pid)
+        worker = threading.Thread(target=well_behaved)
+        worker.start()
+        publish = lambda m: raw_publish(daemon.address, attacker, [spb.PublishRequest(manifest=m)])[0].decision
+        refusals = {
+            "a billion layers": publish(lying(manifest, lambda m: setattr(m, "num_layers", 10**9))),
+            "terabytes claimed": publish(lying(manifest, lambda m: setattr(m.encoding, "raw_bytes", 1 << 40))),
+            "a negative shape": publish(lying(manifest, lambda m: m.layers[0].tensors[0].shape.__setitem__(0, 2**64 - 1))),
+            "over the publish limit": publish(manifest),
+        }
+        for what, decision in refusals.items():
+            assert not decision.accept, what
+        assert refusals["over the publish limit"].reason == pb.REJECT_REASON_SIZE_LIMIT
+
+        # A consistent manifest under the limit, then garbage where the chunks should be.
+        small = CacheStore(tmp_path / "small").put(small_cache(), fp, prompt_ids[:64], codec="none")
+        garbage = [spb.PublishRequest(manifest=small)] + [
+            spb.PublishRequest(chunk=pb.Chunk(index=i, tensor=0, raw_length=4096, data=os.urandom(4096))) for i in range(3)
+        ]
+        with pytest.raises(grpc.RpcError) as e:
+            raw_publish(daemon.address, attacker, garbage)
+        assert e.value.code() == grpc.StatusCode.DATA_LOSS
+
+        # A message over gRPC's size limit is refused by gRPC itself.
+        huge = spb.PublishRequest(chunk=pb.Chunk(data=bytes(MAX_MESSAGE_BYTES + 1)))
+        with pytest.raises(grpc.RpcError) as e:
+            raw_publish(daemon.address, attacker, [spb.PublishRequest(manifest=small), huge])
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        # Slow loris: open a fetch, read the manifest, never decide. The stream is cut.
+        release = threading.Event()
+
+        def stalled():
+            yield spb.FetchRequest(open=spb.FetchOpen(cache_id=manifest.cache_id))
+            release.wait()
+
+        with open_channel(daemon.address, attacker) as channel:
+            call = service_pb2_grpc.KvMeshStub(channel).Fetch(stalled(), timeout=30)
+            with pytest.raises(grpc.RpcError) as e:
+                list(call)
+            release.set()
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no decision within 1 s" in e.value.details()
+
+        # A flood of calls: the attacker is held to its rate.
+        codes = []
+        with PeerClient(daemon.address, credentials=attacker) as client:
+            for _ in range(150):
+                try:
+                    client.info()
+                    codes.append("ok")
+                except PeerError as error:
+                    codes.append(error.code)
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and codes.count("ok") < 120
+    finally:
+        stop.set()
+        worker.join()
+        grown = rss(daemon.process.pid) - baseline
+        daemon.stop()
+    assert errors == [] and len(good_fetches) >= 3 and set(good_fetches) == {manifest.encoding.encoded_bytes}
+    assert grown < 200 << 20, f"the daemon grew by {grown >> 20} MB during the attack"
+    assert [e.cache_id for e in CacheStore(mesh / "a" / "store").entries()] == [manifest.cache_id]
+    log = daemon.log.read_text()
+    assert "refused a publish from" in log and "no decision within 1 s: stream cut" in log and "over its rate" in log
