@@ -322,6 +322,7 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
                 except PeerError as e:
                     errors.append(e)
 
+    stored_before = {e.cache_id for e in CacheStore(mesh / "a" / "store").entries()}
     try:
         baseline = rss(daemon.process.pid)
         worker = threading.Thread(target=well_behaved)
@@ -366,6 +367,25 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
             release.set()
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no decision within 1 s" in e.value.details()
 
+        # More transfers at once than a peer may run: two stalled streams hold its two slots.
+        gate = threading.Event()
+
+        def holding():
+            yield spb.FetchRequest(open=spb.FetchOpen(cache_id=manifest.cache_id))
+            gate.wait()
+
+        with open_channel(daemon.address, attacker) as channel:
+            stub = service_pb2_grpc.KvMeshStub(channel)
+            held = [stub.Fetch(holding(), timeout=30) for _ in range(2)]
+            for call in held:
+                assert next(call).WhichOneof("msg") == "manifest"  # both hold a transfer now
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Fetch(holding(), timeout=30))
+            gate.set()
+            for call in held:
+                call.cancel()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 2 transfers per peer" in e.value.details()
+
         # A flood of calls: the attacker is held to its rate.
         codes = []
         with PeerClient(daemon.address, credentials=attacker) as client:
@@ -376,6 +396,11 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
                 except PeerError as error:
                     codes.append(error.code)
         assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and codes.count("ok") < 120
+        stop.set()
+        worker.join()
+        # After the attack, members are served as before.
+        with PeerClient(daemon.address, credentials=member) as client:
+            assert client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id == manifest.cache_id
     finally:
         stop.set()
         worker.join()
@@ -383,6 +408,16 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
         daemon.stop()
     assert errors == [] and len(good_fetches) >= 3 and set(good_fetches) == {manifest.encoding.encoded_bytes}
     assert grown < 200 << 20, f"the daemon grew by {grown >> 20} MB during the attack"
-    assert [e.cache_id for e in CacheStore(mesh / "a" / "store").entries()] == [manifest.cache_id]
+    assert {e.cache_id for e in CacheStore(mesh / "a" / "store").entries()} == stored_before  # nothing got in
     log = daemon.log.read_text()
     assert "refused a publish from" in log and "no decision within 1 s: stream cut" in log and "over its rate" in log
+
+
+def test_a_member_refuses_an_impostor_daemon(mesh):
+    impostor = Daemon(mesh / "c")  # a daemon of another mesh, where B might expect a peer
+    try:
+        with PeerClient(impostor.address, timeout=5.0, credentials=creds(mesh, "b")) as client:
+            with pytest.raises(PeerError, match="CERTIFICATE_VERIFY_FAILED"):
+                client.info()
+    finally:
+        impostor.stop()
