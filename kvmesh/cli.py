@@ -50,6 +50,7 @@ def progress_bar(description: str, unit: str):
 
 
 def load_model(path: str):
+    """Model, tokenizer and fingerprint of a local directory or a Hugging Face repo id (via its cache)."""
     import mlx_lm
 
     from .fingerprint import fingerprint

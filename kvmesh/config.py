@@ -44,14 +44,14 @@ class DaemonConfig:
     health_interval: float = 1.0
     log_format: str = "text"
     log_level: str = "info"
-    # Policy (see kvmesh.policy.Policy): what is shared and taken, and per-peer limits.
-    share_models: tuple[str, ...] = ()
-    accept_publish: bool = True
-    publishers: tuple[str, ...] = ()
-    max_publish_bytes: int = 8 << 30
-    peer_calls_per_second: float = 50.0
-    peer_transfers: int = 2
-    idle_timeout: float = 30.0
+    # Policy (kvmesh.policy.Policy, which documents them): what is shared and taken, per-peer limits.
+    share_models: tuple[str, ...] = Policy.share_models
+    accept_publish: bool = Policy.accept_publish
+    publishers: tuple[str, ...] = Policy.publishers
+    max_publish_bytes: int = Policy.max_publish_bytes
+    peer_calls_per_second: float = Policy.peer_calls_per_second
+    peer_transfers: int = Policy.peer_transfers
+    idle_timeout: float = Policy.idle_timeout
 
     def __post_init__(self):
         if self.log_format not in ("text", "json"):

@@ -36,11 +36,12 @@ NODES = ("A", "B", "C")
 def start_daemons(root: Path) -> dict[str, tuple[subprocess.Popen, str]]:
     daemons = {}
     for name in NODES:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "--data-dir", str(root / name), "daemon",
-             "--interface", "127.0.0.1", "--port", "0", "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=open(root / f"{name}.log", "w"), text=True,
-        )
+        with open(root / f"{name}.log", "w") as log:  # the daemon keeps its own copy of the descriptor
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kvmesh.cli", "--data-dir", str(root / name), "daemon",
+                 "--interface", "127.0.0.1", "--port", "0", "--log-level", "warning"],
+                stdout=subprocess.PIPE, stderr=log, text=True,
+            )
         line = process.stdout.readline()
         if "serving on" not in line:
             raise KvmeshError(f"daemon {name} did not start; see {root / f'{name}.log'}")

@@ -105,12 +105,11 @@ def generate_from_prefill(
     The cache is updated in place, as mlx-lm's generation does.
     """
     logprobs = prefilled.logits - mx.logsumexp(prefilled.logits, keepdims=True)
-    token = sampler(logprobs)
-    yield token.item(), logprobs
+    first = sampler(logprobs).item()
+    yield first, logprobs
     if max_tokens > 1:
         for token, logprobs in generate_step(
-            mx.array([token.item()]), model, prompt_cache=prefilled.cache,
-            max_tokens=max_tokens - 1, sampler=sampler,
+            mx.array([first]), model, prompt_cache=prefilled.cache, max_tokens=max_tokens - 1, sampler=sampler,
         ):
             yield int(token), logprobs
 

@@ -116,7 +116,6 @@ def codec_table(cache, fp, prefix, args, note: str):
             name = codec + (f"-{level}" if codec == "zstd" else "") + ("+shuffle" if shuffle else "")
             table.add_row(name, str(threads), f"{encoded / 1e6:.1f}", f"{raw / encoded:.3f}",
                           f"{mb / encode_s:.0f}", f"{mb / decode_s:.0f}")
-            del chunks
     Console(width=120).print(table)
 
 

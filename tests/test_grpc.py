@@ -5,7 +5,6 @@ import dataclasses
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import textwrap

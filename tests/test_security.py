@@ -231,6 +231,7 @@ def test_an_ending_certificate_is_renewed_when_loaded(mesh, tmp_path):
     start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=25)
     key, cert = issue_node_cert((ca / "ca.key").read_bytes(), (ca / "trust.pem").read_bytes(), node_id(data),
                                 not_before=start, days=30)
+    (ca / "node.key").write_bytes(key)
     (ca / "node.pem").write_bytes(cert)
     loaded = load_credentials(data, node_id(data))
     assert loaded.expires - datetime.datetime.now(datetime.timezone.utc) > datetime.timedelta(days=29)
