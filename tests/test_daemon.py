@@ -209,3 +209,21 @@ def test_service_files(tmp_path):
     assert "systemctl --user" in out
     text = unit.read_text()
     assert f"ExecStart={sys.executable} -m kvmesh.cli daemon --log-format json" in text and "Restart=on-failure" in text
+
+
+def test_the_advert_carries_ids_only(daemons, tmp_path):
+    from zeroconf import Zeroconf
+
+    from kvmesh.discovery import SERVICE_TYPE
+
+    address = daemons.start("A")
+    zc = Zeroconf(interfaces=["127.0.0.1"])
+    try:
+        info = zc.get_service_info(SERVICE_TYPE, f"{node_id(tmp_path / 'A')}.{SERVICE_TYPE}", timeout=5000)
+    finally:
+        zc.close()
+    assert info is not None and f"127.0.0.1:{info.port}" == address
+    properties = {k.decode(): v.decode() for k, v in info.properties.items()}
+    assert set(properties) == {"id", "pv", "v", "tls"}
+    assert properties["id"] == node_id(tmp_path / "A") and properties["tls"] == "0"
+    assert len(info.text) < 400

@@ -422,3 +422,12 @@ def test_a_member_refuses_an_impostor_daemon(mesh):
                 client.info()
     finally:
         impostor.stop()
+
+
+def test_a_connection_that_never_starts_tls_is_cut(daemon_a):
+    host, port = daemon_a.address.rsplit(":", 1)
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"\x16\x03")  # the first bytes of a TLS record, then nothing
+        assert s.recv(1024) == b""  # the daemon closes the connection...
+    assert time.monotonic() - start < 15  # ...after its 10 s handshake timeout
