@@ -2,7 +2,9 @@
 
 Fetch is manifest-first: the sender answers an open with the manifest alone and sends no chunk
 until the receiver accepts. Chunks are read from the store file as they were encoded, so serving
-never recompresses. A bounded number of transfers run at once; others wait for a slot.
+never recompresses. A bounded number of transfers run at once; others wait for a slot. Every call
+is held to the daemon's policy (what it shares, who may publish) and each mesh member to its own
+rate, transfer count and stream idle limits.
 """
 
 import logging
