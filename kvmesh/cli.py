@@ -517,7 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .allocator import tune_allocator
+
     args = build_parser().parse_args(argv)
+    tune_allocator()
     try:
         return args.func(args)
     except KvmeshError as e:

@@ -4,12 +4,13 @@
     scripts/dev run python scripts/bench_transfer.py [--mb 256] [--repeat 3]
 
 The cache is real KV of the `small` preset (from scripts/bench_codec.py's work dir, prefilled on
-first use), tiled along the tokens to about --mb megabytes. A `kvmesh serve` process serves it;
+first use), tiled along the tokens to about --mb megabytes. A `kvmesh daemon` process serves it (loopback, no TLS);
 fetches run in fresh client processes so their peak memory is their own. The raw TCP transfer
 moves the same stored bytes between two processes in the same run, as the ceiling to compare with.
 """
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -35,6 +36,7 @@ from bench_codec import prepared_cache  # noqa: E402
 FETCH_CHILD = """
 import json, sys, time, dataclasses
 import mlx.core as mx
+from kvmesh.allocator import tune_allocator
 from kvmesh.client import PeerClient
 from kvmesh.compat import CacheRejected, ReceiverProfile
 from kvmesh.fingerprint import ModelFingerprint
@@ -45,7 +47,9 @@ def status(key):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 
-address, cache_id, fp_hex, reject = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "reject"
+address, cache_id, fp_hex, reject, tuned = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "reject", sys.argv[5] == "tuned"
+if tuned:
+    tune_allocator()  # as the kvmesh command does
 fp = ModelFingerprint.from_proto(model_pb2.ModelFingerprint.FromString(bytes.fromhex(fp_hex)))
 if reject:
     fp = dataclasses.replace(fp, weights_sha256="0" * 64)
@@ -99,10 +103,10 @@ def raw_tcp_seconds(path: Path, size: int) -> float:
     return elapsed
 
 
-def fetch_in_child(address: str, cache_id: str, fp, reject: bool = False) -> dict:
+def fetch_in_child(address: str, cache_id: str, fp, reject: bool = False, tuned: bool = True) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", FETCH_CHILD, address, cache_id, fp.to_proto().SerializeToString().hex(),
-         "reject" if reject else "accept"],
+         "reject" if reject else "accept", "tuned" if tuned else "stock"],
         capture_output=True, text=True, check=True,
     )
     return json.loads(out.stdout)
@@ -130,29 +134,32 @@ def main():
     env = {**os.environ}
     table = Table(title=f"fetch over loopback, {sum(c.nbytes for c in tiled) / 1e6:.0f} MB {fp.dtype} KV "
                         f"({len(tokens)} tokens), medians of {args.repeat}")
-    for column in ("codec", "wire MB", "cold fetch MB/s", "warm fetch MB/s", "raw TCP MB/s", "warm / TCP", "peak RSS / cache"):
+    for column in ("codec", "allocator", "wire MB", "cold fetch MB/s", "warm fetch MB/s", "raw TCP MB/s", "warm / TCP",
+                   "peak RSS / cache"):
         table.add_column(column, justify="right")
     with tempfile.TemporaryDirectory() as tmp:
         store = CacheStore(Path(tmp) / "store")
         manifests = {codec: store.put(tiled, fp, tokens, Press(), codec=codec) for codec in ("none", "zstd")}
         del tiled
         server = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", "--store", str(store.root)],
+            [sys.executable, "-m", "kvmesh.cli", "--data-dir", f"{tmp}/daemon", "daemon", "--store", str(store.root),
+             "--interface", "127.0.0.1", "--port", "0", "--no-discovery", "--log-level", "warning"],
             stdout=subprocess.PIPE, text=True, env=env,
         )
         address = server.stdout.readline().split()[-1]
         try:
-            for codec, manifest in manifests.items():
+            for (codec, manifest), tuned in itertools.product(manifests.items(), (False, True)):
                 raw = manifest.encoding.raw_bytes
                 entry = store.entries_dir / f"{manifest.cache_id}.kvc"
-                runs = [fetch_in_child(address, manifest.cache_id, fp) for _ in range(args.repeat)]
+                runs = [fetch_in_child(address, manifest.cache_id, fp, tuned=tuned) for _ in range(args.repeat)]
                 tcp = statistics.median(raw_tcp_seconds(entry, entry.stat().st_size) for _ in range(args.repeat))
                 cold = statistics.median(r["cold"] for r in runs)
                 warm = statistics.median(r["warm"] for r in runs)
                 grown = statistics.median(r["grown"] for r in runs)
                 wire = manifest.encoding.encoded_bytes
-                table.add_row(codec, f"{wire / 1e6:.0f}", f"{raw / 1e6 / cold:.0f}", f"{raw / 1e6 / warm:.0f}",
-                              f"{entry.stat().st_size / 1e6 / tcp:.0f}", f"{tcp / warm:.2f}", f"{grown / raw:.2f}")
+                table.add_row(codec, "tuned" if tuned else "glibc default", f"{wire / 1e6:.0f}", f"{raw / 1e6 / cold:.0f}",
+                              f"{raw / 1e6 / warm:.0f}", f"{entry.stat().st_size / 1e6 / tcp:.0f}", f"{tcp / warm:.2f}",
+                              f"{grown / raw:.2f}")
             rejected = [fetch_in_child(address, manifests["zstd"].cache_id, fp, reject=True) for _ in range(args.repeat)]
         finally:
             server.terminate()
