@@ -1,9 +1,10 @@
 """`kvmesh demo`: the whole mesh on one machine, on a built-in tiny model (no download, no LAN).
 
-Three daemons start on loopback with their own data directories and find each other over mDNS
-(restricted to 127.0.0.1). Node A prefills a document; node B generates from that document plus a
-question, fetching A's cache instead of prefilling; a consumer with other weights is refused
-before any byte; node C serves a compressed copy. Every check must pass for exit code 0.
+Three daemons join one mesh (mutual TLS), start on loopback with their own data directories and
+find each other over mDNS (restricted to 127.0.0.1). Node A prefills a document; node B generates
+from that document plus a question, fetching A's cache instead of prefilling; a machine outside the
+mesh is refused; a consumer with other weights is refused before any byte; node C serves a
+compressed copy. Every check must pass for exit code 0.
 """
 
 import subprocess
@@ -19,12 +20,14 @@ from mlx_lm.generate import generate_step
 from rich.console import Console
 from rich.table import Table
 
-from .client import PeerClient
+from .client import PeerClient, PeerError
 from .compat import CacheRejected, ReceiverProfile
+from .credentials import export_bundle, init_mesh, join_mesh, load_credentials
 from .daemon import control_status
 from .errors import KvmeshError
 from .fingerprint import FileHashCache, fingerprint
 from .mesh import generate
+from .node import node_id
 from .prefill import generate_from_cache, prefill
 from .presses import make_press
 from .store import CacheStore
@@ -43,8 +46,9 @@ def start_daemons(root: Path) -> dict[str, tuple[subprocess.Popen, str]]:
                 stdout=subprocess.PIPE, stderr=log, text=True,
             )
         line = process.stdout.readline()
-        if "serving on" not in line:
-            raise KvmeshError(f"daemon {name} did not start; see {root / f'{name}.log'}")
+        if "(mutual TLS) serving on" not in line:
+            raise KvmeshError(f"daemon {name} did not start as a mesh member: {line.strip()!r}; "
+                              f"see {root / f'{name}.log'}")
         daemons[name] = (process, line.split()[-1])
     return daemons
 
@@ -78,11 +82,16 @@ def run_demo(steps: int = 24) -> int:
         console.print(f"[bold]model[/] tiny llama built offline: id {fp.model_id}, {fp.num_layers} layers, "
                       f"{fp.num_kv_heads} kv heads x {fp.head_dim}, {fp.dtype}")
 
+        init_mesh(root / "A", node_id(root / "A"), "demo")
+        for name in NODES[1:]:
+            join_mesh(root / name, node_id(root / name), export_bundle(root / "A"))
+        member = {name: load_credentials(root / name, node_id(root / name)) for name in NODES}
         daemons = start_daemons(root)
         try:
             seconds = wait_for_discovery(root)
-            console.print(f"[bold]mesh[/] daemons A, B, C on {', '.join(a for _, a in daemons.values())} "
-                          f"found each other over mDNS in {seconds:.1f} s")
+            console.print(f"[bold]mesh[/] A made a mesh, B and C joined it; daemons on "
+                          f"{', '.join(a for _, a in daemons.values())} found each other over mDNS in "
+                          f"{seconds:.1f} s and speak mutual TLS")
             document = tokenizer.encode(resources.files("kvmesh").joinpath("data/corpus.txt").read_text())
             question = tokenizer.encode("\nQuestions: what is a cache?", add_special_tokens=False)
             prompt = document + question
@@ -102,14 +111,25 @@ def run_demo(steps: int = 24) -> int:
             reference_s = time.perf_counter() - start
 
             peers_of_b = [p.addresses[0] for p in control_status(root / "B").peers if p.healthy]
-            result = generate(model, fp, prompt, CacheStore(root / "B" / "store"), peers_of_b, steps)
+            result = generate(model, fp, prompt, CacheStore(root / "B" / "store"), peers_of_b, steps,
+                              credentials=member["B"])
             source = result.source
             console.print(f"[bold]B[/] generated from the document + a question: prefix of {source.tokens} tokens "
                           f"from {source.where}, {source.wire_bytes:,} bytes on the wire in {source.seconds:.3f} s")
             check("B's tokens equal a local full prefill's", result.tokens == reference)
             check("B fetched the whole document from A", source.tokens == len(document) and source.where.endswith(daemons["A"][1]))
 
-            with PeerClient(daemons["A"][1]) as a:
+            with PeerClient(daemons["A"][1], timeout=5.0) as outsider:
+                try:
+                    outsider.info()
+                    refused = False
+                except PeerError:
+                    refused = True
+            console.print("[bold]outsider[/] a client without the mesh's certificates tried A: "
+                          + ("refused at the TLS handshake" if refused else "ANSWERED"))
+            check("a machine outside the mesh is refused", refused)
+
+            with PeerClient(daemons["A"][1], credentials=member["B"]) as a:
                 sent_before = a.info().transfers.chunk_bytes_sent
                 try:
                     a.fetch(source.cache_id, ReceiverProfile(other_fp, prompt=prompt))
@@ -122,7 +142,7 @@ def run_demo(steps: int = 24) -> int:
             check("a cache for other weights is refused before any byte", rejected is not None and sent_after == sent_before)
 
             [entry] = CacheStore(root / "C" / "store").entries()
-            with PeerClient(daemons["C"][1]) as c:
+            with PeerClient(daemons["C"][1], credentials=member["B"]) as c:
                 compressed = c.fetch(entry.cache_id, ReceiverProfile(fp, prompt=prompt))
             tokens = [t for t, _ in generate_from_cache(model, compressed.cache, question, steps)]
             agree = sum(x == y for x, y in zip(tokens, reference))

@@ -46,7 +46,8 @@ def test_make_test_into_non_empty_dir_fails_cleanly(tmp_path):
 def test_demo_runs_the_mesh_and_checks_itself():
     out = run("demo", "--steps", "4").stdout  # exits non-zero when a check fails
     assert "found each other over mDNS" in out
-    assert out.count(" ok  ") == 4 and "FAILED" not in out and "all checks passed" in out
+    assert "speak mutual TLS" in out and "refused at the TLS handshake" in out
+    assert out.count(" ok  ") == 5 and "FAILED" not in out and "all checks passed" in out
     assert "refused: weights: the cache was made with other" in out
 
 
