@@ -2,9 +2,10 @@
 
 An entry is one file: the chunks exactly as they travel, then the manifest. Caches are compressed
 once, when they enter the store, and served many times by reading the file. Entry files are
-written under `incoming/`, synced, then renamed into `entries/` and indexed; a store opened after
-a crash deletes whatever a killed writer left (temp files, files never indexed, index rows whose
-file is gone), so a half-written cache is never visible.
+written under `incoming/`, synced, then renamed into `entries/` and indexed, under an flock the
+writer holds until the index commits. Opening a store deletes whatever a dead writer left (temp
+files, files never indexed, index rows whose file is gone) and nothing a live writer (the daemon,
+say, while the CLI opens the same store) is still working on: a half-written cache is never visible.
 
 Entry file layout (also the export format):
     b"KVMESHC1"
@@ -12,6 +13,7 @@ Entry file layout (also the export format):
     serialized CacheManifest | u32 its length | u64 its xxh3-64 | b"KVMESHF1"
 """
 
+import fcntl
 import os
 import shutil
 import sqlite3
@@ -80,6 +82,18 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _abandoned(path: Path) -> bool:
+    """True when no live writer holds the file's lock (its writer finished or died)."""
+    try:
+        with open(path, "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+    except BlockingIOError:
+        return False
+    except FileNotFoundError:
+        return False
+
+
 def _write_record(f, data: bytes) -> None:
     f.write(RECORD_HEADER.pack(len(data), xxhash.xxh3_64_intdigest(data)))
     f.write(data)
@@ -122,17 +136,21 @@ class CacheStore:
         return self.entries_dir / f"{cache_id}.kvc"
 
     def recover(self) -> None:
-        """Remove what a killed writer left behind; called on open."""
+        """Remove what dead writers left behind; called on open."""
         for leftover in self.incoming_dir.iterdir():
-            leftover.unlink(missing_ok=True)
+            if _abandoned(leftover):
+                leftover.unlink(missing_ok=True)
         with self._db() as db:
             indexed = {row[0] for row in db.execute("SELECT cache_id FROM entries")}
             on_disk = {p.stem for p in self.entries_dir.glob("*.kvc")}
             for cache_id in indexed - on_disk:
                 db.execute("DELETE FROM entries WHERE cache_id = ?", (cache_id,))
                 db.execute("DELETE FROM blocks WHERE cache_id = ?", (cache_id,))
-        for cache_id in on_disk - indexed:
-            (self.entries_dir / f"{cache_id}.kvc").unlink(missing_ok=True)
+            # Renamed but not (yet) indexed: gone only if its writer is.
+            for cache_id in on_disk - indexed:
+                path = self.entries_dir / f"{cache_id}.kvc"
+                if _abandoned(path):
+                    path.unlink(missing_ok=True)
 
     # Writing
 
@@ -186,6 +204,8 @@ class CacheStore:
         tmp = self.incoming_dir / f"{uuid.uuid4().hex}.part"
         try:
             with open(tmp, "wb") as f:
+                # Held until the entry is indexed: recovery in another process leaves it alone.
+                fcntl.flock(f, fcntl.LOCK_EX)
                 f.write(MAGIC)
                 for chunk in chunks:
                     _write_record(f, chunk.SerializeToString())
@@ -196,8 +216,8 @@ class CacheStore:
                 f.write(FOOTER.pack(len(data), xxhash.xxh3_64_intdigest(data), FOOTER_MAGIC))
                 f.flush()
                 os.fsync(f.fileno())
-            with self._lock:
-                self._index(manifest, tmp)
+                with self._lock:
+                    self._index(manifest, tmp)
         except OSError as e:
             raise StoreError(f"cannot write to the store at {self.root}: {e.strerror or e}") from e
         finally:

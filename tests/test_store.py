@@ -297,3 +297,25 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(store, tmp_path, dense5
     assert result.returncode == 3, result.stderr
     assert result.stdout.startswith(f"cannot write to the store at {store.root}: File too large")
     assert store.entries() == [] and list(store.incoming_dir.iterdir()) == []
+
+
+def test_opening_the_store_leaves_a_live_writers_file_alone(store, tmp_path, dense500, fp, long_ids):
+    """The CLI opens the store while the daemon writes to it: recovery must not take that write."""
+    source = CacheStore(tmp_path / "source")
+    exported = source.export(put_dense500(source, dense500, fp, long_ids).cache_id, tmp_path / "c.kvc")
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(store.root), str(exported)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        [in_progress] = list(store.incoming_dir.iterdir())
+        CacheStore(store.root)  # a second opener runs recovery now
+        assert in_progress.exists()
+        writer.stdin.close()  # let the writer finish
+        assert writer.wait(timeout=60) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    assert [e.num_tokens for e in CacheStore(store.root).entries()] == [500]
