@@ -55,6 +55,8 @@ def load_model(path: str):
 
     from .fingerprint import fingerprint
 
+    if not Path(path).exists() and path.startswith(("/", "./", "../", "~")):
+        raise KvmeshError(f"{path}: no such model directory")
     fp = fingerprint(path) if Path(path).exists() else None
     try:
         model, tokenizer = mlx_lm.load(path)
@@ -67,11 +69,16 @@ def load_model(path: str):
     return model, tokenizer, fp
 
 
-def prompt_tokens(tokenizer, file: str | None, prompt: str | None) -> list[int]:
-    """The file's tokens (with BOS), then the prompt's: a cache of the file is a prefix of these."""
-    if not file and not prompt:
+def prompt_texts(args) -> tuple[str, str]:
+    """(file text, prompt text), checked before any model is loaded."""
+    if not args.file and not args.prompt:
         raise KvmeshError("give a --file, a --prompt, or both")
-    tokens = tokenizer.encode(read_text(file)) if file else []
+    return (read_text(args.file) if args.file else ""), (args.prompt or "")
+
+
+def prompt_tokens(tokenizer, file_text: str, prompt: str) -> list[int]:
+    """The file's tokens (with BOS), then the prompt's: a cache of the file is a prefix of these."""
+    tokens = tokenizer.encode(file_text) if file_text else []
     if prompt:
         tokens += tokenizer.encode(prompt, add_special_tokens=not tokens)
     return tokens
@@ -288,8 +295,9 @@ def cmd_prefill(args) -> int:
     from .prefill import prefill
     from .presses import make_press
 
+    texts = prompt_texts(args)
     model, tokenizer, fp = load_model(args.model)
-    tokens = prompt_tokens(tokenizer, args.file, args.prompt)
+    tokens = prompt_tokens(tokenizer, *texts)
     config = {k: v for k, v in {"ratio": args.ratio, "budget": args.budget, "kv_bits": args.kv_bits}.items() if v is not None}
     press = make_press(args.method, config)
     bar, update = progress_bar("prefill", "tokens")
@@ -326,8 +334,9 @@ def cmd_fetch(args) -> int:
 def cmd_generate(args) -> int:
     from .mesh import generate
 
+    texts = prompt_texts(args)
     model, tokenizer, fp = load_model(args.model)
-    tokens = prompt_tokens(tokenizer, args.file, args.prompt)
+    tokens = prompt_tokens(tokenizer, *texts)
     bar, update = progress_bar("fetch", "bytes")
     with bar:
         result = generate(model, fp, tokens, open_store(args), mesh_peers(args), args.max_tokens, update,

@@ -78,3 +78,12 @@ def test_cache_import_of_a_missing_file_is_one_clear_line(tmp_path):
     result = run("cache", "--store", str(tmp_path / "s"), "import", str(tmp_path / "nope.kvc"), check=False)
     assert result.returncode == 1
     assert result.stderr == f"kvmesh: error: {tmp_path / 'nope.kvc'}: cannot read: No such file or directory\n"
+
+
+def test_prompt_and_model_mistakes_are_reported_before_any_model_loads(tmp_path):
+    missing = run("--data-dir", str(tmp_path), "generate", str(tmp_path / "no-model"), "--prompt", "hi", check=False)
+    assert (missing.returncode, missing.stderr) == (1, f"kvmesh: error: {tmp_path / 'no-model'}: no such model directory\n")
+    no_file = run("--data-dir", str(tmp_path), "prefill", "/any/model", "--file", str(tmp_path / "doc.txt"), check=False)
+    assert no_file.returncode == 1 and "doc.txt: cannot read: No such file or directory" in no_file.stderr
+    nothing = run("--data-dir", str(tmp_path), "prefill", "/any/model", check=False)
+    assert nothing.stderr == "kvmesh: error: give a --file, a --prompt, or both\n"
