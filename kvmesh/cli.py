@@ -76,12 +76,35 @@ def prompt_texts(args) -> tuple[str, str]:
     return (read_text(args.file) if args.file else ""), (args.prompt or "")
 
 
-def prompt_tokens(tokenizer, file_text: str, prompt: str) -> list[int]:
-    """The file's tokens (with BOS), then the prompt's: a cache of the file is a prefix of these."""
-    tokens = tokenizer.encode(file_text) if file_text else []
-    if prompt:
-        tokens += tokenizer.encode(prompt, add_special_tokens=not tokens)
-    return tokens
+def prompt_tokens(tokenizer, file_text: str, prompt: str, chat: bool = False) -> list[int]:
+    """The tokens of the file then the prompt, built so that those of the file alone are a prefix.
+
+    Plain: the file's tokens (with BOS), then the prompt's. With `chat`, one user message holding
+    file and prompt in the model's chat template, the file's part tokenized exactly as
+    `mlx_lm.cache_prompt` does, so its caches (via `cache import-mlx`) serve as prefixes too.
+    """
+    if not chat:
+        tokens = tokenizer.encode(file_text) if file_text else []
+        if prompt:
+            tokens += tokenizer.encode(prompt, add_special_tokens=not tokens)
+        return tokens
+    from .mlx_files import cache_prompt_tokens
+
+    if not tokenizer.has_chat_template:
+        raise KvmeshError("this model has no chat template: drop --chat")
+    if not prompt:
+        return cache_prompt_tokens(tokenizer, file_text)
+    full = tokenizer.apply_chat_template(
+        [{"role": "user", "content": file_text + prompt}], tokenize=False, add_generation_prompt=True
+    )
+    if not file_text:
+        return tokenizer.encode(full, add_special_tokens=False)
+    head = tokenizer.apply_chat_template(
+        [{"role": "user", "content": file_text}], tokenize=False, continue_final_message=True
+    )
+    if not full.startswith(head):
+        raise KvmeshError("this chat template does not put the file before the prompt: drop --chat")
+    return cache_prompt_tokens(tokenizer, file_text) + tokenizer.encode(full[len(head):], add_special_tokens=False)
 
 
 def mesh_credentials(args):
@@ -297,7 +320,7 @@ def cmd_prefill(args) -> int:
 
     texts = prompt_texts(args)
     model, tokenizer, fp = load_model(args.model)
-    tokens = prompt_tokens(tokenizer, *texts)
+    tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
     config = {k: v for k, v in {"ratio": args.ratio, "budget": args.budget, "kv_bits": args.kv_bits}.items() if v is not None}
     press = make_press(args.method, config)
     bar, update = progress_bar("prefill", "tokens")
@@ -336,7 +359,7 @@ def cmd_generate(args) -> int:
 
     texts = prompt_texts(args)
     model, tokenizer, fp = load_model(args.model)
-    tokens = prompt_tokens(tokenizer, *texts)
+    tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
     bar, update = progress_bar("fetch", "bytes")
     with bar:
         result = generate(model, fp, tokens, open_store(args), mesh_peers(args), args.max_tokens, update,
@@ -412,7 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     def prompt_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("model", help="model directory or Hugging Face repo id")
         sub.add_argument("--file", help="a text file: its tokens come first (the shared prefix)")
-        sub.add_argument("--prompt", help="text after the file (or the whole prompt); no chat template")
+        sub.add_argument("--prompt", help="text after the file (or the whole prompt)")
+        sub.add_argument("--chat", action="store_true", help="wrap file and prompt in one user message of the "
+                         "model's chat template (as mlx_lm.cache_prompt does for its caches)")
 
     model = commands.add_parser("model", help="build test models and show model fingerprints")
     model_commands = model.add_subparsers(title="model commands", metavar="COMMAND", required=True)
