@@ -81,20 +81,13 @@ def serve():
     the daemon prints once it listens; its data dir is <store_root>.data. Every process started
     is terminated (or found already dead) at the end of the test.
     """
-    import subprocess
-    import sys
+    from daemons import start_daemon
 
     def start(store_root, *args) -> str:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "--data-dir", f"{store_root}.data", "daemon",
-             "--store", str(store_root), "--interface", "127.0.0.1", "--port", "0", "--no-discovery", *args],
-            stdout=subprocess.PIPE, stderr=open(f"{store_root}.log", "w"), text=True,
-        )
-        line = process.stdout.readline()
-        assert "serving on" in line, f"the daemon did not start: {line!r}; see {store_root}.log"
-        address = line.split()[-1]
-        start.processes[address] = process
-        return address
+        daemon = start_daemon(f"{store_root}.data", "--store", str(store_root), "--no-discovery", *args,
+                              log=f"{store_root}.log")
+        start.processes[daemon.address] = daemon.process
+        return daemon.address
 
     start.processes = {}
     yield start

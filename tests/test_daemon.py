@@ -1,7 +1,6 @@
 """Real daemon processes on 127.0.0.1: discovery over real mDNS, generation across peers, shutdown."""
 
 import json
-import os
 import plistlib
 import signal
 import subprocess
@@ -22,8 +21,7 @@ from kvmesh.fingerprint import fingerprint
 from kvmesh.prefill import prefill
 from kvmesh.store import CacheStore
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
-
+from daemons import ENV, start_daemon
 
 def kvmesh(data_dir, *args, check=True) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -39,16 +37,9 @@ class Daemons:
         self.root, self.processes = root, {}
 
     def start(self, name, *args) -> str:
-        data = self.root / name
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "--data-dir", str(data), "daemon",
-             "--interface", "127.0.0.1", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=open(self.root / f"{name}.log", "a"), text=True, env=ENV,
-        )
-        line = process.stdout.readline()
-        assert "serving on" in line, f"daemon {name} did not start: see {self.root / name}.log"
-        self.processes[name] = process
-        return line.split()[-1]
+        daemon = start_daemon(self.root / name, *args, log=self.root / f"{name}.log")
+        self.processes[name] = daemon.process
+        return daemon.address
 
     def peers(self, name, all=False) -> list[dict]:
         return json.loads(kvmesh(self.root / name, "peers", "--json", *(["--all"] if all else [])).stdout)

@@ -3,7 +3,6 @@
 import datetime
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.v1 import service_pb2_grpc
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+from daemons import ENV, DaemonProcess, start_daemon
 
 
 class Relay:
@@ -102,17 +101,12 @@ def served(mesh, tiny, tiny_dir, prompt_ids):
     return manifest, fp
 
 
-class Daemon:
+class Daemon(DaemonProcess):
+    """A daemon without discovery, and what its log says about refused handshakes."""
+
     def __init__(self, data_dir, *args, env=None):
-        self.log = data_dir.parent / f"{data_dir.name}.log"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "--data-dir", str(data_dir), "daemon", "--interface", "127.0.0.1",
-             "--port", "0", "--no-discovery", *args],
-            stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True, env=env or ENV,
-        )
-        self.line = self.process.stdout.readline()
-        assert "serving on" in self.line, f"the daemon did not start; see {self.log}"
-        self.address = self.line.split()[-1]
+        started = start_daemon(data_dir, "--no-discovery", *args, log=data_dir.parent / f"{data_dir.name}.log", env=env)
+        super().__init__(**vars(started))
 
     def handshake_failures(self) -> int:
         return self.log.read_text().count("Handshake failed")
@@ -125,9 +119,6 @@ class Daemon:
             time.sleep(0.05)
         return now
 
-    def stop(self):
-        self.process.terminate()
-        self.process.wait(timeout=30)
 
 
 @pytest.fixture
