@@ -1,3 +1,93 @@
-"""kvmesh: share LLM KV caches between Apple-silicon Macs on one network."""
+"""kvmesh: share LLM KV caches between Apple-silicon Macs on one network.
 
-__version__ = "0.1.0"
+The library's face, everything a Python user needs in one namespace::
+
+    import kvmesh
+
+    fp = kvmesh.fingerprint("path/to/model")                 # what exactly the model is
+    cached = kvmesh.prefill(model, tokens, kvmesh.make_press("snapkv", {"ratio": 0.5}))
+    store = kvmesh.CacheStore()                              # the local store
+    store.add(*kvmesh.encode_cache(cached.cache, fp, tokens, press))
+    with kvmesh.PeerClient("192.168.1.20:7077") as peer:     # a peer's caches
+        ...
+    result = kvmesh.generate(model, fp, prompt, store, peers=[...])  # the mesh's longest prefix
+
+Names are imported on first use, so `import kvmesh` (and the `kvmesh` command) loads no MLX until
+something that handles arrays is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.versions import PROTOCOL_VERSION, SCHEMA_VERSION, __version__
+
+# name -> the module that defines it
+_EXPORTS = {
+    "ModelFingerprint": "kvmesh.model.fingerprint",
+    "fingerprint": "kvmesh.model.fingerprint",
+    "make_test_model": "kvmesh.model.testmodels",
+    "Press": "kvmesh.caches.presses",
+    "make_press": "kvmesh.caches.presses",
+    "Prefilled": "kvmesh.caches.prefill",
+    "prefill": "kvmesh.caches.prefill",
+    "generate_from_cache": "kvmesh.caches.prefill",
+    "EncodeOptions": "kvmesh.codec.encode",
+    "encode_cache": "kvmesh.codec.encode",
+    "decode_chunks": "kvmesh.codec.decode",
+    "ReceiverProfile": "kvmesh.codec.compat",
+    "check_manifest": "kvmesh.codec.compat",
+    "CacheStore": "kvmesh.store.cache_store",
+    "PeerClient": "kvmesh.net.client",
+    "start_server": "kvmesh.net.server",
+    "Fetched": "kvmesh.net.client",
+    "generate": "kvmesh.generation",
+    "find_prefix": "kvmesh.generation",
+    "load_prefix": "kvmesh.generation",
+    "Generation": "kvmesh.generation",
+    "KvmeshError": "kvmesh.errors",
+    "CacheRejected": "kvmesh.errors",
+    "Rejection": "kvmesh.errors",
+    "PeerError": "kvmesh.errors",
+    "IntegrityError": "kvmesh.errors",
+    "StoreError": "kvmesh.errors",
+    "NotFoundError": "kvmesh.errors",
+}
+
+__all__ = ["PROTOCOL_VERSION", "SCHEMA_VERSION", "__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvmesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:
+    from kvmesh.caches.prefill import Prefilled, generate_from_cache, prefill
+    from kvmesh.caches.presses import Press, make_press
+    from kvmesh.codec.compat import ReceiverProfile, check_manifest
+    from kvmesh.codec.decode import decode_chunks
+    from kvmesh.codec.encode import EncodeOptions, encode_cache
+    from kvmesh.errors import (
+        CacheRejected,
+        IntegrityError,
+        KvmeshError,
+        NotFoundError,
+        PeerError,
+        Rejection,
+        StoreError,
+    )
+    from kvmesh.generation import Generation, find_prefix, generate, load_prefix
+    from kvmesh.model.fingerprint import ModelFingerprint, fingerprint
+    from kvmesh.model.testmodels import make_test_model
+    from kvmesh.net.client import Fetched, PeerClient
+    from kvmesh.net.server import start_server
+    from kvmesh.store.cache_store import CacheStore

@@ -1,13 +1,21 @@
-"""The `kvmesh` command line."""
+"""The `kvmesh` command line.
+
+Each command imports what it needs when it runs, so `kvmesh --version`, `status` and `peers` never
+load MLX or a model.
+"""
 
 import argparse
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from . import __version__
-from .errors import KvmeshError
+from kvmesh import paths
+from kvmesh.errors import KvmeshError
+from kvmesh.versions import __version__
+
+Args = argparse.Namespace
 
 
 def read_text(path: str) -> str:
@@ -17,26 +25,24 @@ def read_text(path: str) -> str:
         raise KvmeshError(f"{path}: cannot read: {e.strerror or e}") from e
 
 
-def data_dir(args) -> Path:
-    from .config import default_data_dir
-
-    return Path(args.data_dir) if args.data_dir else default_data_dir()
+def data_dir(args: Args) -> Path:
+    return Path(args.data_dir) if args.data_dir else paths.data_dir()
 
 
-def open_store(args):
+def open_store(args: Args) -> Any:
     """--store, else the running daemon's store, else <data dir>/store."""
-    from .daemon import STATE_FILE
-    from .store import CacheStore
+    from kvmesh.daemon.control import read_state
+    from kvmesh.store import CacheStore
 
     if getattr(args, "store", None):
         return CacheStore(args.store)
-    state = data_dir(args) / STATE_FILE
-    if state.exists():
-        return CacheStore(json.loads(state.read_text()).get("store") or data_dir(args) / "store")
-    return CacheStore(data_dir(args) / "store")
+    try:
+        return CacheStore(read_state(data_dir(args), check_alive=False).store)
+    except KvmeshError:
+        return CacheStore(paths.store_dir(data_dir(args)))
 
 
-def progress_bar(description: str, unit: str):
+def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int], None]]:
     """A rich progress bar on stderr (quiet when stderr is not a terminal) and its update function."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
@@ -49,11 +55,11 @@ def progress_bar(description: str, unit: str):
     return bar, lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def load_model(path: str):
+def load_model(path: str) -> tuple[Any, Any, Any]:
     """Model, tokenizer and fingerprint of a local directory or a Hugging Face repo id (via its cache)."""
     import mlx_lm
 
-    from .fingerprint import fingerprint
+    from kvmesh.model.fingerprint import fingerprint
 
     if not Path(path).exists() and path.startswith(("/", "./", "../", "~")):
         raise KvmeshError(f"{path}: no such model directory")
@@ -69,14 +75,14 @@ def load_model(path: str):
     return model, tokenizer, fp
 
 
-def prompt_texts(args) -> tuple[str, str]:
+def prompt_texts(args: Args) -> tuple[str, str]:
     """(file text, prompt text), checked before any model is loaded."""
     if not args.file and not args.prompt:
         raise KvmeshError("give a --file, a --prompt, or both")
     return (read_text(args.file) if args.file else ""), (args.prompt or "")
 
 
-def prompt_tokens(tokenizer, file_text: str, prompt: str, chat: bool = False) -> list[int]:
+def prompt_tokens(tokenizer: Any, file_text: str, prompt: str, chat: bool = False) -> list[int]:
     """The tokens of the file then the prompt, built so that those of the file alone are a prefix.
 
     Plain: the file's tokens (with BOS), then the prompt's. With `chat`, one user message holding
@@ -88,7 +94,7 @@ def prompt_tokens(tokenizer, file_text: str, prompt: str, chat: bool = False) ->
         if prompt:
             tokens += tokenizer.encode(prompt, add_special_tokens=not tokens)
         return tokens
-    from .mlx_files import cache_prompt_tokens
+    from kvmesh.files.mlx_prompt_cache import cache_prompt_tokens
 
     if not tokenizer.has_chat_template:
         raise KvmeshError("this model has no chat template: drop --chat")
@@ -107,20 +113,20 @@ def prompt_tokens(tokenizer, file_text: str, prompt: str, chat: bool = False) ->
     return cache_prompt_tokens(tokenizer, file_text) + tokenizer.encode(full[len(head):], add_special_tokens=False)
 
 
-def mesh_credentials(args):
-    """This node's mesh credentials, if it has joined a mesh."""
-    from .credentials import load_credentials
-    from .node import node_id
+def mesh_credentials(args: Args) -> Any:
+    """This node's mesh credentials (renewed if due), if it has joined a mesh: for commands that dial peers."""
+    from kvmesh.net.credentials import renew_if_due
+    from kvmesh.net.node_id import node_id
 
-    return load_credentials(data_dir(args), node_id(data_dir(args)))
+    return renew_if_due(data_dir(args), node_id(data_dir(args)))
 
 
 # mesh membership
 
 
-def cmd_mesh_init(args) -> int:
-    from .credentials import init_mesh
-    from .node import node_id
+def cmd_mesh_init(args: Args) -> int:
+    from kvmesh.net.credentials import init_mesh
+    from kvmesh.net.node_id import node_id
 
     creds = init_mesh(data_dir(args), node_id(data_dir(args)), args.name)
     print(f"created a mesh in {data_dir(args) / 'mesh'}; this node's certificate runs to {creds.expires:%Y-%m-%d}.")
@@ -128,17 +134,17 @@ def cmd_mesh_init(args) -> int:
     return 0
 
 
-def cmd_mesh_export(args) -> int:
-    from .credentials import export_bundle
+def cmd_mesh_export(args: Args) -> int:
+    from kvmesh.net.credentials import export_bundle
 
     print(export_bundle(data_dir(args)))
     print("This line is the mesh's secret: whoever has it can join. Copy it only to your own Macs.", file=sys.stderr)
     return 0
 
 
-def cmd_mesh_join(args) -> int:
-    from .credentials import join_mesh
-    from .node import node_id
+def cmd_mesh_join(args: Args) -> int:
+    from kvmesh.net.credentials import join_mesh
+    from kvmesh.net.node_id import node_id
 
     bundle = sys.stdin.read() if args.bundle == "-" else args.bundle
     creds = join_mesh(data_dir(args), node_id(data_dir(args)), bundle)
@@ -146,39 +152,44 @@ def cmd_mesh_join(args) -> int:
     return 0
 
 
-def cmd_mesh_renew(args) -> int:
-    from .credentials import CredentialsError, mesh_dir, renew
-    from .node import node_id
+def cmd_mesh_renew(args: Args) -> int:
+    from kvmesh.errors import CredentialsError
+    from kvmesh.net.credentials import renew
+    from kvmesh.net.node_id import node_id
 
-    if not (mesh_dir(data_dir(args)) / "ca.key").exists():
-        raise CredentialsError(f"no mesh in {mesh_dir(data_dir(args))}: run `kvmesh mesh init` or `join` first")
+    if not (paths.mesh_dir(data_dir(args)) / "ca.key").exists():
+        raise CredentialsError(f"no mesh in {paths.mesh_dir(data_dir(args))}: run `kvmesh mesh init` or `join` first")
     creds = renew(data_dir(args), node_id(data_dir(args)))
     print(f"renewed; the certificate runs to {creds.expires:%Y-%m-%d}. Peers need nothing new.")
     return 0
 
 
-def cmd_mesh_status(args) -> int:
-    creds = mesh_credentials(args)
+def cmd_mesh_status(args: Args) -> int:
+    from kvmesh.net.credentials import load_credentials, renewal_due
+
+    creds = load_credentials(data_dir(args))
     if creds is None:
         print("no mesh: the daemon serves loopback only (`kvmesh mesh init` or `kvmesh mesh join`)")
-    else:
-        print(f"member of a mesh; node certificate valid to {creds.expires:%Y-%m-%d %H:%M} UTC")
+        return 0
+    print(f"member of a mesh; node certificate valid to {creds.expires:%Y-%m-%d %H:%M} UTC")
+    if renewal_due(creds):
+        print("it is due for renewal: the daemon renews it when it starts, or run `kvmesh mesh renew`")
     return 0
 
 
 # model
 
 
-def cmd_model_make_test(args) -> int:
-    from .testmodels import make_test_model
+def cmd_model_make_test(args: Args) -> int:
+    from kvmesh.model.testmodels import make_test_model
 
     path = make_test_model(args.dir, preset=args.preset, seed=args.seed)
     print(f"built preset {args.preset!r} in {path}")
     return 0
 
 
-def cmd_model_info(args) -> int:
-    from .fingerprint import fingerprint
+def cmd_model_info(args: Args) -> int:
+    from kvmesh.model.fingerprint import fingerprint
 
     fp = fingerprint(args.path, repo_id=args.repo_id, revision=args.revision)
     if args.json:
@@ -193,10 +204,10 @@ def cmd_model_info(args) -> int:
 # cache
 
 
-def cmd_cache_list(args) -> int:
+def cmd_cache_list(args: Args) -> int:
     entries = open_store(args).entries()
     if args.json:
-        print(json.dumps([vars(e) for e in entries], indent=2))
+        print(json.dumps([{**vars(e), "prefix_sha256": e.prefix_sha256.hex()} for e in entries], indent=2))
         return 0
     if not entries:
         print("the store is empty")
@@ -207,23 +218,23 @@ def cmd_cache_list(args) -> int:
     return 0
 
 
-def cmd_cache_export(args) -> int:
+def cmd_cache_export(args: Args) -> int:
     path = open_store(args).export(args.cache_id, args.file)
     print(f"exported {args.cache_id} to {path}")
     return 0
 
 
-def cmd_cache_import(args) -> int:
+def cmd_cache_import(args: Args) -> int:
     manifest = open_store(args).import_file(args.file)
     print(f"imported {manifest.cache_id} ({manifest.prefix.num_tokens} tokens)")
     return 0
 
 
-def cmd_cache_import_mlx(args) -> int:
+def cmd_cache_import_mlx(args: Args) -> int:
     from mlx_lm.utils import load_tokenizer
 
-    from .fingerprint import fingerprint
-    from .mlx_files import cache_prompt_tokens, import_prompt_cache
+    from kvmesh.model.fingerprint import fingerprint
+    from kvmesh.files.mlx_prompt_cache import cache_prompt_tokens, import_prompt_cache
 
     text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
     tokens = cache_prompt_tokens(load_tokenizer(args.model), text)
@@ -232,8 +243,8 @@ def cmd_cache_import_mlx(args) -> int:
     return 0
 
 
-def cmd_cache_export_mlx(args) -> int:
-    from .mlx_files import export_prompt_cache
+def cmd_cache_export_mlx(args: Args) -> int:
+    from kvmesh.files.mlx_prompt_cache import export_prompt_cache
 
     path = export_prompt_cache(open_store(args), args.cache_id, args.file, args.model)
     print(f"exported {args.cache_id} to {path} for mlx_lm.generate --prompt-cache-file")
@@ -243,9 +254,10 @@ def cmd_cache_export_mlx(args) -> int:
 # daemon and mesh
 
 
-def cmd_daemon(args) -> int:
-    from .config import load_config
-    from .daemon import Daemon, setup_logging
+def cmd_daemon(args: Args) -> int:
+    from kvmesh.daemon.config import load_config
+    from kvmesh.daemon.logs import setup_logging
+    from kvmesh.daemon.process import Daemon
 
     overrides = {
         "data_dir": args.data_dir, "store": args.store, "interfaces": args.interface or None,
@@ -258,15 +270,15 @@ def cmd_daemon(args) -> int:
         "peer_calls_per_second": args.peer_rate,
     }
     config = load_config(Path(args.config) if args.config else None, overrides=overrides)
-    setup_logging(config)
+    setup_logging(config.log_format, config.log_level)
     Daemon(config).run(grace=args.grace)
     return 0
 
 
-def cmd_status(args) -> int:
+def cmd_status(args: Args) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from .daemon import control_status
+    from kvmesh.daemon.control import control_status
 
     status = control_status(data_dir(args))
     if args.json:
@@ -282,41 +294,46 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_peers(args) -> int:
-    from .daemon import control_status
+def cmd_peers(args: Args) -> int:
+    from kvmesh.daemon.control import control_status
 
     peers = [p for p in control_status(data_dir(args)).peers if args.all or p.healthy]
     if args.json:
-        print(json.dumps([{"node_id": p.node_id, "addresses": list(p.addresses), "source": p.source,
+        print(json.dumps([{"node_id": p.node_id, "addresses": list(p.addresses), "source": source_name(p.source),
                            "healthy": p.healthy, "version": p.version} for p in peers], indent=2))
         return 0
     if not peers:
         print("no live peers" if not args.all else "no peers known")
     for p in peers:
         state = "live" if p.healthy else f"lost ({p.failures} failed checks)"
-        print(f"{p.node_id}  {', '.join(p.addresses)}  {p.source}  {state}")
+        print(f"{p.node_id}  {', '.join(p.addresses)}  {source_name(p.source)}  {state}")
     return 0
 
 
-def mesh_peers(args) -> list[str]:
+def source_name(source: int) -> str:
+    """PEER_SOURCE_MDNS -> mdns."""
+    from kvmesh.v1 import control_pb2 as cpb
+
+    return cpb.PeerSource.Name(source).removeprefix("PEER_SOURCE_").lower()  # type: ignore[arg-type]
+
+
+def mesh_peers(args: Args) -> list[str]:
     """--peer addresses, else the live peers of the local daemon, if one runs."""
-    from .daemon import control_status
+    from kvmesh.daemon.control import live_peer_addresses
 
     if args.peer:
         return list(args.peer)
     if args.no_mesh:
         return []
-    try:
-        return [p.addresses[0] for p in control_status(data_dir(args)).peers if p.healthy and p.addresses]
-    except KvmeshError:
-        return []
+    return live_peer_addresses(data_dir(args))
 
 
-def cmd_prefill(args) -> int:
+def cmd_prefill(args: Args) -> int:
     import time
 
-    from .prefill import prefill
-    from .presses import make_press
+    from kvmesh.caches.prefill import prefill
+    from kvmesh.caches.presses import make_press
+    from kvmesh.codec.encode import EncodeOptions, encode_cache
 
     texts = prompt_texts(args)
     model, tokenizer, fp = load_model(args.model)
@@ -328,7 +345,7 @@ def cmd_prefill(args) -> int:
     with bar:
         cached = prefill(model, tokens, press, progress=update)
     elapsed = time.perf_counter() - start
-    manifest = open_store(args).put(cached.cache, fp, tokens, press, codec=args.codec)
+    manifest = open_store(args).add(*encode_cache(cached.cache, fp, tokens, press, EncodeOptions(codec=args.codec)))
     result = {"cache_id": manifest.cache_id, "tokens": len(tokens), "prefill_s": round(elapsed, 3),
               "dense_bytes": cached.dense_nbytes, "bytes": cached.nbytes, "stored_bytes": manifest.encoding.encoded_bytes}
     if args.json:
@@ -340,10 +357,10 @@ def cmd_prefill(args) -> int:
     return 0
 
 
-def cmd_fetch(args) -> int:
-    from .client import PeerClient
-    from .compat import ReceiverProfile
-    from .fingerprint import fingerprint
+def cmd_fetch(args: Args) -> int:
+    from kvmesh.codec.compat import ReceiverProfile
+    from kvmesh.model.fingerprint import fingerprint
+    from kvmesh.net.client import PeerClient
 
     profile = ReceiverProfile(fingerprint(args.model))
     bar, update = progress_bar("fetch", "bytes")
@@ -354,8 +371,8 @@ def cmd_fetch(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    from .mesh import generate
+def cmd_generate(args: Args) -> int:
+    from kvmesh.generation import generate
 
     texts = prompt_texts(args)
     model, tokenizer, fp = load_model(args.model)
@@ -391,8 +408,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_service(args) -> int:
-    from .service_files import service_file
+def cmd_service(args: Args) -> int:
+    from kvmesh.daemon.service_files import service_file
 
     platform = args.platform or ("macos" if sys.platform == "darwin" else "linux")
     default_path, content, enable = service_file(platform)
@@ -406,14 +423,14 @@ def cmd_service(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    from .demo import run_demo
+def cmd_demo(args: Args) -> int:
+    from kvmesh.demo import run_demo
 
     return run_demo(steps=args.steps)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .testmodels import PRESETS
+    from kvmesh.model.presets import PRESETS
 
     parser = argparse.ArgumentParser(
         prog="kvmesh",
@@ -551,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .allocator import tune_allocator
+    from kvmesh.allocator import tune_allocator
 
     args = build_parser().parse_args(argv)
     tune_allocator()
@@ -565,5 +582,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())

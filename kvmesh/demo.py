@@ -7,8 +7,6 @@ mesh is refused; a consumer with other weights is refused before any byte; node 
 compressed copy. Every check must pass for exit code 0.
 """
 
-import subprocess
-import sys
 import tempfile
 import time
 from importlib import resources
@@ -20,37 +18,32 @@ from mlx_lm.generate import generate_step
 from rich.console import Console
 from rich.table import Table
 
-from .client import PeerClient, PeerError
-from .compat import CacheRejected, ReceiverProfile
-from .credentials import export_bundle, init_mesh, join_mesh, load_credentials
-from .daemon import control_status
-from .errors import KvmeshError
-from .fingerprint import FileHashCache, fingerprint
-from .mesh import generate
-from .node import node_id
-from .prefill import generate_from_cache, prefill
-from .presses import make_press
-from .store import CacheStore
-from .testmodels import make_test_model
+from kvmesh.caches.prefill import generate_from_cache, prefill
+from kvmesh.caches.presses import make_press
+from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.codec.encode import encode_cache
+from kvmesh.daemon.control import DaemonProcess, control_status, start_daemon
+from kvmesh.errors import CacheRejected, KvmeshError, PeerError
+from kvmesh.generation import generate
+from kvmesh.model.fingerprint import FileHashCache, fingerprint
+from kvmesh.model.testmodels import make_test_model
+from kvmesh.net.client import PeerClient
+from kvmesh.net.credentials import export_bundle, init_mesh, join_mesh, load_credentials
+from kvmesh.net.node_id import node_id
+from kvmesh.store import CacheStore
 
 NODES = ("A", "B", "C")
 
 
-def start_daemons(root: Path) -> dict[str, tuple[subprocess.Popen, str]]:
-    daemons = {}
+def start_daemons(root: Path, daemons: dict[str, DaemonProcess]) -> None:
+    """Start a daemon per node into `daemons` (so the caller stops those started if one fails)."""
     for name in NODES:
-        with open(root / f"{name}.log", "w") as log:  # the daemon keeps its own copy of the descriptor
-            process = subprocess.Popen(
-                [sys.executable, "-m", "kvmesh.cli", "--data-dir", str(root / name), "daemon",
-                 "--interface", "127.0.0.1", "--port", "0", "--log-level", "warning"],
-                stdout=subprocess.PIPE, stderr=log, text=True,
-            )
-        line = process.stdout.readline()
-        if "(mutual TLS) serving on" not in line:
-            raise KvmeshError(f"daemon {name} did not start as a mesh member: {line.strip()!r}; "
+        daemon = start_daemon(root / name, ["--interface", "127.0.0.1", "--port", "0", "--log-level", "warning"],
+                              log=root / f"{name}.log")
+        daemons[name] = daemon
+        if daemon.state.mode != "mutual TLS":
+            raise KvmeshError(f"daemon {name} did not start as a mesh member ({daemon.state.mode}); "
                               f"see {root / f'{name}.log'}")
-        daemons[name] = (process, line.split()[-1])
-    return daemons
 
 
 def wait_for_discovery(root: Path, timeout: float = 20.0) -> float:
@@ -85,12 +78,13 @@ def run_demo(steps: int = 24) -> int:
         init_mesh(root / "A", node_id(root / "A"), "demo")
         for name in NODES[1:]:
             join_mesh(root / name, node_id(root / name), export_bundle(root / "A"))
-        member = {name: load_credentials(root / name, node_id(root / name)) for name in NODES}
-        daemons = start_daemons(root)
+        member = {name: load_credentials(root / name) for name in NODES}
+        daemons: dict[str, DaemonProcess] = {}
         try:
+            start_daemons(root, daemons)
             seconds = wait_for_discovery(root)
             console.print(f"[bold]mesh[/] A made a mesh, B and C joined it; daemons on "
-                          f"{', '.join(a for _, a in daemons.values())} found each other over mDNS in "
+                          f"{', '.join(d.address for d in daemons.values())} found each other over mDNS in "
                           f"{seconds:.1f} s and speak mutual TLS")
             document = tokenizer.encode(resources.files("kvmesh").joinpath("data/corpus.txt").read_text())
             question = tokenizer.encode("\nQuestions: what is a cache?", add_special_tokens=False)
@@ -99,11 +93,11 @@ def run_demo(steps: int = 24) -> int:
             start = time.perf_counter()
             cached = prefill(model, document)
             prefill_s = time.perf_counter() - start
-            CacheStore(root / "A" / "store").put(cached.cache, fp, document)
+            CacheStore(root / "A" / "store").add(*encode_cache(cached.cache, fp, document))
             console.print(f"[bold]A[/] prefilled the {len(document)}-token document in {prefill_s:.2f} s "
                           f"and stored its cache ({cached.nbytes:,} bytes)")
             snap = make_press("snapkv", {"ratio": 0.75, "kv_bits": 8})
-            CacheStore(root / "C" / "store").put(prefill(model, document, snap).cache, fp, document, snap)
+            CacheStore(root / "C" / "store").add(*encode_cache(prefill(model, document, snap).cache, fp, document, snap))
             console.print("[bold]C[/] holds a snapkv-compressed copy (a quarter of the tokens, 8-bit)")
 
             start = time.perf_counter()
@@ -117,9 +111,9 @@ def run_demo(steps: int = 24) -> int:
             console.print(f"[bold]B[/] generated from the document + a question: prefix of {source.tokens} tokens "
                           f"from {source.where}, {source.wire_bytes:,} bytes on the wire in {source.seconds:.3f} s")
             check("B's tokens equal a local full prefill's", result.tokens == reference)
-            check("B fetched the whole document from A", source.tokens == len(document) and source.where.endswith(daemons["A"][1]))
+            check("B fetched the whole document from A", source.tokens == len(document) and source.where.endswith(daemons["A"].address))
 
-            with PeerClient(daemons["A"][1], timeout=5.0) as outsider:
+            with PeerClient(daemons["A"].address, timeout=5.0) as outsider:
                 try:
                     outsider.info()
                     refused = False
@@ -129,7 +123,7 @@ def run_demo(steps: int = 24) -> int:
                           + ("refused at the TLS handshake" if refused else "ANSWERED"))
             check("a machine outside the mesh is refused", refused)
 
-            with PeerClient(daemons["A"][1], credentials=member["B"]) as a:
+            with PeerClient(daemons["A"].address, credentials=member["B"]) as a:
                 sent_before = a.info().transfers.chunk_bytes_sent
                 try:
                     a.fetch(source.cache_id, ReceiverProfile(other_fp, prompt=prompt))
@@ -142,7 +136,7 @@ def run_demo(steps: int = 24) -> int:
             check("a cache for other weights is refused before any byte", rejected is not None and sent_after == sent_before)
 
             [entry] = CacheStore(root / "C" / "store").entries()
-            with PeerClient(daemons["C"][1], credentials=member["B"]) as c:
+            with PeerClient(daemons["C"].address, credentials=member["B"]) as c:
                 compressed = c.fetch(entry.cache_id, ReceiverProfile(fp, prompt=prompt))
             tokens = [t for t, _ in generate_from_cache(model, compressed.cache, question, steps)]
             agree = sum(x == y for x, y in zip(tokens, reference))
@@ -159,10 +153,10 @@ def run_demo(steps: int = 24) -> int:
                           f"{agree} / {steps}")
             console.print(table)
         finally:
-            for process, _ in daemons.values():
-                process.terminate()
-            for process, _ in daemons.values():
-                process.wait(timeout=30)
+            for daemon in daemons.values():  # all at once: each takes a moment to say goodbye
+                daemon.process.terminate()
+            for daemon in daemons.values():
+                daemon.stop()
     failed = [what for what, ok in checks if not ok]
     console.print("[green]all checks passed[/]" if not failed else f"[red]{len(failed)} check(s) failed[/]")
     return 1 if failed else 0

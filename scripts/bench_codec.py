@@ -24,21 +24,23 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from rich.console import Console
 from rich.table import Table
 
-from kvmesh.codec import decode_chunks, encode_chunks
-from kvmesh.fingerprint import default_cache_dir, fingerprint
-from kvmesh.manifest import build_manifest
-from kvmesh.prefill import prefill
-from kvmesh.prefix import PrefixKey
-from kvmesh.presses import Press
-from kvmesh.sparse_cache import SparseKVCache
+from kvmesh.codec.decode import decode_chunks
+from kvmesh.codec.encode import EncodeOptions, build_manifest, encode_cache, encode_chunks
+from kvmesh.model.fingerprint import fingerprint
+from kvmesh.paths import cache_dir
+from kvmesh.caches.prefill import prefill
+from kvmesh.codec.prefix import PrefixKey
+from kvmesh.caches.presses import Press
+from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.store import CacheStore
-from kvmesh.testmodels import make_test_model
+from kvmesh.model.testmodels import make_test_model
 
 SETTINGS = [("none", 0, False), ("zstd", 1, False), ("zstd", 1, True), ("zstd", 3, True)]
 
 PEAK_MEMORY_CHILD = """
 import json, sys
 import mlx.core as mx
+from kvmesh.codec.decode import decode_chunks
 from kvmesh.store import CacheStore
 
 def status(key):
@@ -51,7 +53,7 @@ manifest = store.manifest(sys.argv[2])
 before = status("VmRSS:")
 open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) from here
 mx.reset_peak_memory()
-_, cache = store.load(sys.argv[2])
+cache = decode_chunks(manifest, store.chunks(sys.argv[2]))
 print(json.dumps({"grown": status("VmHWM:") - before, "mlx_peak": mx.get_peak_memory(),
                   "raw": manifest.encoding.raw_bytes}))
 """
@@ -88,7 +90,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=1 << 20)
-    parser.add_argument("--work-dir", type=Path, default=default_cache_dir() / "bench")
+    parser.add_argument("--work-dir", type=Path, default=cache_dir() / "bench")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
@@ -109,7 +111,8 @@ def codec_table(cache, fp, prefix, args, note: str):
         table.add_column(column, justify="right")
     for codec, level, shuffle in SETTINGS:
         for threads in (1, 2):
-            manifest = build_manifest(cache, fp, prefix, Press(), codec, level, shuffle, args.chunk_size)
+            options = EncodeOptions(codec, level, shuffle, args.chunk_size)
+            manifest = build_manifest(cache, fp, prefix, Press(), options)
             encode_s, chunks = timed(lambda: list(encode_chunks(cache, manifest, threads)), args.repeat)
             decode_s, _ = timed(lambda: decode_chunks(manifest, chunks, threads=threads), args.repeat)
             encoded = manifest.encoding.encoded_bytes
@@ -124,7 +127,7 @@ def decode_peak_memory(cache, fp, prefix, chunk_size: int):
         print("decode peak memory: measured on Linux only (it reads /proc)")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        manifest = CacheStore(tmp).put(cache, fp, prefix, Press(), chunk_size=chunk_size)
+        manifest = CacheStore(tmp).add(*encode_cache(cache, fp, prefix, Press(), EncodeOptions(chunk_size=chunk_size)))
         out = subprocess.run(
             [sys.executable, "-c", PEAK_MEMORY_CHILD, tmp, manifest.cache_id],
             capture_output=True, text=True, check=True, env={**os.environ},

@@ -25,9 +25,11 @@ import mlx.core as mx
 from rich.console import Console
 from rich.table import Table
 
-from kvmesh.fingerprint import default_cache_dir
-from kvmesh.presses import Press
-from kvmesh.sparse_cache import SparseKVCache
+from kvmesh.caches.presses import Press
+from kvmesh.caches.sparse import SparseKVCache
+from kvmesh.codec.encode import EncodeOptions, encode_cache
+from kvmesh.daemon.control import start_daemon
+from kvmesh.paths import cache_dir
 from kvmesh.store import CacheStore
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,9 +39,10 @@ FETCH_CHILD = """
 import json, sys, time, dataclasses
 import mlx.core as mx
 from kvmesh.allocator import tune_allocator
-from kvmesh.client import PeerClient
-from kvmesh.compat import CacheRejected, ReceiverProfile
-from kvmesh.fingerprint import ModelFingerprint
+from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.errors import CacheRejected
+from kvmesh.model.fingerprint import ModelFingerprint
+from kvmesh.net.client import PeerClient
 from kvmesh.v1 import model_pb2
 
 def status(key):
@@ -117,7 +120,7 @@ def main():
     parser.add_argument("--mb", type=int, default=256, help="approximate cache size")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens prefilled before tiling")
-    parser.add_argument("--work-dir", type=Path, default=default_cache_dir() / "bench")
+    parser.add_argument("--work-dir", type=Path, default=cache_dir() / "bench")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if not sys.platform.startswith("linux"):
@@ -131,7 +134,6 @@ def main():
         for c in cache
     ]
     tokens = ids * copies
-    env = {**os.environ}
     table = Table(title=f"fetch over loopback, {sum(c.nbytes for c in tiled) / 1e6:.0f} MB {fp.dtype} KV "
                         f"({len(tokens)} tokens), medians of {args.repeat}")
     for column in ("codec", "allocator", "wire MB", "cold fetch MB/s", "warm fetch MB/s", "raw TCP MB/s", "warm / TCP",
@@ -139,14 +141,17 @@ def main():
         table.add_column(column, justify="right")
     with tempfile.TemporaryDirectory() as tmp:
         store = CacheStore(Path(tmp) / "store")
-        manifests = {codec: store.put(tiled, fp, tokens, Press(), codec=codec) for codec in ("none", "zstd")}
+        manifests = {
+            codec: store.add(*encode_cache(tiled, fp, tokens, Press(), EncodeOptions(codec=codec)))
+            for codec in ("none", "zstd")
+        }
         del tiled
-        server = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "--data-dir", f"{tmp}/daemon", "daemon", "--store", str(store.root),
-             "--interface", "127.0.0.1", "--port", "0", "--no-discovery", "--log-level", "warning"],
-            stdout=subprocess.PIPE, text=True, env=env,
+        server = start_daemon(
+            Path(tmp) / "daemon",
+            ["--store", str(store.root), "--interface", "127.0.0.1", "--port", "0", "--no-discovery",
+             "--log-level", "warning"],
         )
-        address = server.stdout.readline().split()[-1]
+        address = server.address
         try:
             for (codec, manifest), tuned in itertools.product(manifests.items(), (False, True)):
                 raw = manifest.encoding.raw_bytes
@@ -162,8 +167,7 @@ def main():
                               f"{grown / raw:.2f}")
             rejected = [fetch_in_child(address, manifests["zstd"].cache_id, fp, reject=True) for _ in range(args.repeat)]
         finally:
-            server.terminate()
-            server.wait()
+            server.stop()
     Console(width=120).print(table)
     print("fetch MB/s counts decoded cache bytes, from request to caches ready: cold is a fresh process "
           "(first touch of new memory), warm the second fetch in it; raw TCP moves the stored entry file "

@@ -10,9 +10,9 @@ import tempfile
 import mlx_lm
 from rich.console import Console
 
-from kvmesh.evaluate import compare_presses, results_table
-from kvmesh.presses import make_press
-from kvmesh.testmodels import make_test_model
+from kvmesh.caches.evaluate import compare_presses, results_table
+from kvmesh.caches.presses import make_press
+from kvmesh.model.testmodels import make_test_model
 
 
 def main():

@@ -1,8 +1,10 @@
-"""Shared fixtures: offline models built once per session, and an isolated hash cache."""
+"""Shared fixtures: offline models built once per session, an isolated hash cache, daemons."""
 
 import os
 
 import pytest
+
+from helpers import ENV
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -16,14 +18,14 @@ def isolated_cache_dir(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    from kvmesh.testmodels import make_test_model
+    from kvmesh.model.testmodels import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
 
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
-    from kvmesh.testmodels import make_test_model
+    from kvmesh.model.testmodels import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", "tiny-qwen3")
 
@@ -34,6 +36,14 @@ def tiny(tiny_dir):
     import mlx_lm
 
     return mlx_lm.load(str(tiny_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_fp(tiny_dir):
+    """The tiny model's fingerprint."""
+    from kvmesh.model.fingerprint import FileHashCache, fingerprint
+
+    return fingerprint(tiny_dir, FileHashCache(tiny_dir.parent / "hashes.sqlite3"))
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +60,14 @@ def prompt_ids(tiny):
 
     text = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
     return tiny[1].encode(text)[:300]
+
+
+@pytest.fixture(scope="session")
+def long_ids(tiny):
+    """The whole packaged corpus as tokens (well over 1000)."""
+    from importlib import resources
+
+    return tiny[1].encode(resources.files("kvmesh").joinpath("data/corpus.txt").read_text())
 
 
 @pytest.fixture(scope="session")
@@ -77,21 +95,20 @@ def tiny_in(tiny_dir):
 def serve():
     """serve(store_root, *args) -> address: a real daemon process serving that store on 127.0.0.1.
 
-    No discovery (tests of discovery start their own daemons). The address comes from the line
-    the daemon prints once it listens; its data dir is <store_root>.data. Every process started
-    is terminated (or found already dead) at the end of the test.
+    No discovery (tests of discovery start their own daemons). Its data dir is <store_root>.data,
+    its log <store_root>.log. Every process started is stopped at the end of the test.
     """
-    from daemons import start_daemon
+    from kvmesh.daemon.control import start_daemon
 
     def start(store_root, *args) -> str:
-        daemon = start_daemon(f"{store_root}.data", "--store", str(store_root), "--no-discovery", *args,
-                              log=f"{store_root}.log")
+        daemon = start_daemon(f"{store_root}.data", ["--interface", "127.0.0.1", "--port", "0", "--store",
+                                                     str(store_root), "--no-discovery", *args],
+                              log=f"{store_root}.log", env=ENV)
         start.processes[daemon.address] = daemon.process
+        start.daemons.append(daemon)
         return daemon.address
 
-    start.processes = {}
+    start.processes, start.daemons = {}, []
     yield start
-    for process in start.processes.values():
-        if process.poll() is None:
-            process.terminate()
-        process.wait(timeout=30)
+    for daemon in start.daemons:
+        daemon.stop()

@@ -1,16 +1,11 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
+import pytest
+
+from helpers import cli as run
 from kvmesh import __version__
-
-# The console script the package installs, beside the interpreter running the tests.
-KVMESH = str(Path(sys.executable).with_name("kvmesh"))
-
-
-def run(*args, check=True):
-    return subprocess.run([KVMESH, *args], capture_output=True, text=True, check=check)
 
 
 def test_version():

@@ -5,12 +5,16 @@ import itertools
 import mlx.core as mx
 import pytest
 
-from kvmesh.codec import CacheDecoder, IntegrityError, decode_chunks, encode_chunks
-from kvmesh.fingerprint import fingerprint
-from kvmesh.manifest import build_manifest, chunk_plan, content_id, layer_tensors
-from kvmesh.prefill import prefill
-from kvmesh.prefix import PrefixKey
-from kvmesh.presses import make_press
+from kvmesh.caches.prefill import prefill
+from kvmesh.caches.presses import make_press
+from kvmesh.caches.sparse import truncate
+from kvmesh.codec.arrays import layer_tensors
+from kvmesh.codec.cut import cut_prefix
+from kvmesh.codec.decode import CacheDecoder, decode_chunks
+from kvmesh.codec.encode import EncodeOptions, build_manifest, encode_cache, encode_chunks
+from kvmesh.codec.manifest import chunk_plan, content_id
+from kvmesh.codec.prefix import PrefixKey
+from kvmesh.errors import IntegrityError
 
 PRESSES = {
     "dense": ("full", {}),
@@ -19,11 +23,6 @@ PRESSES = {
     "sparse+quantized": ("knorm", {"ratio": 0.5, "kv_bits": 8}),
 }
 CODECS = [("none", False), ("zstd", False), ("zstd", True)]
-
-
-@pytest.fixture(scope="module")
-def tiny_fp(tiny_dir):
-    return fingerprint(tiny_dir)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +37,8 @@ def caches(tiny_in, prompt_ids):
 
 
 def encoded(cache, press, fp, prompt_ids, codec="zstd", shuffle=True, chunk_size=8192):
-    manifest = build_manifest(cache, fp, PrefixKey.of(prompt_ids), press, codec, 1, shuffle, chunk_size)
-    chunks = list(encode_chunks(cache, manifest))
-    return manifest, chunks
+    manifest, chunks = encode_cache(cache, fp, prompt_ids, press, EncodeOptions(codec, 1, shuffle, chunk_size))
+    return manifest, list(chunks)
 
 
 def assert_same_tensors(a, b):
@@ -80,7 +78,7 @@ def test_encoding_twice_gives_the_same_id_and_digest(caches, tiny_fp, prompt_ids
 
 def test_one_thread_and_two_encode_the_same(caches, tiny_fp, prompt_ids):
     cache, press = caches["dense", mx.bfloat16]
-    manifest = build_manifest(cache, tiny_fp, PrefixKey.of(prompt_ids), press, chunk_size=8192)
+    manifest = build_manifest(cache, tiny_fp, PrefixKey.of(prompt_ids), press, EncodeOptions(chunk_size=8192))
     one = [c.SerializeToString() for c in encode_chunks(cache, manifest, threads=1)]
     two = [c.SerializeToString() for c in encode_chunks(cache, manifest, threads=2)]
     assert one == two
@@ -170,12 +168,12 @@ def test_chunk_that_decodes_to_another_length(caches, tiny_fp, prompt_ids):
 def test_wrong_final_digest(stream):
     manifest, chunks = stream
     with pytest.raises(IntegrityError, match="payload digest does not match"):
-        feed_all(manifest, chunks, trailer="0" * 32)
+        feed_all(manifest, chunks, trailer=bytes(16))
 
 
 def test_wrong_manifest_digest(stream):
     manifest, chunks = stream
-    manifest.encoding.payload_digest = "f" * 32
+    manifest.encoding.payload_digest = b"\xff" * 16
     with pytest.raises(IntegrityError, match="payload digest does not match"):
         feed_all(manifest, chunks)
 
@@ -207,3 +205,34 @@ def test_decoding_on_two_threads_refuses_the_same_damage(stream, damage):
         expected = "chunk 6 is corrupt"
     with pytest.raises(IntegrityError, match=expected):
         decode_chunks(manifest, chunks, threads=2)
+
+
+@pytest.mark.parametrize("codec, shuffle", CODECS, ids=["none", "zstd", "zstd+shuffle"])
+@pytest.mark.parametrize("kind", ["dense", "quantized"])
+def test_a_cut_prefix_is_the_fresh_encoding_of_that_prefix(caches, tiny_fp, prompt_ids, kind, codec, shuffle):
+    """Cutting 128 of 300 tokens from the chunks gives exactly what encoding those 128 gives."""
+    cache, press = caches[kind, mx.bfloat16]
+    manifest, chunks = encoded(cache, press, tiny_fp, prompt_ids, codec, shuffle, chunk_size=5000)
+    records = [c.SerializeToString() for c in chunks]
+    cut, stream = cut_prefix(manifest, lambda: iter(records), 128)
+    cut_chunks = [type(chunks[0]).FromString(r) for r in stream]
+    fresh, fresh_chunks = encoded([truncate(c, 128) for c in cache], press, tiny_fp, prompt_ids[:128], codec, shuffle,
+                                  chunk_size=5000)
+    assert cut.cache_id == content_id(fresh) and cut.encoding == fresh.encoding
+    assert [c.SerializeToString() for c in cut_chunks] == [c.SerializeToString() for c in fresh_chunks]
+    assert_same_tensors(decode_chunks(cut, cut_chunks), [truncate(c, 128) for c in cache])
+
+
+def test_a_cut_refuses_what_it_cannot_serve_and_damage_it_reads(caches, tiny_fp, prompt_ids):
+    sparse, _ = encoded(*caches["sparse", mx.float32], tiny_fp, prompt_ids)
+    with pytest.raises(ValueError, match="evicted tokens"):
+        cut_prefix(sparse, lambda: iter(()), 128)
+    manifest, chunks = encoded(*caches["dense", mx.float32], tiny_fp, prompt_ids, chunk_size=5000)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        cut_prefix(manifest, lambda: iter(()), 100)
+    # A partial chunk (re-encoded by the cut) whose bytes do not match its checksum.
+    partial = next(i for i, s in enumerate(chunk_plan(manifest)) if s.byte_offset < 128 * s.row_bytes < s.byte_offset + s.raw_length)
+    chunks[partial].checksum ^= 1
+    records = [c.SerializeToString() for c in chunks]
+    with pytest.raises(IntegrityError, match=f"chunk {partial} is corrupt"):
+        cut_prefix(manifest, lambda: iter(records), 128)

@@ -6,23 +6,24 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from kvmesh.compat import ReceiverProfile, check_manifest
-from kvmesh.fingerprint import fingerprint
-from kvmesh.manifest import build_manifest
-from kvmesh.prefill import prefill
-from kvmesh.prefix import PrefixKey
-from kvmesh.presses import make_press
-from kvmesh.testmodels import make_test_model
+from kvmesh.caches.prefill import prefill
+from kvmesh.caches.presses import make_press
+from kvmesh.codec.compat import ReceiverProfile, check_manifest
+from kvmesh.codec.encode import build_manifest
+from kvmesh.codec.prefix import PrefixKey
+from kvmesh.model.fingerprint import fingerprint
+from kvmesh.model.testmodels import make_test_model
 from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.versions import SCHEMA_VERSION
 
 
 @pytest.fixture(scope="module")
-def accepted(tiny, tiny_dir, prompt_ids):
+def accepted(tiny, tiny_fp, prompt_ids):
     """A manifest of the prompt's first 200 tokens, and a profile that accepts it."""
     press = make_press("snapkv", {"ratio": 0.5, "window": 16})
     cache = prefill(tiny[0], prompt_ids[:200], press).cache
-    manifest = build_manifest(cache, fingerprint(tiny_dir), PrefixKey.of(prompt_ids[:200]), press)
-    return manifest, ReceiverProfile(model=fingerprint(tiny_dir), prompt=prompt_ids)
+    manifest = build_manifest(cache, tiny_fp, PrefixKey.of(prompt_ids[:200]), press)
+    return manifest, ReceiverProfile(model=tiny_fp, prompt=prompt_ids)
 
 
 @pytest.fixture
@@ -61,9 +62,11 @@ def test_accepted_as_is(manifest, profile):
 
 
 def test_schema(manifest, profile):
-    manifest.schema_version = 2
+    manifest.schema_version = SCHEMA_VERSION + 1
     assert reason(manifest, profile) == "schema"
-    assert "manifest schema 2, this kvmesh reads 1" in str(check_manifest(manifest, profile))
+    assert f"manifest schema {SCHEMA_VERSION + 1}, this kvmesh reads {SCHEMA_VERSION}" in str(
+        check_manifest(manifest, profile)
+    )
 
 
 def test_model_config(manifest, profile, tiny_dir, tmp_path):
@@ -131,16 +134,15 @@ def test_codec(manifest, profile):
 
 
 def test_dtype(manifest, profile):
-    manifest.dtype = "float64"
-    assert reason(manifest, profile) == "dtype"
+    manifest.dtype = 99  # a dtype of a newer schema
+    rejection = check_manifest(manifest, profile)
+    assert (rejection.reason_name, rejection.message) == ("dtype", "unsupported cache dtype unknown(99)")
 
 
 def test_cache_class(manifest, profile):
-    manifest.layers[2].cache_class = "RotatingKVCache"
+    manifest.layers[2].kind = 42  # a cache kind of a newer schema
     rejection = check_manifest(manifest, profile)
-    assert (rejection.reason_name, rejection.message) == (
-        "cache_class", "layer 2: unsupported cache class 'RotatingKVCache'"
-    )
+    assert (rejection.reason_name, rejection.message) == ("cache_class", "layer 2: unsupported cache kind unknown(42)")
 
 
 def test_size_limit(manifest, profile):
@@ -160,8 +162,11 @@ def test_size_limit(manifest, profile):
         lambda m: setattr(m.encoding, "chunk_size", 0),
         lambda m: setattr(m.prefix, "block_size", 0),
         lambda m: m.layers[3].tensors.pop(),
+        lambda m: setattr(m.prefix, "sha256", b"short"),
+        lambda m: setattr(m.encoding, "payload_digest", b"short"),
     ],
-    ids=["layers", "shape", "nbytes", "n_kept", "raw_bytes", "chunk_count", "chunk_size", "block_size", "tensors"],
+    ids=["layers", "shape", "nbytes", "n_kept", "raw_bytes", "chunk_count", "chunk_size", "block_size", "tensors",
+         "prefix_hash", "digest"],
 )
 def test_a_manifest_that_lies_about_itself_is_malformed(manifest, profile, lie):
     lie(manifest)

@@ -3,7 +3,6 @@
 import json
 import plistlib
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -13,21 +12,21 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from kvmesh.client import PeerClient
-from kvmesh.compat import ReceiverProfile
-from kvmesh.config import DaemonConfig, load_config
+from helpers import ENV, cli
+from kvmesh.caches.prefill import prefill
+from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.codec.encode import EncodeOptions, encode_cache
+from kvmesh.daemon.config import DaemonConfig, load_config
+from kvmesh.daemon.control import start_daemon
 from kvmesh.errors import KvmeshError
-from kvmesh.fingerprint import fingerprint
-from kvmesh.prefill import prefill
+from kvmesh.net.client import PeerClient
 from kvmesh.store import CacheStore
 
-from daemons import ENV, start_daemon
+pytestmark = pytest.mark.slow
 
-def kvmesh(data_dir, *args, check=True) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "--data-dir", str(data_dir), *args],
-        capture_output=True, text=True, env=ENV, check=check, timeout=300,
-    )
+
+def kvmesh(data_dir, *args, check=True):
+    return cli(*args, data_dir=data_dir, check=check)
 
 
 class Daemons:
@@ -37,7 +36,8 @@ class Daemons:
         self.root, self.processes = root, {}
 
     def start(self, name, *args) -> str:
-        daemon = start_daemon(self.root / name, *args, log=self.root / f"{name}.log")
+        daemon = start_daemon(self.root / name, ["--interface", "127.0.0.1", "--port", "0", *args],
+                              log=self.root / f"{name}.log", env=ENV)
         self.processes[name] = daemon.process
         return daemon.address
 
@@ -128,10 +128,11 @@ def test_static_peers_work_without_discovery(daemons, tmp_path):
     assert peer["addresses"] == [address_a] and peer["source"] == "static"
 
 
-def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_node(daemons, fp_tiny, tiny, tmp_path):
+def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_node(daemons, tiny_fp, tiny, tmp_path):
     cache = prefill(tiny[0], [i % 400 + 4 for i in range(3000)]).cache
     tokens = [i % 400 + 4 for i in range(3000)]
-    manifest = CacheStore(tmp_path / "A" / "store").put(cache, fp_tiny, tokens, codec="none", chunk_size=16 << 10)
+    options = EncodeOptions(codec="none", chunk_size=16 << 10)
+    manifest = CacheStore(tmp_path / "A" / "store").add(*encode_cache(cache, tiny_fp, tokens, options=options))
     address = daemons.start("A", "--no-discovery")
     node = node_id(tmp_path / "A")
     process = daemons.processes["A"]
@@ -143,7 +144,7 @@ def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_nod
             signalled.set()
 
     with PeerClient(address) as client:
-        fetched = client.fetch(manifest.cache_id, ReceiverProfile(fp_tiny, prompt=tokens), progress=sigterm_once)
+        fetched = client.fetch(manifest.cache_id, ReceiverProfile(tiny_fp, prompt=tokens), progress=sigterm_once)
     assert signalled.is_set() and fetched.manifest.cache_id == manifest.cache_id
     assert process.wait(timeout=30) == 0
     assert not (tmp_path / "A" / "daemon.json").exists()
@@ -154,11 +155,6 @@ def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_nod
     assert node_id(tmp_path / "A") == node
     status = json.loads(kvmesh(tmp_path / "A", "status", "--json").stdout)
     assert status["info"]["node_id"] == node and status["info"]["store"]["entries"] == 1
-
-
-@pytest.fixture(scope="module")
-def fp_tiny(tiny_dir):
-    return fingerprint(tiny_dir)
 
 
 def test_cli_without_a_daemon_says_so(tmp_path):
@@ -193,19 +189,19 @@ def test_bad_config_is_a_clear_error(tmp_path, text, message):
 def test_service_files(tmp_path):
     plist = plistlib.loads(kvmesh(tmp_path, "service", "--platform", "macos", "--print").stdout.encode())
     assert plist["Label"] == "dev.kvmesh.daemon"
-    assert plist["ProgramArguments"] == [sys.executable, "-m", "kvmesh.cli", "daemon", "--log-format", "json"]
+    assert plist["ProgramArguments"] == [sys.executable, "-m", "kvmesh", "daemon", "--log-format", "json"]
     assert plist["RunAtLoad"] is True and plist["KeepAlive"] == {"SuccessfulExit": False}
     unit = tmp_path / "kvmesh.service"
     out = kvmesh(tmp_path, "service", "--platform", "linux", "--output", str(unit)).stdout
     assert "systemctl --user" in out
     text = unit.read_text()
-    assert f"ExecStart={sys.executable} -m kvmesh.cli daemon --log-format json" in text and "Restart=on-failure" in text
+    assert f"ExecStart={sys.executable} -m kvmesh daemon --log-format json" in text and "Restart=on-failure" in text
 
 
 def test_the_advert_carries_ids_only(daemons, tmp_path):
     from zeroconf import Zeroconf
 
-    from kvmesh.discovery import SERVICE_TYPE
+    from kvmesh.net.discovery import SERVICE_TYPE
 
     address = daemons.start("A")
     zc = Zeroconf(interfaces=["127.0.0.1"])

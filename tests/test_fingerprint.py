@@ -1,14 +1,13 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
+from helpers import cli
 from kvmesh.errors import ModelDirError
-from kvmesh.fingerprint import FileHashCache, ModelFingerprint, fingerprint
-from kvmesh.testmodels import make_test_model
+from kvmesh.model.fingerprint import FileHashCache, ModelFingerprint, fingerprint
+from kvmesh.model.testmodels import make_test_model
 
 
 @pytest.fixture
@@ -153,19 +152,13 @@ def test_broken_config(model_dir):
 
 
 def test_cli_info(tiny_dir):
-    out = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "model", "info", str(tiny_dir), "--json"],
-        capture_output=True, text=True, check=True,
-    ).stdout
+    out = cli("model", "info", tiny_dir, "--json").stdout
     assert json.loads(out) == fingerprint(tiny_dir).to_dict()
 
 
 def test_cli_error_names_path_and_exits_non_zero(model_dir):
     (model_dir / "tokenizer.json").unlink()
-    result = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "model", "info", str(model_dir)],
-        capture_output=True, text=True,
-    )
+    result = cli("model", "info", model_dir, check=False)
     assert result.returncode == 1
     assert result.stderr.strip() == (
         f"kvmesh: error: {model_dir}: no tokenizer: expected one of "

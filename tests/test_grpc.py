@@ -17,18 +17,21 @@ import pytest
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.client import PeerClient, PeerError, fetch_from_any
-from kvmesh.codec import IntegrityError
-from kvmesh.compat import CacheRejected, ReceiverProfile
-from kvmesh.errors import KvmeshError
-from kvmesh.fingerprint import fingerprint
-from kvmesh.manifest import layer_tensors
-from kvmesh.prefill import generate_from_cache, prefill
-from kvmesh.policy import Policy
-from kvmesh.presses import Press, make_press
-from kvmesh.sparse_cache import SparseKVCache
-from kvmesh.store import FOOTER, MAGIC, RECORD_HEADER, CacheStore
+from kvmesh.caches.prefill import generate_from_cache, prefill
+from kvmesh.caches.presses import Press, make_press
+from kvmesh.caches.sparse import SparseKVCache
+from kvmesh.codec.arrays import layer_tensors
+from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.codec.encode import EncodeOptions, encode_cache
+from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError
+from kvmesh.net.client import PeerClient, fetch_from_any
+from kvmesh.net.policy import Policy
+from kvmesh.store import CacheStore
+from kvmesh.store.entry_file import FOOTER, MAGIC, RECORD_HEADER
 from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.versions import PROTOCOL_VERSION
+
+pytestmark = pytest.mark.slow
 
 KINDS = {
     "dense": ("full", {}),
@@ -39,8 +42,8 @@ KINDS = {
 
 
 @pytest.fixture(scope="module")
-def fp(tiny_dir):
-    return fingerprint(tiny_dir)
+def fp(tiny_fp):
+    return tiny_fp
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,8 @@ def producer(tiny, prompt_ids, fp, tmp_path_factory):
         press = make_press(method, config)
         cache = prefill(tiny[0], prompt_ids[:250], press).cache
         for codec in ("none", "zstd"):
-            made[kind, codec] = (store.put(cache, fp, prompt_ids[:250], press, codec=codec, chunk_size=16384), cache)
+            options = EncodeOptions(codec=codec, chunk_size=16384)
+            made[kind, codec] = (store.add(*encode_cache(cache, fp, prompt_ids[:250], press, options)), cache)
     return root, made
 
 
@@ -67,7 +71,8 @@ def big(fp, tmp_path_factory):
         for _ in range(fp.num_layers)
     ]
     tokens = [i % 500 for i in range(n)]
-    manifest = CacheStore(root).put(cache, fp, tokens, Press(), codec="none", chunk_size=64 << 10)
+    options = EncodeOptions(codec="none", chunk_size=64 << 10)
+    manifest = CacheStore(root).add(*encode_cache(cache, fp, tokens, Press(), options))
     return root, manifest, tokens
 
 
@@ -99,7 +104,9 @@ def test_fetched_caches_generate_like_the_producer(tiny, prompt_ids, fp, produce
 
 def test_lookup_and_a_block_aligned_prefix_of_a_dense_cache(tiny, prompt_ids, fp, producer, serve, tmp_path):
     root, made = producer
-    address = serve(copy_store(root, tmp_path, "served"))
+    served = copy_store(root, tmp_path, "served")
+    address = serve(served)
+    stored_before = sorted(p.name for p in (served / "entries").iterdir())
     prompt = prompt_ids[:200] + [9] * 50
     with PeerClient(address) as client:
         matches = client.lookup(fp.model_id, prompt)
@@ -110,6 +117,10 @@ def test_lookup_and_a_block_aligned_prefix_of_a_dense_cache(tiny, prompt_ids, fp
         assert client.lookup(fp.model_id, prompt_ids)[0].tokens == 250
         dense_id = made["dense", "zstd"][0].cache_id
         fetched = client.fetch(dense_id, ReceiverProfile(fp, prompt=prompt), num_tokens=128)
+        again = client.fetch(dense_id, ReceiverProfile(fp, prompt=prompt), num_tokens=128)
+    assert fetched.manifest.cache_id == again.manifest.cache_id != dense_id
+    # The prefix was cut as it streamed: the serving store holds nothing new.
+    assert sorted(p.name for p in (served / "entries").iterdir()) == stored_before
     assert [(c.offset, c.n_kept) for c in fetched.cache] == [(128, 128)] * fp.num_layers
     fresh = prefill(tiny[0], prompt_ids[:128]).cache
     assert all(mx.array_equal(a, b).item() for x, y in zip(fresh, fetched.cache) for a, b in zip(layer_tensors(x), layer_tensors(y)))
@@ -142,7 +153,7 @@ def replaced(fp, **fields):
         ("codec", {"codecs": frozenset({"none"})}, None),
         ("size_limit", {"max_bytes": 1000}, None),
         ("malformed", {}, lambda m: m.layers[1].tensors[0].shape.__setitem__(0, 10**9)),
-        ("cache_class", {}, lambda m: setattr(m.layers[0], "cache_class", "MambaCache")),
+        ("cache_class", {}, lambda m: setattr(m.layers[0], "kind", 77)),
     ],
 )
 def test_an_incompatible_cache_is_rejected_before_any_chunk(
@@ -294,7 +305,7 @@ def test_publish_then_fetch_back(tiny, prompt_ids, fp, producer, serve, tmp_path
 
 def test_a_peer_that_takes_no_publishes_says_so(producer, serve, tmp_path):
     root, made = producer
-    from kvmesh.server import start_server
+    from kvmesh.net.server import start_server
 
     running = start_server(CacheStore(tmp_path / "ro"), "readonly", policy=Policy(accept_publish=False))
     try:
@@ -353,4 +364,4 @@ def test_a_generic_client_works_from_reflection_alone(serve, tmp_path):
     services, info = result.stdout.splitlines()
     assert "kvmesh.v1.KvMesh" in services.split() and "grpc.health.v1.Health" in services.split()
     node_id = (tmp_path / "store.data" / "node-id").read_text().strip()
-    assert info.split() == [node_id, "1"]
+    assert info.split() == [node_id, str(PROTOCOL_VERSION)]

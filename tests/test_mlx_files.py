@@ -9,13 +9,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from helpers import load, put
 from kvmesh.errors import KvmeshError
-from kvmesh.fingerprint import fingerprint
-from kvmesh.manifest import layer_tensors
-from kvmesh.mlx_files import cache_prompt_tokens, export_prompt_cache, import_prompt_cache
-from kvmesh.prefill import prefill
-from kvmesh.presses import make_press
-from kvmesh.sparse_cache import sparse_from_dense
+from kvmesh.model.fingerprint import fingerprint
+from kvmesh.codec.arrays import layer_tensors
+from kvmesh.files.mlx_prompt_cache import cache_prompt_tokens, export_prompt_cache, import_prompt_cache
+from kvmesh.caches.prefill import prefill
+from kvmesh.caches.presses import make_press
+from kvmesh.caches.sparse import sparse_from_dense
 from kvmesh.store import CacheStore
 
 PROMPT = "The kettle on the stove began to sing just as the rain started."
@@ -36,7 +37,7 @@ def test_import_a_file_made_by_mlx_lm_cache_prompt(tiny, tiny_dir, tmp_path):
     store = CacheStore(tmp_path / "store")
     manifest = import_prompt_cache(store, path, fingerprint(tiny_dir), tokens)
     assert manifest.prefix.num_tokens == len(tokens) and manifest.compression.method == "full"
-    _, stored = store.load(manifest.cache_id)
+    _, stored = load(store, manifest.cache_id)
     original = [sparse_from_dense(c) for c in load_prompt_cache(str(path))]
     for a, b in zip(stored, original):
         assert all(mx.array_equal(x, y).item() for x, y in zip(layer_tensors(a), layer_tensors(b)))
@@ -71,7 +72,7 @@ PLAIN_MLX_LM_LOAD = textwrap.dedent(
 def test_export_for_mlx_lm_generate(tiny, tiny_dir, tmp_path, press):
     tokens = cache_prompt_tokens(tiny[1], PROMPT)
     store = CacheStore(tmp_path / "store")
-    manifest = store.put(prefill(tiny[0], tokens, make_press(*press)).cache, fingerprint(tiny_dir), tokens, make_press(*press))
+    manifest = put(store, prefill(tiny[0], tokens, make_press(*press)).cache, fingerprint(tiny_dir), tokens, make_press(*press))
     path = export_prompt_cache(store, manifest.cache_id, tmp_path / "out.safetensors", str(tiny_dir))
 
     # A process that never imported kvmesh reads mlx-lm's own classes...
@@ -91,7 +92,7 @@ def test_an_evicted_cache_exports_with_kvmesh_classes(tiny, tiny_dir, tmp_path):
     press = make_press("streaming_llm", {"budget": 8})
     tokens = cache_prompt_tokens(tiny[1], PROMPT)
     store = CacheStore(tmp_path / "store")
-    manifest = store.put(prefill(tiny[0], tokens, press).cache, fingerprint(tiny_dir), tokens, press)
+    manifest = put(store, prefill(tiny[0], tokens, press).cache, fingerprint(tiny_dir), tokens, press)
     path = export_prompt_cache(store, manifest.cache_id, tmp_path / "out.safetensors", str(tiny_dir))
     cache = load_prompt_cache(str(path))  # kvmesh.sparse_cache is imported here
     assert type(cache[0]).__name__ == "SparseKVCache" and (cache[0].n_kept, cache[0].offset) == (8, len(tokens))

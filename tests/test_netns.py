@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from importlib import resources
 
@@ -17,13 +16,18 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from kvmesh.fingerprint import fingerprint
-from kvmesh.prefill import prefill
+from helpers import ENV, cli
+from kvmesh.caches.prefill import prefill
+from kvmesh.codec.encode import encode_cache
+from kvmesh.daemon.control import DaemonProcess, start_daemon
 from kvmesh.store import CacheStore
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces"
+    ),
+]
 PORT = 7077
 
 
@@ -35,7 +39,7 @@ class Lan:
     def __init__(self, root, prefix: str, size: int):
         self.root, self.hub = root, f"{prefix}-hub"
         self.nodes = {i: f"{prefix}-n{i}" for i in range(1, size + 1)}
-        self.daemons: dict[int, subprocess.Popen] = {}
+        self.daemons: dict[int, DaemonProcess] = {}
 
     def address(self, i: int) -> str:
         return f"10.77.0.{i}"
@@ -65,22 +69,15 @@ class Lan:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
     def kvmesh(self, i: int, *args, check=True) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["ip", "netns", "exec", self.nodes[i], sys.executable, "-m", "kvmesh.cli",
-             "--data-dir", str(self.root / f"n{i}"), *args],
-            capture_output=True, text=True, check=check, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
+        return cli(*args, data_dir=self.root / f"n{i}", check=check, prefix=("ip", "netns", "exec", self.nodes[i]))
 
     def start(self, i: int):
-        process = subprocess.Popen(
-            ["ip", "netns", "exec", self.nodes[i], sys.executable, "-m", "kvmesh.cli",
-             "--data-dir", str(self.root / f"n{i}"), "daemon", "--interface", self.address(i),
-             "--port", str(PORT), "--health-interval", "0.5"],
-            stdout=subprocess.PIPE, stderr=open(self.root / f"n{i}.log", "a"), text=True,
+        daemon = start_daemon(
+            self.root / f"n{i}", ["--interface", self.address(i), "--port", str(PORT), "--health-interval", "0.5"],
+            log=self.root / f"n{i}.log", env=ENV, command=("ip", "netns", "exec", self.nodes[i]),
         )
-        line = process.stdout.readline()
-        assert "(mutual TLS) serving on" in line, f"daemon n{i} did not start as a mesh member: {line!r}"
-        self.daemons[i] = process
+        assert daemon.state.mode == "mutual TLS", f"daemon n{i} did not start as a mesh member; see {daemon.log}"
+        self.daemons[i] = daemon
 
     def live_peers(self, i: int) -> set[str]:
         return {p["addresses"][0] for p in json.loads(self.kvmesh(i, "peers", "--json").stdout)}
@@ -104,7 +101,7 @@ def lan(tmp_path):
         network.down()
 
 
-def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tmp_path):
+def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tiny_fp, tmp_path):
     # One mesh: made on n1, joined by the others (without it a daemon serves loopback only).
     lan.kvmesh(1, "mesh", "init")
     bundle = lan.kvmesh(1, "mesh", "export").stdout.strip()
@@ -121,7 +118,7 @@ def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tmp
     document = tmp_path / "doc.txt"
     document.write_text(resources.files("kvmesh").joinpath("data/corpus.txt").read_text()[:2000])
     doc_tokens = tokenizer.encode(document.read_text())
-    CacheStore(tmp_path / "n1" / "store").put(prefill(model, doc_tokens).cache, fingerprint(tiny_dir), doc_tokens)
+    CacheStore(tmp_path / "n1" / "store").add(*encode_cache(prefill(model, doc_tokens).cache, tiny_fp, doc_tokens))
     out = json.loads(lan.kvmesh(2, "generate", str(tiny_dir), "--file", str(document), "--prompt", " Why?",
                                 "--max-tokens", "8", "--json").stdout)
     assert out["prefix_from"] == f"peer {lan.address(1)}:{PORT}" and out["prefix_tokens"] == len(doc_tokens)
@@ -129,8 +126,8 @@ def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tmp
     assert out["tokens"] == [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=8)]
 
     # A crash: n3's daemon is SIGKILLed; n1 drops it within seconds.
-    lan.daemons[3].send_signal(signal.SIGKILL)
-    lan.daemons[3].wait()
+    lan.daemons[3].process.send_signal(signal.SIGKILL)
+    lan.daemons[3].process.wait()
     dropped_in = lan.wait_until(1, lambda peers: f"{lan.address(3)}:{PORT}" not in peers, seconds=10)
     assert dropped_in < 10
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from kvmesh.errors import PressConfigError
-from kvmesh.presses import PRESSES, avg_pool, make_press
-from kvmesh.prefill import prefill, run_prompt
-from kvmesh.sparse_cache import SparseKVCache, SparseQuantizedKVCache
+from kvmesh.caches.presses import PRESSES, avg_pool, make_press
+from kvmesh.caches.prefill import prefill, run_prompt
+from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 
 
 @pytest.fixture(scope="module")

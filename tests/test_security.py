@@ -12,30 +12,34 @@ import mlx.core as mx
 import pytest
 from cryptography import x509
 
-from kvmesh.client import PeerClient, PeerError
-from kvmesh.compat import CacheRejected, ReceiverProfile
-from kvmesh.credentials import (
-    CredentialsError,
+from helpers import ENV
+from kvmesh.caches.prefill import prefill
+from kvmesh.caches.sparse import SparseKVCache
+from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.codec.encode import EncodeOptions, encode_cache
+from kvmesh.daemon.control import DaemonProcess, start_daemon
+from kvmesh.errors import CacheRejected, CredentialsError, PeerError
+from kvmesh.net.client import PeerClient
+from kvmesh.net.credentials import (
     MeshCredentials,
     export_bundle,
     init_mesh,
     issue_node_cert,
     join_mesh,
     load_credentials,
-    mesh_dir,
     renew,
+    renew_if_due,
 )
-from kvmesh.fingerprint import fingerprint
-from kvmesh.node import node_id
-from kvmesh.prefill import prefill
-from kvmesh.sparse_cache import SparseKVCache
-from kvmesh.protocol import MAX_MESSAGE_BYTES, open_channel
-from kvmesh.store import CacheStore, read_entry_chunks, read_entry_manifest
+from kvmesh.net.node_id import node_id
+from kvmesh.net.transport import MAX_MESSAGE_BYTES, open_channel
+from kvmesh.paths import mesh_dir
+from kvmesh.store import CacheStore, entry_file
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.v1 import service_pb2_grpc
 
-from daemons import ENV, DaemonProcess, start_daemon
+pytestmark = pytest.mark.slow
+NONE = EncodeOptions(codec="none")
 
 
 class Relay:
@@ -90,22 +94,23 @@ def mesh(tmp_path_factory):
 
 
 def creds(mesh, name) -> MeshCredentials:
-    return load_credentials(mesh / name, node_id(mesh / name))
+    return load_credentials(mesh / name)
 
 
 @pytest.fixture(scope="module")
-def served(mesh, tiny, tiny_dir, prompt_ids):
+def served(mesh, tiny, tiny_fp, prompt_ids):
     """A's store holds one uncompressed cache (codec none, so its bytes are recognisable)."""
-    fp = fingerprint(tiny_dir)
-    manifest = CacheStore(mesh / "a" / "store").put(prefill(tiny[0], prompt_ids).cache, fp, prompt_ids, codec="none")
-    return manifest, fp
+    cache = prefill(tiny[0], prompt_ids).cache
+    manifest = CacheStore(mesh / "a" / "store").add(*encode_cache(cache, tiny_fp, prompt_ids, options=NONE))
+    return manifest, tiny_fp
 
 
 class Daemon(DaemonProcess):
     """A daemon without discovery, and what its log says about refused handshakes."""
 
     def __init__(self, data_dir, *args, env=None):
-        started = start_daemon(data_dir, "--no-discovery", *args, log=data_dir.parent / f"{data_dir.name}.log", env=env)
+        started = start_daemon(data_dir, ["--interface", "127.0.0.1", "--port", "0", "--no-discovery", *args],
+                               log=data_dir.parent / f"{data_dir.name}.log", env=env or ENV)
         super().__init__(**vars(started))
 
     def handshake_failures(self) -> int:
@@ -135,7 +140,7 @@ def stats(daemon, mesh):
 
 def test_a_member_fetches_over_tls_and_the_wire_shows_no_payload(mesh, served, daemon_a, prompt_ids):
     manifest, fp = served
-    assert "(mutual TLS) serving on" in daemon_a.line
+    assert daemon_a.state.mode == "mutual TLS" and "(mutual TLS) serving on" in daemon_a.log.read_text()
     relay = Relay(daemon_a.address)
     try:
         with PeerClient(relay.address, credentials=creds(mesh, "b")) as client:
@@ -145,7 +150,7 @@ def test_a_member_fetches_over_tls_and_the_wire_shows_no_payload(mesh, served, d
     assert fetched.manifest.cache_id == manifest.cache_id
     assert len(relay.to_client) > manifest.encoding.raw_bytes  # the whole payload went through the tap
     with open(mesh / "a" / "store" / "entries" / f"{manifest.cache_id}.kvc", "rb") as f:
-        chunks = list(read_entry_chunks(f, read_entry_manifest(f, "a"), "a"))
+        chunks = list(entry_file.read_chunks(f, entry_file.read_manifest(f, "a"), "a"))
     for chunk in chunks[:: max(1, len(chunks) // 8)]:
         needle = chunk.data[1000:1064]
         assert needle not in relay.to_client, "plaintext cache bytes on the wire"
@@ -215,7 +220,7 @@ def test_rotated_certificates_keep_the_mesh(mesh, served, daemon_a, prompt_ids):
         assert client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id == manifest.cache_id
 
 
-def test_an_ending_certificate_is_renewed_when_loaded(mesh, tmp_path):
+def test_an_ending_certificate_is_renewed_when_due_and_loading_never_writes(mesh, tmp_path):
     data = tmp_path / "e"
     join_mesh(data, node_id(data), export_bundle(mesh / "a"))
     ca = mesh_dir(data)
@@ -224,7 +229,8 @@ def test_an_ending_certificate_is_renewed_when_loaded(mesh, tmp_path):
                                 not_before=start, days=30)
     (ca / "node.key").write_bytes(key)
     (ca / "node.pem").write_bytes(cert)
-    loaded = load_credentials(data, node_id(data))
+    assert load_credentials(data).cert_pem == cert  # loading alone (`mesh status`) writes nothing
+    loaded = renew_if_due(data, node_id(data))
     assert loaded.expires - datetime.datetime.now(datetime.timezone.utc) > datetime.timedelta(days=29)
     assert x509.load_pem_x509_certificate(loaded.cert_pem).subject.rfc4514_string() == f"CN={node_id(data)}"
 
@@ -243,8 +249,9 @@ def test_the_mesh_key_is_private_to_its_owner(mesh):
 def test_without_credentials_a_daemon_serves_loopback_only_and_says_so(tmp_path):
     daemon = Daemon(tmp_path / "lonely", "--interface", "192.0.2.1")
     try:
-        assert "(loopback only, no mesh credentials) serving on 127.0.0.1:" in daemon.line
-        assert "192.0.2.1" not in daemon.line
+        assert daemon.state.mode == "loopback only, no mesh credentials"
+        assert [a.rsplit(":", 1)[0] for a in daemon.state.listen] == ["127.0.0.1"]
+        assert "(loopback only, no mesh credentials) serving on 127.0.0.1:" in daemon.log.read_text()
     finally:
         daemon.stop()
     assert "no mesh credentials: serving loopback only, not 192.0.2.1" in daemon.log.read_text()
@@ -261,10 +268,11 @@ def test_policy_limits_what_is_shared_and_who_publishes(mesh, served, tmp_path, 
                 client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
         # d is a member but not a publisher: read-only here.
         publish_from = CacheStore(tmp_path / "d-store")
-        small = publish_from.put(small_cache(), fp, prompt_ids[:64], codec="none")
+        small = publish_from.add(*encode_cache(small_cache(), fp, prompt_ids[:64], options=NONE))
         with PeerClient(daemon.address, credentials=creds(mesh, "d")) as client:
-            with pytest.raises(CacheRejected, match=f"does not accept publishes from {d}"):
+            with pytest.raises(CacheRejected, match=f"does not accept publishes from {d}") as refused:
                 client.publish(publish_from, small.cache_id)
+            assert refused.value.rejection.reason_name == "policy"
         with PeerClient(daemon.address, credentials=creds(mesh, "b")) as client:
             assert client.publish(publish_from, small.cache_id) == small.cache_id
     finally:
@@ -331,7 +339,7 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
         assert refusals["over the publish limit"].reason == pb.REJECT_REASON_SIZE_LIMIT
 
         # A consistent manifest under the limit, then garbage where the chunks should be.
-        small = CacheStore(tmp_path / "small").put(small_cache(), fp, prompt_ids[:64], codec="none")
+        small = CacheStore(tmp_path / "small").add(*encode_cache(small_cache(), fp, prompt_ids[:64], options=NONE))
         garbage = [spb.PublishRequest(manifest=small)] + [
             spb.PublishRequest(chunk=pb.Chunk(index=i, tensor=0, raw_length=4096, data=os.urandom(4096))) for i in range(3)
         ]

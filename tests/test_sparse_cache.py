@@ -7,11 +7,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
-from kvmesh.attention import wrap_attention
+from kvmesh.caches.attention import wrap_attention
 from kvmesh.errors import UnsupportedCacheError
-from kvmesh.presses import make_press
-from kvmesh.prefill import generate_from_cache, generate_from_prefill, prefill, run_prompt
-from kvmesh.sparse_cache import (
+from kvmesh.caches.presses import make_press
+from kvmesh.caches.prefill import generate_from_cache, generate_from_prefill, prefill, run_prompt
+from kvmesh.caches.sparse import (
     SparseKVCache,
     SparseQuantizedKVCache,
     sparse_from_dense,

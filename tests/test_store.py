@@ -9,25 +9,18 @@ import textwrap
 import mlx.core as mx
 import pytest
 
-from kvmesh.codec import IntegrityError
-from kvmesh.fingerprint import fingerprint
-from kvmesh.manifest import layer_tensors
-from kvmesh.prefill import generate_from_cache, prefill
-from kvmesh.presses import make_press
-from kvmesh.store import CacheStore, NotFoundError, StoreError, read_entry_chunks, read_entry_manifest
+from helpers import load, put
+from kvmesh.caches.prefill import generate_from_cache, prefill
+from kvmesh.caches.presses import make_press
+from kvmesh.codec.arrays import layer_tensors
+from kvmesh.errors import IntegrityError, NotFoundError, StoreError
+from kvmesh.generation import load_prefix
+from kvmesh.store import CacheStore, entry_file
 
 
 @pytest.fixture(scope="module")
-def fp(tiny_dir):
-    return fingerprint(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def long_ids(tiny):
-    from importlib import resources
-
-    text = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
-    return tiny[1].encode(text)[:600]
+def fp(tiny_fp):
+    return tiny_fp
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +40,7 @@ def same_tensors(a, b) -> bool:
 
 
 def put_dense500(store, dense500, fp, long_ids, **options):
-    return store.put(dense500, fp, long_ids[:500], chunk_size=64 << 10, **options)
+    return put(store, dense500, fp, long_ids[:500], chunk_size=64 << 10, **options)
 
 
 def test_put_load_and_survive_a_restart(store, dense500, fp, long_ids, tmp_path):
@@ -56,7 +49,7 @@ def test_put_load_and_survive_a_restart(store, dense500, fp, long_ids, tmp_path)
     reopened = CacheStore(tmp_path / "store")
     [entry] = reopened.entries()
     assert (entry.cache_id, entry.num_tokens, entry.method, entry.evicts_nothing) == (manifest.cache_id, 500, "full", True)
-    loaded_manifest, cache = reopened.load(manifest.cache_id)
+    loaded_manifest, cache = load(reopened, manifest.cache_id)
     assert loaded_manifest == manifest
     assert same_tensors(cache, dense500)
 
@@ -64,15 +57,15 @@ def test_put_load_and_survive_a_restart(store, dense500, fp, long_ids, tmp_path)
 def test_serving_reads_the_stored_chunks_without_recompressing(store, dense500, fp, long_ids):
     manifest = put_dense500(store, dense500, fp, long_ids)
     with open(store.entries_dir / f"{manifest.cache_id}.kvc", "rb") as f:
-        on_disk = [c.data for c in read_entry_chunks(f, read_entry_manifest(f, "x"), "x")]
+        on_disk = [c.data for c in entry_file.read_chunks(f, entry_file.read_manifest(f, "x"), "x")]
     assert [c.data for c in store.chunks(manifest.cache_id)] == on_disk
 
 
 def test_lookup_finds_the_longest_prefix_across_entries(store, tiny, dense500, fp, long_ids):
     dense = put_dense500(store, dense500, fp, long_ids)
     snap = make_press("snapkv", {"ratio": 0.5, "window": 16})
-    sparse = store.put(prefill(tiny[0], long_ids[:300], snap).cache, fp, long_ids[:300], snap)
-    short = store.put(prefill(tiny[0], long_ids[:200]).cache, fp, long_ids[:200])
+    sparse = put(store, prefill(tiny[0], long_ids[:300], snap).cache, fp, long_ids[:300], snap)
+    short = put(store, prefill(tiny[0], long_ids[:200]).cache, fp, long_ids[:200])
     junk = [7] * 100
 
     def best(prompt):
@@ -89,38 +82,37 @@ def test_lookup_finds_the_longest_prefix_across_entries(store, tiny, dense500, f
     assert store.lookup("0123456789abcdef", long_ids) is None
 
 
-def test_a_dense_entry_serves_a_block_aligned_shorter_prefix(store, tiny, dense500, fp, long_ids):
-    manifest = put_dense500(store, dense500, fp, long_ids)
-    cut = store.prefix_entry(manifest.cache_id, 384)
-    assert cut.prefix.num_tokens == 384 and cut.cache_id != manifest.cache_id
-    _, cache = store.load(cut.cache_id)
+@pytest.mark.parametrize("options", [{}, {"codec": "none"}, {"byte_shuffle": True}])
+def test_a_dense_entry_serves_a_block_aligned_shorter_prefix_cut_as_read(store, tiny, dense500, fp, long_ids, options):
+    manifest = put_dense500(store, dense500, fp, long_ids, **options)
+    cache = load_prefix(store, manifest.cache_id, 384)
     fresh = prefill(tiny[0], long_ids[:384]).cache
     assert same_tensors(cache, fresh)
     suffix = long_ids[384:390]
     assert [t for t, _ in generate_from_cache(tiny[0], cache, suffix, 4)] == [
         t for t, _ in generate_from_cache(tiny[0], fresh, suffix, 4)
     ]
-    # Asking again serves the entry that was cut.
-    assert store.prefix_entry(manifest.cache_id, 384).cache_id == cut.cache_id
+    # Cut as it is read: the store holds only the original.
+    assert [e.cache_id for e in store.entries()] == [manifest.cache_id]
 
 
 def test_a_sparse_entry_serves_only_its_own_prefix(store, tiny, fp, long_ids):
     press = make_press("streaming_llm", {"budget": 64})
-    manifest = store.put(prefill(tiny[0], long_ids[:300], press).cache, fp, long_ids[:300], press)
-    with pytest.raises(StoreError, match="only caches that evicted nothing serve shorter prefixes"):
-        store.prefix_entry(manifest.cache_id, 256)
+    manifest = put(store, prefill(tiny[0], long_ids[:300], press).cache, fp, long_ids[:300], press)
+    with pytest.raises(ValueError, match="it evicted tokens, so it serves only its exact prefix"):
+        load_prefix(store, manifest.cache_id, 256)
 
 
 def test_lru_eviction_under_a_byte_budget(tmp_path, tiny, fp, long_ids):
     caches = {n: prefill(tiny[0], long_ids[:n]).cache for n in (100, 110, 120)}
     probe = CacheStore(tmp_path / "probe")
-    sizes = {n: probe.entry(probe.put(c, fp, long_ids[:n]).cache_id).file_bytes for n, c in caches.items()}
+    sizes = {n: probe.entry(put(probe, c, fp, long_ids[:n]).cache_id).file_bytes for n, c in caches.items()}
 
     store = CacheStore(tmp_path / "store", max_bytes=sizes[100] + sizes[110] + sizes[120] - 1)
-    first = store.put(caches[100], fp, long_ids[:100]).cache_id
-    second = store.put(caches[110], fp, long_ids[:110]).cache_id
-    store.load(first)  # now `second` is the least recently used
-    third = store.put(caches[120], fp, long_ids[:120]).cache_id
+    first = put(store, caches[100], fp, long_ids[:100]).cache_id
+    second = put(store, caches[110], fp, long_ids[:110]).cache_id
+    load(store, first)  # now `second` is the least recently used
+    third = put(store, caches[120], fp, long_ids[:120]).cache_id
     assert {e.cache_id for e in store.entries()} == {first, third}
     assert store.total_bytes() <= store.max_bytes
     assert not (store.entries_dir / f"{second}.kvc").exists()
@@ -154,7 +146,7 @@ def test_bad_input_leaves_nothing_in_the_store(tmp_path, store, dense500, fp, lo
     source = CacheStore(tmp_path / "source")
     manifest = put_dense500(source, dense500, fp, long_ids)
     chunks = corrupt(list(source.chunks(manifest.cache_id)), how)
-    trailer = "0" * 32 if how == "digest" else None
+    trailer = bytes(16) if how == "digest" else None
     with pytest.raises(IntegrityError):
         store.receive(manifest, chunks, trailer)
     assert store.entries() == []
@@ -180,17 +172,17 @@ def test_damage_on_disk_is_detected_when_read(store, dense500, fp, long_ids):
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="chunk 0 is damaged on disk"):
-        store.load(manifest.cache_id)
+        load(store, manifest.cache_id)
 
 
 def test_export_then_import_elsewhere(store, tmp_path, tiny, fp, long_ids):
     press = make_press("knorm", {"ratio": 0.5, "kv_bits": 4})
     cache = prefill(tiny[0], long_ids[:300], press).cache
-    manifest = store.put(cache, fp, long_ids[:300], press)
+    manifest = put(store, cache, fp, long_ids[:300], press)
     exported = store.export(manifest.cache_id, tmp_path / "cache.kvc")
     other = CacheStore(tmp_path / "other")
     assert other.import_file(exported).cache_id == manifest.cache_id
-    assert same_tensors(other.load(manifest.cache_id)[1], cache)
+    assert same_tensors(load(other, manifest.cache_id)[1], cache)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not-kvmesh"])
@@ -228,14 +220,14 @@ def test_recovery_removes_orphans_and_dangling_rows(store, tmp_path, dense500, f
 WRITER = textwrap.dedent(
     """
     import sys
-    from kvmesh.store import CacheStore, read_entry_chunks, read_entry_manifest
+    from kvmesh.store import CacheStore, entry_file
 
     store = CacheStore(sys.argv[1])
     with open(sys.argv[2], "rb") as f:
-        manifest = read_entry_manifest(f, "export")
+        manifest = entry_file.read_manifest(f, "export")
 
         def chunks():
-            for i, chunk in enumerate(read_entry_chunks(f, manifest, "export")):
+            for i, chunk in enumerate(entry_file.read_chunks(f, manifest, "export")):
                 if i == 3:
                     print("ready", flush=True)
                     sys.stdin.read()  # hold the half-written entry until killed
@@ -247,7 +239,7 @@ WRITER = textwrap.dedent(
 
 
 def test_a_writer_killed_mid_write_leaves_the_store_consistent(store, tmp_path, tiny, dense500, fp, long_ids):
-    kept = store.put(prefill(tiny[0], long_ids[:200]).cache, fp, long_ids[:200])
+    kept = put(store, prefill(tiny[0], long_ids[:200]).cache, fp, long_ids[:200])
     source = CacheStore(tmp_path / "source")
     exported = source.export(put_dense500(source, dense500, fp, long_ids).cache_id, tmp_path / "c.kvc")
 
@@ -266,13 +258,14 @@ def test_a_writer_killed_mid_write_leaves_the_store_consistent(store, tmp_path, 
     reopened = CacheStore(store.root)
     assert [e.cache_id for e in reopened.entries()] == [kept.cache_id]
     assert list(reopened.incoming_dir.iterdir()) == []
-    assert reopened.load(kept.cache_id)[0].cache_id == kept.cache_id
+    assert load(reopened, kept.cache_id)[0].cache_id == kept.cache_id
 
 
 FULL_DISK_WRITER = textwrap.dedent(
     """
     import resource, signal, sys
-    from kvmesh.store import CacheStore, StoreError
+    from kvmesh.errors import StoreError
+    from kvmesh.store import CacheStore
 
     store = CacheStore(sys.argv[1])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead

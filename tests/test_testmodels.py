@@ -5,7 +5,7 @@ import mlx_lm
 import pytest
 
 from kvmesh.errors import KvmeshError, ModelDirError
-from kvmesh.testmodels import PRESETS, make_test_model
+from kvmesh.model.testmodels import PRESETS, make_test_model
 
 
 def test_build_is_deterministic(tiny_dir, tmp_path):

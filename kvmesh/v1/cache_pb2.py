@@ -25,31 +25,35 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import model_pb2 as kvmesh_dot_v1_dot_model__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvmesh/v1/cache.proto\x12\tkvmesh.v1\x1a\x15kvmesh/v1/model.proto\"V\n\x06Prefix\x12\x12\n\nnum_tokens\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\t\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\x8a\x01\n\tLayerSpec\x12\x13\n\x0b\x63\x61\x63he_class\x18\x01 \x01(\t\x12\x0e\n\x06n_kept\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x62its\x18\x04 \x01(\r\x12\x12\n\ngroup_size\x18\x05 \x01(\r\x12&\n\x07tensors\x18\x06 \x03(\x0b\x32\x15.kvmesh.v1.TensorSpec\"2\n\x0b\x43ompression\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\"\xf1\x01\n\x08\x45ncoding\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.kvmesh.v1.Codec\x12\r\n\x05level\x18\x02 \x01(\x05\x12\x14\n\x0c\x62yte_shuffle\x18\x03 \x01(\x08\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x05 \x01(\r\x12\x11\n\traw_bytes\x18\x06 \x01(\x04\x12\x15\n\rencoded_bytes\x18\x07 \x01(\x04\x12\x34\n\x10\x64igest_algorithm\x18\x08 \x01(\x0e\x32\x1a.kvmesh.v1.DigestAlgorithm\x12\x16\n\x0epayload_digest\x18\t \x01(\t\"\xf7\x02\n\rCacheManifest\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08\x63\x61\x63he_id\x18\x02 \x01(\t\x12*\n\x05model\x18\x03 \x01(\x0b\x32\x1b.kvmesh.v1.ModelFingerprint\x12!\n\x06prefix\x18\x04 \x01(\x0b\x32\x11.kvmesh.v1.Prefix\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12$\n\x06layers\x18\t \x03(\x0b\x32\x14.kvmesh.v1.LayerSpec\x12+\n\x0b\x63ompression\x18\n \x01(\x0b\x32\x16.kvmesh.v1.Compression\x12%\n\x08\x65ncoding\x18\x0b \x01(\x0b\x32\x13.kvmesh.v1.Encoding\x12\x17\n\x0f\x63reated_unix_ms\x18\x0c \x01(\x03\x12\x0f\n\x07node_id\x18\r \x01(\t\"o\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06tensor\x18\x02 \x01(\r\x12\x13\n\x0b\x62yte_offset\x18\x03 \x01(\x04\x12\x12\n\nraw_length\x18\x04 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c*>\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_NONE\x10\x01\x12\x0e\n\nCODEC_ZSTD\x10\x02*N\n\x0f\x44igestAlgorithm\x12 \n\x1c\x44IGEST_ALGORITHM_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44IGEST_ALGORITHM_XXH3\x10\x01*\x82\x03\n\x0cRejectReason\x12\x1d\n\x19REJECT_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14REJECT_REASON_SCHEMA\x10\x01\x12\x1e\n\x1aREJECT_REASON_MODEL_CONFIG\x10\x02\x12\x19\n\x15REJECT_REASON_WEIGHTS\x10\x03\x12\x1b\n\x17REJECT_REASON_TOKENIZER\x10\x04\x12\x1f\n\x1bREJECT_REASON_CHAT_TEMPLATE\x10\x05\x12\x1a\n\x16REJECT_REASON_GEOMETRY\x10\x06\x12\x18\n\x14REJECT_REASON_PREFIX\x10\x07\x12\x17\n\x13REJECT_REASON_CODEC\x10\x08\x12\x17\n\x13REJECT_REASON_DTYPE\x10\t\x12\x1d\n\x19REJECT_REASON_CACHE_CLASS\x10\n\x12\x1c\n\x18REJECT_REASON_SIZE_LIMIT\x10\x0b\x12\x1b\n\x17REJECT_REASON_MALFORMED\x10\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvmesh/v1/cache.proto\x12\tkvmesh.v1\x1a\x15kvmesh/v1/model.proto\"V\n\x06Prefix\x12\x12\n\nnum_tokens\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\x0c\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\"Z\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.kvmesh.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\x99\x01\n\tLayerSpec\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kvmesh.v1.CacheKind\x12\x0e\n\x06n_kept\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x62its\x18\x04 \x01(\r\x12\x12\n\ngroup_size\x18\x05 \x01(\r\x12&\n\x07tensors\x18\x06 \x03(\x0b\x32\x15.kvmesh.v1.TensorSpec\"\xd3\x01\n\x0bPressConfig\x12\r\n\x05ratio\x18\x01 \x01(\x01\x12\x13\n\x06\x62udget\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x07kv_bits\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rkv_group_size\x18\x04 \x01(\r\x12\x12\n\x05sinks\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x13\n\x06window\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x13\n\x06kernel\x18\x07 \x01(\rH\x04\x88\x01\x01\x42\t\n\x07_budgetB\n\n\x08_kv_bitsB\x08\n\x06_sinksB\t\n\x07_windowB\t\n\x07_kernel\"E\n\x0b\x43ompression\x12\x0e\n\x06method\x18\x01 \x01(\t\x12&\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x16.kvmesh.v1.PressConfig\"\xf1\x01\n\x08\x45ncoding\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.kvmesh.v1.Codec\x12\r\n\x05level\x18\x02 \x01(\x05\x12\x14\n\x0c\x62yte_shuffle\x18\x03 \x01(\x08\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x05 \x01(\r\x12\x11\n\traw_bytes\x18\x06 \x01(\x04\x12\x15\n\rencoded_bytes\x18\x07 \x01(\x04\x12\x34\n\x10\x64igest_algorithm\x18\x08 \x01(\x0e\x32\x1a.kvmesh.v1.DigestAlgorithm\x12\x16\n\x0epayload_digest\x18\t \x01(\x0c\"\x89\x03\n\rCacheManifest\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08\x63\x61\x63he_id\x18\x02 \x01(\t\x12*\n\x05model\x18\x03 \x01(\x0b\x32\x1b.kvmesh.v1.ModelFingerprint\x12!\n\x06prefix\x18\x04 \x01(\x0b\x32\x11.kvmesh.v1.Prefix\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x1f\n\x05\x64type\x18\x08 \x01(\x0e\x32\x10.kvmesh.v1.DType\x12$\n\x06layers\x18\t \x03(\x0b\x32\x14.kvmesh.v1.LayerSpec\x12+\n\x0b\x63ompression\x18\n \x01(\x0b\x32\x16.kvmesh.v1.Compression\x12%\n\x08\x65ncoding\x18\x0b \x01(\x0b\x32\x13.kvmesh.v1.Encoding\x12\x17\n\x0f\x63reated_unix_ms\x18\x0c \x01(\x03\x12\x0f\n\x07node_id\x18\r \x01(\t\"o\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06tensor\x18\x02 \x01(\r\x12\x13\n\x0b\x62yte_offset\x18\x03 \x01(\x04\x12\x12\n\nraw_length\x18\x04 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c*>\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_NONE\x10\x01\x12\x0e\n\nCODEC_ZSTD\x10\x02*N\n\x0f\x44igestAlgorithm\x12 \n\x1c\x44IGEST_ALGORITHM_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44IGEST_ALGORITHM_XXH3\x10\x01*e\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41\x43HE_KIND_SPARSE_KV\x10\x01\x12\"\n\x1e\x43\x41\x43HE_KIND_SPARSE_QUANTIZED_KV\x10\x02*\x9c\x03\n\x0cRejectReason\x12\x1d\n\x19REJECT_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14REJECT_REASON_SCHEMA\x10\x01\x12\x1e\n\x1aREJECT_REASON_MODEL_CONFIG\x10\x02\x12\x19\n\x15REJECT_REASON_WEIGHTS\x10\x03\x12\x1b\n\x17REJECT_REASON_TOKENIZER\x10\x04\x12\x1f\n\x1bREJECT_REASON_CHAT_TEMPLATE\x10\x05\x12\x1a\n\x16REJECT_REASON_GEOMETRY\x10\x06\x12\x18\n\x14REJECT_REASON_PREFIX\x10\x07\x12\x17\n\x13REJECT_REASON_CODEC\x10\x08\x12\x17\n\x13REJECT_REASON_DTYPE\x10\t\x12\x1d\n\x19REJECT_REASON_CACHE_CLASS\x10\n\x12\x1c\n\x18REJECT_REASON_SIZE_LIMIT\x10\x0b\x12\x1b\n\x17REJECT_REASON_MALFORMED\x10\x0c\x12\x18\n\x14REJECT_REASON_POLICY\x10\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=1149
-  _globals['_CODEC']._serialized_end=1211
-  _globals['_DIGESTALGORITHM']._serialized_start=1213
-  _globals['_DIGESTALGORITHM']._serialized_end=1291
-  _globals['_REJECTREASON']._serialized_start=1294
-  _globals['_REJECTREASON']._serialized_end=1680
+  _globals['_CODEC']._serialized_start=1433
+  _globals['_CODEC']._serialized_end=1495
+  _globals['_DIGESTALGORITHM']._serialized_start=1497
+  _globals['_DIGESTALGORITHM']._serialized_end=1575
+  _globals['_CACHEKIND']._serialized_start=1577
+  _globals['_CACHEKIND']._serialized_end=1678
+  _globals['_REJECTREASON']._serialized_start=1681
+  _globals['_REJECTREASON']._serialized_end=2093
   _globals['_PREFIX']._serialized_start=59
   _globals['_PREFIX']._serialized_end=145
   _globals['_TENSORSPEC']._serialized_start=147
-  _globals['_TENSORSPEC']._serialized_end=219
-  _globals['_LAYERSPEC']._serialized_start=222
-  _globals['_LAYERSPEC']._serialized_end=360
-  _globals['_COMPRESSION']._serialized_start=362
-  _globals['_COMPRESSION']._serialized_end=412
-  _globals['_ENCODING']._serialized_start=415
-  _globals['_ENCODING']._serialized_end=656
-  _globals['_CACHEMANIFEST']._serialized_start=659
-  _globals['_CACHEMANIFEST']._serialized_end=1034
-  _globals['_CHUNK']._serialized_start=1036
-  _globals['_CHUNK']._serialized_end=1147
+  _globals['_TENSORSPEC']._serialized_end=237
+  _globals['_LAYERSPEC']._serialized_start=240
+  _globals['_LAYERSPEC']._serialized_end=393
+  _globals['_PRESSCONFIG']._serialized_start=396
+  _globals['_PRESSCONFIG']._serialized_end=607
+  _globals['_COMPRESSION']._serialized_start=609
+  _globals['_COMPRESSION']._serialized_end=678
+  _globals['_ENCODING']._serialized_start=681
+  _globals['_ENCODING']._serialized_end=922
+  _globals['_CACHEMANIFEST']._serialized_start=925
+  _globals['_CACHEMANIFEST']._serialized_end=1318
+  _globals['_CHUNK']._serialized_start=1320
+  _globals['_CHUNK']._serialized_end=1431
 # @@protoc_insertion_point(module_scope)

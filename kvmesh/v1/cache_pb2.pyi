@@ -19,6 +19,12 @@ class DigestAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIGEST_ALGORITHM_UNSPECIFIED: _ClassVar[DigestAlgorithm]
     DIGEST_ALGORITHM_XXH3: _ClassVar[DigestAlgorithm]
 
+class CacheKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_KIND_UNSPECIFIED: _ClassVar[CacheKind]
+    CACHE_KIND_SPARSE_KV: _ClassVar[CacheKind]
+    CACHE_KIND_SPARSE_QUANTIZED_KV: _ClassVar[CacheKind]
+
 class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REJECT_REASON_UNSPECIFIED: _ClassVar[RejectReason]
@@ -34,11 +40,15 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_CACHE_CLASS: _ClassVar[RejectReason]
     REJECT_REASON_SIZE_LIMIT: _ClassVar[RejectReason]
     REJECT_REASON_MALFORMED: _ClassVar[RejectReason]
+    REJECT_REASON_POLICY: _ClassVar[RejectReason]
 CODEC_UNSPECIFIED: Codec
 CODEC_NONE: Codec
 CODEC_ZSTD: Codec
 DIGEST_ALGORITHM_UNSPECIFIED: DigestAlgorithm
 DIGEST_ALGORITHM_XXH3: DigestAlgorithm
+CACHE_KIND_UNSPECIFIED: CacheKind
+CACHE_KIND_SPARSE_KV: CacheKind
+CACHE_KIND_SPARSE_QUANTIZED_KV: CacheKind
 REJECT_REASON_UNSPECIFIED: RejectReason
 REJECT_REASON_SCHEMA: RejectReason
 REJECT_REASON_MODEL_CONFIG: RejectReason
@@ -52,6 +62,7 @@ REJECT_REASON_DTYPE: RejectReason
 REJECT_REASON_CACHE_CLASS: RejectReason
 REJECT_REASON_SIZE_LIMIT: RejectReason
 REJECT_REASON_MALFORMED: RejectReason
+REJECT_REASON_POLICY: RejectReason
 
 class Prefix(_message.Message):
     __slots__ = ("num_tokens", "sha256", "block_size", "block_hashes")
@@ -60,10 +71,10 @@ class Prefix(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
-    sha256: str
+    sha256: bytes
     block_size: int
-    block_hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_tokens: _Optional[int] = ..., sha256: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, num_tokens: _Optional[int] = ..., sha256: _Optional[bytes] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes")
@@ -72,34 +83,52 @@ class TensorSpec(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
-    dtype: str
+    dtype: _model_pb2.DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class LayerSpec(_message.Message):
-    __slots__ = ("cache_class", "n_kept", "offset", "bits", "group_size", "tensors")
-    CACHE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("kind", "n_kept", "offset", "bits", "group_size", "tensors")
+    KIND_FIELD_NUMBER: _ClassVar[int]
     N_KEPT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
-    cache_class: str
+    kind: CacheKind
     n_kept: int
     offset: int
     bits: int
     group_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, cache_class: _Optional[str] = ..., n_kept: _Optional[int] = ..., offset: _Optional[int] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[CacheKind, str]] = ..., n_kept: _Optional[int] = ..., offset: _Optional[int] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class PressConfig(_message.Message):
+    __slots__ = ("ratio", "budget", "kv_bits", "kv_group_size", "sinks", "window", "kernel")
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SINKS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    ratio: float
+    budget: int
+    kv_bits: int
+    kv_group_size: int
+    sinks: int
+    window: int
+    kernel: int
+    def __init__(self, ratio: _Optional[float] = ..., budget: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., sinks: _Optional[int] = ..., window: _Optional[int] = ..., kernel: _Optional[int] = ...) -> None: ...
 
 class Compression(_message.Message):
-    __slots__ = ("method", "config_json")
+    __slots__ = ("method", "config")
     METHOD_FIELD_NUMBER: _ClassVar[int]
-    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
     method: str
-    config_json: str
-    def __init__(self, method: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
+    config: PressConfig
+    def __init__(self, method: _Optional[str] = ..., config: _Optional[_Union[PressConfig, _Mapping]] = ...) -> None: ...
 
 class Encoding(_message.Message):
     __slots__ = ("codec", "level", "byte_shuffle", "chunk_size", "chunk_count", "raw_bytes", "encoded_bytes", "digest_algorithm", "payload_digest")
@@ -120,8 +149,8 @@ class Encoding(_message.Message):
     raw_bytes: int
     encoded_bytes: int
     digest_algorithm: DigestAlgorithm
-    payload_digest: str
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., level: _Optional[int] = ..., byte_shuffle: _Optional[bool] = ..., chunk_size: _Optional[int] = ..., chunk_count: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., payload_digest: _Optional[str] = ...) -> None: ...
+    payload_digest: bytes
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., level: _Optional[int] = ..., byte_shuffle: _Optional[bool] = ..., chunk_size: _Optional[int] = ..., chunk_count: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., payload_digest: _Optional[bytes] = ...) -> None: ...
 
 class CacheManifest(_message.Message):
     __slots__ = ("schema_version", "cache_id", "model", "prefix", "num_layers", "num_kv_heads", "head_dim", "dtype", "layers", "compression", "encoding", "created_unix_ms", "node_id")
@@ -145,13 +174,13 @@ class CacheManifest(_message.Message):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str
+    dtype: _model_pb2.DType
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     compression: Compression
     encoding: Encoding
     created_unix_ms: int
     node_id: str
-    def __init__(self, schema_version: _Optional[int] = ..., cache_id: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., prefix: _Optional[_Union[Prefix, _Mapping]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, schema_version: _Optional[int] = ..., cache_id: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., prefix: _Optional[_Union[Prefix, _Mapping]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "tensor", "byte_offset", "raw_length", "checksum", "data")

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvmesh/v1/model.proto\x12\tkvmesh.v1\"\x9e\x03\n\x10ModelFingerprint\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x15\n\rconfig_sha256\x18\x03 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x04 \x01(\t\x12\x18\n\x10tokenizer_sha256\x18\x05 \x01(\t\x12\x1c\n\x14\x63hat_template_sha256\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x12\n\nrope_theta\x18\x0c \x01(\x01\x12\x19\n\x11rope_scaling_json\x18\r \x01(\t\x12\x16\n\x0esliding_window\x18\x0e \x01(\r\x12\x0f\n\x07repo_id\x18\x0f \x01(\t\x12\x10\n\x08revision\x18\x10 \x01(\t\x12\x13\n\x0bmlx_version\x18\x11 \x01(\t\x12\x16\n\x0emlx_lm_version\x18\x12 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvmesh/v1/model.proto\x12\tkvmesh.v1\"\xb0\x03\n\x10ModelFingerprint\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x15\n\rconfig_sha256\x18\x03 \x01(\x0c\x12\x16\n\x0eweights_sha256\x18\x04 \x01(\x0c\x12\x18\n\x10tokenizer_sha256\x18\x05 \x01(\x0c\x12\x1c\n\x14\x63hat_template_sha256\x18\x06 \x01(\x0c\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x1f\n\x05\x64type\x18\x0b \x01(\x0e\x32\x10.kvmesh.v1.DType\x12\x12\n\nrope_theta\x18\x0c \x01(\x01\x12\x19\n\x11rope_scaling_json\x18\r \x01(\t\x12\x16\n\x0esliding_window\x18\x0e \x01(\r\x12\x0f\n\x07repo_id\x18\x0f \x01(\t\x12\x10\n\x08revision\x18\x10 \x01(\t\x12\x13\n\x0bmlx_version\x18\x11 \x01(\t\x12\x16\n\x0emlx_lm_version\x18\x12 \x01(\t*j\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x10\n\x0c\x44TYPE_UINT32\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.model_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DTYPE']._serialized_start=471
+  _globals['_DTYPE']._serialized_end=577
   _globals['_MODELFINGERPRINT']._serialized_start=37
-  _globals['_MODELFINGERPRINT']._serialized_end=451
+  _globals['_MODELFINGERPRINT']._serialized_end=469
 # @@protoc_insertion_point(module_scope)

@@ -69,8 +69,8 @@ class LookupRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     block_size: int
-    block_hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("cache_id", "num_tokens", "prefix_sha256", "matched_tokens", "evicts_nothing", "method", "raw_bytes", "stored_bytes")
@@ -84,13 +84,13 @@ class Candidate(_message.Message):
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     num_tokens: int
-    prefix_sha256: str
+    prefix_sha256: bytes
     matched_tokens: int
     evicts_nothing: bool
     method: str
     raw_bytes: int
     stored_bytes: int
-    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., evicts_nothing: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., evicts_nothing: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("candidates",)
@@ -136,9 +136,9 @@ class Trailer(_message.Message):
     __slots__ = ("payload_digest", "chunk_count")
     PAYLOAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
-    payload_digest: str
+    payload_digest: bytes
     chunk_count: int
-    def __init__(self, payload_digest: _Optional[str] = ..., chunk_count: _Optional[int] = ...) -> None: ...
+    def __init__(self, payload_digest: _Optional[bytes] = ..., chunk_count: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("open", "decision")
@@ -183,35 +183,3 @@ class PublishResponse(_message.Message):
     decision: Decision
     result: PublishResult
     def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ...) -> None: ...
-
-class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class PeerState(_message.Message):
-    __slots__ = ("node_id", "addresses", "source", "healthy", "failures", "version")
-    NODE_ID_FIELD_NUMBER: _ClassVar[int]
-    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_FIELD_NUMBER: _ClassVar[int]
-    HEALTHY_FIELD_NUMBER: _ClassVar[int]
-    FAILURES_FIELD_NUMBER: _ClassVar[int]
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    node_id: str
-    addresses: _containers.RepeatedScalarFieldContainer[str]
-    source: str
-    healthy: bool
-    failures: int
-    version: str
-    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., healthy: _Optional[bool] = ..., failures: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
-
-class StatusResponse(_message.Message):
-    __slots__ = ("info", "listen", "peers", "data_dir")
-    INFO_FIELD_NUMBER: _ClassVar[int]
-    LISTEN_FIELD_NUMBER: _ClassVar[int]
-    PEERS_FIELD_NUMBER: _ClassVar[int]
-    DATA_DIR_FIELD_NUMBER: _ClassVar[int]
-    info: InfoResponse
-    listen: _containers.RepeatedScalarFieldContainer[str]
-    peers: _containers.RepeatedCompositeFieldContainer[PeerState]
-    data_dir: str
-    def __init__(self, info: _Optional[_Union[InfoResponse, _Mapping]] = ..., listen: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerState, _Mapping]]] = ..., data_dir: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,60 @@
+"""See inside a model's attention without changing the model.
+
+mlx-lm model files call the shared `scaled_dot_product_attention` from their own module namespace,
+passing the layer's cache. Swapping that one name for the duration of a forward pass lets kvmesh
+read each layer's post-RoPE queries (SnapKV scores tokens with them) or add a mask (tests compare
+a sparse cache against a dense one with the evicted keys hidden), for every model family that uses
+the shared function, with no second prefill and no copy of model code.
+"""
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kvmesh.errors import UnsupportedCacheError
+
+# fn(original_sdpa, layer_index, queries, keys, values, cache, scale, mask, **kwargs) -> output
+AttentionWrapper = Callable[..., mx.array]
+
+
+@contextmanager
+def wrap_attention(model: nn.Module, cache: list, wrapper: AttentionWrapper) -> Iterator[None]:
+    """Route every attention call of `model` through `wrapper` while the context is open.
+
+    The layer is identified by the cache object the model passes along, so `cache` must be the
+    list given to the forward pass.
+    """
+    module = sys.modules[type(model).__module__]
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        raise UnsupportedCacheError(
+            f"{module.__name__} does not use mlx-lm's shared attention function; "
+            "attention-based compression methods cannot observe it"
+        )
+    layer_of = {id(c): i for i, c in enumerate(cache)}
+
+    def routed(queries, keys, values, cache, scale, mask, **kwargs):
+        return wrapper(original, layer_of[id(cache)], queries, keys, values, cache, scale, mask, **kwargs)
+
+    module.scaled_dot_product_attention = routed
+    try:
+        yield
+    finally:
+        module.scaled_dot_product_attention = original
+
+
+@contextmanager
+def record_queries(model: nn.Module, cache: list) -> Iterator[dict]:
+    """Collect {layer: (queries, scale)} of the forward passes run inside the context."""
+    seen: dict[int, tuple[mx.array, float]] = {}
+
+    def wrapper(original, layer, queries, keys, values, cache, scale, mask, **kwargs):
+        # The quantized attention path scales queries in place: keep our own copy.
+        seen[layer] = (mx.array(queries), scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+
+    with wrap_attention(model, cache, wrapper):
+        yield seen

@@ -1,0 +1,130 @@
+"""Prefill a prompt with a local mlx-lm model into a (pressed) cache, and continue from such caches.
+
+The last prompt token needs care. mlx-lm generation always feeds at least one token, and after
+eviction the cache cannot be trimmed back to re-feed the last prompt token. So `prefill` processes
+the whole prompt and keeps the logits of its last position: the first generated token comes from
+those, and generation continues from the cache with that token. A consumer that holds a cache of a
+prefix feeds only its suffix instead (`generate_from_cache`).
+"""
+
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from kvmesh.caches.attention import record_queries
+from kvmesh.errors import UnsupportedCacheError
+from kvmesh.caches.presses import Press
+from kvmesh.caches.sparse import stored_nbytes
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class Prefilled:
+    cache: list
+    # (vocab,) logits after the last prompt token: the first generated token comes from these.
+    logits: mx.array
+    num_tokens: int
+    # Bytes of the dense cache before the press, and of `cache` after it.
+    dense_nbytes: int
+    nbytes: int
+
+
+def run_prompt(
+    model: nn.Module,
+    tokens,
+    observe_last: int = 0,
+    step_size: int = 512,
+    progress: ProgressFn | None = None,
+) -> tuple[list, mx.array, dict | None]:
+    """Run `tokens` through `model` into a fresh dense cache.
+
+    Returns the cache, the logits after the last token, and, when `observe_last` > 0, the queries
+    of the last `observe_last` tokens per layer (what attention-based presses score with).
+    """
+    tokens = mx.array(tokens)
+    n = tokens.size
+    if n == 0:
+        raise ValueError("cannot prefill an empty prompt")
+    cache = make_prompt_cache(model)
+    for i, c in enumerate(cache):
+        if type(c) is not KVCache:
+            raise UnsupportedCacheError(
+                f"layer {i} of this model uses {type(c).__name__}; kvmesh can only share caches "
+                "of models whose every layer uses a plain KVCache"
+            )
+    progress = progress or (lambda done, total: None)
+
+    # The last chunk holds the observed tokens (and at least one, for the logits).
+    head = n - max(1, min(observe_last, n))
+    for start in range(0, head, step_size):
+        model(tokens[start : min(start + step_size, head)][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        progress(min(start + step_size, head), n)
+    with record_queries(model, cache) if observe_last else nullcontext() as observed:
+        logits = model(tokens[head:][None], cache=cache)[0, -1]
+        mx.eval(logits, [c.state for c in cache])
+    progress(n, n)
+    return cache, logits, observed
+
+
+def prefill(
+    model: nn.Module,
+    tokens,
+    press: Press | None = None,
+    step_size: int = 512,
+    progress: ProgressFn | None = None,
+) -> Prefilled:
+    """Run `tokens` through `model` into a fresh cache, then compress it with `press`."""
+    press = press or Press()
+    cache, logits, observed = run_prompt(model, tokens, press.needs_queries, step_size, progress)
+    pressed = press.apply(cache, observed)
+    return Prefilled(
+        cache=pressed,
+        logits=logits,
+        num_tokens=cache[0].offset,
+        dense_nbytes=sum(stored_nbytes(c) for c in cache),
+        nbytes=sum(stored_nbytes(c) for c in pressed),
+    )
+
+
+def greedy(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
+def generate_from_prefill(
+    model: nn.Module, prefilled: Prefilled, max_tokens: int, sampler=greedy
+) -> Iterator[tuple[int, mx.array]]:
+    """Continue a prompt that `prefill` processed entirely: yields (token, logprobs).
+
+    The cache is updated in place, as mlx-lm's generation does.
+    """
+    logprobs = prefilled.logits - mx.logsumexp(prefilled.logits, keepdims=True)
+    first = sampler(logprobs).item()
+    yield first, logprobs
+    if max_tokens > 1:
+        for token, logprobs in generate_step(
+            mx.array([first]), model, prompt_cache=prefilled.cache, max_tokens=max_tokens - 1, sampler=sampler,
+        ):
+            yield int(token), logprobs
+
+
+def generate_from_cache(
+    model: nn.Module, cache: list, suffix, max_tokens: int, sampler=greedy
+) -> Iterator[tuple[int, mx.array]]:
+    """Continue a prompt whose prefix is in `cache` by feeding only `suffix`: yields (token, logprobs)."""
+    suffix = mx.array(suffix)
+    if suffix.size == 0:
+        raise ValueError(
+            "the prompt adds no token to the cached prefix: generation needs at least one new "
+            "token to feed (use the prefill's logits, or a cache of a shorter prefix)"
+        )
+    for token, logprobs in generate_step(
+        suffix, model, prompt_cache=cache, max_tokens=max_tokens, sampler=sampler
+    ):
+        yield int(token), logprobs

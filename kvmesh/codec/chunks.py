@@ -1,0 +1,178 @@
+"""Chunks on the wire and on disk: checked, decompressed, digested. Needs no MLX.
+
+Each chunk holds whole token rows of one tensor, compressed on its own (zstd or nothing), with its
+raw length and an xxh3-64 checksum of its raw bytes. The payload digest is xxh3-128 over every
+chunk's (raw length, checksum) in order, so a receiver can verify completeness and order without a
+second pass over the data, and a store can cut a dense cache's prefix without re-hashing it.
+
+`ChunkChecker` is all a store or a server needs; turning MLX caches into chunks and back is
+`kvmesh.codec.encode` and `kvmesh.codec.decode`.
+"""
+
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import numpy as np
+import xxhash
+import zstandard
+
+from kvmesh.codec.limits import max_encoded_length
+from kvmesh.codec.manifest import ITEMSIZE, chunk_plan, tensor_dtype, tensor_specs
+from kvmesh.errors import IntegrityError
+from kvmesh.v1 import cache_pb2 as pb
+
+T = TypeVar("T")
+R = TypeVar("R")
+_local = threading.local()
+
+
+def compressor(level: int) -> zstandard.ZstdCompressor:
+    """zstd contexts are not thread-safe: one per thread and level."""
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
+
+
+def shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
+    """Group the i-th byte of every value together: exponent bytes compress, mantissa bytes don't.
+
+    One strided copy per byte plane: several times faster than a transposed copy in numpy.
+    """
+    values = raw.reshape(-1, itemsize)
+    planes = np.empty((itemsize, values.shape[0]), np.uint8)
+    for i in range(itemsize):
+        planes[i] = values[:, i]
+    return planes
+
+
+def unshuffle(data: bytes, itemsize: int) -> np.ndarray:
+    planes = np.frombuffer(data, np.uint8).reshape(itemsize, -1)
+    values = np.empty((planes.shape[1], itemsize), np.uint8)
+    for i in range(itemsize):
+        values[:, i] = planes[i]
+    return values
+
+
+def payload_digest(slots: Iterable[tuple[int, int]]) -> bytes:
+    """xxh3-128 (16 bytes) over the (raw length, checksum) of each chunk in order."""
+    h = xxhash.xxh3_128()
+    for raw_length, checksum in slots:
+        h.update(struct.pack("<IQ", raw_length, checksum))
+    return h.digest()
+
+
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
+    """fn over items on a thread pool, results in order, at most 2x threads results waiting."""
+    if threads <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        pending: deque[Future[R]] = deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+class ChunkChecker:
+    """Checks the chunks of one manifest as they arrive, in order, and decodes each.
+
+    Every check happens before a chunk's bytes are used: position in the payload, tensor and byte
+    range, encoded size, decoded length and checksum; `finish` checks completeness and the digest.
+    """
+
+    def __init__(self, manifest: pb.CacheManifest):
+        self.manifest = manifest
+        self.plan = chunk_plan(manifest)
+        self.specs = tensor_specs(manifest)
+        self.sums: list[tuple[int, int]] = []
+
+    def check(self, chunk: pb.Chunk) -> bytes | np.ndarray:
+        """The chunk's raw bytes, once it proved to be the next chunk, intact."""
+        raw = self.decode(chunk)
+        self.accept(chunk)
+        return raw
+
+    def check_all(
+        self, chunks: Iterable[pb.Chunk], threads: int = 1
+    ) -> Iterator[tuple[pb.Chunk, bytes | np.ndarray]]:
+        """`check` over a stream, decompressing on `threads` threads; results stay in order."""
+
+        def decode(c: pb.Chunk) -> tuple[pb.Chunk, bytes | np.ndarray]:
+            return c, self.decode(c)
+
+        for chunk, raw in ordered_map(decode, chunks, threads):
+            self.accept(chunk)
+            yield chunk, raw
+
+    def decode(self, chunk: pb.Chunk) -> bytes | np.ndarray:
+        """Check one chunk against its slot in the plan, then decode it and verify its checksum.
+
+        Needs no state, so chunks can be decoded on several threads.
+        """
+        if chunk.index >= len(self.plan):
+            raise IntegrityError(f"chunk {chunk.index} is beyond the {len(self.plan)} the manifest announced")
+        slot = self.plan[chunk.index]
+        if (chunk.tensor, chunk.byte_offset, chunk.raw_length) != (slot.tensor, slot.byte_offset, slot.raw_length):
+            raise IntegrityError(
+                f"chunk {chunk.index} claims tensor {chunk.tensor} bytes {chunk.byte_offset}+{chunk.raw_length}; "
+                f"the manifest puts it at tensor {slot.tensor} bytes {slot.byte_offset}+{slot.raw_length}"
+            )
+        raw = self._decode(chunk)
+        if xxhash.xxh3_64_intdigest(raw) != chunk.checksum:
+            raise IntegrityError(f"chunk {chunk.index} is corrupt: its checksum does not match its bytes")
+        return raw
+
+    def accept(self, chunk: pb.Chunk) -> None:
+        """Record a decoded chunk, which must be the next one in the payload."""
+        expected = len(self.sums)
+        if chunk.index != expected:
+            raise IntegrityError(
+                f"chunk {chunk.index} arrived where chunk {expected} was expected (reordered, duplicated or lost)"
+            )
+        self.sums.append((chunk.raw_length, chunk.checksum))
+
+    def _decode(self, chunk: pb.Chunk) -> bytes | np.ndarray:
+        encoding = self.manifest.encoding
+        if encoding.codec == pb.CODEC_NONE:
+            if len(chunk.data) != chunk.raw_length:
+                raise IntegrityError(
+                    f"chunk {chunk.index} holds {len(chunk.data)} bytes, {chunk.raw_length} were announced"
+                )
+            return chunk.data
+        if len(chunk.data) > max_encoded_length(chunk.raw_length):
+            raise IntegrityError(f"chunk {chunk.index} is oversized: {len(chunk.data)} encoded bytes")
+        try:
+            size = zstandard.frame_content_size(chunk.data)
+            if size != chunk.raw_length:
+                raise IntegrityError(
+                    f"chunk {chunk.index} decodes to {size} bytes, {chunk.raw_length} were announced"
+                )
+            raw = _decompressor().decompress(chunk.data)
+        except zstandard.ZstdError as e:
+            raise IntegrityError(f"chunk {chunk.index} is not valid zstd data: {e}") from e
+        dtype = tensor_dtype(self.specs[chunk.tensor])
+        if encoding.byte_shuffle and dtype != "uint32":
+            return unshuffle(raw, ITEMSIZE[dtype])
+        return raw
+
+    def finish(self, trailer_digest: bytes | None = None) -> None:
+        if len(self.sums) != len(self.plan):
+            raise IntegrityError(f"truncated: {len(self.sums)} of {len(self.plan)} chunks arrived")
+        digest = payload_digest(self.sums)
+        for expected in (self.manifest.encoding.payload_digest, trailer_digest):
+            if expected and digest != expected:
+                raise IntegrityError("the payload digest does not match: the payload is not the one described")

@@ -1,0 +1,144 @@
+"""Does a manifest describe a cache this receiver can use? Decided before any tensor byte moves.
+
+The answer is None (accept) or a Rejection with a typed reason and a sentence a user can act on.
+Every size and count is checked with plain integers against the manifest's own claims before the
+receiver allocates anything, so a manifest that lies about its shapes is refused, not trusted.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.codec.limits import DIGEST_BYTES, HASH_BYTES, MAX_BLOCK_SIZE, MAX_CHUNK_SIZE, MAX_LAYERS, MIN_CHUNK_SIZE
+from kvmesh.codec.manifest import CODEC_NAMES, CODECS, ITEMSIZE, TENSOR_NAMES, chunk_count, kind_name, tensor_dtype
+from kvmesh.codec.prefix import prefix_sha256
+from kvmesh.errors import CacheRejected, Rejection
+from kvmesh.model.fingerprint import ModelFingerprint, dtype_name
+from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.versions import SCHEMA_VERSION
+
+__all__ = ["CacheRejected", "ReceiverProfile", "Rejection", "check_manifest", "validate_manifest"]
+
+
+@dataclass(frozen=True)
+class ReceiverProfile:
+    """What a receiver has and will take."""
+
+    model: ModelFingerprint
+    codecs: frozenset[str] = frozenset(CODECS)
+    max_bytes: int = 16 << 30
+    # The receiver's prompt, when it wants a prefix of it; it is only hashed here, never sent.
+    prompt: Sequence[int] | None = field(default=None, repr=False)
+    # Same architecture and tokenizer, other weights (a fine-tune): refused unless asked for.
+    accept_other_weights: bool = False
+    accept_other_chat_template: bool = False
+
+
+def validate_manifest(m: pb.CacheManifest) -> Rejection | None:
+    """Is the manifest consistent with itself? Checked with integers only, nothing allocated."""
+
+    def bad(message: str) -> Rejection:
+        return Rejection(pb.REJECT_REASON_MALFORMED, message)
+
+    if not 0 < m.num_layers <= MAX_LAYERS or len(m.layers) != m.num_layers:
+        return bad(f"{len(m.layers)} layer specs for num_layers={m.num_layers} (at most {MAX_LAYERS})")
+    dtype = dtype_name(m.dtype)
+    if dtype not in ITEMSIZE or dtype == "uint32":
+        return Rejection(pb.REJECT_REASON_DTYPE, f"unsupported cache dtype {dtype}")
+    if m.encoding.codec not in CODEC_NAMES:
+        return Rejection(pb.REJECT_REASON_CODEC, f"unknown codec {m.encoding.codec}")
+    prefix = m.prefix
+    if not 1 <= prefix.block_size <= MAX_BLOCK_SIZE or len(prefix.block_hashes) != prefix.num_tokens // prefix.block_size:
+        return bad(f"{len(prefix.block_hashes)} block hashes of size {prefix.block_size} for {prefix.num_tokens} tokens")
+    if len(prefix.sha256) != HASH_BYTES or any(len(h) != HASH_BYTES for h in prefix.block_hashes):
+        return bad(f"prefix hashes must be {HASH_BYTES} bytes each")
+    if not MIN_CHUNK_SIZE <= m.encoding.chunk_size <= MAX_CHUNK_SIZE:
+        return bad(f"chunk size {m.encoding.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
+    total = 0
+    for i, layer in enumerate(m.layers):
+        names = TENSOR_NAMES.get(layer.kind)
+        if names is None:
+            return Rejection(pb.REJECT_REASON_CACHE_CLASS, f"layer {i}: unsupported cache kind {kind_name(layer.kind)}")
+        if layer.offset != m.prefix.num_tokens or layer.n_kept > layer.offset:
+            return bad(f"layer {i}: {layer.n_kept} kept of offset {layer.offset}, prefix has {m.prefix.num_tokens} tokens")
+        quantized = layer.kind == pb.CACHE_KIND_SPARSE_QUANTIZED_KV
+        if quantized and (layer.bits not in (2, 3, 4, 5, 6, 8) or layer.group_size not in (32, 64, 128)):
+            return bad(f"layer {i}: quantization bits={layer.bits} group_size={layer.group_size}")
+        if [t.name for t in layer.tensors] != list(names):
+            return bad(f"layer {i}: tensors {[t.name for t in layer.tensors]}, expected {list(names)}")
+        for t in layer.tensors:
+            t_dtype = tensor_dtype(t)
+            if t_dtype not in ITEMSIZE:
+                return Rejection(pb.REJECT_REASON_DTYPE, f"layer {i} {t.name}: unsupported dtype {t_dtype}")
+            expected_dtype = "uint32" if t.name.endswith("packed") else dtype
+            width = expected_width(t.name, m.head_dim, layer.bits, layer.group_size)
+            if t_dtype != expected_dtype or list(t.shape) != [layer.n_kept, m.num_kv_heads, width]:
+                return bad(
+                    f"layer {i} {t.name}: {t_dtype} {list(t.shape)}, expected {expected_dtype} "
+                    f"{[layer.n_kept, m.num_kv_heads, width]}"
+                )
+            if t.nbytes != math.prod(t.shape) * ITEMSIZE[t_dtype]:
+                return bad(f"layer {i} {t.name}: {t.nbytes} bytes do not match its shape")
+            total += t.nbytes
+    if total != m.encoding.raw_bytes:
+        return bad(f"tensors hold {total} bytes, the encoding claims {m.encoding.raw_bytes}")
+    if m.encoding.chunk_count != chunk_count(m):
+        return bad(f"{m.encoding.chunk_count} chunks announced, the tensors make {chunk_count(m)}")
+    if m.encoding.payload_digest and len(m.encoding.payload_digest) != DIGEST_BYTES:
+        return bad(f"the payload digest must be {DIGEST_BYTES} bytes")
+    return None
+
+
+def expected_width(name: str, head_dim: int, bits: int, group_size: int) -> int:
+    if name.endswith("packed"):
+        return head_dim * bits // 32
+    if name.endswith(("scales", "biases")):
+        return head_dim // group_size
+    return head_dim
+
+
+def check_manifest(m: pb.CacheManifest, profile: ReceiverProfile) -> Rejection | None:
+    """None if the receiver can use the cache, else why not (the first reason found)."""
+    if m.schema_version != SCHEMA_VERSION:
+        return Rejection(
+            pb.REJECT_REASON_SCHEMA, f"manifest schema {m.schema_version}, this kvmesh reads {SCHEMA_VERSION}"
+        )
+    if rejection := validate_manifest(m):
+        return rejection
+    ours = profile.model
+    geometry = {"layers": (m.num_layers, ours.num_layers), "kv heads": (m.num_kv_heads, ours.num_kv_heads),
+                "head dim": (m.head_dim, ours.head_dim), "dtype": (dtype_name(m.dtype), ours.dtype)}
+    for what, (theirs_value, ours_value) in geometry.items():
+        if theirs_value != ours_value:
+            return Rejection(pb.REJECT_REASON_GEOMETRY, f"{what} {theirs_value} in the cache, {ours_value} in this model")
+    theirs = m.model
+    model_checks = [
+        (pb.REJECT_REASON_MODEL_CONFIG, "model config", theirs.config_sha256, ours.config_sha256, False),
+        (pb.REJECT_REASON_WEIGHTS, "weights", theirs.weights_sha256, ours.weights_sha256, profile.accept_other_weights),
+        (pb.REJECT_REASON_TOKENIZER, "tokenizer", theirs.tokenizer_sha256, ours.tokenizer_sha256, False),
+        (pb.REJECT_REASON_CHAT_TEMPLATE, "chat template", theirs.chat_template_sha256,
+         ours.chat_template_sha256, profile.accept_other_chat_template),
+    ]
+    for reason, what, their_bytes, our_hash, allowed in model_checks:
+        their_hash = their_bytes.hex()
+        if their_hash != our_hash and not allowed:
+            return Rejection(
+                reason,
+                f"the cache was made with other {what} ({their_hash[:12] or 'none'}) than this "
+                f"model's ({our_hash[:12] or 'none'}; model {ours.model_id})",
+            )
+    if profile.prompt is not None:
+        n = m.prefix.num_tokens
+        if n > len(profile.prompt) or prefix_sha256(profile.prompt[:n], m.prefix.block_size) != m.prefix.sha256:
+            return Rejection(
+                pb.REJECT_REASON_PREFIX, f"the cache's {n}-token prefix is not a prefix of this prompt"
+            )
+    codec = CODEC_NAMES[m.encoding.codec]
+    if codec not in profile.codecs:
+        return Rejection(pb.REJECT_REASON_CODEC, f"codec {codec} is not among {sorted(profile.codecs)}")
+    if m.encoding.raw_bytes > profile.max_bytes:
+        return Rejection(
+            pb.REJECT_REASON_SIZE_LIMIT,
+            f"{m.encoding.raw_bytes:,} bytes decoded exceed this receiver's limit of {profile.max_bytes:,}",
+        )
+    return None

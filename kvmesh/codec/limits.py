@@ -1,0 +1,18 @@
+"""The sizes every manifest and chunk is held to, on both ends. Plain integers: no imports.
+
+A receiver checks a manifest against these before it allocates anything, and both gRPC ends size
+their message limits from the largest chunk allowed.
+"""
+
+MAX_LAYERS = 1024
+MIN_CHUNK_SIZE = 4 << 10
+MAX_CHUNK_SIZE = 16 << 20
+MAX_BLOCK_SIZE = 1 << 16
+# sha256 prefix hashes; the xxh3-128 payload digest.
+HASH_BYTES = 32
+DIGEST_BYTES = 16
+
+
+def max_encoded_length(raw_length: int) -> int:
+    """zstd's worst case (ZSTD_COMPRESSBOUND) for incompressible data, rounded up."""
+    return raw_length + (raw_length >> 7) + 512

@@ -1,0 +1,130 @@
+"""The kvmesh daemon: one process serving its store to peers, advertising itself, tracking peers.
+
+It needs no model and no MLX: it only stores and moves caches. The local CLI reaches it through a
+Control service on loopback, found through the state file (`kvmesh.daemon.control`).
+"""
+
+import ipaddress
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from kvmesh.daemon.config import DaemonConfig
+from kvmesh.daemon.control import DaemonState, write_state
+from kvmesh.net.credentials import renew_if_due
+from kvmesh.net.discovery import Discovery, HealthChecker, Peer, PeerTable, routable_addresses
+from kvmesh.net.node_id import node_id
+from kvmesh.net.server import RunningServer, start_server
+from kvmesh.net.transport import GRPC_OPTIONS
+from kvmesh.paths import state_file
+from kvmesh.store import CacheStore
+from kvmesh.v1 import control_pb2 as cpb
+from kvmesh.v1 import control_pb2_grpc
+from kvmesh.v1 import service_pb2 as spb
+
+log = logging.getLogger(__name__)
+PEER_SOURCES = {"mdns": cpb.PEER_SOURCE_MDNS, "static": cpb.PEER_SOURCE_STATIC}
+
+
+class ControlService(control_pb2_grpc.ControlServicer):
+    def __init__(self, daemon: "Daemon", server: RunningServer):
+        self.daemon, self.server = daemon, server
+
+    def Status(self, request: cpb.StatusRequest, context: grpc.ServicerContext) -> cpb.StatusResponse:
+        d = self.daemon
+        return cpb.StatusResponse(
+            info=self.server.service.Info(spb.InfoRequest(), context),
+            listen=d.listen,
+            peers=[
+                cpb.PeerState(node_id=p.node_id, addresses=p.addresses, source=PEER_SOURCES[p.source],
+                              healthy=p.healthy, failures=p.failures, version=p.version)
+                for p in d.peers.all()
+            ],
+            data_dir=str(d.config.data_dir),
+        )
+
+
+class Daemon:
+    """The daemon of one data directory: `start`, serve, `stop` (or `run` for all three)."""
+
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self.peers = PeerTable()
+        self.server: RunningServer | None = None
+        self.control: grpc.Server | None = None
+        self.discovery: Discovery | None = None
+        self.health: HealthChecker | None = None
+        self.listen: list[str] = []
+
+    def start(self) -> None:
+        config = self.config
+        data_dir = Path(config.data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.node_id = node_id(data_dir)
+        self.store = CacheStore(config.store_dir, max_bytes=config.store_budget or None)
+        self.credentials = renew_if_due(data_dir, self.node_id)
+        interfaces = list(config.interfaces) or routable_addresses(None)
+        if self.credentials is None:
+            lan = [a for a in interfaces if not ipaddress.ip_address(a).is_loopback]
+            if lan:
+                log.warning("no mesh credentials: serving loopback only, not %s; run `kvmesh mesh init` "
+                            "(first Mac) or `kvmesh mesh join` (the others) to serve the network", ", ".join(lan))
+            interfaces = [a for a in interfaces if a not in lan] or ["127.0.0.1"]
+        self.mode = "mutual TLS" if self.credentials else "loopback only, no mesh credentials"
+        self.server = start_server(
+            self.store, self.node_id, [_host_port(ip, config.port) for ip in interfaces], config.max_transfers,
+            policy=config.policy, credentials=self.credentials.server_credentials() if self.credentials else None,
+        )
+        self.listen = [_host_port(ip, self.server.port) for ip in interfaces]
+
+        self.control = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+        control_pb2_grpc.add_ControlServicer_to_server(ControlService(self, self.server), self.control)
+        control_port = self.control.add_insecure_port("127.0.0.1:0")
+        self.control.start()
+
+        for address in config.peers:
+            self.peers.upsert(Peer(f"static:{address}", (address,), "static", healthy=False))
+        if config.discovery:
+            self.discovery = Discovery(self.node_id, self.server.port, interfaces, self.peers, tls=self.credentials is not None)
+            self.discovery.start()
+        self.health = HealthChecker(self.peers, config.health_interval, credentials=self.credentials)
+        self.health.start()
+
+        write_state(data_dir, DaemonState(
+            os.getpid(), self.node_id, f"127.0.0.1:{control_port}", self.listen, str(self.store.root), self.mode
+        ))
+        log.info("node %s serving %s on %s, %s (control 127.0.0.1:%d)", self.node_id, self.store.root,
+                 ", ".join(self.listen), self.mode, control_port)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Goodbye to the mesh first, then let transfers in flight finish for `grace` seconds."""
+        state_file(self.config.data_dir).unlink(missing_ok=True)
+        if self.discovery:
+            self.discovery.stop()
+        if self.health:
+            self.health.stop()
+        if self.server:
+            self.server.stop(grace)
+        if self.control:
+            self.control.stop(1).wait()
+        log.info("stopped")
+
+    def run(self, grace: float = 10.0) -> None:
+        """Start, serve until SIGTERM or SIGINT, then stop gracefully."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
+        print(f"kvmesh: node {self.node_id} ({self.mode}) serving on {', '.join(self.listen)}", flush=True)
+        stop.wait()
+        log.info("shutting down")
+        self.stop(grace)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

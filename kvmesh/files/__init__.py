@@ -1,0 +1,1 @@
+"""Cache files of other tools, in and out of the store."""

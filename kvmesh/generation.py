@@ -1,0 +1,144 @@
+"""Generation that uses the mesh: find the longest cached prefix, fetch it, prefill only the rest.
+
+The local store is asked first, then every peer (by block hashes of the prompt; the prompt itself
+never leaves). A fetched cache is kept in the local store, so the next request finds it here.
+"""
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvmesh.caches.prefill import generate_from_cache
+from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.codec.cut import cut_prefix
+from kvmesh.codec.decode import SparseLayer, decode_chunks
+from kvmesh.errors import CacheRejected, IntegrityError, PeerError
+from kvmesh.model.fingerprint import ModelFingerprint
+from kvmesh.net.client import PeerClient, Progress
+from kvmesh.net.credentials import MeshCredentials
+from kvmesh.store import CacheStore
+from kvmesh.v1 import cache_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefixSource:
+    """Where the cached prefix of a prompt came from, and what getting it cost."""
+
+    where: str  # "local store", "peer <address>", or "none"
+    tokens: int = 0
+    seconds: float = 0.0
+    wire_bytes: int = 0
+    cache_id: str = ""
+    # Peers that were tried and failed or refused, with why.
+    skipped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    """The tokens generated, where their prompt's cached prefix came from, and the timings."""
+
+    tokens: list[int]
+    source: PrefixSource
+    prompt_tokens: int
+    # Time to the first token: prefill of the tokens the cache did not cover.
+    prefill_s: float
+    generate_s: float
+
+    @property
+    def estimated_saving_s(self) -> float | None:
+        """Prefill time the cached tokens would have cost at this run's prefill rate, minus getting them."""
+        fed = self.prompt_tokens - self.source.tokens
+        if not self.source.tokens or fed < 8 or self.prefill_s <= 0:
+            return None
+        return self.source.tokens * self.prefill_s / fed - self.source.seconds
+
+
+def find_prefix(
+    model_fp: ModelFingerprint,
+    tokens: Sequence[int],
+    store: CacheStore,
+    peers: Sequence[str],
+    progress: Progress | None = None,
+    credentials: MeshCredentials | None = None,
+) -> tuple[list | None, PrefixSource]:
+    """The cache of the longest prefix of `tokens[:-1]` found, and where it came from.
+
+    One token is always left to feed, since generation needs at least one.
+    """
+    wanted = list(tokens[:-1])
+    start = time.perf_counter()
+    local = store.lookup(model_fp.model_id, wanted)
+    offers = []
+    skipped = []
+    for address in peers:
+        try:
+            with PeerClient(address, timeout=5.0, credentials=credentials) as client:
+                offers += [(m.tokens, address, m) for m in client.lookup(model_fp.model_id, wanted)]
+        except PeerError as e:
+            skipped.append(str(e))
+    # Longest first; on a tie, a cache that kept everything beats a compressed one, then the smaller.
+    offers.sort(key=lambda o: (-o[0], o[2].candidate.method != "full", o[2].candidate.stored_bytes))
+
+    if local and (not offers or local.tokens >= offers[0][0]):
+        cache_id = local.entry.cache_id
+        cache = load_prefix(store, cache_id, local.tokens)
+        return cache, PrefixSource("local store", local.tokens, time.perf_counter() - start, 0, cache_id, skipped)
+
+    profile = ReceiverProfile(model_fp, prompt=list(tokens))
+    for n, address, match in offers:
+        candidate = match.candidate
+        try:
+            with PeerClient(address, credentials=credentials) as client:
+                fetched = client.fetch(
+                    candidate.cache_id, profile, num_tokens=n if n < candidate.num_tokens else 0,
+                    store=store, progress=progress,
+                )
+            return fetched.cache, PrefixSource(
+                f"peer {address}", n, time.perf_counter() - start, fetched.wire_bytes, fetched.manifest.cache_id, skipped
+            )
+        except (PeerError, IntegrityError, CacheRejected) as e:
+            log.warning("%s", e)
+            skipped.append(str(e))
+    return None, PrefixSource("none", 0, time.perf_counter() - start, skipped=skipped)
+
+
+def load_prefix(store: CacheStore, cache_id: str, num_tokens: int) -> list[SparseLayer]:
+    """The first `num_tokens` of a stored cache, decoded (a dense cache's shorter prefix is cut as read)."""
+    manifest = store.manifest(cache_id)
+    if num_tokens == manifest.prefix.num_tokens:
+        records = store.chunk_records(cache_id)
+    else:
+        manifest, records = cut_prefix(manifest, lambda: store.chunk_records(cache_id), num_tokens)
+    return decode_chunks(manifest, map(pb.Chunk.FromString, records))
+
+
+def generate(
+    model: nn.Module,
+    model_fp: ModelFingerprint,
+    tokens: Sequence[int],
+    store: CacheStore,
+    peers: Sequence[str] = (),
+    max_tokens: int = 64,
+    progress: Progress | None = None,
+    on_token: Callable[[int], None] | None = None,
+    credentials: MeshCredentials | None = None,
+) -> Generation:
+    """Greedy generation after `tokens`, reusing the longest cached prefix found on the mesh."""
+    cache, source = find_prefix(model_fp, tokens, store, peers, progress, credentials)
+    suffix = list(tokens[source.tokens :])
+    start = time.perf_counter()
+    out, first_at = [], None
+    for token, _ in generate_from_cache(model, cache or make_prompt_cache(model), suffix, max_tokens):
+        if first_at is None:
+            first_at = time.perf_counter()
+        out.append(token)
+        if on_token:
+            on_token(token)
+    end = time.perf_counter()
+    return Generation(out, source, len(tokens), (first_at or end) - start, end - (first_at or end))

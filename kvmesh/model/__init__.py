@@ -1,0 +1,1 @@
+"""What a model is: its fingerprint (no MLX needed) and the offline test models (MLX)."""

@@ -1,0 +1,115 @@
+"""Build small real mlx-lm models offline, for tests, the demo and benchmarks.
+
+No model hub is reachable from CI, so kvmesh makes its own: a real mlx-lm architecture with random
+weights from the architecture's own initialisers (fixed seed), and a byte-level BPE tokenizer trained
+on a text shipped with the package. The result is an ordinary model directory that `mlx_lm.load`
+opens offline, and building it twice gives byte-identical files (so identical fingerprints).
+"""
+
+import json
+import shutil
+import tempfile
+from dataclasses import asdict
+from importlib import resources
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.utils import _get_classes, save_config, save_model
+
+from kvmesh.errors import KvmeshError, ModelDirError
+from kvmesh.model.presets import PRESETS, Preset
+
+BOS, EOS, PAD = "<|bos|>", "<|im_end|>", "<|pad|>"
+SPECIAL_TOKENS = [PAD, BOS, "<|im_start|>", EOS]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def preset_config(preset: Preset) -> dict:
+    """The config.json of a preset, as mlx-lm and transformers expect it."""
+    config = asdict(preset)
+    del config["description"], config["dtype"]
+    config.update(
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        torch_dtype=preset.dtype,
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+    )
+    return config
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE (the GPT-2 / Llama 3 kind) trained on the packaged corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    text = resources.files("kvmesh").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
+    )
+    return tokenizer
+
+
+def tokenizer_config() -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 8192,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def make_test_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0) -> Path:
+    """Write a loadable model directory for `preset` to `out_dir` and return its path.
+
+    The directory is built beside its destination and renamed into place, so a half-built model is
+    never left where a loader would find it.
+    """
+    if preset not in PRESETS:
+        raise KvmeshError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    spec = PRESETS[preset]
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ModelDirError(out_dir, "exists and is not an empty directory; choose a new one")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+    config = preset_config(spec)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(getattr(mx, spec.dtype))
+    mx.eval(model.parameters())
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        save_model(tmp, model)
+        save_config(config, tmp / "config.json")
+        train_tokenizer(spec.vocab_size).save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

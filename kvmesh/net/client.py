@@ -1,0 +1,216 @@
+"""The Python client of a kvmesh peer: info, lookup, fetch and publish.
+
+`fetch` checks the manifest against the local model and prompt before it accepts, then decodes
+chunks as they arrive straight into preallocated buffers, optionally writing them to the local
+store in the same pass. A failure of any kind leaves nothing in the store.
+"""
+
+import queue
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh.codec.compat import ReceiverProfile, check_manifest
+from kvmesh.codec.decode import CacheDecoder, SparseLayer
+from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, prefix_sha256
+from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError
+from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.messages import accept, profile_to_proto, reject, rejection_of
+from kvmesh.net.transport import open_channel
+from kvmesh.store import CacheStore
+from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.v1 import service_pb2 as spb
+from kvmesh.v1 import service_pb2_grpc
+
+# progress(bytes received so far, bytes expected); raise to cancel the transfer.
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Match:
+    """A peer's cache that serves `tokens` of the requester's prompt."""
+
+    candidate: spb.Candidate
+    tokens: int
+
+
+@dataclass
+class Fetched:
+    """A fetched cache, ready to generate from, and what getting it cost."""
+
+    manifest: pb.CacheManifest
+    cache: list[SparseLayer]
+    seconds: float
+    wire_bytes: int
+
+
+class PeerClient:
+    """A client of one peer's KvMesh service: `info`, `lookup`, `fetch`, `publish`.
+
+    Every method raises PeerError when the peer cannot be reached or fails; `fetch` also raises
+    CacheRejected (before any chunk moves) and IntegrityError (nothing is kept).
+    """
+
+    def __init__(self, address: str, timeout: float = 10.0, credentials: MeshCredentials | None = None):
+        """A client of the peer at `address`; with mesh `credentials`, over mutual TLS."""
+        self.address, self.timeout = address, timeout
+        self.channel = open_channel(address, credentials)
+        self.stub = service_pb2_grpc.KvMeshStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "PeerClient":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _error(self, e: grpc.RpcError) -> PeerError:
+        code = e.code() if hasattr(e, "code") else None
+        details = e.details() if hasattr(e, "details") else str(e)
+        return PeerError(self.address, f"{details} ({code.name.lower() if code else 'error'})", code)
+
+    def info(self) -> spb.InfoResponse:
+        try:
+            return self.stub.Info(spb.InfoRequest(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+
+    def lookup(self, model_id: str, tokens: Sequence[int]) -> list[Match]:
+        """The peer's caches that serve a prefix of `tokens`, longest first.
+
+        Only block hashes leave this machine; an exact-prefix candidate is confirmed here against
+        the prompt itself.
+        """
+        request = spb.LookupRequest(model_id=model_id, block_size=BLOCK_SIZE, block_hashes=block_hashes(tokens))
+        try:
+            response = self.stub.Lookup(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        matches = []
+        for c in response.candidates:
+            if c.num_tokens <= len(tokens) and prefix_sha256(tokens[: c.num_tokens]) == c.prefix_sha256:
+                matches.append(Match(c, c.num_tokens))
+            elif c.evicts_nothing and c.matched_tokens:
+                matches.append(Match(c, c.matched_tokens))
+        return sorted(matches, key=lambda m: -m.tokens)
+
+    def fetch(
+        self,
+        cache_id: str,
+        profile: ReceiverProfile,
+        num_tokens: int = 0,
+        store: CacheStore | None = None,
+        progress: Progress | None = None,
+        deadline: float = 600.0,
+    ) -> Fetched:
+        """Fetch a cache (or a block-aligned prefix of a dense one) as sparse MLX caches.
+
+        Raises CacheRejected when the manifest does not fit `profile` (no chunk is sent then),
+        PeerError when the peer fails, IntegrityError when what arrives is damaged.
+        """
+        start = time.perf_counter()
+        outbox: queue.Queue = queue.Queue()
+
+        def requests() -> Iterator[spb.FetchRequest]:
+            while (message := outbox.get()) is not None:
+                yield message
+
+        outbox.put(spb.FetchRequest(open=spb.FetchOpen(
+            cache_id=cache_id, num_tokens=num_tokens, profile=profile_to_proto(profile),
+        )))
+        call = self.stub.Fetch(requests(), timeout=deadline)
+        try:
+            first = next(call, None)
+            if first is None:
+                raise PeerError(self.address, "closed the fetch without an answer")
+            if first.WhichOneof("msg") == "refused":
+                raise CacheRejected(rejection_of(first.refused))
+            if first.WhichOneof("msg") != "manifest":
+                raise PeerError(self.address, f"answered a fetch with {first.WhichOneof('msg')}")
+            manifest = first.manifest
+            if rejection := check_manifest(manifest, profile):
+                outbox.put(spb.FetchRequest(decision=reject(rejection)))
+                outbox.put(None)
+                for _ in call:  # the sender ends the stream once it has read the rejection
+                    pass
+                raise CacheRejected(rejection)
+            outbox.put(spb.FetchRequest(decision=accept()))
+            decoder = CacheDecoder(manifest)
+            received = {"bytes": 0}
+
+            def chunks() -> Iterator[pb.Chunk]:
+                for response in call:
+                    kind = response.WhichOneof("msg")
+                    if kind == "trailer":
+                        if response.trailer.payload_digest != manifest.encoding.payload_digest:
+                            raise IntegrityError("the trailer's digest differs from the manifest's")
+                        return
+                    if kind != "chunk":
+                        raise PeerError(self.address, f"sent {kind} in the middle of a transfer")
+                    received["bytes"] += len(response.chunk.data)
+                    if progress:
+                        progress(received["bytes"], manifest.encoding.encoded_bytes)
+                    yield response.chunk
+                raise PeerError(self.address, "the stream ended before the trailer")
+
+            if store is not None:
+                manifest = store.receive(manifest, chunks(), decoder=decoder)
+            else:
+                decoder.feed_all(chunks(), threads=2)
+            cache = decoder.finish(manifest.encoding.payload_digest)
+            return Fetched(manifest, cache, time.perf_counter() - start, received["bytes"])
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        finally:
+            outbox.put(None)
+            call.cancel()
+
+    def publish(self, store: CacheStore, cache_id: str) -> str:
+        """Offer a stored cache to the peer; returns the id it stored it under."""
+        manifest = store.manifest(cache_id)
+        decided: queue.Queue = queue.Queue()
+
+        def requests() -> Iterator[spb.PublishRequest]:
+            yield spb.PublishRequest(manifest=manifest)
+            if not decided.get():
+                return
+            for chunk in store.chunks(cache_id):
+                yield spb.PublishRequest(chunk=chunk)
+            yield spb.PublishRequest(trailer=spb.Trailer(
+                payload_digest=manifest.encoding.payload_digest, chunk_count=manifest.encoding.chunk_count,
+            ))
+
+        call = self.stub.Publish(requests(), timeout=600.0)
+        try:
+            first = next(call)
+            decided.put(first.decision.accept)
+            if not first.decision.accept:
+                raise CacheRejected(rejection_of(first.decision))
+            for response in call:
+                if response.WhichOneof("msg") == "result":
+                    return response.result.cache_id
+            raise PeerError(self.address, "closed the publish without a result")
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        finally:
+            decided.put(False)
+            call.cancel()
+
+
+def fetch_from_any(
+    addresses: Sequence[str], cache_id: str, profile: ReceiverProfile,
+    credentials: MeshCredentials | None = None, **fetch_options,
+) -> tuple[str, Fetched]:
+    """Fetch from the first peer that delivers; a peer that fails is skipped for the next."""
+    errors = []
+    for address in addresses:
+        with PeerClient(address, credentials=credentials) as client:
+            try:
+                return address, client.fetch(cache_id, profile, **fetch_options)
+            except (PeerError, IntegrityError) as e:
+                errors.append(str(e))
+    raise KvmeshError("no peer delivered the cache: " + "; ".join(errors))

@@ -1,0 +1,40 @@
+"""Converters between kvmesh's Python types and the peer service's messages: profiles, decisions."""
+
+from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.codec.manifest import CODEC_NAMES, CODECS
+from kvmesh.errors import Rejection
+from kvmesh.model.fingerprint import ModelFingerprint
+from kvmesh.v1 import service_pb2 as spb
+
+
+def profile_to_proto(profile: ReceiverProfile) -> spb.ReceiverProfile:
+    """The profile as sent to a peer: everything but the prompt, which stays here."""
+    return spb.ReceiverProfile(
+        model=profile.model.to_proto(),
+        codecs=sorted(CODECS[c] for c in profile.codecs),
+        max_bytes=profile.max_bytes,
+        accept_other_weights=profile.accept_other_weights,
+        accept_other_chat_template=profile.accept_other_chat_template,
+    )
+
+
+def profile_from_proto(msg: spb.ReceiverProfile) -> ReceiverProfile:
+    return ReceiverProfile(
+        model=ModelFingerprint.from_proto(msg.model),
+        codecs=frozenset(CODEC_NAMES[c] for c in msg.codecs if c in CODEC_NAMES),
+        max_bytes=msg.max_bytes,
+        accept_other_weights=msg.accept_other_weights,
+        accept_other_chat_template=msg.accept_other_chat_template,
+    )
+
+
+def accept() -> spb.Decision:
+    return spb.Decision(accept=True)
+
+
+def reject(rejection: Rejection) -> spb.Decision:
+    return spb.Decision(accept=False, reason=rejection.reason, message=rejection.message)
+
+
+def rejection_of(decision: spb.Decision) -> Rejection:
+    return Rejection(decision.reason, decision.message)

@@ -1,0 +1,383 @@
+"""The gRPC service a daemon serves from its store: Info, Lookup, Fetch and Publish.
+
+Fetch is manifest-first: the sender answers an open with the manifest alone and sends no chunk
+until the receiver accepts. Chunks are read from the store file as they were encoded, so serving
+never recompresses; a shorter prefix of a dense cache is cut on the fly (`kvmesh.codec.cut`),
+re-encoding one chunk per tensor and storing nothing. The service needs no MLX. A bounded number of transfers run at once; others wait for a slot. Every call
+is held to the daemon's policy (what it shares, who may publish) and each mesh member to its own
+rate, transfer count and stream idle limits.
+"""
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh.codec.compat import check_manifest, validate_manifest
+from kvmesh.codec.cut import can_cut, cut_prefix
+from kvmesh.codec.prefix import BLOCK_SIZE
+from kvmesh.errors import IntegrityError, KvmeshError, NotFoundError, Rejection, StoreError
+from kvmesh.net.messages import accept, profile_from_proto, reject
+from kvmesh.net.policy import PeerLimits, Policy
+from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME
+from kvmesh.store import CacheStore
+from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.v1 import service_pb2 as spb
+from kvmesh.v1 import service_pb2_grpc
+from kvmesh.versions import PROTOCOL_VERSION, __version__
+
+log = logging.getLogger(__name__)
+# A lookup names at most this many blocks: prompts of 8M tokens.
+MAX_LOOKUP_BLOCKS = 65536
+
+
+@dataclass
+class TransferCounters:
+    """What the service did, for Info and for tests that must prove what was (not) sent."""
+
+    cap: int
+    stats: spb.TransferStats = field(default_factory=spb.TransferStats)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self):
+        self.stats.transfers_cap = self.cap
+        self.slots = threading.BoundedSemaphore(self.cap)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    def snapshot(self) -> spb.TransferStats:
+        with self.lock:
+            copy = spb.TransferStats()
+            copy.CopyFrom(self.stats)
+            return copy
+
+    @contextmanager
+    def slot(self, context: grpc.ServicerContext):
+        """Hold one of the `cap` transfer slots, waiting for one while the caller is still there."""
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        while not self.slots.acquire(timeout=0.5):
+            if not context.is_active() or (deadline is not None and time.monotonic() > deadline):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.cap} transfers in progress")
+        with self.lock:
+            self.stats.transfers_active += 1
+            self.stats.transfers_max_seen = max(self.stats.transfers_max_seen, self.stats.transfers_active)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.stats.transfers_active -= 1
+            self.slots.release()
+
+
+LOCAL = "local"
+
+
+def peer_identity(context: grpc.ServicerContext) -> str:
+    """The node id in the peer's mesh certificate, or LOCAL for a plaintext (loopback-only) caller."""
+    names = context.auth_context().get("x509_common_name")
+    return names[0].decode() if names else LOCAL
+
+
+def next_within(requests: Iterator, seconds: float, context: grpc.ServicerContext, what: str):
+    """The peer's next message, or the stream is cut: a peer that stalls must not hold a slot."""
+    box: dict = {}
+    arrived = threading.Event()
+
+    def read():
+        try:
+            box["message"] = next(requests, None)
+        except Exception as e:  # the stream broke: re-raised in the handler's thread
+            box["error"] = e
+        arrived.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not arrived.wait(seconds):
+        log.warning("%s sent no %s within %.0f s: stream cut", context.peer(), what, seconds)
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {what} within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["message"]
+
+
+class KvMeshService(service_pb2_grpc.KvMeshServicer):
+    def __init__(self, store: CacheStore, node_id: str, max_transfers: int = 4, policy: Policy | None = None):
+        self.store = store
+        self.node_id = node_id
+        self.policy = policy or Policy()
+        self.limits = PeerLimits(self.policy)
+        self.counters = TransferCounters(max_transfers)
+
+    def _admit(self, context: grpc.ServicerContext) -> str:
+        """The caller's identity, once it is within its call rate.
+
+        Per-peer limits hold mesh members to account; local callers are this machine's own user.
+        """
+        peer = peer_identity(context)
+        if peer != LOCAL and not self.limits.allow_call(peer):
+            log.warning("%s over its rate of %.0f calls/s: refused", peer, self.policy.peer_calls_per_second)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls: slow down")
+        return peer
+
+    @contextmanager
+    def _transfer(self, peer: str, context: grpc.ServicerContext):
+        """One of this peer's transfers, in one of the daemon's transfer slots."""
+        if peer == LOCAL:
+            with self.counters.slot(context):
+                yield
+            return
+        if not self.limits.start_transfer(peer):
+            log.warning("%s already runs %d transfers: refused", peer, self.policy.peer_transfers)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {self.policy.peer_transfers} transfers per peer")
+        try:
+            with self.counters.slot(context):
+                yield
+        finally:
+            self.limits.end_transfer(peer)
+
+    def Info(self, request, context):
+        self._admit(context)
+        entries = [e for e in self.store.entries() if self.policy.shares(e.model_id)]
+        return spb.InfoResponse(
+            node_id=self.node_id,
+            version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            model_ids=sorted({e.model_id for e in entries}),
+            store=spb.StoreStats(
+                entries=len(entries),
+                bytes=sum(e.file_bytes for e in entries),
+                budget_bytes=self.store.max_bytes or 0,
+            ),
+            transfers=self.counters.snapshot(),
+        )
+
+    def Lookup(self, request, context):
+        self._admit(context)
+        if request.block_size != BLOCK_SIZE or len(request.block_hashes) > MAX_LOOKUP_BLOCKS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"lookups use blocks of {BLOCK_SIZE} tokens, at most {MAX_LOOKUP_BLOCKS} of them")
+        response = spb.LookupResponse()
+        if not self.policy.shares(request.model_id):
+            return response
+        matched = self.store.blocks_matched(request.model_id, list(request.block_hashes))
+        for e in self.store.entries(request.model_id):
+            blocks = matched.get(e.cache_id, 0)
+            # An entry whose every complete block matches may hold exactly the requester's prefix
+            # (the requester checks prefix_sha256); one that evicted nothing serves its matched blocks.
+            if blocks < e.num_tokens // BLOCK_SIZE and not (e.evicts_nothing and blocks):
+                continue
+            response.candidates.add(
+                cache_id=e.cache_id, num_tokens=e.num_tokens, prefix_sha256=e.prefix_sha256,
+                matched_tokens=min(blocks * BLOCK_SIZE, e.num_tokens), evicts_nothing=e.evicts_nothing,
+                method=e.method, raw_bytes=e.raw_bytes, stored_bytes=e.file_bytes,
+            )
+        return response
+
+    def Fetch(self, requests: Iterator[spb.FetchRequest], context) -> Iterator[spb.FetchResponse | bytes]:
+        peer = self._admit(context)
+        first = next_within(requests, self.policy.idle_timeout, context, "open")
+        if first is None or first.WhichOneof("msg") != "open":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a fetch starts with an open message")
+        opened = first.open
+        self.counters.add("fetches_started")
+        with self._transfer(peer, context):
+            manifest, records = self._open_cache(opened, context)
+            if opened.HasField("profile"):
+                if rejection := check_manifest(manifest, profile_from_proto(opened.profile)):
+                    self.counters.add("fetches_rejected")
+                    log.info("refused %s to %s: %s", manifest.cache_id, peer, rejection)
+                    yield spb.FetchResponse(refused=reject(rejection))
+                    return
+            yield spb.FetchResponse(manifest=manifest)
+            reply = next_within(requests, self.policy.idle_timeout, context, "decision")
+            if reply is None or reply.WhichOneof("msg") != "decision":
+                self.counters.add("fetches_failed")
+                return
+            if not reply.decision.accept:
+                self.counters.add("fetches_rejected")
+                log.info("%s rejected %s: %s", peer, manifest.cache_id, reply.decision.message)
+                return
+            try:
+                for record in records:
+                    yield chunk_response(record)
+                    self.counters.add("chunk_bytes_sent", len(record))
+            except (IntegrityError, StoreError) as e:
+                self.counters.add("fetches_failed")
+                log.error("cannot serve %s: %s", manifest.cache_id, e)
+                context.abort(grpc.StatusCode.DATA_LOSS, f"this peer's copy is damaged: {e}")
+            except GeneratorExit:
+                self.counters.add("fetches_failed")
+                log.info("fetch of %s by %s cancelled", manifest.cache_id, peer)
+                raise
+            # Counted before the trailer goes: the receiver may ask for Info as soon as it has it.
+            self.counters.add("fetches_completed")
+            yield spb.FetchResponse(trailer=spb.Trailer(
+                payload_digest=manifest.encoding.payload_digest, chunk_count=manifest.encoding.chunk_count,
+            ))
+
+    def _open_cache(
+        self, opened: spb.FetchOpen, context: grpc.ServicerContext
+    ) -> tuple[pb.CacheManifest, Iterator[bytes]]:
+        """The manifest of what was asked for (the cache, or a prefix cut from it) and its chunk records.
+
+        Reading the records starts only when the receiver has accepted.
+        """
+        cache_id = opened.cache_id
+        try:
+            manifest = self.store.manifest(cache_id)
+            if not self.policy.shares(manifest.model.model_id):
+                raise NotFoundError(f"no cache {cache_id} in the store")  # unshared looks absent
+            if not opened.num_tokens or opened.num_tokens == manifest.prefix.num_tokens:
+                return manifest, self.store.chunk_records(cache_id)
+            if why := can_cut(manifest, opened.num_tokens):
+                raise StoreError(f"cache {cache_id} cannot serve a {opened.num_tokens}-token prefix: {why}")
+            return cut_prefix(manifest, lambda: self.store.chunk_records(cache_id), opened.num_tokens)
+        except NotFoundError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except (StoreError, IntegrityError) as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        raise AssertionError("context.abort raises")
+
+    def Publish(self, requests: Iterator[spb.PublishRequest], context) -> Iterator[spb.PublishResponse]:
+        peer = self._admit(context)
+        first = next_within(requests, self.policy.idle_timeout, context, "manifest")
+        if first is None or first.WhichOneof("msg") != "manifest":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a publish starts with a manifest")
+        manifest = first.manifest
+        refusal = None
+        if not self.policy.may_publish(peer):
+            refusal = reject(Rejection(pb.REJECT_REASON_POLICY, f"this peer does not accept publishes from {peer}"))
+        elif rejection := validate_manifest(manifest):
+            refusal = reject(rejection)
+        elif manifest.encoding.raw_bytes > self.policy.max_publish_bytes:
+            refusal = reject(Rejection(
+                pb.REJECT_REASON_SIZE_LIMIT,
+                f"{manifest.encoding.raw_bytes:,} bytes exceed the publish limit of {self.policy.max_publish_bytes:,}",
+            ))
+        if refusal is not None:
+            self.counters.add("publishes_rejected")
+            log.info("refused a publish from %s: %s", peer, refusal.message)
+            yield spb.PublishResponse(decision=refusal)
+            return
+        with self._transfer(peer, context):
+            yield spb.PublishResponse(decision=accept())
+
+            def chunks():
+                while (request := next_within(requests, self.policy.idle_timeout, context, "chunk")) is not None:
+                    kind = request.WhichOneof("msg")
+                    if kind == "chunk":
+                        yield request.chunk
+                    elif kind == "trailer":
+                        if request.trailer.payload_digest != manifest.encoding.payload_digest:
+                            raise IntegrityError("the trailer's digest differs from the manifest's")
+                        return
+                    else:
+                        raise IntegrityError(f"unexpected {kind} message during a publish")
+                raise IntegrityError("the publisher went away before the trailer")
+
+            try:
+                stored = self.store.receive(manifest, chunks())
+            except (IntegrityError, StoreError) as e:
+                self.counters.add("publishes_rejected")
+                log.warning("publish from %s refused, nothing stored: %s", peer, e)
+                context.abort(grpc.StatusCode.DATA_LOSS, f"publish refused, nothing stored: {e}")
+            self.counters.add("publishes_accepted")
+            log.info("%s published %s", peer, stored.cache_id)
+            yield spb.PublishResponse(result=spb.PublishResult(cache_id=stored.cache_id))
+
+
+def chunk_response(record: bytes) -> bytes:
+    """A serialized FetchResponse holding a stored, already serialized Chunk.
+
+    Field 2 (`chunk`), length-delimited: tag, varint length, then the record as it lies on disk.
+    This skips parsing and re-serializing each 1 MiB chunk on the sending side.
+    """
+    n, length = len(record), bytearray()
+    while n >= 0x80:
+        length.append((n & 0x7F) | 0x80)
+        n >>= 7
+    length.append(n)
+    return b"\x12" + bytes(length) + record
+
+
+def serialize_fetch_response(response: spb.FetchResponse | bytes) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_service(service: KvMeshService, server: grpc.Server) -> None:
+    """Like the generated add_KvMeshServicer_to_server, but Fetch may yield pre-serialized bytes."""
+    handlers = {
+        "Info": grpc.unary_unary_rpc_method_handler(
+            service.Info, spb.InfoRequest.FromString, spb.InfoResponse.SerializeToString
+        ),
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            service.Lookup, spb.LookupRequest.FromString, spb.LookupResponse.SerializeToString
+        ),
+        "Fetch": grpc.stream_stream_rpc_method_handler(
+            service.Fetch, spb.FetchRequest.FromString, serialize_fetch_response
+        ),
+        "Publish": grpc.stream_stream_rpc_method_handler(
+            service.Publish, spb.PublishRequest.FromString, spb.PublishResponse.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    service: KvMeshService
+    port: int
+    health: health.HealthServicer
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+
+
+def start_server(
+    store: CacheStore,
+    node_id: str,
+    addresses: str | list[str] = "127.0.0.1:0",
+    max_transfers: int = 4,
+    policy: Policy | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> RunningServer:
+    """Serve the kvmesh service, standard health checking and reflection.
+
+    Every address gets the same port: the first one's, when its port is 0 (any free port).
+    """
+    # Calls beyond the worker threads are refused by gRPC itself, never queued without bound.
+    workers = 4 * max_transfers + 4
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
+                         maximum_concurrent_rpcs=workers)
+    service = KvMeshService(store, node_id, max_transfers, policy)
+    add_service(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = 0
+    for address in [addresses] if isinstance(addresses, str) else addresses:
+        host, wanted = address.rsplit(":", 1)
+        target = f"{host}:{port or wanted}"
+        try:
+            bound = server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
+        except RuntimeError:  # newer grpcio raises where older ones returned 0
+            bound = 0
+        if bound == 0:
+            raise KvmeshError(f"cannot listen on {target}: is the address this machine's, and the port free?")
+        port = bound
+    server.start()
+    return RunningServer(server, service, port, health_servicer)

@@ -1,0 +1,47 @@
+"""Where kvmesh keeps things by default, in one place: data, config, store, caches, daemon state.
+
+Every default can be moved: the data directory by `--data-dir` or `$KVMESH_DATA_DIR`, the file-hash
+cache by `$KVMESH_CACHE_DIR`, the config file by `--config`, the store by `--store`.
+"""
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP = "kvmesh"
+# Written by a running daemon in its data directory: how the CLI finds it (kvmesh.daemon.control).
+STATE_FILE = "daemon.json"
+NODE_ID_FILE = "node-id"
+
+
+def data_dir() -> Path:
+    """The data directory: node id, mesh credentials, the store, the daemon's state file."""
+    return Path(os.environ.get("KVMESH_DATA_DIR") or platformdirs.user_data_dir(APP))
+
+
+def config_file() -> Path:
+    return Path(platformdirs.user_config_dir(APP)) / "config.toml"
+
+
+def cache_dir() -> Path:
+    """Things that can be rebuilt: remembered weight-file hashes."""
+    return Path(os.environ.get("KVMESH_CACHE_DIR") or platformdirs.user_cache_dir(APP))
+
+
+def store_dir(data: Path | str | None = None) -> Path:
+    """The store of a data directory (by default, the default one's)."""
+    return Path(data if data is not None else data_dir()) / "store"
+
+
+def mesh_dir(data: Path | str) -> Path:
+    """Mesh credentials: the CA (trust.pem, ca.key) and this node's certificate and key."""
+    return Path(data) / "mesh"
+
+
+def state_file(data: Path | str) -> Path:
+    return Path(data) / STATE_FILE
+
+
+def node_id_file(data: Path | str) -> Path:
+    return Path(data) / NODE_ID_FILE

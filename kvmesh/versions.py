@@ -1,0 +1,18 @@
+"""The three version numbers of kvmesh, and how each evolves.
+
+- `__version__` (the package, semantic versioning): any release. Peers show it; nothing checks it.
+- `SCHEMA_VERSION` (the cache manifest, `CacheManifest.schema_version`): raised whenever a manifest
+  or the chunk and entry-file encoding it describes changes so that an older reader would misread
+  it. Readers refuse other schemas before any chunk moves (reject reason `schema`), and a store
+  opened by a newer kvmesh sets aside entries of a schema it cannot read.
+- `PROTOCOL_VERSION` (the peer-to-peer gRPC service): raised whenever a message of
+  `kvmesh.v1.KvMesh` changes incompatibly. Peers advertise it in mDNS (`pv`) and `Info`; discovery
+  ignores peers of another protocol.
+
+Field numbers in `proto/` are never reused or renumbered; additions that old readers may ignore
+need no bump. The loopback `Control` service changes with the package (CLI and daemon ship together).
+"""
+
+__version__ = "0.2.0"
+SCHEMA_VERSION = 2
+PROTOCOL_VERSION = 2

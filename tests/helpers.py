@@ -1,0 +1,34 @@
+"""What several test modules share that is not a fixture: running the `kvmesh` command."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# The console script the package installs, beside the interpreter running the tests.
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def cli(*args, data_dir=None, check=True, prefix=(), timeout=300) -> subprocess.CompletedProcess:
+    """`kvmesh [--data-dir DATA_DIR] ARGS` as a user runs it; `prefix` wraps it (`ip netns exec NS`)."""
+    data = ["--data-dir", str(data_dir)] if data_dir is not None else []
+    return subprocess.run(
+        [*prefix, KVMESH, *data, *map(str, args)], capture_output=True, text=True, env=ENV, check=check,
+        timeout=timeout,
+    )
+
+
+def put(store, cache, fp, tokens, press=None, **options):
+    """Encode a sparse cache into a store (EncodeOptions from keywords); returns its manifest."""
+    from kvmesh.codec.encode import EncodeOptions, encode_cache
+
+    return store.add(*encode_cache(cache, fp, tokens, press, EncodeOptions(**options)))
+
+
+def load(store, cache_id):
+    """(manifest, decoded sparse cache) of a stored entry."""
+    from kvmesh.codec.decode import decode_chunks
+
+    manifest = store.manifest(cache_id)
+    return manifest, decode_chunks(manifest, store.chunks(cache_id))

@@ -1,0 +1,78 @@
+"""The package's layers hold: what needs no MLX loads none, the store does not transcode, the public
+API and the example work."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvmesh
+from helpers import ENV, cli
+
+ROOT = Path(__file__).resolve().parent.parent
+# Everything below the CLI that handles no arrays: the daemon imports only these.
+MLX_FREE = [
+    "kvmesh", "kvmesh.cli", "kvmesh.errors", "kvmesh.paths", "kvmesh.versions", "kvmesh.allocator",
+    "kvmesh.model.fingerprint", "kvmesh.model.presets",
+    "kvmesh.codec.prefix", "kvmesh.codec.limits", "kvmesh.codec.manifest", "kvmesh.codec.compat",
+    "kvmesh.codec.chunks", "kvmesh.codec.cut",
+    "kvmesh.store", "kvmesh.store.entry_file",
+    "kvmesh.net.transport", "kvmesh.net.messages", "kvmesh.net.credentials", "kvmesh.net.node_id",
+    "kvmesh.net.policy", "kvmesh.net.discovery", "kvmesh.net.server",
+    "kvmesh.daemon.config", "kvmesh.daemon.control", "kvmesh.daemon.logs", "kvmesh.daemon.process",
+    "kvmesh.daemon.service_files",
+]
+PROBE = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("mlx", "mlx_lm", "kvmesh"))))
+"""
+
+
+def loaded_by(*modules: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", PROBE, *modules], capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout))
+
+
+def test_the_network_store_and_daemon_load_no_mlx():
+    loaded = loaded_by(*MLX_FREE)
+    assert not {m for m in loaded if m.startswith(("mlx", "mlx_lm"))}, "an MLX-free module imported MLX"
+
+
+def test_the_store_only_stores():
+    """No encoding, decoding, press or fingerprint construction below or beside the store."""
+    loaded = loaded_by("kvmesh.store")
+    for module in ("kvmesh.codec.encode", "kvmesh.codec.decode", "kvmesh.caches.presses", "kvmesh.caches.sparse"):
+        assert module not in loaded
+    for path in (ROOT / "kvmesh" / "store").glob("*.py"):
+        imported = {
+            node.module for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+        }
+        assert not {m for m in imported if m and m.startswith(("kvmesh.caches", "kvmesh.model", "kvmesh.net"))}, path
+
+
+def test_version_loads_neither_mlx_nor_a_model():
+    assert cli("--version").stdout.strip() == f"kvmesh {kvmesh.__version__}"
+    assert "mlx.core" not in loaded_by("kvmesh.cli")
+
+
+def test_the_public_api_names_resolve_and_are_documented():
+    for name in kvmesh.__all__:
+        value = getattr(kvmesh, name)
+        if callable(value):
+            assert value.__doc__, f"kvmesh.{name} has no docstring"
+    with pytest.raises(AttributeError):
+        kvmesh.no_such_thing  # noqa: B018
+
+
+@pytest.mark.slow
+def test_the_example_shares_a_prefix_with_identical_tokens():
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "share_a_prefix.py")], capture_output=True,
+                            text=True, env=ENV, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tokens equal a full prefill's: True" in result.stdout
+    assert "prefix of" in result.stdout and "from peer 127.0.0.1:" in result.stdout
