@@ -55,7 +55,39 @@ _EXPORTS = {
     "NotFoundError": "kvmesh.errors",
 }
 
-__all__ = ["PROTOCOL_VERSION", "SCHEMA_VERSION", "__version__", *_EXPORTS]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "SCHEMA_VERSION",
+    "CacheRejected",
+    "CacheStore",
+    "EncodeOptions",
+    "Fetched",
+    "Generation",
+    "IntegrityError",
+    "KvmeshError",
+    "ModelFingerprint",
+    "NotFoundError",
+    "PeerClient",
+    "PeerError",
+    "Prefilled",
+    "Press",
+    "ReceiverProfile",
+    "Rejection",
+    "StoreError",
+    "__version__",
+    "check_manifest",
+    "decode_chunks",
+    "encode_cache",
+    "find_prefix",
+    "fingerprint",
+    "generate",
+    "generate_from_cache",
+    "load_prefix",
+    "make_press",
+    "make_test_model",
+    "prefill",
+    "start_server",
+]
 
 
 def __getattr__(name: str) -> Any:

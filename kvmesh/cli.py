@@ -49,8 +49,15 @@ def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int],
 
     console = Console(stderr=True)
     amount = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
-    bar = Progress("[progress.description]{task.description}", BarColumn(), amount, TimeRemainingColumn(),
-                   console=console, transient=True, disable=not console.is_terminal)
+    bar = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        amount,
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
     task = bar.add_task(description, total=None)
     return bar, lambda done, total: bar.update(task, completed=done, total=total)
 
@@ -65,7 +72,7 @@ def load_model(path: str) -> tuple[Any, Any, Any]:
         raise KvmeshError(f"{path}: no such model directory")
     fp = fingerprint(path) if Path(path).exists() else None
     try:
-        model, tokenizer = mlx_lm.load(path)
+        model, tokenizer = mlx_lm.load(path)[:2]  # (its type also allows a third item, the config)
     except Exception as e:  # mlx-lm raises plain exceptions for missing files and unknown models
         raise KvmeshError(f"{path}: cannot load the model: {e}") from e
     if fp is None:
@@ -110,7 +117,7 @@ def prompt_tokens(tokenizer: Any, file_text: str, prompt: str, chat: bool = Fals
     )
     if not full.startswith(head):
         raise KvmeshError("this chat template does not put the file before the prompt: drop --chat")
-    return cache_prompt_tokens(tokenizer, file_text) + tokenizer.encode(full[len(head):], add_special_tokens=False)
+    return cache_prompt_tokens(tokenizer, file_text) + tokenizer.encode(full[len(head) :], add_special_tokens=False)
 
 
 def mesh_credentials(args: Args) -> Any:
@@ -148,7 +155,8 @@ def cmd_mesh_join(args: Args) -> int:
 
     bundle = sys.stdin.read() if args.bundle == "-" else args.bundle
     creds = join_mesh(data_dir(args), node_id(data_dir(args)), bundle)
-    print(f"joined the mesh; this node's certificate runs to {creds.expires:%Y-%m-%d}. Restart the daemon to serve the network.")
+    print(f"joined the mesh; this node's certificate runs to {creds.expires:%Y-%m-%d}.")
+    print("Restart the daemon to serve the network.")
     return 0
 
 
@@ -213,8 +221,10 @@ def cmd_cache_list(args: Args) -> int:
         print("the store is empty")
     for e in entries:
         kind = "dense" if e.evicts_nothing else "sparse"
-        print(f"{e.cache_id}  model {e.model_id}  {e.num_tokens:>7} tokens  {e.method:<13} {kind:<6} "
-              f"{e.file_bytes:>14,} bytes")
+        print(
+            f"{e.cache_id}  model {e.model_id}  {e.num_tokens:>7} tokens  {e.method:<13} {kind:<6} "
+            f"{e.file_bytes:>14,} bytes"
+        )
     return 0
 
 
@@ -233,8 +243,8 @@ def cmd_cache_import(args: Args) -> int:
 def cmd_cache_import_mlx(args: Args) -> int:
     from mlx_lm.utils import load_tokenizer
 
-    from kvmesh.model.fingerprint import fingerprint
     from kvmesh.files.mlx_prompt_cache import cache_prompt_tokens, import_prompt_cache
+    from kvmesh.model.fingerprint import fingerprint
 
     text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
     tokens = cache_prompt_tokens(load_tokenizer(args.model), text)
@@ -260,13 +270,21 @@ def cmd_daemon(args: Args) -> int:
     from kvmesh.daemon.process import Daemon
 
     overrides = {
-        "data_dir": args.data_dir, "store": args.store, "interfaces": args.interface or None,
-        "port": args.port, "peers": args.peer or None, "max_transfers": args.max_transfers,
-        "store_budget": args.store_budget, "health_interval": args.health_interval,
-        "log_format": args.log_format, "log_level": args.log_level,
+        "data_dir": args.data_dir,
+        "store": args.store,
+        "interfaces": args.interface or None,
+        "port": args.port,
+        "peers": args.peer or None,
+        "max_transfers": args.max_transfers,
+        "store_budget": args.store_budget,
+        "health_interval": args.health_interval,
+        "log_format": args.log_format,
+        "log_level": args.log_level,
         "discovery": False if args.no_discovery else None,
-        "share_models": args.share_model or None, "accept_publish": False if args.read_only else None,
-        "publishers": args.publisher or None, "idle_timeout": args.idle_timeout,
+        "share_models": args.share_model or None,
+        "accept_publish": False if args.read_only else None,
+        "publishers": args.publisher or None,
+        "idle_timeout": args.idle_timeout,
         "peer_calls_per_second": args.peer_rate,
     }
     config = load_config(Path(args.config) if args.config else None, overrides=overrides)
@@ -289,8 +307,10 @@ def cmd_status(args: Args) -> int:
     print(f"store: {info.store.entries} caches, {info.store.bytes:,} bytes")
     print(f"peers: {sum(p.healthy for p in status.peers)} live of {len(status.peers)} known")
     t = info.transfers
-    print(f"fetches served: {t.fetches_completed} done, {t.fetches_rejected} rejected, {t.fetches_failed} failed; "
-          f"{t.transfers_active} active (cap {t.transfers_cap})")
+    print(
+        f"fetches served: {t.fetches_completed} done, {t.fetches_rejected} rejected, {t.fetches_failed} failed; "
+        f"{t.transfers_active} active (cap {t.transfers_cap})"
+    )
     return 0
 
 
@@ -299,8 +319,21 @@ def cmd_peers(args: Args) -> int:
 
     peers = [p for p in control_status(data_dir(args)).peers if args.all or p.healthy]
     if args.json:
-        print(json.dumps([{"node_id": p.node_id, "addresses": list(p.addresses), "source": source_name(p.source),
-                           "healthy": p.healthy, "version": p.version} for p in peers], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "node_id": p.node_id,
+                        "addresses": list(p.addresses),
+                        "source": source_name(p.source),
+                        "healthy": p.healthy,
+                        "version": p.version,
+                    }
+                    for p in peers
+                ],
+                indent=2,
+            )
+        )
         return 0
     if not peers:
         print("no live peers" if not args.all else "no peers known")
@@ -314,7 +347,7 @@ def source_name(source: int) -> str:
     """PEER_SOURCE_MDNS -> mdns."""
     from kvmesh.v1 import control_pb2 as cpb
 
-    return cpb.PeerSource.Name(source).removeprefix("PEER_SOURCE_").lower()  # type: ignore[arg-type]
+    return cpb.PeerSource.Name(source).removeprefix("PEER_SOURCE_").lower()
 
 
 def mesh_peers(args: Args) -> list[str]:
@@ -338,7 +371,9 @@ def cmd_prefill(args: Args) -> int:
     texts = prompt_texts(args)
     model, tokenizer, fp = load_model(args.model)
     tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
-    config = {k: v for k, v in {"ratio": args.ratio, "budget": args.budget, "kv_bits": args.kv_bits}.items() if v is not None}
+    config = {
+        k: v for k, v in {"ratio": args.ratio, "budget": args.budget, "kv_bits": args.kv_bits}.items() if v is not None
+    }
     press = make_press(args.method, config)
     bar, update = progress_bar("prefill", "tokens")
     start = time.perf_counter()
@@ -346,14 +381,22 @@ def cmd_prefill(args: Args) -> int:
         cached = prefill(model, tokens, press, progress=update)
     elapsed = time.perf_counter() - start
     manifest = open_store(args).add(*encode_cache(cached.cache, fp, tokens, press, EncodeOptions(codec=args.codec)))
-    result = {"cache_id": manifest.cache_id, "tokens": len(tokens), "prefill_s": round(elapsed, 3),
-              "dense_bytes": cached.dense_nbytes, "bytes": cached.nbytes, "stored_bytes": manifest.encoding.encoded_bytes}
+    result = {
+        "cache_id": manifest.cache_id,
+        "tokens": len(tokens),
+        "prefill_s": round(elapsed, 3),
+        "dense_bytes": cached.dense_nbytes,
+        "bytes": cached.nbytes,
+        "stored_bytes": manifest.encoding.encoded_bytes,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"stored {manifest.cache_id}: {len(tokens)} tokens prefilled in {elapsed:.2f} s, "
-              f"{cached.dense_nbytes:,} -> {cached.nbytes:,} bytes ({press.method}), "
-              f"{manifest.encoding.encoded_bytes:,} on disk")
+        print(
+            f"stored {manifest.cache_id}: {len(tokens)} tokens prefilled in {elapsed:.2f} s, "
+            f"{cached.dense_nbytes:,} -> {cached.nbytes:,} bytes ({press.method}), "
+            f"{manifest.encoding.encoded_bytes:,} on disk"
+        )
     return 0
 
 
@@ -366,8 +409,10 @@ def cmd_fetch(args: Args) -> int:
     bar, update = progress_bar("fetch", "bytes")
     with bar, PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
         fetched = client.fetch(args.cache_id, profile, num_tokens=args.tokens, store=open_store(args), progress=update)
-    print(f"fetched {fetched.manifest.cache_id} from {args.peer}: {fetched.manifest.prefix.num_tokens} tokens, "
-          f"{fetched.wire_bytes:,} bytes in {fetched.seconds:.2f} s")
+    print(
+        f"fetched {fetched.manifest.cache_id} from {args.peer}: {fetched.manifest.prefix.num_tokens} tokens, "
+        f"{fetched.wire_bytes:,} bytes in {fetched.seconds:.2f} s"
+    )
     return 0
 
 
@@ -379,28 +424,54 @@ def cmd_generate(args: Args) -> int:
     tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
     bar, update = progress_bar("fetch", "bytes")
     with bar:
-        result = generate(model, fp, tokens, open_store(args), mesh_peers(args), args.max_tokens, update,
-                          credentials=mesh_credentials(args))
+        result = generate(
+            model,
+            fp,
+            tokens,
+            open_store(args),
+            mesh_peers(args),
+            args.max_tokens,
+            update,
+            credentials=mesh_credentials(args),
+        )
     text = tokenizer.decode(result.tokens)
     source = result.source
     saving = result.estimated_saving_s
     if args.json:
-        print(json.dumps({"text": text, "tokens": result.tokens, "prefix_from": source.where,
-                          "prefix_tokens": source.tokens, "prompt_tokens": result.prompt_tokens,
-                          "fetch_s": round(source.seconds, 4), "wire_bytes": source.wire_bytes,
-                          "prefill_s": round(result.prefill_s, 4), "generate_s": round(result.generate_s, 4),
-                          "estimated_saving_s": None if saving is None else round(saving, 3),
-                          "skipped": source.skipped}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "tokens": result.tokens,
+                    "prefix_from": source.where,
+                    "prefix_tokens": source.tokens,
+                    "prompt_tokens": result.prompt_tokens,
+                    "fetch_s": round(source.seconds, 4),
+                    "wire_bytes": source.wire_bytes,
+                    "prefill_s": round(result.prefill_s, 4),
+                    "generate_s": round(result.generate_s, 4),
+                    "estimated_saving_s": None if saving is None else round(saving, 3),
+                    "skipped": source.skipped,
+                },
+                indent=2,
+            )
+        )
         return 0
     print(text)
     print(file=sys.stderr)
     if source.tokens:
-        print(f"prefix: {source.tokens} of {result.prompt_tokens} tokens from {source.where} "
-              f"({source.wire_bytes:,} bytes on the wire, {source.seconds:.2f} s)", file=sys.stderr)
+        print(
+            f"prefix: {source.tokens} of {result.prompt_tokens} tokens from {source.where} "
+            f"({source.wire_bytes:,} bytes on the wire, {source.seconds:.2f} s)",
+            file=sys.stderr,
+        )
     else:
         print(f"prefix: none cached; all {result.prompt_tokens} tokens prefilled here", file=sys.stderr)
-    print(f"prefill of the remaining {result.prompt_tokens - source.tokens} tokens: {result.prefill_s:.2f} s; "
-          f"{len(result.tokens)} tokens generated in {result.generate_s:.2f} s", file=sys.stderr)
+    print(
+        f"prefill of the remaining {result.prompt_tokens - source.tokens} tokens: {result.prefill_s:.2f} s; "
+        f"{len(result.tokens)} tokens generated in {result.generate_s:.2f} s",
+        file=sys.stderr,
+    )
     if saving is not None:
         print(f"estimated time saved against prefilling the cached tokens here: {saving:.2f} s", file=sys.stderr)
     for reason in source.skipped:
@@ -437,8 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Share LLM KV caches between Apple-silicon Macs on one network.",
     )
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
-    parser.add_argument("--data-dir", default=None, help="daemon data directory (default: the platform "
-                        "data dir, or $KVMESH_DATA_DIR)")
+    parser.add_argument(
+        "--data-dir", default=None, help="daemon data directory (default: the platform data dir, or $KVMESH_DATA_DIR)"
+    )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     def command(name: str, func: Callable, help: str, parent=commands, **kwargs) -> argparse.ArgumentParser:
@@ -453,13 +525,22 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("model", help="model directory or Hugging Face repo id")
         sub.add_argument("--file", help="a text file: its tokens come first (the shared prefix)")
         sub.add_argument("--prompt", help="text after the file (or the whole prompt)")
-        sub.add_argument("--chat", action="store_true", help="wrap file and prompt in one user message of the "
-                         "model's chat template (as mlx_lm.cache_prompt does for its caches)")
+        sub.add_argument(
+            "--chat",
+            action="store_true",
+            help="wrap file and prompt in one user message of the "
+            "model's chat template (as mlx_lm.cache_prompt does for its caches)",
+        )
 
     model = commands.add_parser("model", help="build test models and show model fingerprints")
     model_commands = model.add_subparsers(title="model commands", metavar="COMMAND", required=True)
-    make = command("make-test", cmd_model_make_test, "build an offline model with random weights", model_commands,
-                   description="Presets: " + "; ".join(f"{k}: {p.description}" for k, p in PRESETS.items()))
+    make = command(
+        "make-test",
+        cmd_model_make_test,
+        "build an offline model with random weights",
+        model_commands,
+        description="Presets: " + "; ".join(f"{k}: {p.description}" for k, p in PRESETS.items()),
+    )
     make.add_argument("dir", help="directory to create (must not exist, or be empty)")
     make.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     make.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
@@ -479,14 +560,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("file")
     imported = command("import", cmd_cache_import, "import a file written by `cache export`", cache_commands)
     imported.add_argument("file")
-    import_mlx = command("import-mlx", cmd_cache_import_mlx, "import an mlx-lm prompt-cache file (from mlx_lm.cache_prompt)",
-                         cache_commands, description="mlx-lm files do not record their prompt: give the same prompt and model.")
+    import_mlx = command(
+        "import-mlx",
+        cmd_cache_import_mlx,
+        "import an mlx-lm prompt-cache file (from mlx_lm.cache_prompt)",
+        cache_commands,
+        description="mlx-lm files do not record their prompt: give the same prompt and model.",
+    )
     import_mlx.add_argument("file")
     import_mlx.add_argument("--model", required=True, help="the model directory the cache was made with")
     source = import_mlx.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt given to mlx_lm.cache_prompt")
     source.add_argument("--prompt-file", help="a file holding that prompt")
-    export_mlx = command("export-mlx", cmd_cache_export_mlx, "write a stored cache as an mlx-lm prompt-cache file", cache_commands)
+    export_mlx = command(
+        "export-mlx", cmd_cache_export_mlx, "write a stored cache as an mlx-lm prompt-cache file", cache_commands
+    )
     export_mlx.add_argument("cache_id")
     export_mlx.add_argument("file")
     export_mlx.add_argument("--model", required=True, help="model path or hub id recorded for mlx_lm.generate")
@@ -501,13 +589,20 @@ def build_parser() -> argparse.ArgumentParser:
     command("renew", cmd_mesh_renew, "issue this node a fresh certificate now (also done automatically)", mesh_commands)
     command("status", cmd_mesh_status, "whether this node belongs to a mesh", mesh_commands)
 
-    daemon = command("daemon", cmd_daemon, "run the daemon: serve the store, advertise, find peers",
-                     description="Settings come from --config (default: the platform config dir's config.toml), "
-                                 "then KVMESH_<SETTING> variables, then these flags.")
+    daemon = command(
+        "daemon",
+        cmd_daemon,
+        "run the daemon: serve the store, advertise, find peers",
+        description="Settings come from --config (default: the platform config dir's config.toml), "
+        "then KVMESH_<SETTING> variables, then these flags.",
+    )
     daemon.add_argument("--config", help="TOML file with the settings below (names with _ or -)")
     store_option(daemon)
-    daemon.add_argument("--interface", action="append", help="IP address to serve and advertise on (repeat); "
-                        "default: this machine's routable IPv4 addresses")
+    daemon.add_argument(
+        "--interface",
+        action="append",
+        help="IP address to serve and advertise on (repeat); default: this machine's routable IPv4 addresses",
+    )
     daemon.add_argument("--port", type=int, help="port (default 7077; 0: any free port)")
     daemon.add_argument("--peer", action="append", help="host:port of a peer to use without discovery (repeat)")
     daemon.add_argument("--no-discovery", action="store_true", help="no mDNS: static peers only")
@@ -519,8 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--grace", type=float, default=10.0, help="seconds transfers in flight get at shutdown")
     daemon.add_argument("--share-model", action="append", help="share only caches of this model id (repeat)")
     daemon.add_argument("--read-only", action="store_true", help="take no publishes from peers")
-    daemon.add_argument("--publisher", action="append", help="node id allowed to publish here (repeat); "
-                        "default: every member")
+    daemon.add_argument(
+        "--publisher", action="append", help="node id allowed to publish here (repeat); default: every member"
+    )
     daemon.add_argument("--idle-timeout", type=float, help="seconds a peer's stream may stall (default 30)")
     daemon.add_argument("--peer-rate", type=float, help="calls per second allowed per peer (default 50)")
 
@@ -533,7 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
     prefill = command("prefill", cmd_prefill, "prefill a prompt with a local model and store its (compressed) cache")
     prompt_options(prefill)
     store_option(prefill)
-    prefill.add_argument("--method", default="full", help="compression method: full, quantize, streaming_llm, snapkv, knorm")
+    prefill.add_argument(
+        "--method", default="full", help="compression method: full, quantize, streaming_llm, snapkv, knorm"
+    )
     prefill.add_argument("--ratio", type=float, help="fraction of tokens to evict")
     prefill.add_argument("--budget", type=int, help="tokens to keep per layer")
     prefill.add_argument("--kv-bits", type=int, help="quantize what is kept to 2-8 bits")
@@ -547,9 +645,13 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--tokens", type=int, default=0, help="only a block-aligned prefix of this many tokens")
     store_option(fetch)
 
-    generate = command("generate", cmd_generate, "generate, reusing the longest cached prefix on the mesh",
-                       description="The local store is asked first, then peers (--peer, or the local daemon's). "
-                                   "Only the tokens after the cached prefix are prefilled.")
+    generate = command(
+        "generate",
+        cmd_generate,
+        "generate, reusing the longest cached prefix on the mesh",
+        description="The local store is asked first, then peers (--peer, or the local daemon's). "
+        "Only the tokens after the cached prefix are prefilled.",
+    )
     prompt_options(generate)
     store_option(generate)
     generate.add_argument("--max-tokens", type=int, default=64)
@@ -580,5 +682,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvmesh: interrupted", file=sys.stderr)
         return 130
-
-

@@ -30,6 +30,7 @@ from kvmesh.model.testmodels import make_test_model
 from kvmesh.net.client import PeerClient
 from kvmesh.net.credentials import export_bundle, init_mesh, join_mesh, load_credentials
 from kvmesh.net.node_id import node_id
+from kvmesh.paths import store_dir
 from kvmesh.store import CacheStore
 
 NODES = ("A", "B", "C")
@@ -38,12 +39,14 @@ NODES = ("A", "B", "C")
 def start_daemons(root: Path, daemons: dict[str, DaemonProcess]) -> None:
     """Start a daemon per node into `daemons` (so the caller stops those started if one fails)."""
     for name in NODES:
-        daemon = start_daemon(root / name, ["--interface", "127.0.0.1", "--port", "0", "--log-level", "warning"],
-                              log=root / f"{name}.log")
+        daemon = start_daemon(
+            root / name, ["--interface", "127.0.0.1", "--port", "0", "--log-level", "warning"], log=root / f"{name}.log"
+        )
         daemons[name] = daemon
         if daemon.state.mode != "mutual TLS":
-            raise KvmeshError(f"daemon {name} did not start as a mesh member ({daemon.state.mode}); "
-                              f"see {root / f'{name}.log'}")
+            raise KvmeshError(
+                f"daemon {name} did not start as a mesh member ({daemon.state.mode}); see {root / f'{name}.log'}"
+            )
 
 
 def wait_for_discovery(root: Path, timeout: float = 20.0) -> float:
@@ -71,9 +74,11 @@ def run_demo(steps: int = 24) -> int:
         model_dir = make_test_model(root / "tiny", "tiny")
         other_dir = make_test_model(root / "tiny-other-weights", "tiny", seed=1)
         fp, other_fp = fingerprint(model_dir, hashes), fingerprint(other_dir, hashes)
-        model, tokenizer = mlx_lm.load(str(model_dir))
-        console.print(f"[bold]model[/] tiny llama built offline: id {fp.model_id}, {fp.num_layers} layers, "
-                      f"{fp.num_kv_heads} kv heads x {fp.head_dim}, {fp.dtype}")
+        model, tokenizer = mlx_lm.load(str(model_dir))[:2]  # (its type also allows the config)
+        console.print(
+            f"[bold]model[/] tiny llama built offline: id {fp.model_id}, {fp.num_layers} layers, "
+            f"{fp.num_kv_heads} kv heads x {fp.head_dim}, {fp.dtype}"
+        )
 
         init_mesh(root / "A", node_id(root / "A"), "demo")
         for name in NODES[1:]:
@@ -83,9 +88,11 @@ def run_demo(steps: int = 24) -> int:
         try:
             start_daemons(root, daemons)
             seconds = wait_for_discovery(root)
-            console.print(f"[bold]mesh[/] A made a mesh, B and C joined it; daemons on "
-                          f"{', '.join(d.address for d in daemons.values())} found each other over mDNS in "
-                          f"{seconds:.1f} s and speak mutual TLS")
+            console.print(
+                f"[bold]mesh[/] A made a mesh, B and C joined it; daemons on "
+                f"{', '.join(d.address for d in daemons.values())} found each other over mDNS in "
+                f"{seconds:.1f} s and speak mutual TLS"
+            )
             document = tokenizer.encode(resources.files("kvmesh").joinpath("data/corpus.txt").read_text())
             question = tokenizer.encode("\nQuestions: what is a cache?", add_special_tokens=False)
             prompt = document + question
@@ -93,11 +100,15 @@ def run_demo(steps: int = 24) -> int:
             start = time.perf_counter()
             cached = prefill(model, document)
             prefill_s = time.perf_counter() - start
-            CacheStore(root / "A" / "store").add(*encode_cache(cached.cache, fp, document))
-            console.print(f"[bold]A[/] prefilled the {len(document)}-token document in {prefill_s:.2f} s "
-                          f"and stored its cache ({cached.nbytes:,} bytes)")
+            CacheStore(store_dir(root / "A")).add(*encode_cache(cached.cache, fp, document))
+            console.print(
+                f"[bold]A[/] prefilled the {len(document)}-token document in {prefill_s:.2f} s "
+                f"and stored its cache ({cached.nbytes:,} bytes)"
+            )
             snap = make_press("snapkv", {"ratio": 0.75, "kv_bits": 8})
-            CacheStore(root / "C" / "store").add(*encode_cache(prefill(model, document, snap).cache, fp, document, snap))
+            CacheStore(store_dir(root / "C")).add(
+                *encode_cache(prefill(model, document, snap).cache, fp, document, snap)
+            )
             console.print("[bold]C[/] holds a snapkv-compressed copy (a quarter of the tokens, 8-bit)")
 
             start = time.perf_counter()
@@ -105,13 +116,19 @@ def run_demo(steps: int = 24) -> int:
             reference_s = time.perf_counter() - start
 
             peers_of_b = [p.addresses[0] for p in control_status(root / "B").peers if p.healthy]
-            result = generate(model, fp, prompt, CacheStore(root / "B" / "store"), peers_of_b, steps,
-                              credentials=member["B"])
+            result = generate(
+                model, fp, prompt, CacheStore(store_dir(root / "B")), peers_of_b, steps, credentials=member["B"]
+            )
             source = result.source
-            console.print(f"[bold]B[/] generated from the document + a question: prefix of {source.tokens} tokens "
-                          f"from {source.where}, {source.wire_bytes:,} bytes on the wire in {source.seconds:.3f} s")
+            console.print(
+                f"[bold]B[/] generated from the document + a question: prefix of {source.tokens} tokens "
+                f"from {source.where}, {source.wire_bytes:,} bytes on the wire in {source.seconds:.3f} s"
+            )
             check("B's tokens equal a local full prefill's", result.tokens == reference)
-            check("B fetched the whole document from A", source.tokens == len(document) and source.where.endswith(daemons["A"].address))
+            check(
+                "B fetched the whole document from A",
+                source.tokens == len(document) and source.where.endswith(daemons["A"].address),
+            )
 
             with PeerClient(daemons["A"].address, timeout=5.0) as outsider:
                 try:
@@ -119,8 +136,10 @@ def run_demo(steps: int = 24) -> int:
                     refused = False
                 except PeerError:
                     refused = True
-            console.print("[bold]outsider[/] a client without the mesh's certificates tried A: "
-                          + ("refused at the TLS handshake" if refused else "ANSWERED"))
+            console.print(
+                "[bold]outsider[/] a client without the mesh's certificates tried A: "
+                + ("refused at the TLS handshake" if refused else "ANSWERED")
+            )
             check("a machine outside the mesh is refused", refused)
 
             with PeerClient(daemons["A"].address, credentials=member["B"]) as a:
@@ -131,11 +150,16 @@ def run_demo(steps: int = 24) -> int:
                 except CacheRejected as e:
                     rejected = e.rejection
                 sent_after = a.info().transfers.chunk_bytes_sent
-            console.print(f"[bold]other weights[/] a node with another model asked A for the cache: "
-                          f"{'refused: ' + str(rejected) if rejected else 'ACCEPTED'}")
-            check("a cache for other weights is refused before any byte", rejected is not None and sent_after == sent_before)
+            console.print(
+                f"[bold]other weights[/] a node with another model asked A for the cache: "
+                f"{'refused: ' + str(rejected) if rejected else 'ACCEPTED'}"
+            )
+            check(
+                "a cache for other weights is refused before any byte",
+                rejected is not None and sent_after == sent_before,
+            )
 
-            [entry] = CacheStore(root / "C" / "store").entries()
+            [entry] = CacheStore(store_dir(root / "C")).entries()
             with PeerClient(daemons["C"].address, credentials=member["B"]) as c:
                 compressed = c.fetch(entry.cache_id, ReceiverProfile(fp, prompt=prompt))
             tokens = [t for t, _ in generate_from_cache(model, compressed.cache, question, steps)]
@@ -146,11 +170,21 @@ def run_demo(steps: int = 24) -> int:
             for column in ("how", "seconds", "bytes on the wire", "tokens = full prefill"):
                 table.add_column(column, justify="left" if column == "how" else "right")
             table.add_row(f"prefill {len(document)} tokens (A)", f"{prefill_s:.3f}", "-", "-")
-            table.add_row(f"no cache: prompt + {steps} tokens (mlx-lm)", f"{reference_s:.3f}", "-", f"{steps} / {steps}")
-            table.add_row("fetch full cache from A (B)", f"{source.seconds:.3f}", f"{source.wire_bytes:,}",
-                          f"{sum(x == y for x, y in zip(result.tokens, reference))} / {steps}")
-            table.add_row("fetch snapkv 8-bit from C", f"{compressed.seconds:.3f}", f"{compressed.wire_bytes:,}",
-                          f"{agree} / {steps}")
+            table.add_row(
+                f"no cache: prompt + {steps} tokens (mlx-lm)", f"{reference_s:.3f}", "-", f"{steps} / {steps}"
+            )
+            table.add_row(
+                "fetch full cache from A (B)",
+                f"{source.seconds:.3f}",
+                f"{source.wire_bytes:,}",
+                f"{sum(x == y for x, y in zip(result.tokens, reference))} / {steps}",
+            )
+            table.add_row(
+                "fetch snapkv 8-bit from C",
+                f"{compressed.seconds:.3f}",
+                f"{compressed.wire_bytes:,}",
+                f"{agree} / {steps}",
+            )
             console.print(table)
         finally:
             for daemon in daemons.values():  # all at once: each takes a moment to say goodbye

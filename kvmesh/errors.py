@@ -71,7 +71,7 @@ class PeerError(KvmeshError):
 class Rejection:
     """Why a receiver refuses a cache: a typed reason (a pb.RejectReason) and a sentence for people."""
 
-    reason: pb.RejectReason.ValueType
+    reason: pb.RejectReason
     message: str
 
     @property

@@ -96,11 +96,19 @@ def find_prefix(
         try:
             with PeerClient(address, credentials=credentials) as client:
                 fetched = client.fetch(
-                    candidate.cache_id, profile, num_tokens=n if n < candidate.num_tokens else 0,
-                    store=store, progress=progress,
+                    candidate.cache_id,
+                    profile,
+                    num_tokens=n if n < candidate.num_tokens else 0,
+                    store=store,
+                    progress=progress,
                 )
             return fetched.cache, PrefixSource(
-                f"peer {address}", n, time.perf_counter() - start, fetched.wire_bytes, fetched.manifest.cache_id, skipped
+                f"peer {address}",
+                n,
+                time.perf_counter() - start,
+                fetched.wire_bytes,
+                fetched.manifest.cache_id,
+                skipped,
             )
         except (PeerError, IntegrityError, CacheRejected) as e:
             log.warning("%s", e)

@@ -24,16 +24,16 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from rich.console import Console
 from rich.table import Table
 
-from kvmesh.codec.decode import decode_chunks
-from kvmesh.codec.encode import EncodeOptions, build_manifest, encode_cache, encode_chunks
-from kvmesh.model.fingerprint import fingerprint
-from kvmesh.paths import cache_dir
 from kvmesh.caches.prefill import prefill
-from kvmesh.codec.prefix import PrefixKey
 from kvmesh.caches.presses import Press
 from kvmesh.caches.sparse import SparseKVCache
-from kvmesh.store import CacheStore
+from kvmesh.codec.decode import decode_chunks
+from kvmesh.codec.encode import EncodeOptions, build_manifest, encode_cache, encode_chunks
+from kvmesh.codec.prefix import PrefixKey
+from kvmesh.model.fingerprint import fingerprint
 from kvmesh.model.testmodels import make_test_model
+from kvmesh.paths import cache_dir
+from kvmesh.store import CacheStore
 
 SETTINGS = [("none", 0, False), ("zstd", 1, False), ("zstd", 1, True), ("zstd", 3, True)]
 
@@ -98,7 +98,9 @@ def main():
     prefix = PrefixKey.of(ids)
     codec_table(cache, fp, prefix, args, "")
     # The same KV cast to bfloat16, the dtype most released models use.
-    bf16 = [SparseKVCache.from_arrays(c.keys.astype(mx.bfloat16), c.values.astype(mx.bfloat16), c.offset) for c in cache]
+    bf16 = [
+        SparseKVCache.from_arrays(c.keys.astype(mx.bfloat16), c.values.astype(mx.bfloat16), c.offset) for c in cache
+    ]
     codec_table(bf16, dataclasses.replace(fp, dtype="bfloat16"), prefix, args, " (cast to bfloat16)")
     decode_peak_memory(cache, fp, prefix, args.chunk_size)
 
@@ -106,19 +108,27 @@ def main():
 def codec_table(cache, fp, prefix, args, note: str):
     raw = sum(c.nbytes for c in cache)
     mb = raw / 1e6
-    table = Table(title=f"small preset, {args.tokens} tokens, {mb:.0f} MB {fp.dtype} KV{note}, {args.chunk_size >> 10} KiB chunks")
+    table = Table(
+        title=f"small preset, {args.tokens} tokens, {mb:.0f} MB {fp.dtype} KV{note}, {args.chunk_size >> 10} KiB chunks"
+    )
     for column in ("codec", "threads", "encoded MB", "ratio", "encode MB/s", "decode MB/s"):
         table.add_column(column, justify="right")
     for codec, level, shuffle in SETTINGS:
         for threads in (1, 2):
             options = EncodeOptions(codec, level, shuffle, args.chunk_size)
             manifest = build_manifest(cache, fp, prefix, Press(), options)
-            encode_s, chunks = timed(lambda: list(encode_chunks(cache, manifest, threads)), args.repeat)
-            decode_s, _ = timed(lambda: decode_chunks(manifest, chunks, threads=threads), args.repeat)
+            encode_s, chunks = timed(lambda m=manifest, t=threads: list(encode_chunks(cache, m, t)), args.repeat)
+            decode_s, _ = timed(lambda m=manifest, c=chunks, t=threads: decode_chunks(m, c, threads=t), args.repeat)
             encoded = manifest.encoding.encoded_bytes
             name = codec + (f"-{level}" if codec == "zstd" else "") + ("+shuffle" if shuffle else "")
-            table.add_row(name, str(threads), f"{encoded / 1e6:.1f}", f"{raw / encoded:.3f}",
-                          f"{mb / encode_s:.0f}", f"{mb / decode_s:.0f}")
+            table.add_row(
+                name,
+                str(threads),
+                f"{encoded / 1e6:.1f}",
+                f"{raw / encoded:.3f}",
+                f"{mb / encode_s:.0f}",
+                f"{mb / decode_s:.0f}",
+            )
     Console(width=120).print(table)
 
 
@@ -130,13 +140,18 @@ def decode_peak_memory(cache, fp, prefix, chunk_size: int):
         manifest = CacheStore(tmp).add(*encode_cache(cache, fp, prefix, Press(), EncodeOptions(chunk_size=chunk_size)))
         out = subprocess.run(
             [sys.executable, "-c", PEAK_MEMORY_CHILD, tmp, manifest.cache_id],
-            capture_output=True, text=True, check=True, env={**os.environ},
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ},
         )
         peak = json.loads(out.stdout)
     grown, raw_bytes = peak["grown"], peak["raw"]
-    print(f"decode from the store in a fresh process, {raw_bytes / 1e6:.0f} MB cache: peak RSS grew "
-          f"{grown / 1e6:.0f} MB = {grown / raw_bytes:.2f}x the decoded size; MLX allocator peak "
-          f"{peak['mlx_peak'] / 1e6:.0f} MB = {peak['mlx_peak'] / raw_bytes:.2f}x")
+    print(
+        f"decode from the store in a fresh process, {raw_bytes / 1e6:.0f} MB cache: peak RSS grew "
+        f"{grown / 1e6:.0f} MB = {grown / raw_bytes:.2f}x the decoded size; MLX allocator peak "
+        f"{peak['mlx_peak'] / 1e6:.0f} MB = {peak['mlx_peak'] / raw_bytes:.2f}x"
+    )
 
 
 if __name__ == "__main__":

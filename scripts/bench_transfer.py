@@ -12,7 +12,6 @@ moves the same stored bytes between two processes in the same run, as the ceilin
 import argparse
 import itertools
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ from kvmesh.paths import cache_dir
 from kvmesh.store import CacheStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_codec import prepared_cache  # noqa: E402
+from bench_codec import prepared_cache
 
 FETCH_CHILD = """
 import json, sys, time, dataclasses
@@ -50,7 +49,8 @@ def status(key):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 
-address, cache_id, fp_hex, reject, tuned = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "reject", sys.argv[5] == "tuned"
+address, cache_id, fp_hex = sys.argv[1], sys.argv[2], sys.argv[3]
+reject, tuned = sys.argv[4] == "reject", sys.argv[5] == "tuned"
 if tuned:
     tune_allocator()  # as the kvmesh command does
 fp = ModelFingerprint.from_proto(model_pb2.ModelFingerprint.FromString(bytes.fromhex(fp_hex)))
@@ -108,9 +108,19 @@ def raw_tcp_seconds(path: Path, size: int) -> float:
 
 def fetch_in_child(address: str, cache_id: str, fp, reject: bool = False, tuned: bool = True) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", FETCH_CHILD, address, cache_id, fp.to_proto().SerializeToString().hex(),
-         "reject" if reject else "accept", "tuned" if tuned else "stock"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            FETCH_CHILD,
+            address,
+            cache_id,
+            fp.to_proto().SerializeToString().hex(),
+            "reject" if reject else "accept",
+            "tuned" if tuned else "stock",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(out.stdout)
 
@@ -130,14 +140,26 @@ def main():
     per_copy = sum(c.nbytes for c in cache)
     copies = max(1, round(args.mb * 1e6 / per_copy))
     tiled = [
-        SparseKVCache.from_arrays(mx.concatenate([c.keys] * copies, 2), mx.concatenate([c.values] * copies, 2), c.offset * copies)
+        SparseKVCache.from_arrays(
+            mx.concatenate([c.keys] * copies, 2), mx.concatenate([c.values] * copies, 2), c.offset * copies
+        )
         for c in cache
     ]
     tokens = ids * copies
-    table = Table(title=f"fetch over loopback, {sum(c.nbytes for c in tiled) / 1e6:.0f} MB {fp.dtype} KV "
-                        f"({len(tokens)} tokens), medians of {args.repeat}")
-    for column in ("codec", "allocator", "wire MB", "cold fetch MB/s", "warm fetch MB/s", "raw TCP MB/s", "warm / TCP",
-                   "peak RSS / cache"):
+    table = Table(
+        title=f"fetch over loopback, {sum(c.nbytes for c in tiled) / 1e6:.0f} MB {fp.dtype} KV "
+        f"({len(tokens)} tokens), medians of {args.repeat}"
+    )
+    for column in (
+        "codec",
+        "allocator",
+        "wire MB",
+        "cold fetch MB/s",
+        "warm fetch MB/s",
+        "raw TCP MB/s",
+        "warm / TCP",
+        "peak RSS / cache",
+    ):
         table.add_column(column, justify="right")
     with tempfile.TemporaryDirectory() as tmp:
         store = CacheStore(Path(tmp) / "store")
@@ -148,8 +170,17 @@ def main():
         del tiled
         server = start_daemon(
             Path(tmp) / "daemon",
-            ["--store", str(store.root), "--interface", "127.0.0.1", "--port", "0", "--no-discovery",
-             "--log-level", "warning"],
+            [
+                "--store",
+                str(store.root),
+                "--interface",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--no-discovery",
+                "--log-level",
+                "warning",
+            ],
         )
         address = server.address
         try:
@@ -162,18 +193,31 @@ def main():
                 warm = statistics.median(r["warm"] for r in runs)
                 grown = statistics.median(r["grown"] for r in runs)
                 wire = manifest.encoding.encoded_bytes
-                table.add_row(codec, "tuned" if tuned else "glibc default", f"{wire / 1e6:.0f}", f"{raw / 1e6 / cold:.0f}",
-                              f"{raw / 1e6 / warm:.0f}", f"{entry.stat().st_size / 1e6 / tcp:.0f}", f"{tcp / warm:.2f}",
-                              f"{grown / raw:.2f}")
-            rejected = [fetch_in_child(address, manifests["zstd"].cache_id, fp, reject=True) for _ in range(args.repeat)]
+                table.add_row(
+                    codec,
+                    "tuned" if tuned else "glibc default",
+                    f"{wire / 1e6:.0f}",
+                    f"{raw / 1e6 / cold:.0f}",
+                    f"{raw / 1e6 / warm:.0f}",
+                    f"{entry.stat().st_size / 1e6 / tcp:.0f}",
+                    f"{tcp / warm:.2f}",
+                    f"{grown / raw:.2f}",
+                )
+            rejected = [
+                fetch_in_child(address, manifests["zstd"].cache_id, fp, reject=True) for _ in range(args.repeat)
+            ]
         finally:
             server.stop()
     Console(width=120).print(table)
-    print("fetch MB/s counts decoded cache bytes, from request to caches ready: cold is a fresh process "
-          "(first touch of new memory), warm the second fetch in it; raw TCP moves the stored entry file "
-          "once, into one reused buffer, with no decoding")
-    print(f"request to rejection (other weights), median: {statistics.median(r['warm'] for r in rejected) * 1000:.1f} ms "
-          f"({rejected[0]['outcome']})")
+    print(
+        "fetch MB/s counts decoded cache bytes, from request to caches ready: cold is a fresh process "
+        "(first touch of new memory), warm the second fetch in it; raw TCP moves the stored entry file "
+        "once, into one reused buffer, with no decoding"
+    )
+    print(
+        f"request to rejection (other weights), median: {statistics.median(r['warm'] for r in rejected) * 1000:.1f} ms "
+        f"({rejected[0]['outcome']})"
+    )
 
 
 if __name__ == "__main__":

@@ -23,12 +23,23 @@ def main() -> int:
     args = parser.parse_args()
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_fuzz.py"),
-         "--hypothesis-show-statistics"],
-        env={**os.environ, "KVMESH_FUZZ_EXAMPLES": str(args.examples)}, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(ROOT / "tests" / "test_fuzz.py"),
+            "--hypothesis-show-statistics",
+        ],
+        env={**os.environ, "KVMESH_FUZZ_EXAMPLES": str(args.examples)},
+        cwd=ROOT,
     )
-    print(f"fuzz: {args.examples} inputs per property in {time.perf_counter() - start:.0f} s, "
-          f"{'nothing found' if result.returncode == 0 else 'FAILURES above'}")
+    print(
+        f"fuzz: {args.examples} inputs per property in {time.perf_counter() - start:.0f} s, "
+        f"{'nothing found' if result.returncode == 0 else 'FAILURES above'}"
+    )
     return result.returncode
 
 

@@ -40,8 +40,10 @@ def main() -> None:
             print(f"{name:<34} failed: {out.stderr.strip().splitlines()[-1]}")
             continue
         r = json.loads(out.stdout)
-        print(f"{name:<34} {len(r['loaded']) - 1:>21} {'yes' if r['mlx'] else '-':>4} "
-              f"{'yes' if r['mlx_lm'] else '-':>6} {r['seconds']:>8.2f}")
+        print(
+            f"{name:<34} {len(r['loaded']) - 1:>21} {'yes' if r['mlx'] else '-':>4} "
+            f"{'yes' if r['mlx_lm'] else '-':>6} {r['seconds']:>8.2f}"
+        )
     kvmesh_command = str(Path(sys.executable).with_name("kvmesh"))
     with tempfile.TemporaryDirectory() as tmp:
         for args in (["--version"], ["--data-dir", tmp, "status"]):

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Bytes kept per compression method and ratio, and how generation drifts, on an offline model.
 
-    scripts/dev run python scripts/press_report.py [--preset tiny] [--tokens 1024]
+scripts/dev run python scripts/press_report.py [--preset tiny] [--tokens 1024]
 """
 
 import argparse
 import tempfile
+from importlib import resources
 
 import mlx_lm
 from rich.console import Console
@@ -24,7 +25,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer = mlx_lm.load(str(make_test_model(f"{tmp}/model", args.preset)))
-    text = open(__file__.replace("scripts/press_report.py", "kvmesh/data/corpus.txt")).read()
+    text = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
     ids = tokenizer.encode(text * (args.tokens // 500 + 2))[: args.tokens]
     prefix, suffix = ids[:-8], ids[-8:]
 
@@ -38,7 +39,9 @@ def main():
     presses += [make_press("quantize", {"kv_bits": b}) for b in (8, 4)]
     presses += [make_press("snapkv", {"ratio": 0.75, "kv_bits": 4})]
     results = compare_presses(model, prefix, suffix, presses, steps=args.steps)
-    Console(width=120).print(results_table(results, f"{args.preset}: {len(prefix)}-token prefix, greedy tokens vs full"))
+    Console(width=120).print(
+        results_table(results, f"{args.preset}: {len(prefix)}-token prefix, greedy tokens vs full")
+    )
 
 
 if __name__ == "__main__":

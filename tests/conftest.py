@@ -101,9 +101,12 @@ def serve():
     from kvmesh.daemon.control import start_daemon
 
     def start(store_root, *args) -> str:
-        daemon = start_daemon(f"{store_root}.data", ["--interface", "127.0.0.1", "--port", "0", "--store",
-                                                     str(store_root), "--no-discovery", *args],
-                              log=f"{store_root}.log", env=ENV)
+        daemon = start_daemon(
+            f"{store_root}.data",
+            ["--interface", "127.0.0.1", "--port", "0", "--store", str(store_root), "--no-discovery", *args],
+            log=f"{store_root}.log",
+            env=ENV,
+        )
         start.processes[daemon.address] = daemon.process
         start.daemons.append(daemon)
         return daemon.address

@@ -14,8 +14,19 @@ def cli(*args, data_dir=None, check=True, prefix=(), timeout=300) -> subprocess.
     """`kvmesh [--data-dir DATA_DIR] ARGS` as a user runs it; `prefix` wraps it (`ip netns exec NS`)."""
     data = ["--data-dir", str(data_dir)] if data_dir is not None else []
     return subprocess.run(
-        [*prefix, KVMESH, *data, *map(str, args)], capture_output=True, text=True, env=ENV, check=check,
+        [*prefix, KVMESH, *data, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        check=check,
         timeout=timeout,
+    )
+
+
+def mlx_lm_cli(*args) -> subprocess.CompletedProcess:
+    """`python -m mlx_lm ARGS` (mlx-lm's own command line), never raising on failure."""
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_lm", *map(str, args)], capture_output=True, text=True, env=ENV, timeout=300
     )
 
 

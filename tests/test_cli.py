@@ -1,10 +1,7 @@
 import json
-import subprocess
-import sys
-
-import pytest
 
 from helpers import cli as run
+from helpers import mlx_lm_cli
 from kvmesh import __version__
 
 
@@ -49,15 +46,26 @@ def test_demo_runs_the_mesh_and_checks_itself():
 def test_cache_commands_round_trip_an_mlx_lm_file(tiny_dir, tmp_path):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("Rivers run to the sea, and the sea does not fill.")
-    made = subprocess.run(
-        [sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(tiny_dir),
-         "--prompt", prompt_file.read_text(), "--prompt-cache-file", str(tmp_path / "p.safetensors")],
-        capture_output=True, text=True,
+    made = mlx_lm_cli(
+        "cache_prompt",
+        "--model",
+        tiny_dir,
+        "--prompt",
+        prompt_file.read_text(),
+        "--prompt-cache-file",
+        tmp_path / "p.safetensors",
     )
     assert made.returncode == 0, made.stderr
     store = ["cache", "--store", str(tmp_path / "store")]
-    out = run(*store, "import-mlx", str(tmp_path / "p.safetensors"), "--model", str(tiny_dir),
-              "--prompt-file", str(prompt_file)).stdout
+    out = run(
+        *store,
+        "import-mlx",
+        str(tmp_path / "p.safetensors"),
+        "--model",
+        str(tiny_dir),
+        "--prompt-file",
+        str(prompt_file),
+    ).stdout
     assert out.startswith("imported ")
     [entry] = json.loads(run(*store, "list", "--json").stdout)
     assert entry["method"] == "full" and entry["evicts_nothing"]
@@ -77,35 +85,52 @@ def test_cache_import_of_a_missing_file_is_one_clear_line(tmp_path):
 
 def test_prompt_and_model_mistakes_are_reported_before_any_model_loads(tmp_path):
     missing = run("--data-dir", str(tmp_path), "generate", str(tmp_path / "no-model"), "--prompt", "hi", check=False)
-    assert (missing.returncode, missing.stderr) == (1, f"kvmesh: error: {tmp_path / 'no-model'}: no such model directory\n")
-    no_file = run("--data-dir", str(tmp_path), "prefill", "/any/model", "--file", str(tmp_path / "doc.txt"), check=False)
+    assert (missing.returncode, missing.stderr) == (
+        1,
+        f"kvmesh: error: {tmp_path / 'no-model'}: no such model directory\n",
+    )
+    no_file = run(
+        "--data-dir", str(tmp_path), "prefill", "/any/model", "--file", str(tmp_path / "doc.txt"), check=False
+    )
     assert no_file.returncode == 1 and "doc.txt: cannot read: No such file or directory" in no_file.stderr
     nothing = run("--data-dir", str(tmp_path), "prefill", "/any/model", check=False)
     assert nothing.stderr == "kvmesh: error: give a --file, a --prompt, or both\n"
 
 
 def test_a_cache_from_mlx_lm_cache_prompt_serves_generate_chat(tiny, tiny_dir, tmp_path):
-    from mlx_lm.generate import generate_step
     import mlx.core as mx
+    from mlx_lm.generate import generate_step
 
     document = "Rivers run to the sea, and the sea does not fill. Mountains stand where they stood."
     (tmp_path / "doc.txt").write_text(document)
-    made = subprocess.run(
-        [sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(tiny_dir), "--prompt", document,
-         "--prompt-cache-file", str(tmp_path / "p.safetensors")], capture_output=True, text=True,
+    made = mlx_lm_cli(
+        "cache_prompt", "--model", tiny_dir, "--prompt", document, "--prompt-cache-file", tmp_path / "p.safetensors"
     )
     assert made.returncode == 0, made.stderr
     data = ["--data-dir", str(tmp_path / "node")]
     run(*data, "cache", "import-mlx", str(tmp_path / "p.safetensors"), "--model", str(tiny_dir), "--prompt", document)
-    out = json.loads(run(*data, "generate", str(tiny_dir), "--chat", "--file", str(tmp_path / "doc.txt"),
-                         "--prompt", " Where do rivers run?", "--max-tokens", "6", "--json").stdout)
+    out = json.loads(
+        run(
+            *data,
+            "generate",
+            str(tiny_dir),
+            "--chat",
+            "--file",
+            str(tmp_path / "doc.txt"),
+            "--prompt",
+            " Where do rivers run?",
+            "--max-tokens",
+            "6",
+            "--json",
+        ).stdout
+    )
     model, tokenizer = tiny
     cached = tokenizer.apply_chat_template([{"role": "user", "content": document}], continue_final_message=True)
     assert out["prefix_from"] == "local store" and out["prefix_tokens"] == len(cached)
     full = tokenizer.apply_chat_template(
         [{"role": "user", "content": document + " Where do rivers run?"}], tokenize=False, add_generation_prompt=True
     )
-    assert tokenizer.decode(cached) + full[len(tokenizer.decode(cached)):] == full
-    tokens = cached + tokenizer.encode(full[len(tokenizer.decode(cached)):], add_special_tokens=False)
+    assert tokenizer.decode(cached) + full[len(tokenizer.decode(cached)) :] == full
+    tokens = cached + tokenizer.encode(full[len(tokenizer.decode(cached)) :], add_special_tokens=False)
     assert out["prompt_tokens"] == len(tokens)
     assert out["tokens"] == [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=6)]

@@ -216,8 +216,9 @@ def test_a_cut_prefix_is_the_fresh_encoding_of_that_prefix(caches, tiny_fp, prom
     records = [c.SerializeToString() for c in chunks]
     cut, stream = cut_prefix(manifest, lambda: iter(records), 128)
     cut_chunks = [type(chunks[0]).FromString(r) for r in stream]
-    fresh, fresh_chunks = encoded([truncate(c, 128) for c in cache], press, tiny_fp, prompt_ids[:128], codec, shuffle,
-                                  chunk_size=5000)
+    fresh, fresh_chunks = encoded(
+        [truncate(c, 128) for c in cache], press, tiny_fp, prompt_ids[:128], codec, shuffle, chunk_size=5000
+    )
     assert cut.cache_id == content_id(fresh) and cut.encoding == fresh.encoding
     assert [c.SerializeToString() for c in cut_chunks] == [c.SerializeToString() for c in fresh_chunks]
     assert_same_tensors(decode_chunks(cut, cut_chunks), [truncate(c, 128) for c in cache])
@@ -231,7 +232,11 @@ def test_a_cut_refuses_what_it_cannot_serve_and_damage_it_reads(caches, tiny_fp,
     with pytest.raises(ValueError, match="multiples of 128"):
         cut_prefix(manifest, lambda: iter(()), 100)
     # A partial chunk (re-encoded by the cut) whose bytes do not match its checksum.
-    partial = next(i for i, s in enumerate(chunk_plan(manifest)) if s.byte_offset < 128 * s.row_bytes < s.byte_offset + s.raw_length)
+    partial = next(
+        i
+        for i, s in enumerate(chunk_plan(manifest))
+        if s.byte_offset < 128 * s.row_bytes < s.byte_offset + s.raw_length
+    )
     chunks[partial].checksum ^= 1
     records = [c.SerializeToString() for c in chunks]
     with pytest.raises(IntegrityError, match=f"chunk {partial} is corrupt"):

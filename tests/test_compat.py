@@ -101,7 +101,9 @@ def test_chat_template(manifest, tiny_dir, tmp_path):
 
 
 def test_geometry(manifest, tiny_dir, tmp_path):
-    other = edited_model(tiny_dir, tmp_path, lambda d: edit_json(d / "config.json", lambda c: c.update(num_hidden_layers=8)))
+    other = edited_model(
+        tiny_dir, tmp_path, lambda d: edit_json(d / "config.json", lambda c: c.update(num_hidden_layers=8))
+    )
     rejection = check_manifest(manifest, ReceiverProfile(model=other))
     assert rejection.reason_name == "geometry"
     assert rejection.message == "layers 4 in the cache, 8 in this model"
@@ -113,7 +115,10 @@ def test_geometry_dtype(manifest, tiny_dir, tmp_path):
         mx.save_safetensors(str(d / "model.safetensors"), {k: v.astype(mx.float16) for k, v in weights.items()})
 
     rejection = check_manifest(manifest, ReceiverProfile(model=edited_model(tiny_dir, tmp_path, to_fp16)))
-    assert (rejection.reason_name, rejection.message) == ("geometry", "dtype float32 in the cache, float16 in this model")
+    assert (rejection.reason_name, rejection.message) == (
+        "geometry",
+        "dtype float32 in the cache, float16 in this model",
+    )
 
 
 def test_prefix(manifest, profile, prompt_ids):
@@ -121,7 +126,8 @@ def test_prefix(manifest, profile, prompt_ids):
     other_prompt[150] += 1
     rejection = check_manifest(manifest, ReceiverProfile(model=profile.model, prompt=other_prompt))
     assert (rejection.reason_name, rejection.message) == (
-        "prefix", "the cache's 200-token prefix is not a prefix of this prompt"
+        "prefix",
+        "the cache's 200-token prefix is not a prefix of this prompt",
     )
 
 
@@ -165,8 +171,19 @@ def test_size_limit(manifest, profile):
         lambda m: setattr(m.prefix, "sha256", b"short"),
         lambda m: setattr(m.encoding, "payload_digest", b"short"),
     ],
-    ids=["layers", "shape", "nbytes", "n_kept", "raw_bytes", "chunk_count", "chunk_size", "block_size", "tensors",
-         "prefix_hash", "digest"],
+    ids=[
+        "layers",
+        "shape",
+        "nbytes",
+        "n_kept",
+        "raw_bytes",
+        "chunk_count",
+        "chunk_size",
+        "block_size",
+        "tensors",
+        "prefix_hash",
+        "digest",
+    ],
 )
 def test_a_manifest_that_lies_about_itself_is_malformed(manifest, profile, lie):
     lie(manifest)

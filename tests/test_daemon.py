@@ -36,8 +36,9 @@ class Daemons:
         self.root, self.processes = root, {}
 
     def start(self, name, *args) -> str:
-        daemon = start_daemon(self.root / name, ["--interface", "127.0.0.1", "--port", "0", *args],
-                              log=self.root / f"{name}.log", env=ENV)
+        daemon = start_daemon(
+            self.root / name, ["--interface", "127.0.0.1", "--port", "0", *args], log=self.root / f"{name}.log", env=ENV
+        )
         self.processes[name] = daemon.process
         return daemon.address
 
@@ -81,19 +82,24 @@ def test_daemons_find_each_other_and_generate_uses_a_peers_cache(daemons, tiny, 
     document = tmp_path / "doc.txt"
     document.write_text(resources.files("kvmesh").joinpath("data/corpus.txt").read_text()[:3000])
     stored = json.loads(kvmesh(tmp_path / "A", "prefill", str(tiny_dir), "--file", str(document), "--json").stdout)
-    out = json.loads(kvmesh(tmp_path / "B", "generate", str(tiny_dir), "--file", str(document),
-                            "--prompt", " What does this test check?", "--max-tokens", "12", "--json").stdout)
+
+    def generate_on_b() -> dict:
+        args = ["--file", document, "--prompt", " What does this test check?", "--max-tokens", 12, "--json"]
+        return json.loads(kvmesh(tmp_path / "B", "generate", tiny_dir, *args).stdout)
+
+    out = generate_on_b()
     assert out["prefix_from"] == f"peer {address_a}" and out["prefix_tokens"] == stored["tokens"]
     assert out["wire_bytes"] > 0 and out["skipped"] == []
 
     model, tokenizer = tiny
-    tokens = tokenizer.encode(document.read_text()) + tokenizer.encode(" What does this test check?", add_special_tokens=False)
+    tokens = tokenizer.encode(document.read_text()) + tokenizer.encode(
+        " What does this test check?", add_special_tokens=False
+    )
     reference = [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=12)]
     assert out["tokens"] == reference
 
     # B kept what it fetched: the same request is now served from its own store.
-    again = json.loads(kvmesh(tmp_path / "B", "generate", str(tiny_dir), "--file", str(document),
-                              "--prompt", " What does this test check?", "--max-tokens", "12", "--json").stdout)
+    again = generate_on_b()
     assert again["prefix_from"] == "local store" and again["tokens"] == reference
 
 
@@ -160,7 +166,10 @@ def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_nod
 def test_cli_without_a_daemon_says_so(tmp_path):
     result = kvmesh(tmp_path / "none", "peers", check=False)
     assert result.returncode == 1
-    assert result.stderr == f"kvmesh: error: no kvmesh daemon is running for {tmp_path / 'none'} (start one with `kvmesh daemon`)\n"
+    assert (
+        result.stderr
+        == f"kvmesh: error: no kvmesh daemon is running for {tmp_path / 'none'} (start one with `kvmesh daemon`)\n"
+    )
 
 
 def test_config_file_then_environment_then_flags(tmp_path):
@@ -176,8 +185,12 @@ def test_config_file_then_environment_then_flags(tmp_path):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("prot = 1\n", "unknown setting 'prot'"), ("port = 'many'\n", "bad value 'many' for port"),
-     ("log_format = 'xml'\n", "log_format must be text or json"), ("port = [\n", "cannot read the config")],
+    [
+        ("prot = 1\n", "unknown setting 'prot'"),
+        ("port = 'many'\n", "bad value 'many' for port"),
+        ("log_format = 'xml'\n", "log_format must be text or json"),
+        ("port = [\n", "cannot read the config"),
+    ],
 )
 def test_bad_config_is_a_clear_error(tmp_path, text, message):
     config = tmp_path / "kvmesh.toml"

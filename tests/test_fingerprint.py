@@ -23,7 +23,11 @@ def changed(before: ModelFingerprint, after: ModelFingerprint) -> set[str]:
 def test_geometry_and_identity(tiny_dir):
     fp = fingerprint(tiny_dir)
     assert (fp.model_type, fp.num_layers, fp.num_attention_heads, fp.num_kv_heads, fp.head_dim) == (
-        "llama", 4, 4, 2, 64,
+        "llama",
+        4,
+        4,
+        2,
+        64,
     )
     assert fp.dtype == "float32"
     assert fp.rope_theta == 500000.0 and fp.sliding_window == 0 and fp.rope_scaling_json == ""
@@ -161,6 +165,5 @@ def test_cli_error_names_path_and_exits_non_zero(model_dir):
     result = cli("model", "info", model_dir, check=False)
     assert result.returncode == 1
     assert result.stderr.strip() == (
-        f"kvmesh: error: {model_dir}: no tokenizer: expected one of "
-        "tokenizer.json, tokenizer.model, vocab.json"
+        f"kvmesh: error: {model_dir}: no tokenizer: expected one of tokenizer.json, tokenizer.model, vocab.json"
     )

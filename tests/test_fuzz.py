@@ -24,16 +24,29 @@ from kvmesh.codec.manifest import chunk_plan
 from kvmesh.errors import IntegrityError, Rejection
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.v1 import cache_pb2 as pb
-from kvmesh.versions import SCHEMA_VERSION
 
 EXAMPLES = int(os.environ.get("KVMESH_FUZZ_EXAMPLES", "150"))
 fuzz = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 
 FP = ModelFingerprint(
-    model_id="f" * 16, model_type="llama", config_sha256="1" * 64, weights_sha256="2" * 64,
-    tokenizer_sha256="3" * 64, chat_template_sha256="4" * 64, num_layers=2, num_attention_heads=4,
-    num_kv_heads=2, head_dim=64, dtype="float16", rope_theta=1e4, rope_scaling_json="", sliding_window=0,
-    repo_id="", revision="", mlx_version="0", mlx_lm_version="0",
+    model_id="f" * 16,
+    model_type="llama",
+    config_sha256="1" * 64,
+    weights_sha256="2" * 64,
+    tokenizer_sha256="3" * 64,
+    chat_template_sha256="4" * 64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    dtype="float16",
+    rope_theta=1e4,
+    rope_scaling_json="",
+    sliding_window=0,
+    repo_id="",
+    revision="",
+    mlx_version="0",
+    mlx_lm_version="0",
 )
 PROFILE = ReceiverProfile(FP, max_bytes=64 << 20)
 EDGE = [0, 1, 2, 3, 63, 64, 127, 128, 4096, 2**31 - 1, 2**32 - 1, 2**63 - 1, 2**64 - 1]
@@ -46,8 +59,12 @@ def sample(kind: str, codec: str):
     """(cache, manifest, chunks) of a small two-layer cache; kind is dense, sparse or quantized."""
     mx.random.seed(0)
     n = 200
-    cache = [SparseKVCache.from_arrays(mx.random.normal((1, 2, n, 64)).astype(mx.float16),
-                                       mx.random.normal((1, 2, n, 64)).astype(mx.float16), 300) for _ in range(2)]
+    cache = [
+        SparseKVCache.from_arrays(
+            mx.random.normal((1, 2, n, 64)).astype(mx.float16), mx.random.normal((1, 2, n, 64)).astype(mx.float16), 300
+        )
+        for _ in range(2)
+    ]
     press = Press()
     if kind == "quantized":
         press = make_press("quantize", {"kv_bits": 4})
@@ -64,9 +81,11 @@ def copy_of(message):
 
 # Flips keep protobuf's framing (most flipped manifests parse); the others mostly test the parser.
 BYTE_EDITS = st.lists(
-    st.tuples(st.sampled_from(["flip"] * 6 + ["insert", "delete", "truncate"]), st.integers(0, 10**6),
-              st.integers(1, 255)),
-    min_size=1, max_size=4,
+    st.tuples(
+        st.sampled_from(["flip"] * 6 + ["insert", "delete", "truncate"]), st.integers(0, 10**6), st.integers(1, 255)
+    ),
+    min_size=1,
+    max_size=4,
 )
 
 
@@ -86,7 +105,7 @@ def edit_bytes(data: bytes, edits) -> bytes:
     return bytes(out)
 
 
-def outcome(data: bytes) -> Rejection | None | str:
+def outcome(data: bytes) -> Rejection | str | None:
     """What a receiver makes of these bytes as a manifest: unparseable, a typed rejection, or accept."""
     try:
         manifest = pb.CacheManifest.FromString(data)
@@ -124,12 +143,19 @@ def test_edited_manifest_bytes_reach_the_validator():
 
 
 MUTABLE_INTS = {
-    "num_layers": lambda m: m, "num_kv_heads": lambda m: m, "head_dim": lambda m: m,
-    "encoding.chunk_size": lambda m: m.encoding, "encoding.chunk_count": lambda m: m.encoding,
-    "encoding.raw_bytes": lambda m: m.encoding, "encoding.codec": lambda m: m.encoding,
-    "prefix.num_tokens": lambda m: m.prefix, "prefix.block_size": lambda m: m.prefix,
-    "layers.n_kept": lambda m: m.layers[0], "layers.offset": lambda m: m.layers[-1],
-    "layers.bits": lambda m: m.layers[0], "layers.group_size": lambda m: m.layers[-1],
+    "num_layers": lambda m: m,
+    "num_kv_heads": lambda m: m,
+    "head_dim": lambda m: m,
+    "encoding.chunk_size": lambda m: m.encoding,
+    "encoding.chunk_count": lambda m: m.encoding,
+    "encoding.raw_bytes": lambda m: m.encoding,
+    "encoding.codec": lambda m: m.encoding,
+    "prefix.num_tokens": lambda m: m.prefix,
+    "prefix.block_size": lambda m: m.prefix,
+    "layers.n_kept": lambda m: m.layers[0],
+    "layers.offset": lambda m: m.layers[-1],
+    "layers.bits": lambda m: m.layers[0],
+    "layers.group_size": lambda m: m.layers[-1],
     "tensors.nbytes": lambda m: m.layers[0].tensors[-1] if m.layers[0].tensors else None,
 }
 
@@ -137,14 +163,21 @@ MUTABLE_INTS = {
 @fuzz
 @given(
     kind=st.sampled_from(["dense", "quantized"]),
-    edits=st.lists(st.one_of(
-        st.tuples(st.just("int"), st.sampled_from(sorted(MUTABLE_INTS)), U64),
-        st.tuples(st.just("shape"), st.integers(0, 2), U64),
-        st.tuples(st.just("enum"), st.sampled_from(["dtype", "kind", "tensor_dtype"]),
-                  st.one_of(st.integers(0, 6), st.integers(-(2**31), 2**31 - 1))),
-        st.tuples(st.just("name"), st.just("tensor"), st.sampled_from(["", "keys", "keys.packed", "x" * 300])),
-        st.tuples(st.just("drop"), st.sampled_from(["layer", "tensor", "block"]), st.just(0)),
-    ), min_size=1, max_size=4),
+    edits=st.lists(
+        st.one_of(
+            st.tuples(st.just("int"), st.sampled_from(sorted(MUTABLE_INTS)), U64),
+            st.tuples(st.just("shape"), st.integers(0, 2), U64),
+            st.tuples(
+                st.just("enum"),
+                st.sampled_from(["dtype", "kind", "tensor_dtype"]),
+                st.one_of(st.integers(0, 6), st.integers(-(2**31), 2**31 - 1)),
+            ),
+            st.tuples(st.just("name"), st.just("tensor"), st.sampled_from(["", "keys", "keys.packed", "x" * 300])),
+            st.tuples(st.just("drop"), st.sampled_from(["layer", "tensor", "block"]), st.just(0)),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
 )
 def test_mutated_manifests_are_checked_without_surprises(kind, edits):
     _, manifest, _ = sample(kind, "zstd")
@@ -154,8 +187,21 @@ def test_mutated_manifests_are_checked_without_surprises(kind, edits):
             target, name = MUTABLE_INTS[what](m), what.rsplit(".", 1)[-1]
             if target is None:
                 continue
-            limit = 2**32 - 1 if name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "chunk_count",
-                                          "block_size", "bits", "group_size") else 2**64 - 1
+            limit = (
+                2**32 - 1
+                if name
+                in (
+                    "num_layers",
+                    "num_kv_heads",
+                    "head_dim",
+                    "chunk_size",
+                    "chunk_count",
+                    "block_size",
+                    "bits",
+                    "group_size",
+                )
+                else 2**64 - 1
+            )
             setattr(target, name, value % (limit + 1) if name != "codec" else value % 4)
         elif edit == "shape" and m.layers[0].tensors:
             m.layers[0].tensors[0].shape[what] = value

@@ -112,7 +112,8 @@ def test_lookup_and_a_block_aligned_prefix_of_a_dense_cache(tiny, prompt_ids, fp
         matches = client.lookup(fp.model_id, prompt)
         # Only caches that evicted nothing share whole blocks with a prompt that diverges at 200.
         assert {m.candidate.cache_id for m in matches} == {made["dense", c][0].cache_id for c in ("none", "zstd")} | {
-            made["quantized", c][0].cache_id for c in ("none", "zstd")}
+            made["quantized", c][0].cache_id for c in ("none", "zstd")
+        }
         assert {m.tokens for m in matches} == {128}
         assert client.lookup(fp.model_id, prompt_ids)[0].tokens == 250
         dense_id = made["dense", "zstd"][0].cache_id
@@ -123,7 +124,11 @@ def test_lookup_and_a_block_aligned_prefix_of_a_dense_cache(tiny, prompt_ids, fp
     assert sorted(p.name for p in (served / "entries").iterdir()) == stored_before
     assert [(c.offset, c.n_kept) for c in fetched.cache] == [(128, 128)] * fp.num_layers
     fresh = prefill(tiny[0], prompt_ids[:128]).cache
-    assert all(mx.array_equal(a, b).item() for x, y in zip(fresh, fetched.cache) for a, b in zip(layer_tensors(x), layer_tensors(y)))
+    assert all(
+        mx.array_equal(a, b).item()
+        for x, y in zip(fresh, fetched.cache)
+        for a, b in zip(layer_tensors(x), layer_tensors(y))
+    )
 
 
 def tampered_entry(path, change):
@@ -266,7 +271,9 @@ def test_a_client_cancel_ends_the_transfer_on_both_sides(fp, big, serve, tmp_pat
         assert stats.fetches_failed == 1 and stats.chunk_bytes_sent < manifest.encoding.encoded_bytes
         assert client_store.entries() == [] and list(client_store.incoming_dir.iterdir()) == []
         # The server serves the next request as usual.
-        assert client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=tokens)).manifest.cache_id == manifest.cache_id
+        assert (
+            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=tokens)).manifest.cache_id == manifest.cache_id
+        )
 
 
 def test_concurrent_fetches_all_succeed_within_the_cap(fp, big, serve, tmp_path):

@@ -15,14 +15,33 @@ from helpers import ENV, cli
 ROOT = Path(__file__).resolve().parent.parent
 # Everything below the CLI that handles no arrays: the daemon imports only these.
 MLX_FREE = [
-    "kvmesh", "kvmesh.cli", "kvmesh.errors", "kvmesh.paths", "kvmesh.versions", "kvmesh.allocator",
-    "kvmesh.model.fingerprint", "kvmesh.model.presets",
-    "kvmesh.codec.prefix", "kvmesh.codec.limits", "kvmesh.codec.manifest", "kvmesh.codec.compat",
-    "kvmesh.codec.chunks", "kvmesh.codec.cut",
-    "kvmesh.store", "kvmesh.store.entry_file",
-    "kvmesh.net.transport", "kvmesh.net.messages", "kvmesh.net.credentials", "kvmesh.net.node_id",
-    "kvmesh.net.policy", "kvmesh.net.discovery", "kvmesh.net.server",
-    "kvmesh.daemon.config", "kvmesh.daemon.control", "kvmesh.daemon.logs", "kvmesh.daemon.process",
+    "kvmesh",
+    "kvmesh.cli",
+    "kvmesh.errors",
+    "kvmesh.paths",
+    "kvmesh.versions",
+    "kvmesh.allocator",
+    "kvmesh.model.fingerprint",
+    "kvmesh.model.presets",
+    "kvmesh.codec.prefix",
+    "kvmesh.codec.limits",
+    "kvmesh.codec.manifest",
+    "kvmesh.codec.compat",
+    "kvmesh.codec.chunks",
+    "kvmesh.codec.cut",
+    "kvmesh.store",
+    "kvmesh.store.entry_file",
+    "kvmesh.net.transport",
+    "kvmesh.net.messages",
+    "kvmesh.net.credentials",
+    "kvmesh.net.node_id",
+    "kvmesh.net.policy",
+    "kvmesh.net.discovery",
+    "kvmesh.net.server",
+    "kvmesh.daemon.config",
+    "kvmesh.daemon.control",
+    "kvmesh.daemon.logs",
+    "kvmesh.daemon.process",
     "kvmesh.daemon.service_files",
 ]
 PROBE = """
@@ -49,9 +68,7 @@ def test_the_store_only_stores():
     for module in ("kvmesh.codec.encode", "kvmesh.codec.decode", "kvmesh.caches.presses", "kvmesh.caches.sparse"):
         assert module not in loaded
     for path in (ROOT / "kvmesh" / "store").glob("*.py"):
-        imported = {
-            node.module for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
-        }
+        imported = {node.module for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)}
         assert not {m for m in imported if m and m.startswith(("kvmesh.caches", "kvmesh.model", "kvmesh.net"))}, path
 
 
@@ -61,6 +78,7 @@ def test_version_loads_neither_mlx_nor_a_model():
 
 
 def test_the_public_api_names_resolve_and_are_documented():
+    assert set(kvmesh.__all__) == {"PROTOCOL_VERSION", "SCHEMA_VERSION", "__version__", *kvmesh._EXPORTS}
     for name in kvmesh.__all__:
         value = getattr(kvmesh, name)
         if callable(value):
@@ -71,8 +89,13 @@ def test_the_public_api_names_resolve_and_are_documented():
 
 @pytest.mark.slow
 def test_the_example_shares_a_prefix_with_identical_tokens():
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "share_a_prefix.py")], capture_output=True,
-                            text=True, env=ENV, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "share_a_prefix.py")],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "tokens equal a full prefill's: True" in result.stdout
     assert "prefix of" in result.stdout and "from peer 127.0.0.1:" in result.stdout

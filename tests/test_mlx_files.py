@@ -1,6 +1,5 @@
 """mlx-lm prompt-cache files enter the mesh, and mesh caches become files mlx-lm uses."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -9,24 +8,17 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from helpers import load, put
-from kvmesh.errors import KvmeshError
-from kvmesh.model.fingerprint import fingerprint
-from kvmesh.codec.arrays import layer_tensors
-from kvmesh.files.mlx_prompt_cache import cache_prompt_tokens, export_prompt_cache, import_prompt_cache
+from helpers import load, mlx_lm_cli, put
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import sparse_from_dense
+from kvmesh.codec.arrays import layer_tensors
+from kvmesh.errors import KvmeshError
+from kvmesh.files.mlx_prompt_cache import cache_prompt_tokens, export_prompt_cache, import_prompt_cache
+from kvmesh.model.fingerprint import fingerprint
 from kvmesh.store import CacheStore
 
 PROMPT = "The kettle on the stove began to sing just as the rain started."
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
-
-
-def mlx_lm_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_lm", *args], capture_output=True, text=True, env=ENV, timeout=300
-    )
 
 
 def test_import_a_file_made_by_mlx_lm_cache_prompt(tiny, tiny_dir, tmp_path):
@@ -72,11 +64,15 @@ PLAIN_MLX_LM_LOAD = textwrap.dedent(
 def test_export_for_mlx_lm_generate(tiny, tiny_dir, tmp_path, press):
     tokens = cache_prompt_tokens(tiny[1], PROMPT)
     store = CacheStore(tmp_path / "store")
-    manifest = put(store, prefill(tiny[0], tokens, make_press(*press)).cache, fingerprint(tiny_dir), tokens, make_press(*press))
+    manifest = put(
+        store, prefill(tiny[0], tokens, make_press(*press)).cache, fingerprint(tiny_dir), tokens, make_press(*press)
+    )
     path = export_prompt_cache(store, manifest.cache_id, tmp_path / "out.safetensors", str(tiny_dir))
 
     # A process that never imported kvmesh reads mlx-lm's own classes...
-    loaded = subprocess.run([sys.executable, "-c", PLAIN_MLX_LM_LOAD, str(path)], capture_output=True, text=True, check=True)
+    loaded = subprocess.run(
+        [sys.executable, "-c", PLAIN_MLX_LM_LOAD, str(path)], capture_output=True, text=True, check=True
+    )
     expected_class = "QuantizedKVCache" if press[0] == "quantize" else "KVCache"
     assert loaded.stdout.split() == [expected_class, str(len(tokens)), manifest.cache_id]
     # ...and mlx-lm's generate command continues from the file.

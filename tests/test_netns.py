@@ -4,6 +4,7 @@ Needs root and iproute2; skipped otherwise. Every name carries this run's prefix
 removes exactly what the test made, also when it fails. Nothing touches the host's own network.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -62,10 +63,8 @@ class Lan:
         for ns in [*self.nodes.values(), self.hub]:
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
     def kvmesh(self, i: int, *args, check=True) -> subprocess.CompletedProcess:
@@ -73,8 +72,11 @@ class Lan:
 
     def start(self, i: int):
         daemon = start_daemon(
-            self.root / f"n{i}", ["--interface", self.address(i), "--port", str(PORT), "--health-interval", "0.5"],
-            log=self.root / f"n{i}.log", env=ENV, command=("ip", "netns", "exec", self.nodes[i]),
+            self.root / f"n{i}",
+            ["--interface", self.address(i), "--port", str(PORT), "--health-interval", "0.5"],
+            log=self.root / f"n{i}.log",
+            env=ENV,
+            command=("ip", "netns", "exec", self.nodes[i]),
         )
         assert daemon.state.mode == "mutual TLS", f"daemon n{i} did not start as a mesh member; see {daemon.log}"
         self.daemons[i] = daemon
@@ -119,8 +121,11 @@ def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tin
     document.write_text(resources.files("kvmesh").joinpath("data/corpus.txt").read_text()[:2000])
     doc_tokens = tokenizer.encode(document.read_text())
     CacheStore(tmp_path / "n1" / "store").add(*encode_cache(prefill(model, doc_tokens).cache, tiny_fp, doc_tokens))
-    out = json.loads(lan.kvmesh(2, "generate", str(tiny_dir), "--file", str(document), "--prompt", " Why?",
-                                "--max-tokens", "8", "--json").stdout)
+    out = json.loads(
+        lan.kvmesh(
+            2, "generate", str(tiny_dir), "--file", str(document), "--prompt", " Why?", "--max-tokens", "8", "--json"
+        ).stdout
+    )
     assert out["prefix_from"] == f"peer {lan.address(1)}:{PORT}" and out["prefix_tokens"] == len(doc_tokens)
     prompt = doc_tokens + tokenizer.encode(" Why?", add_special_tokens=False)
     assert out["tokens"] == [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=8)]

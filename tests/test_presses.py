@@ -6,10 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvmesh.errors import PressConfigError
-from kvmesh.caches.presses import PRESSES, avg_pool, make_press
 from kvmesh.caches.prefill import prefill, run_prompt
+from kvmesh.caches.presses import PRESSES, avg_pool, make_press
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
+from kvmesh.errors import PressConfigError
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +22,7 @@ def kept_positions(dense_layer, sparse_layer) -> list[set[int]]:
     """Which original positions each head of a sparse layer holds, found by matching key rows."""
     dense = np.array(dense_layer.keys[0, :, : dense_layer.offset])
     sparse = np.array(sparse_layer.keys[0, :, : sparse_layer.n_kept])
-    return [
-        {int(np.flatnonzero((dense[h] == row).all(axis=1))[0]) for row in sparse[h]}
-        for h in range(dense.shape[0])
-    ]
+    return [{int(np.flatnonzero((dense[h] == row).all(axis=1))[0]) for row in sparse[h]} for h in range(dense.shape[0])]
 
 
 def test_every_method_is_registered():

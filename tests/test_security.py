@@ -1,11 +1,13 @@
 """Mesh membership and TLS, with real daemons: who is refused, what the wire shows, what is shared."""
 
+import contextlib
 import datetime
 import os
 import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import mlx.core as mx
@@ -73,10 +75,8 @@ class Relay:
             pass
         finally:
             for s in (source, sink):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self):
         self.listener.close()
@@ -109,8 +109,12 @@ class Daemon(DaemonProcess):
     """A daemon without discovery, and what its log says about refused handshakes."""
 
     def __init__(self, data_dir, *args, env=None):
-        started = start_daemon(data_dir, ["--interface", "127.0.0.1", "--port", "0", "--no-discovery", *args],
-                               log=data_dir.parent / f"{data_dir.name}.log", env=env or ENV)
+        started = start_daemon(
+            data_dir,
+            ["--interface", "127.0.0.1", "--port", "0", "--no-discovery", *args],
+            log=data_dir.parent / f"{data_dir.name}.log",
+            env=env or ENV,
+        )
         super().__init__(**vars(started))
 
     def handshake_failures(self) -> int:
@@ -123,7 +127,6 @@ class Daemon(DaemonProcess):
             assert time.monotonic() < deadline, "no refused handshake was logged"
             time.sleep(0.05)
         return now
-
 
 
 @pytest.fixture
@@ -171,9 +174,11 @@ def test_non_members_are_refused_and_logged_and_get_nothing(mesh, served, daemon
     # An outsider may know the mesh's CA certificate (it is not secret): it trusts A, but its own
     # certificate is from another mesh, so A must be the one that refuses.
     outsider = creds(mesh, "c")
-    credentials = {"no credentials": None,
-                   "another mesh": MeshCredentials(creds(mesh, "a").trust_pem, outsider.key_pem, outsider.cert_pem),
-                   "an expired certificate": expired_credentials(mesh)}[who]
+    credentials = {
+        "no credentials": None,
+        "another mesh": MeshCredentials(creds(mesh, "a").trust_pem, outsider.key_pem, outsider.cert_pem),
+        "an expired certificate": expired_credentials(mesh),
+    }[who]
     before = daemon_a.handshake_failures()
     with PeerClient(daemon_a.address, timeout=5.0, credentials=credentials) as client:
         with pytest.raises(PeerError):
@@ -202,7 +207,7 @@ def test_a_replayed_call_is_refused(mesh, served, daemon_a, prompt_ids):
         try:
             while data := s.recv(1 << 16):
                 answer += data
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             pass
     daemon_a.wait_for_more_handshake_failures(before)
     replayed = stats(daemon_a, mesh)
@@ -217,7 +222,10 @@ def test_rotated_certificates_keep_the_mesh(mesh, served, daemon_a, prompt_ids):
     renewed = renew(mesh / "b", node_id(mesh / "b"))
     assert renewed.cert_pem != old.cert_pem and renewed.expires >= old.expires
     with PeerClient(daemon_a.address, credentials=renewed) as client:
-        assert client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id == manifest.cache_id
+        assert (
+            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id
+            == manifest.cache_id
+        )
 
 
 def test_an_ending_certificate_is_renewed_when_due_and_loading_never_writes(mesh, tmp_path):
@@ -225,8 +233,9 @@ def test_an_ending_certificate_is_renewed_when_due_and_loading_never_writes(mesh
     join_mesh(data, node_id(data), export_bundle(mesh / "a"))
     ca = mesh_dir(data)
     start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=25)
-    key, cert = issue_node_cert((ca / "ca.key").read_bytes(), (ca / "trust.pem").read_bytes(), node_id(data),
-                                not_before=start, days=30)
+    key, cert = issue_node_cert(
+        (ca / "ca.key").read_bytes(), (ca / "trust.pem").read_bytes(), node_id(data), not_before=start, days=30
+    )
     (ca / "node.key").write_bytes(key)
     (ca / "node.pem").write_bytes(cert)
     assert load_credentials(data).cert_pem == cert  # loading alone (`mesh status`) writes nothing
@@ -286,7 +295,7 @@ def small_cache() -> list:
 
 
 def rss(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
@@ -318,7 +327,9 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
         with PeerClient(daemon.address, credentials=member) as client:
             while not stop.wait(0.1):
                 try:
-                    good_fetches.append(client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).wire_bytes)
+                    good_fetches.append(
+                        client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).wire_bytes
+                    )
                 except PeerError as e:
                     errors.append(e)
 
@@ -327,11 +338,16 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
         baseline = rss(daemon.process.pid)
         worker = threading.Thread(target=well_behaved)
         worker.start()
-        publish = lambda m: raw_publish(daemon.address, attacker, [spb.PublishRequest(manifest=m)])[0].decision
+
+        def publish(m):
+            return raw_publish(daemon.address, attacker, [spb.PublishRequest(manifest=m)])[0].decision
+
         refusals = {
             "a billion layers": publish(lying(manifest, lambda m: setattr(m, "num_layers", 10**9))),
             "terabytes claimed": publish(lying(manifest, lambda m: setattr(m.encoding, "raw_bytes", 1 << 40))),
-            "a negative shape": publish(lying(manifest, lambda m: m.layers[0].tensors[0].shape.__setitem__(0, 2**64 - 1))),
+            "a negative shape": publish(
+                lying(manifest, lambda m: m.layers[0].tensors[0].shape.__setitem__(0, 2**64 - 1))
+            ),
             "over the publish limit": publish(manifest),
         }
         for what, decision in refusals.items():
@@ -341,7 +357,8 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
         # A consistent manifest under the limit, then garbage where the chunks should be.
         small = CacheStore(tmp_path / "small").add(*encode_cache(small_cache(), fp, prompt_ids[:64], options=NONE))
         garbage = [spb.PublishRequest(manifest=small)] + [
-            spb.PublishRequest(chunk=pb.Chunk(index=i, tensor=0, raw_length=4096, data=os.urandom(4096))) for i in range(3)
+            spb.PublishRequest(chunk=pb.Chunk(index=i, tensor=0, raw_length=4096, data=os.urandom(4096)))
+            for i in range(3)
         ]
         with pytest.raises(grpc.RpcError) as e:
             raw_publish(daemon.address, attacker, garbage)
@@ -384,7 +401,9 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
             gate.set()
             for call in held:
                 call.cancel()
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 2 transfers per peer" in e.value.details()
+        assert (
+            e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 2 transfers per peer" in e.value.details()
+        )
 
         # A flood of calls: the attacker is held to its rate.
         codes = []
@@ -404,7 +423,10 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
         worker.join()
         # After the attack, members are served as before.
         with PeerClient(daemon.address, credentials=member) as client:
-            assert client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id == manifest.cache_id
+            assert (
+                client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id
+                == manifest.cache_id
+            )
     finally:
         stop.set()
         worker.join()

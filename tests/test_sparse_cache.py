@@ -8,15 +8,15 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 from kvmesh.caches.attention import wrap_attention
-from kvmesh.errors import UnsupportedCacheError
-from kvmesh.caches.presses import make_press
 from kvmesh.caches.prefill import generate_from_cache, generate_from_prefill, prefill, run_prompt
+from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import (
     SparseKVCache,
     SparseQuantizedKVCache,
     sparse_from_dense,
     stored_nbytes,
 )
+from kvmesh.errors import UnsupportedCacheError
 
 STEPS = 6
 
@@ -50,9 +50,7 @@ def test_nothing_evicted_equals_mlx_lm_on_qwen3(qwen3, prompt_ids):
     model = qwen3[0]
     prompt = [t % 500 for t in prompt_ids]
     cached = prefill(model, prompt[:-4])
-    assert_same_generation(
-        list(generate_from_cache(model, cached.cache, prompt[-4:], STEPS)), reference(model, prompt)
-    )
+    assert_same_generation(list(generate_from_cache(model, cached.cache, prompt[-4:], STEPS)), reference(model, prompt))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -61,7 +59,9 @@ def test_quantized_equals_mlx_lm_quantized(tiny, prompt_ids, bits):
     prefix, suffix = prompt_ids[:-5], prompt_ids[-5:]
     dense, _, _ = run_prompt(model, prefix)
     mlx_quantized = [c.to_quantized(group_size=64, bits=bits) for c in dense]
-    want = [(int(t), lp) for t, lp in generate_step(mx.array(suffix), model, prompt_cache=mlx_quantized, max_tokens=STEPS)]
+    want = [
+        (int(t), lp) for t, lp in generate_step(mx.array(suffix), model, prompt_cache=mlx_quantized, max_tokens=STEPS)
+    ]
 
     cached = prefill(model, prefix, make_press("quantize", {"kv_bits": bits}))
     assert all(type(c) is SparseQuantizedKVCache and c.bits == bits for c in cached.cache)
@@ -73,13 +73,19 @@ def test_kv_bits_during_generation(tiny, prompt_ids):
     model = tiny[0]
     prefix, suffix = prompt_ids[:-5], prompt_ids[-5:]
     dense, _, _ = run_prompt(model, prefix)
-    want = [(int(t), lp) for t, lp in generate_step(
-        mx.array(suffix), model, prompt_cache=dense, max_tokens=STEPS, kv_bits=4, quantized_kv_start=0
-    )]
+    want = [
+        (int(t), lp)
+        for t, lp in generate_step(
+            mx.array(suffix), model, prompt_cache=dense, max_tokens=STEPS, kv_bits=4, quantized_kv_start=0
+        )
+    ]
     cache = prefill(model, prefix).cache
-    got = [(int(t), lp) for t, lp in generate_step(
-        mx.array(suffix), model, prompt_cache=cache, max_tokens=STEPS, kv_bits=4, quantized_kv_start=0
-    )]
+    got = [
+        (int(t), lp)
+        for t, lp in generate_step(
+            mx.array(suffix), model, prompt_cache=cache, max_tokens=STEPS, kv_bits=4, quantized_kv_start=0
+        )
+    ]
     assert_same_generation(got, want)
     assert all(type(c) is SparseQuantizedKVCache and c.bits == 4 for c in cache)
 

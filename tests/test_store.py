@@ -34,9 +34,7 @@ def store(tmp_path):
 
 
 def same_tensors(a, b) -> bool:
-    return all(
-        mx.array_equal(s, t).item() for x, y in zip(a, b) for s, t in zip(layer_tensors(x), layer_tensors(y))
-    )
+    return all(mx.array_equal(s, t).item() for x, y in zip(a, b) for s, t in zip(layer_tensors(x), layer_tensors(y)))
 
 
 def put_dense500(store, dense500, fp, long_ids, **options):
@@ -48,7 +46,12 @@ def test_put_load_and_survive_a_restart(store, dense500, fp, long_ids, tmp_path)
     assert manifest.encoding.payload_digest and len(manifest.cache_id) == 32
     reopened = CacheStore(tmp_path / "store")
     [entry] = reopened.entries()
-    assert (entry.cache_id, entry.num_tokens, entry.method, entry.evicts_nothing) == (manifest.cache_id, 500, "full", True)
+    assert (entry.cache_id, entry.num_tokens, entry.method, entry.evicts_nothing) == (
+        manifest.cache_id,
+        500,
+        "full",
+        True,
+    )
     loaded_manifest, cache = load(reopened, manifest.cache_id)
     assert loaded_manifest == manifest
     assert same_tensors(cache, dense500)
@@ -245,7 +248,9 @@ def test_a_writer_killed_mid_write_leaves_the_store_consistent(store, tmp_path, 
 
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(store.root), str(exported)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert writer.stdout.readline().strip() == "ready"
@@ -285,7 +290,8 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(store, tmp_path, dense5
     assert exported.stat().st_size > 200_000
     result = subprocess.run(
         [sys.executable, "-c", FULL_DISK_WRITER, str(store.root), str(exported)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 3, result.stderr
     assert result.stdout.startswith(f"cannot write to the store at {store.root}: File too large")
@@ -298,7 +304,9 @@ def test_opening_the_store_leaves_a_live_writers_file_alone(store, tmp_path, den
     exported = source.export(put_dense500(source, dense500, fp, long_ids).cache_id, tmp_path / "c.kvc")
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(store.root), str(exported)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert writer.stdout.readline().strip() == "ready"

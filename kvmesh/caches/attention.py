@@ -39,11 +39,11 @@ def wrap_attention(model: nn.Module, cache: list, wrapper: AttentionWrapper) -> 
     def routed(queries, keys, values, cache, scale, mask, **kwargs):
         return wrapper(original, layer_of[id(cache)], queries, keys, values, cache, scale, mask, **kwargs)
 
-    module.scaled_dot_product_attention = routed
+    setattr(module, "scaled_dot_product_attention", routed)  # noqa: B010 (a module attribute, patched)
     try:
         yield
     finally:
-        module.scaled_dot_product_attention = original
+        setattr(module, "scaled_dot_product_attention", original)  # noqa: B010
 
 
 @contextmanager

@@ -5,8 +5,8 @@ from dataclasses import dataclass, fields
 
 import mlx.nn as nn
 
-from kvmesh.caches.presses import Press
 from kvmesh.caches.prefill import generate_from_cache, prefill
+from kvmesh.caches.presses import Press
 
 
 @dataclass
@@ -24,8 +24,11 @@ class PressResult:
     @property
     def label(self) -> str:
         """The method and the options that differ from their defaults."""
-        options = [f"{f.name}={getattr(self.press, f.name)}" for f in fields(self.press)
-                   if getattr(self.press, f.name) != f.default]
+        options = [
+            f"{f.name}={getattr(self.press, f.name)}"
+            for f in fields(self.press)
+            if getattr(self.press, f.name) != f.default
+        ]
         return " ".join([self.press.method, *options])
 
 
@@ -36,7 +39,7 @@ def compare_presses(
 
     Put `Press()` (keep everything) first to compare against the uncompressed cache.
     """
-    results = []
+    results: list[PressResult] = []
     for press in presses:
         start = time.perf_counter()
         cached = prefill(model, prefix, press)

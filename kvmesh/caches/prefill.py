@@ -17,9 +17,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvmesh.caches.attention import record_queries
-from kvmesh.errors import UnsupportedCacheError
 from kvmesh.caches.presses import Press
 from kvmesh.caches.sparse import stored_nbytes
+from kvmesh.errors import UnsupportedCacheError
 
 ProgressFn = Callable[[int, int], None]
 
@@ -109,7 +109,11 @@ def generate_from_prefill(
     yield first, logprobs
     if max_tokens > 1:
         for token, logprobs in generate_step(
-            mx.array([first]), model, prompt_cache=prefilled.cache, max_tokens=max_tokens - 1, sampler=sampler,
+            mx.array([first]),
+            model,
+            prompt_cache=prefilled.cache,
+            max_tokens=max_tokens - 1,
+            sampler=sampler,
         ):
             yield int(token), logprobs
 
@@ -124,7 +128,5 @@ def generate_from_cache(
             "the prompt adds no token to the cached prefix: generation needs at least one new "
             "token to feed (use the prefill's logits, or a cache of a shorter prefix)"
         )
-    for token, logprobs in generate_step(
-        suffix, model, prompt_cache=cache, max_tokens=max_tokens, sampler=sampler
-    ):
+    for token, logprobs in generate_step(suffix, model, prompt_cache=cache, max_tokens=max_tokens, sampler=sampler):
         yield int(token), logprobs

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-from kvmesh.errors import PressConfigError
 from kvmesh.caches.sparse import sparse_from_dense
+from kvmesh.errors import PressConfigError
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)
@@ -26,8 +26,6 @@ class Press:
     """Keep everything; the base of every method and the `full` method itself."""
 
     method: ClassVar[str] = "full"
-    # How many of the prompt's last tokens the method needs the queries of (0: none).
-    needs_queries: ClassVar[int] = 0
 
     ratio: float = 0.0
     budget: int | None = None
@@ -43,6 +41,11 @@ class Press:
             raise PressConfigError(f"{self.method}: kv_bits must be one of {QUANT_BITS}")
         if self.kv_group_size not in QUANT_GROUP_SIZES:
             raise PressConfigError(f"{self.method}: kv_group_size must be one of {QUANT_GROUP_SIZES}")
+
+    @property
+    def needs_queries(self) -> int:
+        """How many of the prompt's last tokens the method needs the queries of (0: none)."""
+        return 0
 
     def config(self) -> dict:
         return asdict(self)

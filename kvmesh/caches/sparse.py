@@ -82,9 +82,7 @@ class _SparseBase(_BaseCache):
                 "a sliding-window mask cannot be built over evicted positions; "
                 "sliding-window layers must keep their own RotatingKVCache"
             )
-        return create_attention_mask(
-            N, offset=self.n_kept, return_array=return_array, window_size=window_size
-        )
+        return create_attention_mask(N, offset=self.n_kept, return_array=return_array, window_size=window_size)
 
     def size(self):
         return self.n_kept
@@ -106,9 +104,7 @@ class _SparseBase(_BaseCache):
     def nbytes(self):
         if self.keys is None:
             return 0
-        return sum(
-            a.nbytes // a.shape[2] * self.n_kept for a in _leaves(self.keys) + _leaves(self.values)
-        )
+        return sum(a.nbytes // a.shape[2] * self.n_kept for a in _leaves(self.keys) + _leaves(self.values))
 
     def _init_from(self, keys, values, offset: int):
         """Take stored arrays (already evicted, exactly n_kept long) for a cache at `offset`."""
@@ -148,9 +144,7 @@ class SparseKVCache(_SparseBase):
         quantized = SparseQuantizedKVCache(group_size=group_size, bits=bits)
         quantized.offset, quantized.n_kept, quantized.n_tail = self.offset, self.n_kept, self.n_tail
         if self.keys is not None:
-            quantized.keys, quantized.values = (
-                quantize(a, group_size, bits) for a in self.keys_and_values()
-            )
+            quantized.keys, quantized.values = (quantize(a, group_size, bits) for a in self.keys_and_values())
         return quantized
 
 
@@ -220,9 +214,7 @@ def sparse_from_dense(cache, keep: mx.array | None = None):
         return SparseKVCache.from_arrays(keys, values, cache.offset)
     if type(cache) is QuantizedKVCache:
         keys, values = (gather_positions(a, keep, cache.offset) for a in (cache.keys, cache.values))
-        return SparseQuantizedKVCache.from_arrays(
-            keys, values, cache.offset, cache.group_size, cache.bits
-        )
+        return SparseQuantizedKVCache.from_arrays(keys, values, cache.offset, cache.group_size, cache.bits)
     raise UnsupportedCacheError(
         f"cannot make a sparse cache from {type(cache).__name__}: only KVCache and QuantizedKVCache "
         "layers are supported (models with sliding-window or state-space layers are not yet)"
@@ -252,5 +244,5 @@ def stored_nbytes(cache) -> int:
 
 
 # load_prompt_cache resolves class names in mlx-lm's cache module: make ours resolvable there.
-mlx_cache.SparseKVCache = SparseKVCache
-mlx_cache.SparseQuantizedKVCache = SparseQuantizedKVCache
+for _cls in (SparseKVCache, SparseQuantizedKVCache):
+    setattr(mlx_cache, _cls.__name__, _cls)

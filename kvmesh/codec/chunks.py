@@ -106,9 +106,7 @@ class ChunkChecker:
         self.accept(chunk)
         return raw
 
-    def check_all(
-        self, chunks: Iterable[pb.Chunk], threads: int = 1
-    ) -> Iterator[tuple[pb.Chunk, bytes | np.ndarray]]:
+    def check_all(self, chunks: Iterable[pb.Chunk], threads: int = 1) -> Iterator[tuple[pb.Chunk, bytes | np.ndarray]]:
         """`check` over a stream, decompressing on `threads` threads; results stay in order."""
 
         def decode(c: pb.Chunk) -> tuple[pb.Chunk, bytes | np.ndarray]:
@@ -132,7 +130,7 @@ class ChunkChecker:
                 f"the manifest puts it at tensor {slot.tensor} bytes {slot.byte_offset}+{slot.raw_length}"
             )
         raw = self._decode(chunk)
-        if xxhash.xxh3_64_intdigest(raw) != chunk.checksum:
+        if xxhash.xxh3_64_intdigest(raw if isinstance(raw, bytes) else raw.data) != chunk.checksum:
             raise IntegrityError(f"chunk {chunk.index} is corrupt: its checksum does not match its bytes")
         return raw
 
@@ -158,9 +156,7 @@ class ChunkChecker:
         try:
             size = zstandard.frame_content_size(chunk.data)
             if size != chunk.raw_length:
-                raise IntegrityError(
-                    f"chunk {chunk.index} decodes to {size} bytes, {chunk.raw_length} were announced"
-                )
+                raise IntegrityError(f"chunk {chunk.index} decodes to {size} bytes, {chunk.raw_length} were announced")
             raw = _decompressor().decompress(chunk.data)
         except zstandard.ZstdError as e:
             raise IntegrityError(f"chunk {chunk.index} is not valid zstd data: {e}") from e

@@ -48,8 +48,13 @@ def validate_manifest(m: pb.CacheManifest) -> Rejection | None:
     if m.encoding.codec not in CODEC_NAMES:
         return Rejection(pb.REJECT_REASON_CODEC, f"unknown codec {m.encoding.codec}")
     prefix = m.prefix
-    if not 1 <= prefix.block_size <= MAX_BLOCK_SIZE or len(prefix.block_hashes) != prefix.num_tokens // prefix.block_size:
-        return bad(f"{len(prefix.block_hashes)} block hashes of size {prefix.block_size} for {prefix.num_tokens} tokens")
+    if (
+        not 1 <= prefix.block_size <= MAX_BLOCK_SIZE
+        or len(prefix.block_hashes) != prefix.num_tokens // prefix.block_size
+    ):
+        return bad(
+            f"{len(prefix.block_hashes)} block hashes of size {prefix.block_size} for {prefix.num_tokens} tokens"
+        )
     if len(prefix.sha256) != HASH_BYTES or any(len(h) != HASH_BYTES for h in prefix.block_hashes):
         return bad(f"prefix hashes must be {HASH_BYTES} bytes each")
     if not MIN_CHUNK_SIZE <= m.encoding.chunk_size <= MAX_CHUNK_SIZE:
@@ -60,7 +65,9 @@ def validate_manifest(m: pb.CacheManifest) -> Rejection | None:
         if names is None:
             return Rejection(pb.REJECT_REASON_CACHE_CLASS, f"layer {i}: unsupported cache kind {kind_name(layer.kind)}")
         if layer.offset != m.prefix.num_tokens or layer.n_kept > layer.offset:
-            return bad(f"layer {i}: {layer.n_kept} kept of offset {layer.offset}, prefix has {m.prefix.num_tokens} tokens")
+            return bad(
+                f"layer {i}: {layer.n_kept} kept of offset {layer.offset}, prefix has {m.prefix.num_tokens} tokens"
+            )
         quantized = layer.kind == pb.CACHE_KIND_SPARSE_QUANTIZED_KV
         if quantized and (layer.bits not in (2, 3, 4, 5, 6, 8) or layer.group_size not in (32, 64, 128)):
             return bad(f"layer {i}: quantization bits={layer.bits} group_size={layer.group_size}")
@@ -106,18 +113,29 @@ def check_manifest(m: pb.CacheManifest, profile: ReceiverProfile) -> Rejection |
     if rejection := validate_manifest(m):
         return rejection
     ours = profile.model
-    geometry = {"layers": (m.num_layers, ours.num_layers), "kv heads": (m.num_kv_heads, ours.num_kv_heads),
-                "head dim": (m.head_dim, ours.head_dim), "dtype": (dtype_name(m.dtype), ours.dtype)}
+    geometry = {
+        "layers": (m.num_layers, ours.num_layers),
+        "kv heads": (m.num_kv_heads, ours.num_kv_heads),
+        "head dim": (m.head_dim, ours.head_dim),
+        "dtype": (dtype_name(m.dtype), ours.dtype),
+    }
     for what, (theirs_value, ours_value) in geometry.items():
         if theirs_value != ours_value:
-            return Rejection(pb.REJECT_REASON_GEOMETRY, f"{what} {theirs_value} in the cache, {ours_value} in this model")
+            return Rejection(
+                pb.REJECT_REASON_GEOMETRY, f"{what} {theirs_value} in the cache, {ours_value} in this model"
+            )
     theirs = m.model
     model_checks = [
         (pb.REJECT_REASON_MODEL_CONFIG, "model config", theirs.config_sha256, ours.config_sha256, False),
         (pb.REJECT_REASON_WEIGHTS, "weights", theirs.weights_sha256, ours.weights_sha256, profile.accept_other_weights),
         (pb.REJECT_REASON_TOKENIZER, "tokenizer", theirs.tokenizer_sha256, ours.tokenizer_sha256, False),
-        (pb.REJECT_REASON_CHAT_TEMPLATE, "chat template", theirs.chat_template_sha256,
-         ours.chat_template_sha256, profile.accept_other_chat_template),
+        (
+            pb.REJECT_REASON_CHAT_TEMPLATE,
+            "chat template",
+            theirs.chat_template_sha256,
+            ours.chat_template_sha256,
+            profile.accept_other_chat_template,
+        ),
     ]
     for reason, what, their_bytes, our_hash, allowed in model_checks:
         their_hash = their_bytes.hex()
@@ -130,9 +148,7 @@ def check_manifest(m: pb.CacheManifest, profile: ReceiverProfile) -> Rejection |
     if profile.prompt is not None:
         n = m.prefix.num_tokens
         if n > len(profile.prompt) or prefix_sha256(profile.prompt[:n], m.prefix.block_size) != m.prefix.sha256:
-            return Rejection(
-                pb.REJECT_REASON_PREFIX, f"the cache's {n}-token prefix is not a prefix of this prompt"
-            )
+            return Rejection(pb.REJECT_REASON_PREFIX, f"the cache's {n}-token prefix is not a prefix of this prompt")
     codec = CODEC_NAMES[m.encoding.codec]
     if codec not in profile.codecs:
         return Rejection(pb.REJECT_REASON_CODEC, f"codec {codec} is not among {sorted(profile.codecs)}")

@@ -58,7 +58,9 @@ def cut_manifest(manifest: pb.CacheManifest, num_tokens: int) -> pb.CacheManifes
     return cut
 
 
-def cut_prefix(manifest: pb.CacheManifest, records: Records, num_tokens: int) -> tuple[pb.CacheManifest, Iterator[bytes]]:
+def cut_prefix(
+    manifest: pb.CacheManifest, records: Records, num_tokens: int
+) -> tuple[pb.CacheManifest, Iterator[bytes]]:
     """The complete manifest of the first `num_tokens` of a dense cache, and its chunk records.
 
     `records` is read twice: once to size the cut (so its manifest can go first), once to stream it.
@@ -106,10 +108,14 @@ def _cut_chunks(manifest: pb.CacheManifest, cut: pb.CacheManifest, records: Iter
         data = raw.tobytes()
         if manifest.encoding.codec == pb.CODEC_ZSTD:
             planes = shuffle(raw, ITEMSIZE[dtype]) if manifest.encoding.byte_shuffle and dtype != "uint32" else raw
-            data = compressor(manifest.encoding.level).compress(planes)
+            data = compressor(manifest.encoding.level).compress(planes.data)
         yield pb.Chunk(
-            index=new_index, tensor=slot.tensor, byte_offset=slot.byte_offset, raw_length=new_slot.raw_length,
-            checksum=xxhash.xxh3_64_intdigest(raw), data=data,
+            index=new_index,
+            tensor=slot.tensor,
+            byte_offset=slot.byte_offset,
+            raw_length=new_slot.raw_length,
+            checksum=xxhash.xxh3_64_intdigest(raw.data),
+            data=data,
         )
     if found != len(wanted):
         raise IntegrityError(f"cache {manifest.cache_id} ended before the chunks of its prefix")

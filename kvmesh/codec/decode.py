@@ -59,9 +59,11 @@ class CacheDecoder:
         for layer in self.manifest.layers:
             arrays = [buf.view(DTYPES[tensor_dtype(spec)]) for spec, buf in (next(tensors) for _ in layer.tensors)]
             if layer.kind == pb.CACHE_KIND_SPARSE_QUANTIZED_KV:
-                caches.append(SparseQuantizedKVCache.from_arrays(
-                    tuple(arrays[:3]), tuple(arrays[3:]), layer.offset, layer.group_size, layer.bits
-                ))
+                caches.append(
+                    SparseQuantizedKVCache.from_arrays(
+                        tuple(arrays[:3]), tuple(arrays[3:]), layer.offset, layer.group_size, layer.bits
+                    )
+                )
             else:
                 caches.append(SparseKVCache.from_arrays(arrays[0], arrays[1], layer.offset))
         self.buffers, self.views = [], []
@@ -71,6 +73,10 @@ class CacheDecoder:
 def decode_chunks(
     manifest: pb.CacheManifest, chunks: Iterable[pb.Chunk], trailer_digest: bytes | None = None, threads: int = 1
 ) -> list[SparseLayer]:
+    """The sparse caches a manifest and its chunks describe, every chunk and the digest verified.
+
+    With a store: `decode_chunks(store.manifest(cache_id), store.chunks(cache_id))`.
+    """
     decoder = CacheDecoder(manifest)
     decoder.feed_all(chunks, threads)
     return decoder.finish(trailer_digest)

@@ -1,4 +1,4 @@
-"""Sparse MLX caches into a manifest and chunks; and a dense cache's shorter prefix.
+"""Sparse MLX caches into a manifest and chunks.
 
 `encode_cache` is how a cache enters the store or the wire: `store.add(*encode_cache(...))`. Every
 encoding choice is one `EncodeOptions`.
@@ -13,20 +13,17 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from kvmesh.caches.presses import Press, make_press
-from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache, truncate
+from kvmesh.caches.presses import Press
+from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.arrays import KIND_OF_CLASS, dtype_name, layer_tensors, uint_view
 from kvmesh.codec.chunks import compressor, ordered_map, payload_digest, shuffle
 from kvmesh.codec.manifest import (
-    CODEC_NAMES,
     CODECS,
     ITEMSIZE,
     TENSOR_NAMES,
     ChunkSlot,
     chunk_count,
     chunk_plan,
-    evicts_nothing,
-    press_config,
     press_config_to_proto,
     tensor_dtype,
     tensor_specs,
@@ -58,12 +55,6 @@ class EncodeOptions:
         if self.codec not in CODECS:
             raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODECS)}")
 
-    @classmethod
-    def of(cls, manifest: pb.CacheManifest) -> "EncodeOptions":
-        """The options a manifest was encoded with."""
-        e = manifest.encoding
-        return cls(CODEC_NAMES[e.codec], e.level, e.byte_shuffle, e.chunk_size)
-
 
 class Encoded(NamedTuple):
     """A manifest and its chunks. The manifest's sizes and digest are filled in as the last chunk
@@ -82,8 +73,9 @@ def layer_spec(layer: SparseLayer) -> pb.LayerSpec:
         spec.bits, spec.group_size = layer.bits, layer.group_size
     for tensor_name, t in zip(TENSOR_NAMES[kind], layer_tensors(layer), strict=True):
         _, heads, n, width = t.shape
-        spec.tensors.add(name=tensor_name, dtype=dtype_to_proto(dtype_name(t.dtype)), shape=[n, heads, width],
-                         nbytes=t.nbytes)
+        spec.tensors.add(
+            name=tensor_name, dtype=dtype_to_proto(dtype_name(t.dtype)), shape=[n, heads, width], nbytes=t.nbytes
+        )
     return spec
 
 
@@ -92,12 +84,13 @@ def build_manifest(
     model: ModelFingerprint,
     prefix: PrefixKey,
     press: Press,
-    options: EncodeOptions = EncodeOptions(),
+    options: EncodeOptions | None = None,
     node_id: str = "",
 ) -> pb.CacheManifest:
     """The manifest of a sparse cache, complete except for what encoding it tells (sizes, digest, id)."""
     if prefix.num_tokens != cache[0].offset:
         raise ValueError(f"the prefix has {prefix.num_tokens} tokens, the cache {cache[0].offset}")
+    options = options or EncodeOptions()
     layers = [layer_spec(c) for c in cache]
     float_dtypes = {tensor_dtype(t) for layer in layers for t in layer.tensors} - {"uint32"}
     if len(float_dtypes) != 1:
@@ -154,17 +147,21 @@ def encode_chunks(cache: Sequence[SparseLayer], manifest: pb.CacheManifest, thre
     def encode(item: tuple[int, ChunkSlot, np.ndarray]) -> pb.Chunk:
         index, slot, raw = item
         raw_bytes = raw.view(np.uint8).reshape(-1)
-        checksum = xxhash.xxh3_64_intdigest(raw_bytes)
+        checksum = xxhash.xxh3_64_intdigest(raw_bytes.data)
         if encoding.codec == pb.CODEC_ZSTD:
             dtype = tensor_dtype(specs[slot.tensor])
             if encoding.byte_shuffle and dtype != "uint32":
                 raw_bytes = shuffle(raw_bytes, ITEMSIZE[dtype])
-            data = compressor(encoding.level).compress(raw_bytes)
+            data = compressor(encoding.level).compress(raw_bytes.data)
         else:
             data = raw_bytes.tobytes()
         return pb.Chunk(
-            index=index, tensor=slot.tensor, byte_offset=slot.byte_offset,
-            raw_length=slot.raw_length, checksum=checksum, data=data,
+            index=index,
+            tensor=slot.tensor,
+            byte_offset=slot.byte_offset,
+            raw_length=slot.raw_length,
+            checksum=checksum,
+            data=data,
         )
 
     plan = chunk_plan(manifest)
@@ -183,26 +180,11 @@ def encode_cache(
     model: ModelFingerprint,
     tokens: Sequence[int] | PrefixKey,
     press: Press | None = None,
-    options: EncodeOptions = EncodeOptions(),
+    options: EncodeOptions | None = None,
     node_id: str = "",
 ) -> Encoded:
     """A sparse cache of the prefix `tokens`, made by `model` and compressed by `press`, encoded."""
+    options = options or EncodeOptions()
     prefix = tokens if isinstance(tokens, PrefixKey) else PrefixKey.of(tokens)
     manifest = build_manifest(cache, model, prefix, press or Press(), options, node_id)
     return Encoded(manifest, encode_chunks(cache, manifest, options.threads))
-
-
-def cut_prefix(manifest: pb.CacheManifest, cache: Sequence[SparseLayer], num_tokens: int) -> Encoded:
-    """The first `num_tokens` (a multiple of the block size) of a decoded dense cache, encoded as the
-    original was. Only a cache that evicted nothing has every position of a shorter prefix."""
-    block = manifest.prefix.block_size
-    if not evicts_nothing(manifest) or num_tokens % block or not 0 < num_tokens < manifest.prefix.num_tokens:
-        raise ValueError(
-            f"cache {manifest.cache_id} cannot serve a {num_tokens}-token prefix: only caches that evicted "
-            f"nothing serve shorter prefixes, at multiples of {block} tokens"
-        )
-    prefix = PrefixKey.from_proto(manifest.prefix).first_blocks(num_tokens // block)
-    cut = [truncate(c, num_tokens) for c in cache]
-    press = make_press(manifest.compression.method, press_config(manifest))
-    return encode_cache(cut, ModelFingerprint.from_proto(manifest.model), prefix, press, EncodeOptions.of(manifest),
-                        manifest.node_id)

@@ -32,7 +32,7 @@ OPTIONAL_PRESS_FIELDS = ("budget", "kv_bits", "sinks", "window", "kernel")
 def kind_name(kind: int) -> str:
     """CACHE_KIND_SPARSE_KV -> `sparse_kv`, for messages."""
     if kind in pb.CacheKind.values():
-        return pb.CacheKind.Name(kind).removeprefix("CACHE_KIND_").lower()  # type: ignore[arg-type]
+        return pb.CacheKind.Name(kind).removeprefix("CACHE_KIND_").lower()
     return f"unknown({kind})"
 
 

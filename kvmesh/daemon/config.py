@@ -66,7 +66,7 @@ class DaemonConfig:
 
 def _convert(name: str, value: Any, source: str) -> Any:
     """A setting from a file or the environment, as the field's type."""
-    kind = {f.name: f.default for f in fields(DaemonConfig) if f.name != "data_dir"}.get(name)
+    kind: Any = {f.name: f.default for f in fields(DaemonConfig) if f.name != "data_dir"}.get(name)
     try:
         if name == "data_dir":
             return Path(value).expanduser()

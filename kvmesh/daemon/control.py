@@ -61,7 +61,9 @@ def read_state(data_dir: Path | str, check_alive: bool = True) -> DaemonState:
         try:
             os.kill(state.pid, 0)
         except ProcessLookupError:
-            raise DaemonNotRunning(f"the kvmesh daemon of {data_dir} (pid {state.pid}) is gone; start it again") from None
+            raise DaemonNotRunning(
+                f"the kvmesh daemon of {data_dir} (pid {state.pid}) is gone; start it again"
+            ) from None
         except PermissionError:
             pass
     return state

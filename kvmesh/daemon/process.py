@@ -41,8 +41,14 @@ class ControlService(control_pb2_grpc.ControlServicer):
             info=self.server.service.Info(spb.InfoRequest(), context),
             listen=d.listen,
             peers=[
-                cpb.PeerState(node_id=p.node_id, addresses=p.addresses, source=PEER_SOURCES[p.source],
-                              healthy=p.healthy, failures=p.failures, version=p.version)
+                cpb.PeerState(
+                    node_id=p.node_id,
+                    addresses=p.addresses,
+                    source=PEER_SOURCES[p.source],
+                    healthy=p.healthy,
+                    failures=p.failures,
+                    version=p.version,
+                )
                 for p in d.peers.all()
             ],
             data_dir=str(d.config.data_dir),
@@ -72,13 +78,20 @@ class Daemon:
         if self.credentials is None:
             lan = [a for a in interfaces if not ipaddress.ip_address(a).is_loopback]
             if lan:
-                log.warning("no mesh credentials: serving loopback only, not %s; run `kvmesh mesh init` "
-                            "(first Mac) or `kvmesh mesh join` (the others) to serve the network", ", ".join(lan))
+                log.warning(
+                    "no mesh credentials: serving loopback only, not %s; run `kvmesh mesh init` "
+                    "(first Mac) or `kvmesh mesh join` (the others) to serve the network",
+                    ", ".join(lan),
+                )
             interfaces = [a for a in interfaces if a not in lan] or ["127.0.0.1"]
         self.mode = "mutual TLS" if self.credentials else "loopback only, no mesh credentials"
         self.server = start_server(
-            self.store, self.node_id, [_host_port(ip, config.port) for ip in interfaces], config.max_transfers,
-            policy=config.policy, credentials=self.credentials.server_credentials() if self.credentials else None,
+            self.store,
+            self.node_id,
+            [_host_port(ip, config.port) for ip in interfaces],
+            config.max_transfers,
+            policy=config.policy,
+            credentials=self.credentials.server_credentials() if self.credentials else None,
         )
         self.listen = [_host_port(ip, self.server.port) for ip in interfaces]
 
@@ -90,16 +103,27 @@ class Daemon:
         for address in config.peers:
             self.peers.upsert(Peer(f"static:{address}", (address,), "static", healthy=False))
         if config.discovery:
-            self.discovery = Discovery(self.node_id, self.server.port, interfaces, self.peers, tls=self.credentials is not None)
+            self.discovery = Discovery(
+                self.node_id, self.server.port, interfaces, self.peers, tls=self.credentials is not None
+            )
             self.discovery.start()
         self.health = HealthChecker(self.peers, config.health_interval, credentials=self.credentials)
         self.health.start()
 
-        write_state(data_dir, DaemonState(
-            os.getpid(), self.node_id, f"127.0.0.1:{control_port}", self.listen, str(self.store.root), self.mode
-        ))
-        log.info("node %s serving %s on %s, %s (control 127.0.0.1:%d)", self.node_id, self.store.root,
-                 ", ".join(self.listen), self.mode, control_port)
+        write_state(
+            data_dir,
+            DaemonState(
+                os.getpid(), self.node_id, f"127.0.0.1:{control_port}", self.listen, str(self.store.root), self.mode
+            ),
+        )
+        log.info(
+            "node %s serving %s on %s, %s (control 127.0.0.1:%d)",
+            self.node_id,
+            self.store.root,
+            ", ".join(self.listen),
+            self.mode,
+            control_port,
+        )
 
     def stop(self, grace: float = 10.0) -> None:
         """Goodbye to the mesh first, then let transfers in flight finish for `grace` seconds."""

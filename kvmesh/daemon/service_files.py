@@ -14,35 +14,39 @@ def daemon_command() -> list[str]:
 
 def launchd_plist() -> bytes:
     logs = Path.home() / "Library" / "Logs" / "kvmesh.log"
-    return plistlib.dumps({
-        "Label": LABEL,
-        "ProgramArguments": daemon_command(),
-        "RunAtLoad": True,
-        # Restart after a crash, not after a clean exit (SIGTERM from launchctl).
-        "KeepAlive": {"SuccessfulExit": False},
-        "ProcessType": "Background",
-        "StandardOutPath": str(logs),
-        "StandardErrorPath": str(logs),
-    })
+    return plistlib.dumps(
+        {
+            "Label": LABEL,
+            "ProgramArguments": daemon_command(),
+            "RunAtLoad": True,
+            # Restart after a crash, not after a clean exit (SIGTERM from launchctl).
+            "KeepAlive": {"SuccessfulExit": False},
+            "ProcessType": "Background",
+            "StandardOutPath": str(logs),
+            "StandardErrorPath": str(logs),
+        }
+    )
 
 
 def systemd_unit() -> bytes:
-    return "\n".join([
-        "[Unit]",
-        "Description=kvmesh daemon: share LLM KV caches on the local network",
-        "After=network-online.target",
-        "Wants=network-online.target",
-        "",
-        "[Service]",
-        "ExecStart=" + " ".join(daemon_command()),
-        "Restart=on-failure",
-        "KillSignal=SIGTERM",
-        "TimeoutStopSec=30",
-        "",
-        "[Install]",
-        "WantedBy=default.target",
-        "",
-    ]).encode()
+    return "\n".join(
+        [
+            "[Unit]",
+            "Description=kvmesh daemon: share LLM KV caches on the local network",
+            "After=network-online.target",
+            "Wants=network-online.target",
+            "",
+            "[Service]",
+            "ExecStart=" + " ".join(daemon_command()),
+            "Restart=on-failure",
+            "KillSignal=SIGTERM",
+            "TimeoutStopSec=30",
+            "",
+            "[Install]",
+            "WantedBy=default.target",
+            "",
+        ]
+    ).encode()
 
 
 def service_file(platform: str) -> tuple[Path, bytes, str]:

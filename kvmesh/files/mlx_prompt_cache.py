@@ -31,8 +31,11 @@ def cache_prompt_tokens(tokenizer, prompt: str) -> list[int]:
 
 
 def import_prompt_cache(
-    store: CacheStore, path: Path | str, model: ModelFingerprint, tokens: Sequence[int],
-    options: EncodeOptions = EncodeOptions(),
+    store: CacheStore,
+    path: Path | str,
+    model: ModelFingerprint,
+    tokens: Sequence[int],
+    options: EncodeOptions | None = None,
 ) -> pb.CacheManifest:
     """Store an mlx-lm prompt-cache file made by `model` from `tokens`."""
     try:
@@ -45,8 +48,10 @@ def import_prompt_cache(
     if sparse[0].offset != len(tokens):
         raise KvmeshError(f"{path}: the cache holds {sparse[0].offset} tokens, the prompt has {len(tokens)}")
     first = sparse[0]
-    press = QuantizePress(kv_bits=first.bits, kv_group_size=first.group_size) if hasattr(first, "bits") else Press()
-    return store.add(*encode_cache(sparse, model, tokens, press, options))
+    press = Press()
+    if isinstance(first, SparseQuantizedKVCache):
+        press = QuantizePress(kv_bits=first.bits, kv_group_size=first.group_size)
+    return store.add(*encode_cache(sparse, model, tokens, press, options or EncodeOptions()))
 
 
 def export_prompt_cache(store: CacheStore, cache_id: str, path: Path | str, model_path: str) -> Path:

@@ -16,10 +16,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from importlib.metadata import version
 from pathlib import Path
+from typing import cast
 
-from .. import paths
 from kvmesh.errors import ModelDirError
 from kvmesh.v1 import model_pb2
+
+from .. import paths
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -39,6 +41,9 @@ HF_CACHE_PATH = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/
 
 @dataclass(frozen=True)
 class ModelFingerprint:
+    """What exactly a model is: its content hashes (hex), the geometry its KV cache has, where it came
+    from. Two fingerprints with equal hashes describe models whose caches are interchangeable."""
+
     model_id: str
     model_type: str
     config_sha256: str
@@ -81,15 +86,16 @@ class ModelFingerprint:
 HASH_FIELDS = ("config_sha256", "weights_sha256", "tokenizer_sha256", "chat_template_sha256")
 
 
-def dtype_to_proto(name: str) -> model_pb2.DType.ValueType:
+def dtype_to_proto(name: str) -> model_pb2.DType:
     """`float16` -> DTYPE_FLOAT16; an unknown name is DTYPE_UNSPECIFIED, which receivers refuse."""
-    return model_pb2.DType.Value(f"DTYPE_{name.upper()}") if name in DTYPE_NAMES else model_pb2.DTYPE_UNSPECIFIED
+    value = model_pb2.DType.Value(f"DTYPE_{name.upper()}") if name in DTYPE_NAMES else model_pb2.DTYPE_UNSPECIFIED
+    return cast(model_pb2.DType, value)
 
 
 def dtype_name(value: int) -> str:
     """DTYPE_FLOAT16 -> `float16`; a value this version does not know gives `unknown(N)`."""
     if value in model_pb2.DType.values() and value != model_pb2.DTYPE_UNSPECIFIED:
-        return model_pb2.DType.Name(value).removeprefix("DTYPE_").lower()  # type: ignore[arg-type]
+        return model_pb2.DType.Name(value).removeprefix("DTYPE_").lower()
     return f"unknown({value})"
 
 

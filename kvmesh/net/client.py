@@ -119,9 +119,15 @@ class PeerClient:
             while (message := outbox.get()) is not None:
                 yield message
 
-        outbox.put(spb.FetchRequest(open=spb.FetchOpen(
-            cache_id=cache_id, num_tokens=num_tokens, profile=profile_to_proto(profile),
-        )))
+        outbox.put(
+            spb.FetchRequest(
+                open=spb.FetchOpen(
+                    cache_id=cache_id,
+                    num_tokens=num_tokens,
+                    profile=profile_to_proto(profile),
+                )
+            )
+        )
         call = self.stub.Fetch(requests(), timeout=deadline)
         try:
             first = next(call, None)
@@ -180,9 +186,12 @@ class PeerClient:
                 return
             for chunk in store.chunks(cache_id):
                 yield spb.PublishRequest(chunk=chunk)
-            yield spb.PublishRequest(trailer=spb.Trailer(
-                payload_digest=manifest.encoding.payload_digest, chunk_count=manifest.encoding.chunk_count,
-            ))
+            yield spb.PublishRequest(
+                trailer=spb.Trailer(
+                    payload_digest=manifest.encoding.payload_digest,
+                    chunk_count=manifest.encoding.chunk_count,
+                )
+            )
 
         call = self.stub.Publish(requests(), timeout=600.0)
         try:
@@ -202,8 +211,11 @@ class PeerClient:
 
 
 def fetch_from_any(
-    addresses: Sequence[str], cache_id: str, profile: ReceiverProfile,
-    credentials: MeshCredentials | None = None, **fetch_options,
+    addresses: Sequence[str],
+    cache_id: str,
+    profile: ReceiverProfile,
+    credentials: MeshCredentials | None = None,
+    **fetch_options,
 ) -> tuple[str, Fetched]:
     """Fetch from the first peer that delivers; a peer that fails is skipped for the next."""
     errors = []

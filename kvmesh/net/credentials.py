@@ -38,7 +38,9 @@ def _now() -> datetime.datetime:
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -57,7 +59,8 @@ def make_ca(name: str, days: int = 3650) -> tuple[bytes, bytes]:
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvmesh mesh {name}")])
     cert = (
         x509.CertificateBuilder()
-        .subject_name(subject).issuer_name(subject)
+        .subject_name(subject)
+        .issuer_name(subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(_now() - datetime.timedelta(minutes=5))
@@ -70,11 +73,16 @@ def make_ca(name: str, days: int = 3650) -> tuple[bytes, bytes]:
 
 
 def issue_node_cert(
-    ca_key_pem: bytes, ca_cert_pem: bytes, node_id: str,
-    not_before: datetime.datetime | None = None, days: int = NODE_CERT_DAYS,
+    ca_key_pem: bytes,
+    ca_cert_pem: bytes,
+    node_id: str,
+    not_before: datetime.datetime | None = None,
+    days: int = NODE_CERT_DAYS,
 ) -> tuple[bytes, bytes]:
     """(key PEM, certificate PEM) for a node, signed by the mesh CA, usable as server and client."""
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise CredentialsError("the mesh CA key is not an EC key: was it made by `kvmesh mesh init`?")
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     key = ec.generate_private_key(ec.SECP256R1())
     start = not_before or _now() - datetime.timedelta(minutes=5)
@@ -106,8 +114,9 @@ class MeshCredentials:
     cert_pem: bytes
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.trust_pem,
-                                           require_client_auth=True)
+        return grpc.ssl_server_credentials(
+            [(self.key_pem, self.cert_pem)], root_certificates=self.trust_pem, require_client_auth=True
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.trust_pem, self.key_pem, self.cert_pem)
@@ -143,7 +152,7 @@ def join_mesh(data_dir: Path, node_id: str, bundle: str) -> MeshCredentials:
     try:
         if not bundle.strip().startswith(BUNDLE_PREFIX):
             raise ValueError("it does not start with " + BUNDLE_PREFIX)
-        payload = json.loads(base64.urlsafe_b64decode(bundle.strip()[len(BUNDLE_PREFIX):]))
+        payload = json.loads(base64.urlsafe_b64decode(bundle.strip()[len(BUNDLE_PREFIX) :]))
         ca_key, trust = payload["ca_key"].encode(), payload["trust"].encode()
         serialization.load_pem_private_key(ca_key, password=None)
         x509.load_pem_x509_certificates(trust)
@@ -175,7 +184,8 @@ def load_credentials(data_dir: Path) -> MeshCredentials | None:
         return None
     try:
         return MeshCredentials(
-            (directory / "trust.pem").read_bytes(), (directory / "node.key").read_bytes(),
+            (directory / "trust.pem").read_bytes(),
+            (directory / "node.key").read_bytes(),
             (directory / "node.pem").read_bytes(),
         )
     except OSError as e:
@@ -207,5 +217,7 @@ def renew_if_due(data_dir: Path, node_id: str) -> MeshCredentials | None:
     if not renewal_due(creds):
         return creds
     if not (directory / "ca.key").exists():
-        raise CredentialsError(f"{directory}: the node certificate is missing or ending and no CA key is here to renew it")
+        raise CredentialsError(
+            f"{directory}: the node certificate is missing or ending and no CA key is here to renew it"
+        )
     return renew(data_dir, node_id)

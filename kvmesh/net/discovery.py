@@ -101,7 +101,7 @@ def routable_addresses(interfaces: Sequence[str] | None) -> list[str]:
     found = []
     for adapter in ifaddr.get_adapters():
         for ip in adapter.ips:
-            if ip.is_IPv4 and not ip.ip.startswith("127.") and not ip.ip.startswith("169.254."):
+            if isinstance(ip.ip, str) and ip.is_IPv4 and not ip.ip.startswith(("127.", "169.254.")):
                 found.append(ip.ip)
     return found
 
@@ -127,7 +127,12 @@ class Discovery:
             SERVICE_TYPE,
             f"{self.node_id}.{SERVICE_TYPE}",
             port=self.port,
-            properties={"id": self.node_id, "pv": str(PROTOCOL_VERSION), "v": __version__, "tls": "1" if self.tls else "0"},
+            properties={
+                "id": self.node_id,
+                "pv": str(PROTOCOL_VERSION),
+                "v": __version__,
+                "tls": "1" if self.tls else "0",
+            },
             server=f"{self.node_id}.local.",
             parsed_addresses=addresses,
         )
@@ -181,7 +186,11 @@ class HealthChecker:
     """Checks every known peer each `interval` seconds, on its own thread."""
 
     def __init__(
-        self, table: PeerTable, interval: float = 1.0, drop_after: int = 2, forget_after: float = 600.0,
+        self,
+        table: PeerTable,
+        interval: float = 1.0,
+        drop_after: int = 2,
+        forget_after: float = 600.0,
         credentials: MeshCredentials | None = None,
     ):
         self.table, self.interval, self.drop_after, self.forget_after = table, interval, drop_after, forget_after

@@ -3,9 +3,10 @@
 Fetch is manifest-first: the sender answers an open with the manifest alone and sends no chunk
 until the receiver accepts. Chunks are read from the store file as they were encoded, so serving
 never recompresses; a shorter prefix of a dense cache is cut on the fly (`kvmesh.codec.cut`),
-re-encoding one chunk per tensor and storing nothing. The service needs no MLX. A bounded number of transfers run at once; others wait for a slot. Every call
-is held to the daemon's policy (what it shares, who may publish) and each mesh member to its own
-rate, transfer count and stream idle limits.
+re-encoding one chunk per tensor and storing nothing. The service needs no MLX. A bounded number
+of transfers run at once; others wait for a slot. Every call is held to the daemon's policy (what
+it shares, who may publish) and each mesh member to its own rate, transfer count and stream idle
+limits.
 """
 
 import logging
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -84,7 +86,7 @@ LOCAL = "local"
 
 def peer_identity(context: grpc.ServicerContext) -> str:
     """The node id in the peer's mesh certificate, or LOCAL for a plaintext (loopback-only) caller."""
-    names = context.auth_context().get("x509_common_name")
+    names = cast(list[bytes], context.auth_context().get("x509_common_name", []))
     return names[0].decode() if names else LOCAL
 
 
@@ -137,7 +139,9 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             return
         if not self.limits.start_transfer(peer):
             log.warning("%s already runs %d transfers: refused", peer, self.policy.peer_transfers)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {self.policy.peer_transfers} transfers per peer")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {self.policy.peer_transfers} transfers per peer"
+            )
         try:
             with self.counters.slot(context):
                 yield
@@ -163,8 +167,10 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
     def Lookup(self, request, context):
         self._admit(context)
         if request.block_size != BLOCK_SIZE or len(request.block_hashes) > MAX_LOOKUP_BLOCKS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"lookups use blocks of {BLOCK_SIZE} tokens, at most {MAX_LOOKUP_BLOCKS} of them")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lookups use blocks of {BLOCK_SIZE} tokens, at most {MAX_LOOKUP_BLOCKS} of them",
+            )
         response = spb.LookupResponse()
         if not self.policy.shares(request.model_id):
             return response
@@ -176,9 +182,14 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             if blocks < e.num_tokens // BLOCK_SIZE and not (e.evicts_nothing and blocks):
                 continue
             response.candidates.add(
-                cache_id=e.cache_id, num_tokens=e.num_tokens, prefix_sha256=e.prefix_sha256,
-                matched_tokens=min(blocks * BLOCK_SIZE, e.num_tokens), evicts_nothing=e.evicts_nothing,
-                method=e.method, raw_bytes=e.raw_bytes, stored_bytes=e.file_bytes,
+                cache_id=e.cache_id,
+                num_tokens=e.num_tokens,
+                prefix_sha256=e.prefix_sha256,
+                matched_tokens=min(blocks * BLOCK_SIZE, e.num_tokens),
+                evicts_nothing=e.evicts_nothing,
+                method=e.method,
+                raw_bytes=e.raw_bytes,
+                stored_bytes=e.file_bytes,
             )
         return response
 
@@ -191,12 +202,12 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         self.counters.add("fetches_started")
         with self._transfer(peer, context):
             manifest, records = self._open_cache(opened, context)
-            if opened.HasField("profile"):
-                if rejection := check_manifest(manifest, profile_from_proto(opened.profile)):
-                    self.counters.add("fetches_rejected")
-                    log.info("refused %s to %s: %s", manifest.cache_id, peer, rejection)
-                    yield spb.FetchResponse(refused=reject(rejection))
-                    return
+            profile = profile_from_proto(opened.profile) if opened.HasField("profile") else None
+            if profile and (rejection := check_manifest(manifest, profile)):
+                self.counters.add("fetches_rejected")
+                log.info("refused %s to %s: %s", manifest.cache_id, peer, rejection)
+                yield spb.FetchResponse(refused=reject(rejection))
+                return
             yield spb.FetchResponse(manifest=manifest)
             reply = next_within(requests, self.policy.idle_timeout, context, "decision")
             if reply is None or reply.WhichOneof("msg") != "decision":
@@ -220,9 +231,12 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 raise
             # Counted before the trailer goes: the receiver may ask for Info as soon as it has it.
             self.counters.add("fetches_completed")
-            yield spb.FetchResponse(trailer=spb.Trailer(
-                payload_digest=manifest.encoding.payload_digest, chunk_count=manifest.encoding.chunk_count,
-            ))
+            yield spb.FetchResponse(
+                trailer=spb.Trailer(
+                    payload_digest=manifest.encoding.payload_digest,
+                    chunk_count=manifest.encoding.chunk_count,
+                )
+            )
 
     def _open_cache(
         self, opened: spb.FetchOpen, context: grpc.ServicerContext
@@ -258,11 +272,9 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             refusal = reject(Rejection(pb.REJECT_REASON_POLICY, f"this peer does not accept publishes from {peer}"))
         elif rejection := validate_manifest(manifest):
             refusal = reject(rejection)
-        elif manifest.encoding.raw_bytes > self.policy.max_publish_bytes:
-            refusal = reject(Rejection(
-                pb.REJECT_REASON_SIZE_LIMIT,
-                f"{manifest.encoding.raw_bytes:,} bytes exceed the publish limit of {self.policy.max_publish_bytes:,}",
-            ))
+        elif (size := manifest.encoding.raw_bytes) > (limit := self.policy.max_publish_bytes):
+            message = f"{size:,} bytes exceed the publish limit of {limit:,}"
+            refusal = reject(Rejection(pb.REJECT_REASON_SIZE_LIMIT, message))
         if refusal is not None:
             self.counters.add("publishes_rejected")
             log.info("refused a publish from %s: %s", peer, refusal.message)
@@ -330,7 +342,7 @@ def add_service(service: KvMeshService, server: grpc.Server) -> None:
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]  # newer than grpc-stubs
 
 
 @dataclass
@@ -359,8 +371,9 @@ def start_server(
     """
     # Calls beyond the worker threads are refused by gRPC itself, never queued without bound.
     workers = 4 * max_transfers + 4
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
-                         maximum_concurrent_rpcs=workers)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS, maximum_concurrent_rpcs=workers
+    )
     service = KvMeshService(store, node_id, max_transfers, policy)
     add_service(service, server)
     health_servicer = health.HealthServicer()
@@ -373,7 +386,9 @@ def start_server(
         host, wanted = address.rsplit(":", 1)
         target = f"{host}:{port or wanted}"
         try:
-            bound = server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
+            bound = (
+                server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
+            )
         except RuntimeError:  # newer grpcio raises where older ones returned 0
             bound = 0
         if bound == 0:

@@ -26,6 +26,7 @@ def open_channel(address: str, credentials: MeshCredentials | None = None) -> gr
     if credentials is None:
         return grpc.insecure_channel(address, options=GRPC_OPTIONS)
     return grpc.secure_channel(
-        address, credentials.channel_credentials(),
+        address,
+        credentials.channel_credentials(),
         options=[*GRPC_OPTIONS, ("grpc.ssl_target_name_override", SERVER_NAME)],
     )

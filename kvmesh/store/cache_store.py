@@ -216,16 +216,28 @@ class CacheStore:
         path = self._path(manifest.cache_id)
         file_bytes = tmp.stat().st_size
         if self.max_bytes is not None and file_bytes > self.max_bytes:
-            raise StoreError(f"the cache takes {file_bytes:,} bytes, more than the store's budget of {self.max_bytes:,}")
+            raise StoreError(
+                f"the cache takes {file_bytes:,} bytes, more than the store's budget of {self.max_bytes:,}"
+            )
         os.replace(tmp, path)
         now = _now_ms()
         with self._db() as db:
             db.execute("DELETE FROM blocks WHERE cache_id = ?", (manifest.cache_id,))
             db.execute(
                 "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (manifest.cache_id, manifest.model.model_id, manifest.prefix.num_tokens,
-                 manifest.prefix.sha256, manifest.prefix.block_size, manifest.compression.method,
-                 evicts_nothing(manifest), manifest.encoding.raw_bytes, file_bytes, now, now),
+                (
+                    manifest.cache_id,
+                    manifest.model.model_id,
+                    manifest.prefix.num_tokens,
+                    manifest.prefix.sha256,
+                    manifest.prefix.block_size,
+                    manifest.compression.method,
+                    evicts_nothing(manifest),
+                    manifest.encoding.raw_bytes,
+                    file_bytes,
+                    now,
+                    now,
+                ),
             )
             db.executemany(
                 "INSERT INTO blocks VALUES (?, ?, ?)",
@@ -363,7 +375,7 @@ class CacheStore:
     def import_file(self, path: Path | str) -> pb.CacheManifest:
         """Import an exported entry, verifying every chunk; a bad file leaves nothing behind."""
         try:
-            f = open(path, "rb")
+            f = open(path, "rb")  # noqa: SIM115 (closed below; only opening failures are read errors)
         except OSError as e:
             raise StoreError(f"{path}: cannot read: {e.strerror or e}") from e
         with f:
@@ -388,4 +400,3 @@ class _Transaction:
             self.db.execute("ROLLBACK" if exc_type else "COMMIT")
         finally:
             self.db.close()
-
