@@ -31,7 +31,9 @@ print(json.dumps({"loaded": [m for m in mods if not m.startswith("kvmesh.v1")], 
 
 def main() -> None:
     names = sorted(
-        m.name for m in pkgutil.walk_packages(kvmesh.__path__, "kvmesh.") if not m.name.startswith("kvmesh.v1")
+        m.name
+        for m in pkgutil.walk_packages(kvmesh.__path__, "kvmesh.")
+        if not m.name.startswith("kvmesh.v1") and m.name != "kvmesh.__main__"
     )
     print(f"{'module':<34} {'kvmesh modules loaded':>21} {'mlx':>4} {'mlx_lm':>6} {'import s':>8}")
     for name in names:
