@@ -6,6 +6,8 @@ load MLX or a model.
 
 import argparse
 import json
+import os
+import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,10 +21,29 @@ Args = argparse.Namespace
 
 
 def read_text(path: str) -> str:
+    """A text file's contents; one that is unreadable, empty or not UTF-8 text is a clear error."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise KvmeshError(f"{path}: cannot read: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise KvmeshError(
+            f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}): give a text file"
+        ) from None
+    if not text.strip():
+        raise KvmeshError(f"{path}: the file is empty: there is nothing to prefill")
+    return text
+
+
+def positive_int(value: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
+    return number
 
 
 def data_dir(args: Args) -> Path:
@@ -30,16 +51,23 @@ def data_dir(args: Args) -> Path:
 
 
 def open_store(args: Args) -> Any:
-    """--store, else the running daemon's store, else <data dir>/store."""
+    """--store, else the running daemon's store, else <data dir>/store; with the configured budget.
+
+    The budget is the daemon's setting (config file, KVMESH_STORE_BUDGET), so every writer of a
+    store, the daemon and each command alike, keeps to the same one.
+    """
+    from kvmesh.daemon.config import load_config
     from kvmesh.daemon.control import read_state
     from kvmesh.store import CacheStore
 
+    budget = load_config(overrides={"data_dir": args.data_dir}).store_budget
     if getattr(args, "store", None):
-        return CacheStore(args.store)
+        return CacheStore(args.store, max_bytes=budget)
     try:
-        return CacheStore(read_state(data_dir(args), check_alive=False).store)
-    except KvmeshError:
-        return CacheStore(paths.store_dir(data_dir(args)))
+        root = Path(read_state(data_dir(args), check_alive=False).store)
+    except KvmeshError:  # no daemon, or an unreadable state file: the data dir's own store
+        root = paths.store_dir(data_dir(args))
+    return CacheStore(root, max_bytes=budget)
 
 
 def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int], None]]:
@@ -154,7 +182,7 @@ def cmd_mesh_join(args: Args) -> int:
     from kvmesh.net.node_id import node_id
 
     bundle = sys.stdin.read() if args.bundle == "-" else args.bundle
-    creds = join_mesh(data_dir(args), node_id(data_dir(args)), bundle)
+    creds = join_mesh(data_dir(args), node_id(data_dir(args)), bundle, replace=args.replace)
     print(f"joined the mesh; this node's certificate runs to {creds.expires:%Y-%m-%d}.")
     print("Restart the daemon to serve the network.")
     return 0
@@ -232,6 +260,32 @@ def cmd_cache_export(args: Args) -> int:
     path = open_store(args).export(args.cache_id, args.file)
     print(f"exported {args.cache_id} to {path}")
     return 0
+
+
+def cmd_cache_delete(args: Args) -> int:
+    open_store(args).delete(args.cache_id)
+    print(f"deleted {args.cache_id}")
+    return 0
+
+
+def cmd_cache_verify(args: Args) -> int:
+    """Check every chunk; damaged entries go to quarantine. Exit status 1 when any was damaged."""
+    from kvmesh.errors import IntegrityError
+
+    store = open_store(args)
+    if args.all == bool(args.cache_id):
+        raise KvmeshError("give a cache id, or --all")
+    ids = [e.cache_id for e in store.entries()] if args.all else [args.cache_id]
+    damaged = 0
+    for cache_id in ids:
+        try:
+            store.verify(cache_id)
+            print(f"{cache_id}  ok")
+        except IntegrityError as e:
+            damaged += 1
+            print(f"{cache_id}  DAMAGED, quarantined: {e}")
+    print(f"{len(ids)} checked, {damaged} damaged", file=sys.stderr)
+    return 1 if damaged else 0
 
 
 def cmd_cache_import(args: Args) -> int:
@@ -369,18 +423,23 @@ def cmd_prefill(args: Args) -> int:
     from kvmesh.codec.encode import EncodeOptions, encode_cache
 
     texts = prompt_texts(args)
-    model, tokenizer, fp = load_model(args.model)
-    tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
     config = {
         k: v for k, v in {"ratio": args.ratio, "budget": args.budget, "kv_bits": args.kv_bits}.items() if v is not None
     }
     press = make_press(args.method, config)
+    store = open_store(args)
+    model, tokenizer, fp = load_model(args.model)
+    tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
+    # Known before the work: a store whose disk cannot take the cache (counted uncompressed).
+    itemsize = 4 if fp.dtype == "float32" else 2
+    if problem := store.lacks_space(2 * fp.num_layers * fp.num_kv_heads * fp.head_dim * itemsize * len(tokens)):
+        raise KvmeshError(f"not prefilling: {problem}")
     bar, update = progress_bar("prefill", "tokens")
     start = time.perf_counter()
     with bar:
         cached = prefill(model, tokens, press, progress=update)
     elapsed = time.perf_counter() - start
-    manifest = open_store(args).add(*encode_cache(cached.cache, fp, tokens, press, EncodeOptions(codec=args.codec)))
+    manifest = store.add(*encode_cache(cached.cache, fp, tokens, press, EncodeOptions(codec=args.codec)))
     result = {
         "cache_id": manifest.cache_id,
         "tokens": len(tokens),
@@ -558,6 +617,16 @@ def build_parser() -> argparse.ArgumentParser:
     export = command("export", cmd_cache_export, "write a stored cache to one file", cache_commands)
     export.add_argument("cache_id")
     export.add_argument("file")
+    delete = command("delete", cmd_cache_delete, "remove a cache from the store", cache_commands)
+    delete.add_argument("cache_id")
+    verify = command(
+        "verify",
+        cmd_cache_verify,
+        "check every chunk of a cache (or --all); damaged ones are quarantined",
+        cache_commands,
+    )
+    verify.add_argument("cache_id", nargs="?")
+    verify.add_argument("--all", action="store_true", help="every cache in the store")
     imported = command("import", cmd_cache_import, "import a file written by `cache export`", cache_commands)
     imported.add_argument("file")
     import_mlx = command(
@@ -586,6 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("export", cmd_mesh_export, "print the mesh secret for `mesh join` on your other Macs", mesh_commands)
     join = command("join", cmd_mesh_join, "join the mesh printed by `mesh export` on another Mac", mesh_commands)
     join.add_argument("bundle", help="the line `kvmesh mesh export` printed, or - to read it from stdin")
+    join.add_argument("--replace", action="store_true", help="leave the mesh this node belongs to for this one")
     command("renew", cmd_mesh_renew, "issue this node a fresh certificate now (also done automatically)", mesh_commands)
     command("status", cmd_mesh_status, "whether this node belongs to a mesh", mesh_commands)
 
@@ -607,7 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--peer", action="append", help="host:port of a peer to use without discovery (repeat)")
     daemon.add_argument("--no-discovery", action="store_true", help="no mDNS: static peers only")
     daemon.add_argument("--max-transfers", type=int, help="transfers served at once (default 4); others wait")
-    daemon.add_argument("--store-budget", type=int, help="bytes the store may hold (default: no limit)")
+    daemon.add_argument(
+        "--store-budget", type=int, help="bytes the store may hold (default -1: 10%% of its disk; 0: no limit)"
+    )
     daemon.add_argument("--health-interval", type=float, help="seconds between peer health checks (default 1)")
     daemon.add_argument("--log-format", choices=["text", "json"])
     daemon.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -654,7 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prompt_options(generate)
     store_option(generate)
-    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     generate.add_argument("--peer", action="append", help="host:port of a peer to ask (repeat)")
     generate.add_argument("--no-mesh", action="store_true", help="only the local store")
     generate.add_argument("--json", action="store_true", help="print JSON")
@@ -682,3 +754,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvmesh: interrupted", file=sys.stderr)
         return 130
+    except (OSError, sqlite3.Error) as e:  # the machine said no (a full disk, permissions, a broken file)
+        print(f"kvmesh: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        if os.environ.get("KVMESH_DEBUG"):
+            raise
+        print(f"kvmesh: error: unexpected {type(e).__name__}: {e} (KVMESH_DEBUG=1 shows where)", file=sys.stderr)
+        return 1

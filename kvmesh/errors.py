@@ -59,6 +59,18 @@ class DaemonNotRunning(KvmeshError):
     """No daemon runs for a data directory, or it does not answer."""
 
 
+class DaemonAlreadyRunning(KvmeshError):
+    """Another daemon holds this data directory."""
+
+
+class ListenError(KvmeshError):
+    """An address cannot be served (not this machine's, or its port is taken)."""
+
+    def __init__(self, message: str, port: int):
+        self.port = port
+        super().__init__(message)
+
+
 class PeerError(KvmeshError):
     """A peer could not be reached, failed, or went away mid-transfer."""
 

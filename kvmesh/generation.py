@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
@@ -16,10 +17,11 @@ from kvmesh.caches.prefill import generate_from_cache
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import SparseLayer, decode_chunks
-from kvmesh.errors import CacheRejected, IntegrityError, PeerError
+from kvmesh.errors import CacheRejected, IntegrityError, PeerError, StoreError
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient, Progress
 from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.transport import IDLE_TIMEOUT
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 
@@ -66,53 +68,57 @@ def find_prefix(
     peers: Sequence[str],
     progress: Progress | None = None,
     credentials: MeshCredentials | None = None,
+    idle_timeout: float = IDLE_TIMEOUT,
 ) -> tuple[list | None, PrefixSource]:
     """The cache of the longest prefix of `tokens[:-1]` found, and where it came from.
 
-    One token is always left to feed, since generation needs at least one.
+    One token is always left to feed, since generation needs at least one. Sources are tried
+    longest first (the local store first on a tie); one that fails (a damaged local entry, a peer
+    that refuses, breaks or stalls for `idle_timeout` seconds) is skipped with its reason and the
+    next is tried; when none delivers, the caller prefills everything.
     """
     wanted = list(tokens[:-1])
     start = time.perf_counter()
-    local = store.lookup(model_fp.model_id, wanted)
-    offers = []
-    skipped = []
+    skipped: list[str] = []
+    # (tokens served, tie-breaker, where, what): the local store wins ties, then a cache that kept
+    # every position, then the smaller.
+    sources: list[tuple[int, tuple, str, Any]] = []
+    if local := store.lookup(model_fp.model_id, wanted):
+        sources.append((local.tokens, (0,), "local store", local))
     for address in peers:
         try:
             with PeerClient(address, timeout=5.0, credentials=credentials) as client:
-                offers += [(m.tokens, address, m) for m in client.lookup(model_fp.model_id, wanted)]
+                for m in client.lookup(model_fp.model_id, wanted):
+                    tie = (1, m.candidate.method != "full", m.candidate.stored_bytes)
+                    sources.append((m.tokens, tie, address, m))
         except PeerError as e:
             skipped.append(str(e))
-    # Longest first; on a tie, a cache that kept everything beats a compressed one, then the smaller.
-    offers.sort(key=lambda o: (-o[0], o[2].candidate.method != "full", o[2].candidate.stored_bytes))
-
-    if local and (not offers or local.tokens >= offers[0][0]):
-        cache_id = local.entry.cache_id
-        cache = load_prefix(store, cache_id, local.tokens)
-        return cache, PrefixSource("local store", local.tokens, time.perf_counter() - start, 0, cache_id, skipped)
+    sources.sort(key=lambda s: (-s[0], s[1]))
 
     profile = ReceiverProfile(model_fp, prompt=list(tokens))
-    for n, address, match in offers:
-        candidate = match.candidate
+    for n, _, where, found in sources:
         try:
-            with PeerClient(address, credentials=credentials) as client:
+            if where == "local store":
+                cache = load_prefix(store, found.entry.cache_id, n)
+                return cache, PrefixSource(where, n, time.perf_counter() - start, 0, found.entry.cache_id, skipped)
+            candidate = found.candidate
+            with PeerClient(where, credentials=credentials) as client:
                 fetched = client.fetch(
                     candidate.cache_id,
                     profile,
                     num_tokens=n if n < candidate.num_tokens else 0,
                     store=store,
                     progress=progress,
+                    idle_timeout=idle_timeout,
+                    keep=False,
                 )
             return fetched.cache, PrefixSource(
-                f"peer {address}",
-                n,
-                time.perf_counter() - start,
-                fetched.wire_bytes,
-                fetched.manifest.cache_id,
-                skipped,
+                f"peer {where}", n, time.perf_counter() - start, fetched.wire_bytes, fetched.manifest.cache_id, skipped
             )
-        except (PeerError, IntegrityError, CacheRejected) as e:
-            log.warning("%s", e)
-            skipped.append(str(e))
+        except (PeerError, IntegrityError, CacheRejected, StoreError) as e:
+            reason = str(e) if where != "local store" else f"local store: {e}"
+            log.warning("%s", reason)
+            skipped.append(reason)
     return None, PrefixSource("none", 0, time.perf_counter() - start, skipped=skipped)
 
 
@@ -136,9 +142,10 @@ def generate(
     progress: Progress | None = None,
     on_token: Callable[[int], None] | None = None,
     credentials: MeshCredentials | None = None,
+    idle_timeout: float = IDLE_TIMEOUT,
 ) -> Generation:
     """Greedy generation after `tokens`, reusing the longest cached prefix found on the mesh."""
-    cache, source = find_prefix(model_fp, tokens, store, peers, progress, credentials)
+    cache, source = find_prefix(model_fp, tokens, store, peers, progress, credentials, idle_timeout)
     suffix = list(tokens[source.tokens :])
     start = time.perf_counter()
     out, first_at = [], None

@@ -45,3 +45,8 @@ def state_file(data: Path | str) -> Path:
 
 def node_id_file(data: Path | str) -> Path:
     return Path(data) / NODE_ID_FILE
+
+
+def lock_file(data: Path | str) -> Path:
+    """Held by the daemon of a data directory for its whole life: one daemon per data directory."""
+    return Path(data) / "daemon.lock"

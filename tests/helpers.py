@@ -10,17 +10,13 @@ KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
-def cli(*args, data_dir=None, check=True, prefix=(), timeout=300) -> subprocess.CompletedProcess:
-    """`kvmesh [--data-dir DATA_DIR] ARGS` as a user runs it; `prefix` wraps it (`ip netns exec NS`)."""
+def cli(*args, data_dir=None, check=True, prefix=(), timeout=300, env=None) -> subprocess.CompletedProcess:
+    """`kvmesh [--data-dir DATA_DIR] ARGS` as a user runs it; `prefix` wraps it (`ip netns exec NS`),
+    `env` adds environment variables."""
     data = ["--data-dir", str(data_dir)] if data_dir is not None else []
-    return subprocess.run(
-        [*prefix, KVMESH, *data, *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        check=check,
-        timeout=timeout,
-    )
+    command = [*prefix, KVMESH, *data, *map(str, args)]
+    environment = {**ENV, **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, env=environment, check=check, timeout=timeout)
 
 
 def mlx_lm_cli(*args) -> subprocess.CompletedProcess:

@@ -23,6 +23,7 @@ from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.arrays import layer_tensors
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
+from kvmesh.codec.manifest import content_id
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError
 from kvmesh.net.client import PeerClient, fetch_from_any
 from kvmesh.net.policy import Policy
@@ -131,14 +132,22 @@ def test_lookup_and_a_block_aligned_prefix_of_a_dense_cache(tiny, prompt_ids, fp
     )
 
 
-def tampered_entry(path, change):
-    """Rewrite an entry file's manifest with `change` applied (checksums made to match)."""
+def tampered_entry(root, cache_id, change) -> str:
+    """Rewrite an entry's manifest with `change` applied, consistently (checksums, id, file name, index),
+    as a peer of another kvmesh version, or a hostile one, might hold it. Returns the new id."""
+    path = root / "entries" / f"{cache_id}.kvc"
     data = path.read_bytes()
     length, _, magic = FOOTER.unpack(data[-FOOTER.size :])
     manifest = pb.CacheManifest.FromString(data[-FOOTER.size - length : -FOOTER.size])
     change(manifest)
+    manifest.cache_id = content_id(manifest)
     new = manifest.SerializeToString()
-    path.write_bytes(data[: -FOOTER.size - length] + new + FOOTER.pack(len(new), xxhash.xxh3_64_intdigest(new), magic))
+    path.unlink()
+    (root / "entries" / f"{manifest.cache_id}.kvc").write_bytes(
+        data[: -FOOTER.size - length] + new + FOOTER.pack(len(new), xxhash.xxh3_64_intdigest(new), magic)
+    )
+    CacheStore(root)  # recovery indexes the rewritten file, or quarantines it
+    return manifest.cache_id
 
 
 def replaced(fp, **fields):
@@ -157,8 +166,6 @@ def replaced(fp, **fields):
         ("prefix", {"prompt": [5] * 300}, None),
         ("codec", {"codecs": frozenset({"none"})}, None),
         ("size_limit", {"max_bytes": 1000}, None),
-        ("malformed", {}, lambda m: m.layers[1].tensors[0].shape.__setitem__(0, 10**9)),
-        ("cache_class", {}, lambda m: setattr(m.layers[0], "kind", 77)),
     ],
 )
 def test_an_incompatible_cache_is_rejected_before_any_chunk(
@@ -167,8 +174,9 @@ def test_an_incompatible_cache_is_rejected_before_any_chunk(
     root, made = producer
     served = copy_store(root, tmp_path, "served")
     manifest = made["dense", "zstd"][0]
+    cache_id = manifest.cache_id
     if manifest_change:
-        tampered_entry(served / "entries" / f"{manifest.cache_id}.kvc", manifest_change)
+        cache_id = tampered_entry(served, cache_id, manifest_change)
     address = serve(served)
     options = {"prompt": prompt_ids, "codecs": frozenset({"none", "zstd"}), "max_bytes": 1 << 30}
     for key in ("prompt", "codecs", "max_bytes"):
@@ -177,12 +185,28 @@ def test_an_incompatible_cache_is_rejected_before_any_chunk(
     client_store = CacheStore(tmp_path / "client")
     with PeerClient(address) as client:
         with pytest.raises(CacheRejected) as e:
-            client.fetch(manifest.cache_id, profile, store=client_store)
+            client.fetch(cache_id, profile, store=client_store)
         assert e.value.rejection.reason_name == reason
         assert str(e.value).startswith(f"cache rejected ({reason}: ")
         stats = client.info().transfers
     assert stats.chunk_bytes_sent == 0 and stats.fetches_rejected == 1 and stats.fetches_completed == 0
     assert client_store.entries() == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    [lambda m: m.layers[1].tensors[0].shape.__setitem__(0, 10**9), lambda m: setattr(m.layers[0], "kind", 77)],
+    ids=["malformed", "unknown_kind"],
+)
+def test_a_peer_never_serves_an_entry_it_cannot_vouch_for(prompt_ids, fp, producer, serve, tmp_path, change):
+    root, made = producer
+    served = copy_store(root, tmp_path, "served")
+    cache_id = tampered_entry(served, made["dense", "zstd"][0].cache_id, change)
+    assert list((served / "quarantine").iterdir()) and not (served / "entries" / f"{cache_id}.kvc").exists()
+    with PeerClient(serve(served)) as client:
+        with pytest.raises(PeerError, match="not_found"):
+            client.fetch(cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+        assert client.info().transfers.chunk_bytes_sent == 0
 
 
 def test_a_peer_killed_mid_stream_then_another_peer_serves(fp, big, serve, tmp_path):

@@ -37,6 +37,10 @@ class Press:
             raise PressConfigError(f"{self.method}: ratio must be in [0, 1), got {self.ratio}")
         if self.budget is not None and self.budget < 1:
             raise PressConfigError(f"{self.method}: budget must be at least 1, got {self.budget}")
+        if type(self) is Press and (self.ratio or self.budget is not None):
+            raise PressConfigError(
+                "full keeps every position: ratio and budget need a method that evicts (streaming_llm, snapkv, knorm)"
+            )
         if self.kv_bits is not None and self.kv_bits not in QUANT_BITS:
             raise PressConfigError(f"{self.method}: kv_bits must be one of {QUANT_BITS}")
         if self.kv_group_size not in QUANT_GROUP_SIZES:

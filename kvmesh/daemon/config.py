@@ -10,6 +10,7 @@ from typing import Any
 from kvmesh import paths
 from kvmesh.errors import ConfigError
 from kvmesh.net.policy import Policy
+from kvmesh.store.cache_store import AUTO_BUDGET
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,8 +34,8 @@ class DaemonConfig:
     peers: tuple[str, ...] = ()
     discovery: bool = True
     max_transfers: int = 4
-    # Bytes the store may hold before least-recently used caches go; 0: no limit.
-    store_budget: int = 0
+    # Bytes the store may hold before least-recently used caches go; -1: 10% of its disk; 0: no limit.
+    store_budget: int = AUTO_BUDGET
     health_interval: float = 1.0
     log_format: str = "text"
     log_level: str = "info"

@@ -125,7 +125,7 @@ def start_daemon(
     log = Path(log) if log else data_dir / "daemon.log"
     path = state_file(data_dir)
     before = path.read_bytes() if path.exists() else None
-    argv = [*command, sys.executable, "-m", "kvmesh", "--data-dir", str(data_dir), "daemon", *args]
+    argv = [*command, sys.executable, "-m", "kvmesh", "--data-dir", str(data_dir), "daemon", *map(str, args)]
     with open(log, "ab") as out:  # the daemon keeps its own copy of the descriptor
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(env) if env else None)
     deadline = time.monotonic() + timeout

@@ -4,6 +4,7 @@ It needs no model and no MLX: it only stores and moves caches. The local CLI rea
 Control service on loopback, found through the state file (`kvmesh.daemon.control`).
 """
 
+import fcntl
 import ipaddress
 import logging
 import os
@@ -11,17 +12,19 @@ import signal
 import threading
 from concurrent import futures
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 
 from kvmesh.daemon.config import DaemonConfig
 from kvmesh.daemon.control import DaemonState, write_state
+from kvmesh.errors import DaemonAlreadyRunning, ListenError
 from kvmesh.net.credentials import renew_if_due
 from kvmesh.net.discovery import Discovery, HealthChecker, Peer, PeerTable, routable_addresses
 from kvmesh.net.node_id import node_id
 from kvmesh.net.server import RunningServer, start_server
 from kvmesh.net.transport import GRPC_OPTIONS
-from kvmesh.paths import state_file
+from kvmesh.paths import lock_file, state_file
 from kvmesh.store import CacheStore
 from kvmesh.v1 import control_pb2 as cpb
 from kvmesh.v1 import control_pb2_grpc
@@ -66,13 +69,27 @@ class Daemon:
         self.discovery: Discovery | None = None
         self.health: HealthChecker | None = None
         self.listen: list[str] = []
+        self.lock: TextIO | None = None
 
     def start(self) -> None:
+        """Take the data directory, open the store, serve, advertise, and write the state file.
+
+        Raises DaemonAlreadyRunning when another daemon holds the data directory, ListenError
+        when an address is taken; whatever started is stopped again then.
+        """
+        try:
+            self._start()
+        except BaseException:
+            self.stop(grace=0)
+            raise
+
+    def _start(self) -> None:
         config = self.config
         data_dir = Path(config.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = take_data_dir(data_dir)
         self.node_id = node_id(data_dir)
-        self.store = CacheStore(config.store_dir, max_bytes=config.store_budget or None)
+        self.store = CacheStore(config.store_dir, max_bytes=config.store_budget)
         self.credentials = renew_if_due(data_dir, self.node_id)
         interfaces = list(config.interfaces) or routable_addresses(None)
         if self.credentials is None:
@@ -85,14 +102,19 @@ class Daemon:
                 )
             interfaces = [a for a in interfaces if a not in lan] or ["127.0.0.1"]
         self.mode = "mutual TLS" if self.credentials else "loopback only, no mesh credentials"
-        self.server = start_server(
-            self.store,
-            self.node_id,
-            [_host_port(ip, config.port) for ip in interfaces],
-            config.max_transfers,
-            policy=config.policy,
-            credentials=self.credentials.server_credentials() if self.credentials else None,
-        )
+        try:
+            self.server = start_server(
+                self.store,
+                self.node_id,
+                [_host_port(ip, config.port) for ip in interfaces],
+                config.max_transfers,
+                policy=config.policy,
+                credentials=self.credentials.server_credentials() if self.credentials else None,
+            )
+        except ListenError as e:
+            if holder := port_holder(e.port):
+                raise ListenError(f"{e}: port {e.port} is held by {holder}", e.port) from None
+            raise
         self.listen = [_host_port(ip, self.server.port) for ip in interfaces]
 
         self.control = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
@@ -127,6 +149,8 @@ class Daemon:
 
     def stop(self, grace: float = 10.0) -> None:
         """Goodbye to the mesh first, then let transfers in flight finish for `grace` seconds."""
+        if self.lock is None:
+            return  # never took the data directory: its state file is another daemon's
         state_file(self.config.data_dir).unlink(missing_ok=True)
         if self.discovery:
             self.discovery.stop()
@@ -136,7 +160,10 @@ class Daemon:
             self.server.stop(grace)
         if self.control:
             self.control.stop(1).wait()
-        log.info("stopped")
+        self.lock.close()
+        self.lock = None
+        if self.server:
+            log.info("stopped")
 
     def run(self, grace: float = 10.0) -> None:
         """Start, serve until SIGTERM or SIGINT, then stop gracefully."""
@@ -152,3 +179,48 @@ class Daemon:
 
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def take_data_dir(data_dir: Path) -> TextIO:
+    """Hold the data directory's lock for the daemon's life (released when the process ends)."""
+    path = lock_file(data_dir)
+    f = open(path, "a+")  # noqa: SIM115 (held open for the daemon's life)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise DaemonAlreadyRunning(
+            f"another kvmesh daemon (pid {pid}) already runs for {data_dir}; stop it first, or give this one "
+            "its own --data-dir"
+        ) from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def port_holder(port: int) -> str | None:
+    """Which process listens on TCP `port` ("pid 123 (python3 -m kvmesh ...)"), where Linux says so."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            return None
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(fields[9])
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            sockets = {os.readlink(fd) for fd in (proc / "fd").iterdir()}
+            if any(f"socket:[{inode}]" in sockets for inode in inodes):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                return f"pid {proc.name} ({command[:80]})"
+        except OSError:
+            continue
+    return None

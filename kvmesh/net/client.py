@@ -6,6 +6,7 @@ store in the same pass. A failure of any kind leaves nothing in the store.
 """
 
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -15,10 +16,10 @@ import grpc
 from kvmesh.codec.compat import ReceiverProfile, check_manifest
 from kvmesh.codec.decode import CacheDecoder, SparseLayer
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, prefix_sha256
-from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError
+from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.messages import accept, profile_to_proto, reject, rejection_of
-from kvmesh.net.transport import open_channel
+from kvmesh.net.transport import IDLE_TIMEOUT, MIN_TRANSFER_RATE, TRANSFER_GRACE, open_channel
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
@@ -44,6 +45,45 @@ class Fetched:
     cache: list[SparseLayer]
     seconds: float
     wire_bytes: int
+    # Whether it was also kept in the local store.
+    kept: bool = False
+
+
+class Watchdog:
+    """Cancels a streaming call whose peer sends nothing for `idle` seconds or that outlives its
+    deadline, and says why: gRPC has no per-message timeout, and a sleeping Mac's TCP stack can keep
+    a connection open for minutes."""
+
+    def __init__(self, call: grpc.Future, idle: float, deadline: float):
+        self.call, self.idle = call, idle
+        self.deadline = time.monotonic() + deadline
+        self.last = time.monotonic()
+        self.why: str | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="kvmesh-watchdog", daemon=True).start()
+
+    def alive(self) -> None:
+        """A message arrived."""
+        self.last = time.monotonic()
+
+    def allow(self, seconds: float) -> None:
+        """The transfer may take `seconds` more in all."""
+        self.deadline = time.monotonic() + seconds
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(0.25, self.idle / 4)):
+            now = time.monotonic()
+            if now - self.last > self.idle:
+                self.why = f"sent nothing for {self.idle:g} s (asleep, frozen or cut off): transfer abandoned"
+            elif now > self.deadline:
+                self.why = "the transfer outlived its deadline: abandoned"
+            else:
+                continue
+            self.call.cancel()
+            return
+
+    def stop(self) -> None:
+        self._done.set()
 
 
 class PeerClient:
@@ -105,12 +145,20 @@ class PeerClient:
         num_tokens: int = 0,
         store: CacheStore | None = None,
         progress: Progress | None = None,
-        deadline: float = 600.0,
+        idle_timeout: float = IDLE_TIMEOUT,
+        deadline: float | None = None,
+        keep: bool = True,
     ) -> Fetched:
         """Fetch a cache (or a block-aligned prefix of a dense one) as sparse MLX caches.
 
-        Raises CacheRejected when the manifest does not fit `profile` (no chunk is sent then),
-        PeerError when the peer fails, IntegrityError when what arrives is damaged.
+        With a `store`, what arrives is also kept there, in the same pass; with `keep=False`, only
+        if the store can hold it (its budget, its free disk), else the fetch goes on without it.
+        A peer that sends nothing for `idle_timeout` seconds is abandoned, and so is a transfer
+        longer than `deadline` (default: TRANSFER_GRACE plus its bytes at MIN_TRANSFER_RATE).
+
+        Raises CacheRejected when the manifest does not fit `profile` or the store (no chunk is
+        sent then), PeerError when the peer fails or stalls, IntegrityError when what arrives is
+        damaged. A failure of any kind leaves nothing in the store.
         """
         start = time.perf_counter()
         outbox: queue.Queue = queue.Queue()
@@ -128,9 +176,11 @@ class PeerClient:
                 )
             )
         )
-        call = self.stub.Fetch(requests(), timeout=deadline)
+        call = self.stub.Fetch(requests())
+        watchdog = Watchdog(call, idle_timeout, deadline or TRANSFER_GRACE)
         try:
             first = next(call, None)
+            watchdog.alive()
             if first is None:
                 raise PeerError(self.address, "closed the fetch without an answer")
             if first.WhichOneof("msg") == "refused":
@@ -138,18 +188,26 @@ class PeerClient:
             if first.WhichOneof("msg") != "manifest":
                 raise PeerError(self.address, f"answered a fetch with {first.WhichOneof('msg')}")
             manifest = first.manifest
-            if rejection := check_manifest(manifest, profile):
+            rejection = check_manifest(manifest, profile)
+            if store is not None and rejection is None and (problem := store.cannot_hold(manifest)):
+                if keep:
+                    rejection = Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}")
+                else:
+                    store = None  # decode it all the same, without keeping it
+            if rejection:
                 outbox.put(spb.FetchRequest(decision=reject(rejection)))
                 outbox.put(None)
                 for _ in call:  # the sender ends the stream once it has read the rejection
                     pass
                 raise CacheRejected(rejection)
             outbox.put(spb.FetchRequest(decision=accept()))
+            watchdog.allow(deadline or TRANSFER_GRACE + manifest.encoding.encoded_bytes / MIN_TRANSFER_RATE)
             decoder = CacheDecoder(manifest)
             received = {"bytes": 0}
 
             def chunks() -> Iterator[pb.Chunk]:
                 for response in call:
+                    watchdog.alive()
                     kind = response.WhichOneof("msg")
                     if kind == "trailer":
                         if response.trailer.payload_digest != manifest.encoding.payload_digest:
@@ -168,10 +226,13 @@ class PeerClient:
             else:
                 decoder.feed_all(chunks(), threads=2)
             cache = decoder.finish(manifest.encoding.payload_digest)
-            return Fetched(manifest, cache, time.perf_counter() - start, received["bytes"])
+            return Fetched(manifest, cache, time.perf_counter() - start, received["bytes"], kept=store is not None)
         except grpc.RpcError as e:
+            if watchdog.why:
+                raise PeerError(self.address, watchdog.why) from None
             raise self._error(e) from None
         finally:
+            watchdog.stop()
             outbox.put(None)
             call.cancel()
 
@@ -193,7 +254,11 @@ class PeerClient:
                 )
             )
 
-        call = self.stub.Publish(requests(), timeout=600.0)
+        # The peer answers only at the start and the end: a frozen peer is found by keepalive pings
+        # (kvmesh.net.transport), a crawling transfer by this deadline.
+        call = self.stub.Publish(
+            requests(), timeout=TRANSFER_GRACE + manifest.encoding.encoded_bytes / MIN_TRANSFER_RATE
+        )
         try:
             first = next(call)
             decided.put(first.decision.accept)

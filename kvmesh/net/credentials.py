@@ -147,8 +147,11 @@ def export_bundle(data_dir: Path) -> str:
     return BUNDLE_PREFIX + base64.urlsafe_b64encode(json.dumps(payload).encode()).decode()
 
 
-def join_mesh(data_dir: Path, node_id: str, bundle: str) -> MeshCredentials:
-    """Import a mesh exported on another Mac, and make this node's certificate."""
+def join_mesh(data_dir: Path, node_id: str, bundle: str, replace: bool = False) -> MeshCredentials:
+    """Import a mesh exported on another Mac, and make this node's certificate.
+
+    A node that already belongs to another mesh leaves it only with `replace`.
+    """
     try:
         if not bundle.strip().startswith(BUNDLE_PREFIX):
             raise ValueError("it does not start with " + BUNDLE_PREFIX)
@@ -159,6 +162,13 @@ def join_mesh(data_dir: Path, node_id: str, bundle: str) -> MeshCredentials:
     except (ValueError, KeyError, TypeError) as e:
         raise CredentialsError(f"not a kvmesh mesh bundle: {e}") from e
     directory = mesh_dir(data_dir)
+    if (directory / "trust.pem").exists() and not replace:
+        if (directory / "trust.pem").read_bytes() == trust:
+            return renew(data_dir, node_id)  # joining the same mesh again: a fresh certificate
+        raise CredentialsError(
+            f"this node already belongs to another mesh ({directory}); `kvmesh mesh join --replace` leaves it "
+            "for the new one"
+        )
     _write_private(directory / "ca.key", ca_key)
     (directory / "trust.pem").write_bytes(trust)
     return renew(data_dir, node_id)

@@ -10,6 +10,7 @@ limits.
 """
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.codec.compat import check_manifest, validate_manifest
 from kvmesh.codec.cut import can_cut, cut_prefix
 from kvmesh.codec.prefix import BLOCK_SIZE
-from kvmesh.errors import IntegrityError, KvmeshError, NotFoundError, Rejection, StoreError
+from kvmesh.errors import IntegrityError, ListenError, NotFoundError, Rejection, StoreError
 from kvmesh.net.messages import accept, profile_from_proto, reject
 from kvmesh.net.policy import PeerLimits, Policy
 from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME
@@ -38,17 +39,26 @@ from kvmesh.versions import PROTOCOL_VERSION, __version__
 log = logging.getLogger(__name__)
 # A lookup names at most this many blocks: prompts of 8M tokens.
 MAX_LOOKUP_BLOCKS = 65536
+# Worker threads no transfer may take: health checks, Info and Lookup always find one.
+RESERVED_WORKERS = 4
 
 
 @dataclass
 class TransferCounters:
-    """What the service did, for Info and for tests that must prove what was (not) sent."""
+    """What the service did, for Info and for tests that must prove what was (not) sent.
+
+    At most `cap` transfers run and `max_waiting` more wait for a slot; further ones are refused
+    at once. Each holds one of the server's worker threads, so the bound keeps threads free for
+    health checks, Info and Lookup: a busy peer must not look like a dead one.
+    """
 
     cap: int
+    max_waiting: int
     stats: spb.TransferStats = field(default_factory=spb.TransferStats)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    waiting: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.stats.transfers_cap = self.cap
         self.slots = threading.BoundedSemaphore(self.cap)
 
@@ -67,9 +77,19 @@ class TransferCounters:
         """Hold one of the `cap` transfer slots, waiting for one while the caller is still there."""
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        while not self.slots.acquire(timeout=0.5):
-            if not context.is_active() or (deadline is not None and time.monotonic() > deadline):
+        if not self.slots.acquire(blocking=False):
+            with self.lock:
+                full = self.waiting >= self.max_waiting
+                self.waiting += 0 if full else 1
+            if full:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.cap} transfers in progress")
+            try:
+                while not self.slots.acquire(timeout=0.5):
+                    if not context.is_active() or (deadline is not None and time.monotonic() > deadline):
+                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.cap} transfers in progress")
+            finally:
+                with self.lock:
+                    self.waiting -= 1
         with self.lock:
             self.stats.transfers_active += 1
             self.stats.transfers_max_seen = max(self.stats.transfers_max_seen, self.stats.transfers_active)
@@ -112,12 +132,19 @@ def next_within(requests: Iterator, seconds: float, context: grpc.ServicerContex
 
 
 class KvMeshService(service_pb2_grpc.KvMeshServicer):
-    def __init__(self, store: CacheStore, node_id: str, max_transfers: int = 4, policy: Policy | None = None):
+    def __init__(
+        self,
+        store: CacheStore,
+        node_id: str,
+        max_transfers: int = 4,
+        policy: Policy | None = None,
+        max_waiting: int | None = None,
+    ):
         self.store = store
         self.node_id = node_id
         self.policy = policy or Policy()
         self.limits = PeerLimits(self.policy)
-        self.counters = TransferCounters(max_transfers)
+        self.counters = TransferCounters(max_transfers, max_transfers if max_waiting is None else max_waiting)
 
     def _admit(self, context: grpc.ServicerContext) -> str:
         """The caller's identity, once it is within its call rate.
@@ -275,6 +302,8 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         elif (size := manifest.encoding.raw_bytes) > (limit := self.policy.max_publish_bytes):
             message = f"{size:,} bytes exceed the publish limit of {limit:,}"
             refusal = reject(Rejection(pb.REJECT_REASON_SIZE_LIMIT, message))
+        elif problem := self.store.cannot_hold(manifest):
+            refusal = reject(Rejection(pb.REJECT_REASON_SIZE_LIMIT, problem))
         if refusal is not None:
             self.counters.add("publishes_rejected")
             log.info("refused a publish from %s: %s", peer, refusal.message)
@@ -301,7 +330,10 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             except (IntegrityError, StoreError) as e:
                 self.counters.add("publishes_rejected")
                 log.warning("publish from %s refused, nothing stored: %s", peer, e)
-                context.abort(grpc.StatusCode.DATA_LOSS, f"publish refused, nothing stored: {e}")
+                code = (
+                    grpc.StatusCode.DATA_LOSS if isinstance(e, IntegrityError) else grpc.StatusCode.RESOURCE_EXHAUSTED
+                )
+                context.abort(code, f"publish refused, nothing stored: {e}")
             self.counters.add("publishes_accepted")
             log.info("%s published %s", peer, stored.cache_id)
             yield spb.PublishResponse(result=spb.PublishResult(cache_id=stored.cache_id))
@@ -345,6 +377,18 @@ def add_service(service: KvMeshService, server: grpc.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]  # newer than grpc-stubs
 
 
+def bind_problem(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be served (taken, not this machine's), found before gRPC tries and logs."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 @dataclass
 class RunningServer:
     server: grpc.Server
@@ -369,12 +413,15 @@ def start_server(
 
     Every address gets the same port: the first one's, when its port is 0 (any free port).
     """
-    # Calls beyond the worker threads are refused by gRPC itself, never queued without bound.
-    workers = 4 * max_transfers + 4
+    # Calls beyond twice the worker threads are refused by gRPC itself, never queued without bound.
+    workers = 4 * max_transfers + RESERVED_WORKERS
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS, maximum_concurrent_rpcs=workers
+        futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS, maximum_concurrent_rpcs=2 * workers
     )
-    service = KvMeshService(store, node_id, max_transfers, policy)
+    # Transfers, running or waiting, leave RESERVED_WORKERS threads to health checks, Info and Lookup.
+    service = KvMeshService(
+        store, node_id, max_transfers, policy, max_waiting=workers - max_transfers - RESERVED_WORKERS
+    )
     add_service(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -385,6 +432,8 @@ def start_server(
     for address in [addresses] if isinstance(addresses, str) else addresses:
         host, wanted = address.rsplit(":", 1)
         target = f"{host}:{port or wanted}"
+        if (port or int(wanted)) and (problem := bind_problem(host.strip("[]"), port or int(wanted))):
+            raise ListenError(f"cannot listen on {target}: {problem}", port or int(wanted))
         try:
             bound = (
                 server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
@@ -392,7 +441,8 @@ def start_server(
         except RuntimeError:  # newer grpcio raises where older ones returned 0
             bound = 0
         if bound == 0:
-            raise KvmeshError(f"cannot listen on {target}: is the address this machine's, and the port free?")
+            message = f"cannot listen on {target}: is the address this machine's, and the port free?"
+            raise ListenError(message, int(port or wanted))
         port = bound
     server.start()
     return RunningServer(server, service, port, health_servicer)

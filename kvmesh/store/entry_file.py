@@ -83,3 +83,15 @@ def read_records(f: BinaryIO, manifest: pb.CacheManifest, source: str) -> Iterat
 
 def read_chunks(f: BinaryIO, manifest: pb.CacheManifest, source: str) -> Iterator[pb.Chunk]:
     return map(pb.Chunk.FromString, read_records(f, manifest, source))
+
+
+def estimated_size(manifest: pb.CacheManifest) -> int:
+    """About how many bytes the entry file of this manifest takes (a little more, never much less)."""
+    per_chunk = RECORD_HEADER.size + 32  # record header, and the Chunk message's own fields
+    return (
+        len(MAGIC)
+        + manifest.encoding.encoded_bytes
+        + manifest.encoding.chunk_count * per_chunk
+        + manifest.ByteSize()
+        + FOOTER.size
+    )
