@@ -319,7 +319,7 @@ def cmd_cache_export_mlx(args: Args) -> int:
 
 
 def cmd_daemon(args: Args) -> int:
-    from kvmesh.daemon.config import load_config
+    from kvmesh.daemon.config import load_config, load_serve_settings
     from kvmesh.daemon.logs import setup_logging
     from kvmesh.daemon.process import Daemon
 
@@ -341,9 +341,14 @@ def cmd_daemon(args: Args) -> int:
         "idle_timeout": args.idle_timeout,
         "peer_calls_per_second": args.peer_rate,
     }
-    config = load_config(Path(args.config) if args.config else None, overrides=overrides)
+    config_file = Path(args.config) if args.config else None
+    config = load_config(config_file, overrides=overrides)
     setup_logging(config.log_format, config.log_level)
-    Daemon(config).run(grace=args.grace)
+    serve_command = None
+    if load_serve_settings(config_file).get("model"):  # the daemon runs `kvmesh serve` beside itself
+        serve_command = [sys.executable, "-m", "kvmesh", "--data-dir", str(config.data_dir), "serve"]
+        serve_command += ["--config", str(config_file)] if config_file else []
+    Daemon(config, serve_command).run(grace=args.grace)
     return 0
 
 
@@ -476,11 +481,16 @@ def cmd_fetch(args: Args) -> int:
 
 
 def cmd_generate(args: Args) -> int:
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
     from kvmesh.generation import generate
 
     texts = prompt_texts(args)
     model, tokenizer, fp = load_model(args.model)
     tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
     bar, update = progress_bar("fetch", "bytes")
     with bar:
         result = generate(
@@ -492,6 +502,8 @@ def cmd_generate(args: Args) -> int:
             args.max_tokens,
             update,
             credentials=mesh_credentials(args),
+            sampler=make_sampler(temp=args.temp, top_p=args.top_p),
+            stop_tokens=set(tokenizer.eos_token_ids),
         )
     text = tokenizer.decode(result.tokens)
     source = result.source
@@ -535,6 +547,44 @@ def cmd_generate(args: Args) -> int:
         print(f"estimated time saved against prefilling the cached tokens here: {saving:.2f} s", file=sys.stderr)
     for reason in source.skipped:
         print(f"skipped: {reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: Args) -> int:
+    """Flags, then the config file's [serve] table, then the defaults of ServeOptions."""
+    from kvmesh.daemon.config import load_serve_settings
+    from kvmesh.serve.server import ServeOptions, check_exposure, serve
+
+    settings = load_serve_settings(Path(args.config) if args.config else None)
+
+    def pick(name: str) -> Any:
+        given = getattr(args, name)
+        return given if given is not None else settings.get(name, getattr(ServeOptions, name))
+
+    model = args.model or settings.get("model")
+    if not model:
+        raise KvmeshError("give a model (kvmesh serve MODEL), or set `model` in the config's [serve] table")
+    api_key = args.api_key or settings.get("api_key") or os.environ.get("KVMESH_API_KEY")
+    options = ServeOptions(
+        host=pick("host"),
+        port=pick("port"),
+        api_key=api_key,
+        memory_bytes=pick("memory_bytes"),
+        min_store_tokens=pick("min_store_tokens"),
+        max_tokens=pick("max_tokens"),
+        idle_timeout=pick("idle_timeout"),
+    )
+    check_exposure(options.host, api_key)  # before the model loads
+    store = None if args.no_store else open_store(args)
+    loaded = load_model(model)
+    static = args.peer or settings.get("peers")
+    if static or args.no_mesh:
+        peers: Any = [] if args.no_mesh else list(static or [])
+    else:
+        from kvmesh.daemon.control import live_peer_addresses
+
+        peers = lambda: live_peer_addresses(data_dir(args))  # noqa: E731 (asked again for each request)
+    serve(model, loaded, store, peers, mesh_credentials(args), options, announce=lambda line: print(line, flush=True))
     return 0
 
 
@@ -727,9 +777,38 @@ def build_parser() -> argparse.ArgumentParser:
     prompt_options(generate)
     store_option(generate)
     generate.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
+    generate.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1)")
+    generate.add_argument("--seed", type=int, help="random seed, for repeatable sampling")
     generate.add_argument("--peer", action="append", help="host:port of a peer to ask (repeat)")
     generate.add_argument("--no-mesh", action="store_true", help="only the local store")
     generate.add_argument("--json", action="store_true", help="print JSON")
+
+    serve = command(
+        "serve",
+        cmd_serve,
+        "serve the OpenAI API (chat and text completions) with the mesh as prompt cache",
+        description="Requests are served one at a time. Their prompt cache is memory, then the local store, "
+        "then the mesh's peers (--peer, or the local daemon's); after each request its cache goes back to "
+        "memory and, when long enough, to the store, where peers find it.",
+    )
+    serve.add_argument("model", nargs="?", help="model directory or Hugging Face repo id (default: [serve] model)")
+    serve.add_argument("--config", help="TOML file whose [serve] table gives defaults (default: the daemon's)")
+    serve.add_argument("--host", help="address to serve on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8080; 0: any free port)")
+    serve.add_argument("--api-key", help="require this bearer key (default $KVMESH_API_KEY; needed off loopback)")
+    serve.add_argument("--peer", action="append", help="host:port of a peer to ask (repeat)")
+    serve.add_argument("--no-mesh", action="store_true", help="only memory and the local store")
+    serve.add_argument("--no-store", action="store_true", help="only memory and the mesh; keep nothing on disk")
+    store_option(serve)
+    serve.add_argument("--memory-bytes", type=positive_int, help="bytes of live caches in memory (default 2 GiB)")
+    serve.add_argument(
+        "--min-store-tokens",
+        type=positive_int,
+        help="caches of at least this many tokens also go to the store (default 512)",
+    )
+    serve.add_argument("--max-tokens", type=positive_int, help="default max_tokens of a request (default 512)")
+    serve.add_argument("--idle-timeout", type=float, help="seconds a peer's transfer may stall (default 10)")
 
     service = command("service", cmd_service, "write a launchd (macOS) or systemd (Linux) service for the daemon")
     service.add_argument("--platform", choices=["macos", "linux"], help="default: this machine's")

@@ -6,14 +6,15 @@ never leaves). A fetched cache is kept in the local store, so the next request f
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvmesh.caches.prefill import generate_from_cache
+from kvmesh.caches.prefill import generate_from_cache, greedy
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import SparseLayer, decode_chunks
@@ -64,18 +65,21 @@ class Generation:
 def find_prefix(
     model_fp: ModelFingerprint,
     tokens: Sequence[int],
-    store: CacheStore,
+    store: CacheStore | None,
     peers: Sequence[str],
     progress: Progress | None = None,
     credentials: MeshCredentials | None = None,
     idle_timeout: float = IDLE_TIMEOUT,
+    min_tokens: int = 0,
 ) -> tuple[list | None, PrefixSource]:
     """The cache of the longest prefix of `tokens[:-1]` found, and where it came from.
 
-    One token is always left to feed, since generation needs at least one. Sources are tried
+    One token is always left to feed, since generation needs at least one. Without a `store`, only
+    peers are asked and nothing fetched is kept. Sources are tried
     longest first (the local store first on a tie); one that fails (a damaged local entry, a peer
     that refuses, breaks or stalls for `idle_timeout` seconds) is skipped with its reason and the
-    next is tried; when none delivers, the caller prefills everything.
+    next is tried; when none delivers, the caller prefills everything. Sources serving no more than
+    `min_tokens` (what the caller already holds) are not tried.
     """
     wanted = list(tokens[:-1])
     start = time.perf_counter()
@@ -83,22 +87,23 @@ def find_prefix(
     # (tokens served, tie-breaker, where, what): the local store wins ties, then a cache that kept
     # every position, then the smaller.
     sources: list[tuple[int, tuple, str, Any]] = []
-    if local := store.lookup(model_fp.model_id, wanted):
+    if store is not None and (local := store.lookup(model_fp.model_id, wanted)):
         sources.append((local.tokens, (0,), "local store", local))
     for address in peers:
         try:
-            with PeerClient(address, timeout=5.0, credentials=credentials) as client:
+            with PeerClient(address, timeout=min(5.0, idle_timeout), credentials=credentials) as client:
                 for m in client.lookup(model_fp.model_id, wanted):
                     tie = (1, m.candidate.method != "full", m.candidate.stored_bytes)
                     sources.append((m.tokens, tie, address, m))
         except PeerError as e:
             skipped.append(str(e))
-    sources.sort(key=lambda s: (-s[0], s[1]))
+    sources = sorted((s for s in sources if s[0] > min_tokens), key=lambda s: (-s[0], s[1]))
 
     profile = ReceiverProfile(model_fp, prompt=list(tokens))
     for n, _, where, found in sources:
         try:
             if where == "local store":
+                assert store is not None
                 cache = load_prefix(store, found.entry.cache_id, n)
                 return cache, PrefixSource(where, n, time.perf_counter() - start, 0, found.entry.cache_id, skipped)
             candidate = found.candidate
@@ -143,15 +148,21 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     credentials: MeshCredentials | None = None,
     idle_timeout: float = IDLE_TIMEOUT,
+    sampler: Callable[[mx.array], mx.array] = greedy,
+    stop_tokens: Collection[int] = (),
 ) -> Generation:
-    """Greedy generation after `tokens`, reusing the longest cached prefix found on the mesh."""
+    """Generation after `tokens` (greedy, or with an mlx-lm `sampler`), reusing the longest cached
+    prefix found on the mesh; it ends at `max_tokens` or at one of `stop_tokens` (the tokenizer's
+    end-of-turn ids: `tokenizer.eos_token_ids`), which is not returned."""
     cache, source = find_prefix(model_fp, tokens, store, peers, progress, credentials, idle_timeout)
     suffix = list(tokens[source.tokens :])
     start = time.perf_counter()
     out, first_at = [], None
-    for token, _ in generate_from_cache(model, cache or make_prompt_cache(model), suffix, max_tokens):
+    for token, _ in generate_from_cache(model, cache or make_prompt_cache(model), suffix, max_tokens, sampler):
         if first_at is None:
             first_at = time.perf_counter()
+        if token in stop_tokens:
+            break
         out.append(token)
         if on_token:
             on_token(token)

@@ -80,6 +80,49 @@ def _convert(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: bad value {value!r} for {name}: {e}") from e
 
 
+# The [serve] table: what `kvmesh serve` runs with, and whether the daemon runs it (when it names a model).
+SERVE_SETTINGS = {
+    "model": str,
+    "host": str,
+    "port": int,
+    "api_key": str,
+    "peers": list,
+    "memory_bytes": int,
+    "min_store_tokens": int,
+    "max_tokens": int,
+    "idle_timeout": float,
+}
+
+
+def read_file(file: Path | None) -> tuple[Path, dict[str, Any]]:
+    """The config file's path and contents ({} when the default file does not exist)."""
+    path = file or paths.config_file()
+    if file is None and not path.exists():
+        return path, {}
+    try:
+        return path, tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config: {e}") from e
+
+
+def load_serve_settings(file: Path | None = None) -> dict[str, Any]:
+    """The [serve] table of the config file, checked: a model, host, port, api_key, peers, ..."""
+    path, data = read_file(file)
+    table = data.get("serve", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [serve] must be a table")
+    settings = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        kind = SERVE_SETTINGS.get(name)
+        if kind is None:
+            raise ConfigError(f"{path}: unknown [serve] setting {key!r}; known: {', '.join(sorted(SERVE_SETTINGS))}")
+        if not isinstance(value, kind) and not (kind is float and isinstance(value, int)):
+            raise ConfigError(f"{path}: [serve] {key} must be a {kind.__name__}, not {value!r}")
+        settings[name] = value
+    return settings
+
+
 def load_config(
     file: Path | None = None, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
 ) -> DaemonConfig:
@@ -87,13 +130,11 @@ def load_config(
     env = os.environ if env is None else env
     names = {f.name for f in fields(DaemonConfig)}
     values: dict[str, Any] = {}
-    path = file or paths.config_file()
-    if file is not None or path.exists():
-        try:
-            data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read the config: {e}") from e
+    path, data = read_file(file)
+    if data:
         for key, value in data.items():
+            if key == "serve":
+                continue  # `kvmesh serve`'s table: load_serve_settings
             name = key.replace("-", "_")
             if name not in names:
                 raise ConfigError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(names))}")

@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import os
 import signal
+import subprocess
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -61,8 +62,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
 class Daemon:
     """The daemon of one data directory: `start`, serve, `stop` (or `run` for all three)."""
 
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig, serve_command: list[str] | None = None):
+        """With `serve_command`, the daemon also runs `kvmesh serve` (the config's [serve] table) and
+        stops it when it stops."""
         self.config = config
+        self.serve_command = serve_command
+        self.serve_process: subprocess.Popen[bytes] | None = None
         self.peers = PeerTable()
         self.server: RunningServer | None = None
         self.control: grpc.Server | None = None
@@ -138,6 +143,9 @@ class Daemon:
                 os.getpid(), self.node_id, f"127.0.0.1:{control_port}", self.listen, str(self.store.root), self.mode
             ),
         )
+        if self.serve_command:
+            self.serve_process = subprocess.Popen(self.serve_command)
+            log.info("started kvmesh serve (pid %d) from the config's [serve] table", self.serve_process.pid)
         log.info(
             "node %s serving %s on %s, %s (control 127.0.0.1:%d)",
             self.node_id,
@@ -152,6 +160,13 @@ class Daemon:
         if self.lock is None:
             return  # never took the data directory: its state file is another daemon's
         state_file(self.config.data_dir).unlink(missing_ok=True)
+        if self.serve_process:
+            self.serve_process.terminate()
+            try:
+                self.serve_process.wait(timeout=grace + 5)
+            except subprocess.TimeoutExpired:
+                self.serve_process.kill()
+                self.serve_process.wait()
         if self.discovery:
             self.discovery.stop()
         if self.health:

@@ -237,16 +237,24 @@ class PeerClient:
             call.cancel()
 
     def publish(self, store: CacheStore, cache_id: str) -> str:
-        """Offer a stored cache to the peer; returns the id it stored it under."""
+        """Offer a stored cache to the peer; returns the id it stored it under.
+
+        A local entry found damaged on the way raises IntegrityError (and is quarantined here).
+        """
         manifest = store.manifest(cache_id)
         decided: queue.Queue = queue.Queue()
+        local_error: list[Exception] = []
 
         def requests() -> Iterator[spb.PublishRequest]:
             yield spb.PublishRequest(manifest=manifest)
             if not decided.get():
                 return
-            for chunk in store.chunks(cache_id):
-                yield spb.PublishRequest(chunk=chunk)
+            try:
+                for chunk in store.chunks(cache_id):
+                    yield spb.PublishRequest(chunk=chunk)
+            except (IntegrityError, KvmeshError) as e:
+                local_error.append(e)  # the stream ends without a trailer: the peer stores nothing
+                return
             yield spb.PublishRequest(
                 trailer=spb.Trailer(
                     payload_digest=manifest.encoding.payload_digest,
@@ -268,8 +276,10 @@ class PeerClient:
                 if response.WhichOneof("msg") == "result":
                     return response.result.cache_id
             raise PeerError(self.address, "closed the publish without a result")
-        except grpc.RpcError as e:
-            raise self._error(e) from None
+        except (grpc.RpcError, PeerError) as e:
+            if local_error:
+                raise local_error[0] from None
+            raise e if isinstance(e, PeerError) else self._error(e) from None
         finally:
             decided.put(False)
             call.cancel()

@@ -221,22 +221,26 @@ class CacheStore:
             indexed = {row[0] for row in db.execute("SELECT cache_id FROM entries")}
         on_disk = {p.stem: p for p in self.entries_dir.iterdir() if p.suffix == ".kvc"}
         gone = indexed - set(on_disk)
-        if gone:
-            with self._db() as db:
-                for cache_id in gone:
-                    self._unindex(db, cache_id)
-            log.warning("forgot %d index entries whose files are gone", len(gone))
         unindexed = [path for name, path in on_disk.items() if name not in indexed and _abandoned(path)]
-        for path in unindexed:
-            try:
-                manifest = self._verified_manifest(path, path.stem)
-            except (IntegrityError, StoreError) as e:
-                self._quarantine(path, str(e))
-                continue
-            with self._lock:
-                self._index_file(manifest, path)
-        if unindexed:
-            log.info("indexed %d entry files the index lacked", len(unindexed))
+        try:
+            if gone:
+                with self._db() as db:
+                    for cache_id in gone:
+                        self._unindex(db, cache_id)
+                log.warning("forgot %d index entries whose files are gone", len(gone))
+            for path in unindexed:
+                try:
+                    manifest = self._verified_manifest(path, path.stem)
+                except (IntegrityError, StoreError) as e:
+                    self._quarantine(path, str(e))
+                    continue
+                with self._lock:
+                    self._index_file(manifest, path)
+            if unindexed:
+                log.info("indexed %d entry files the index lacked", len(unindexed))
+        except (sqlite3.Error, StoreError) as e:
+            # A full or read-only disk: reads still work; the next open finishes the repair.
+            log.warning("the store index could not be repaired now (%s); reading on", e)
 
     def _index_file(self, manifest: pb.CacheManifest, path: Path, now: int | None = None) -> None:
         now = now or _now_ms()
@@ -607,11 +611,15 @@ class _Transaction:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        # The connection lives on: leave no transaction open (SQLite may have rolled back already,
+        # as it does when a commit finds the disk full).
         if exc_type is None:
             try:
                 self.db.execute("COMMIT")
                 return
             except sqlite3.Error:
-                self.db.execute("ROLLBACK")  # the connection lives on: leave no transaction open
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
                 raise
-        self.db.execute("ROLLBACK")
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")

@@ -1,0 +1,1 @@
+"""`kvmesh serve`: an OpenAI-compatible HTTP server whose prompt cache is the whole mesh."""

@@ -1,0 +1,270 @@
+"""The OpenAI-compatible HTTP API of `kvmesh serve` (Starlette; streaming as server-sent events).
+
+Routes: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models and
+/health. Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the
+matching HTTP status, and never stop the server. `usage` carries `prompt_tokens_details.cached_tokens`
+(the prefix that was not prefilled) and a `kvmesh` object saying where it came from.
+"""
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvmesh.serve.engine import Delta, Done, Engine, Job, Sampling
+
+
+class ApiError(Exception):
+    """A request the API refuses: an HTTP status and an OpenAI-shaped error."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        self.status, self.message, self.param, self.code = status, message, param, code
+        super().__init__(message)
+
+    def response(self) -> JSONResponse:
+        kind = {401: "authentication_error", 404: "invalid_request_error"}.get(self.status, "invalid_request_error")
+        if self.status >= 500:
+            kind = "server_error"
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model this server answers for: the names a client may use, and its context length."""
+
+    name: str
+    aliases: frozenset[str]
+    context_length: int
+
+
+def number(body: dict, name: str, kind: type, default: Any, low: float, high: float) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ApiError(400, f"{name} must be a{'n integer' if kind is int else ' number'}", name, "invalid_type")
+    if not low <= value <= high:
+        raise ApiError(400, f"{name} must be between {low} and {high}, not {value}", name, "invalid_value")
+    return kind(value)
+
+
+def make_app(
+    engine: Engine, model: ServedModel, api_key: str | None = None, default_max_tokens: int = 512
+) -> Starlette:
+    """The ASGI application; requests go to `engine`, one at a time."""
+    tokenizer = engine.tokenizer
+
+    def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+
+    async def body_of(request: Request) -> dict:
+        check(request)
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        if body.get("model") not in model.aliases:
+            raise ApiError(
+                404,
+                f"the model {body.get('model')!r} is not served here; this server serves {model.name!r}",
+                "model",
+                "model_not_found",
+            )
+        return body
+
+    def job_of(body: dict, tokens: list[int]) -> Job:
+        maximum = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = number({"max_tokens": maximum}, "max_tokens", int, default_max_tokens, 1, 1 << 20)
+        if len(tokens) + max_tokens > model.context_length:
+            raise ApiError(
+                400,
+                f"the prompt has {len(tokens)} tokens and {max_tokens} more were asked for; this "
+                f"model's context is {model.context_length}",
+                "messages",
+                "context_length_exceeded",
+            )
+        if not tokens:
+            raise ApiError(400, "the prompt is empty", "prompt", "invalid_value")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop", "invalid_value")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ApiError(400, "seed must be an integer", "seed", "invalid_type")
+        sampling = Sampling(
+            temperature=number(body, "temperature", float, 0.0, 0.0, 2.0),
+            top_p=number(body, "top_p", float, 1.0, 0.0, 1.0),
+            seed=seed,
+        )
+        return Job(tokens, max_tokens, sampling, stop)
+
+    def usage(done: Done) -> dict:
+        return {
+            "prompt_tokens": done.prompt_tokens,
+            "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+            "kvmesh": {
+                "prefix_from": done.prefix_from,
+                "cached_tokens": done.cached_tokens,
+                "wire_bytes": done.wire_bytes,
+                "seconds": round(done.prefix_seconds, 4),
+                "skipped": done.skipped,
+            },
+        }
+
+    async def events(job: Job) -> AsyncIterator[Delta | Done]:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                event = await loop.run_in_executor(None, job.events.get)
+                if isinstance(event, Exception):
+                    raise ApiError(500, f"generation failed: {event}", code="generation_failed")
+                yield event
+                if isinstance(event, Done):
+                    return
+        finally:
+            job.cancelled.set()  # a client that went away stops its generation
+
+    async def complete(request: Request, chat: bool) -> Response:
+        try:
+            body = await body_of(request)
+            if chat:
+                messages = body.get("messages")
+                if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                    raise ApiError(400, "messages must be a non-empty list of objects", "messages", "invalid_value")
+                try:
+                    tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+                except Exception as e:  # the template's own error, about these messages
+                    raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from None
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
+                tokens = tokenizer.encode(prompt)
+            job = job_of(body, tokens)
+            if not engine.alive:
+                raise ApiError(503, "the generation thread has stopped; restart the server", code="unavailable")
+        except ApiError as e:
+            return e.response()
+        engine.submit(job)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+
+        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            if delta:
+                return {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": text} if text is not None else {},
+                    "finish_reason": finish,
+                }
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+
+        if not body.get("stream"):
+            try:
+                parts, done = [], None
+                async for event in events(job):
+                    if isinstance(event, Delta):
+                        parts.append(event.text)
+                    else:
+                        done = event
+            except ApiError as e:
+                return e.response()
+            assert done is not None
+            return JSONResponse(
+                {
+                    "id": ident,
+                    "object": kind,
+                    "created": created,
+                    "model": body["model"],
+                    "choices": [choice("".join(parts), done.finish_reason, delta=False)],
+                    "usage": usage(done),
+                }
+            )
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+        async def stream() -> AsyncIterator[str]:
+            def chunk(choices: list, extra: dict | None = None) -> str:
+                return json.dumps(
+                    {
+                        "id": ident,
+                        "object": chunk_kind,
+                        "created": created,
+                        "model": body["model"],
+                        "choices": choices,
+                        **(extra or {}),
+                    }
+                )
+
+            try:
+                async for event in events(job):
+                    if isinstance(event, Delta):
+                        yield chunk([choice(event.text, None, delta=True)])
+                    else:
+                        yield chunk([choice(None if chat else "", event.finish_reason, delta=True)])
+                        if include_usage:
+                            yield chunk([], {"usage": usage(event)})
+            except ApiError as e:
+                yield json.dumps({"error": {"message": e.message, "type": "server_error", "code": e.code}})
+            yield "[DONE]"
+
+        return EventSourceResponse(stream(), ping=15)
+
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await complete(request, chat=False)
+
+    async def models(request: Request) -> Response:
+        try:
+            check(request)
+        except ApiError as e:
+            return e.response()
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": model.name, "object": "model", "created": 0, "owned_by": "kvmesh"},
+                ],
+            }
+        )
+
+    async def health(request: Request) -> Response:
+        if not engine.alive:
+            return JSONResponse({"status": "generation thread stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return ApiError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})

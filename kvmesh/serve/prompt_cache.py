@@ -1,0 +1,141 @@
+"""The server's prompt cache in three tiers: live caches in memory, the local store, then the mesh.
+
+Memory holds the caches of recent requests (prompt plus completion) as mlx-lm left them, bounded in
+bytes, least recently used first out; a dense cache there also serves any shorter prefix (it is
+trimmed on a copy). What memory lacks is looked up in the local store and on the mesh's peers
+(`kvmesh.generation.find_prefix`: manifest first, block hashes only). After a request its cache goes
+back to memory, and, when it covers at least `min_store_tokens`, into the local store too, where
+every peer can find it.
+
+Every method runs on the server's generation thread: MLX arrays stay on the thread that made them.
+"""
+
+import copy
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from kvmesh.caches.sparse import sparse_from_dense, stored_nbytes
+from kvmesh.codec.encode import encode_cache
+from kvmesh.errors import KvmeshError
+from kvmesh.generation import find_prefix
+from kvmesh.model.fingerprint import ModelFingerprint
+from kvmesh.net.credentials import MeshCredentials
+from kvmesh.store import CacheStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefixHit:
+    """A cache covering `tokens` of a prompt, and where it came from."""
+
+    cache: list[Any] | None
+    tokens: int
+    where: str  # "memory", "local store", "peer HOST:PORT", or "none"
+    wire_bytes: int = 0
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class MeshPromptCache:
+    """Memory, then the local store, then the mesh; see the module docstring."""
+
+    def __init__(
+        self,
+        model_fp: ModelFingerprint,
+        store: CacheStore | None,
+        peers: Sequence[str] | Any = (),
+        credentials: MeshCredentials | None = None,
+        max_bytes: int = 2 << 30,
+        min_store_tokens: int = 512,
+        idle_timeout: float = 10.0,
+    ):
+        """`peers` is a list of addresses, or a function returning the live ones (the local daemon's)."""
+        self.model_fp, self.store, self.credentials = model_fp, store, credentials
+        self._peers = peers
+        self.max_bytes, self.min_store_tokens, self.idle_timeout = max_bytes, min_store_tokens, idle_timeout
+        self._memory: OrderedDict[tuple[int, ...], tuple[list[Any], int]] = OrderedDict()
+
+    def peers(self) -> list[str]:
+        return list(self._peers() if callable(self._peers) else self._peers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self._memory.values())
+
+    def fetch(self, tokens: Sequence[int]) -> PrefixHit:
+        """The longest cached prefix of `tokens[:-1]` (generation needs one token to feed), as a cache
+        this request may change: memory's are copies."""
+        start = time.perf_counter()
+        limit = len(tokens) - 1
+        best_key, best = None, 0
+        for key, (entry, _) in self._memory.items():
+            n = min(common_prefix(key, tokens), limit)
+            trimmable = all(type(c) in (KVCache, QuantizedKVCache) for c in entry)
+            if n > best and (n == len(key) or trimmable):
+                best_key, best = key, n
+        skipped: list[str] = []
+        if best < limit:
+            found, source = find_prefix(
+                self.model_fp,
+                tokens,
+                self.store,
+                self.peers(),
+                credentials=self.credentials,
+                idle_timeout=self.idle_timeout,
+                min_tokens=best,
+            )
+            if found is not None:
+                return PrefixHit(found, source.tokens, source.where, source.wire_bytes, source.seconds, source.skipped)
+            skipped = source.skipped
+        if best_key is None:
+            return PrefixHit(None, 0, "none", seconds=time.perf_counter() - start, skipped=skipped)
+        self._memory.move_to_end(best_key)
+        cache = copy.deepcopy(self._memory[best_key][0])
+        if best < len(best_key):
+            for layer in cache:
+                layer.trim(layer.offset - best)
+        return PrefixHit(cache, best, "memory", seconds=time.perf_counter() - start, skipped=skipped)
+
+    def insert(self, tokens: Sequence[int], cache: list[Any]) -> None:
+        """Keep the cache of `tokens` (its offset many) after a request: in memory, and in the store."""
+        covered = tuple(tokens[: cache[0].offset])
+        if not covered:
+            return
+        mx.eval([c.state for c in cache])
+        size = sum(stored_nbytes(c) for c in cache)
+        self._memory[covered] = (cache, size)
+        self._memory.move_to_end(covered)
+        # A longer cache serves every prefix of itself: drop the entries it covers.
+        for key in [k for k in self._memory if k != covered and covered[: len(k)] == k]:
+            del self._memory[key]
+        while self.nbytes > self.max_bytes and len(self._memory) > 1:
+            self._memory.popitem(last=False)
+        if self.store is not None and len(covered) >= self.min_store_tokens:
+            self._persist(covered, cache)
+
+    def _persist(self, tokens: tuple[int, ...], cache: list[Any]) -> None:
+        assert self.store is not None
+        match = self.store.lookup(self.model_fp.model_id, tokens)
+        if match is not None and match.tokens == len(tokens):
+            return  # already there
+        try:
+            sparse = [sparse_from_dense(c) for c in cache]
+            self.store.add(*encode_cache(sparse, self.model_fp, list(tokens)))
+        except KvmeshError as e:  # a full disk or a budget: memory still has it
+            log.warning("not kept in the store: %s", e)

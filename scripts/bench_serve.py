@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""An agent-like workload against two `kvmesh serve` processes in one mesh, with sharing on and off.
+
+    scripts/dev run python scripts/bench_serve.py [--conversations 3] [--turns 3] [--prefix-tokens 1500]
+
+Conversations share a long system prompt plus a document; each has a few turns, alternating between
+servers A and B. With sharing on, each server asks the other's daemon for prefixes it lacks; with
+sharing off, each has only its own memory. Per request: time to first token (streamed), cached
+tokens and their source. Overall: prefill tokens saved and TTFT p50/p95 of both runs, and for
+requests served from the peer, TTFT against fetch time + the suffix's prefill time (at the rate a
+cold request of this run measured), whose target is at most +10%. Offline (the tiny test model),
+loopback only.
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+import openai
+from rich.console import Console
+from rich.table import Table
+
+from kvmesh.daemon.control import DaemonProcess, start_daemon
+from kvmesh.model.testmodels import make_test_model
+
+
+def start_server(root: Path, name: str, model: Path, args: list[str]) -> tuple[openai.OpenAI, subprocess.Popen]:
+    command = [
+        sys.executable,
+        "-m",
+        "kvmesh",
+        "--data-dir",
+        str(root / name),
+        "serve",
+        str(model),
+        "--port",
+        "0",
+        "--min-store-tokens",
+        "256",
+        *args,
+    ]
+    with open(root / f"{name}.serve.log", "w") as log:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
+    line = process.stdout.readline() if process.stdout else ""
+    if not line.startswith("kvmesh serve: "):
+        raise SystemExit(f"server {name} did not start; see {root / name}.serve.log")
+    return openai.OpenAI(base_url=line.split(" at ")[1].split()[0], api_key="unused", max_retries=0), process
+
+
+def run(root: Path, model: Path, share: bool, conversations: int, turns: int, system: str) -> list[dict]:
+    daemons: list[DaemonProcess] = []
+    processes = []
+    try:
+        for name in ("a", "b"):
+            daemons.append(start_daemon(root / name, ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"]))
+        servers = {}
+        for i, name in enumerate(("a", "b")):
+            peer = daemons[1 - i].address
+            client, process = start_server(
+                root, name, model, ["--peer", peer] if share else ["--no-mesh", "--no-store"]
+            )
+            servers[name] = client
+            processes.append(process)
+        rows = []
+        for c in range(conversations):
+            messages = [{"role": "system", "content": system}]
+            for t in range(turns):
+                name = "ab"[(c + t) % 2]
+                messages.append({"role": "user", "content": f"Question {t} of reader {c}: what happens next?"})
+                start = time.perf_counter()
+                first_at, text, usage = None, [], None
+                for chunk in servers[name].chat.completions.create(
+                    model=model.name,
+                    messages=messages,
+                    max_tokens=8,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                ):
+                    if chunk.choices and chunk.choices[0].delta.content and first_at is None:
+                        first_at = time.perf_counter()
+                    if chunk.choices:
+                        text.append(chunk.choices[0].delta.content or "")
+                    elif chunk.usage:
+                        usage = chunk.usage
+                assert usage is not None
+                mesh = usage.model_extra["kvmesh"]
+                rows.append(
+                    {
+                        "server": name,
+                        "conversation": c,
+                        "turn": t,
+                        "ttft": (first_at or time.perf_counter()) - start,
+                        "prompt": usage.prompt_tokens,
+                        "cached": usage.prompt_tokens_details.cached_tokens,
+                        "source": mesh["prefix_from"],
+                        "fetch_s": mesh["seconds"],
+                    }
+                )
+                messages.append({"role": "assistant", "content": "".join(text)})
+        return rows
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)
+        for daemon in daemons:
+            daemon.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--prefix-tokens", type=int, default=1500, help="about this many shared tokens")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp:
+        root = Path(tmp)
+        model = make_test_model(root / "tiny", "tiny")
+        corpus = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
+        system = "You are a careful reader. Answer from this document.\n" + corpus[: args.prefix_tokens * 4]
+        results = {}
+        for share in (True, False):
+            results[share] = run(
+                root / ("on" if share else "off"), model, share, args.conversations, args.turns, system
+            )
+
+    console = Console(width=120)
+    table = Table(title="requests with sharing on")
+    for column in ("server", "conv", "turn", "prompt", "cached", "source", "fetch s", "TTFT s", "TTFT off s"):
+        table.add_column(column, justify="right")
+    for on, off in zip(results[True], results[False], strict=True):
+        table.add_row(
+            on["server"],
+            str(on["conversation"]),
+            str(on["turn"]),
+            str(on["prompt"]),
+            str(on["cached"]),
+            on["source"],
+            f"{on['fetch_s']:.3f}",
+            f"{on['ttft']:.3f}",
+            f"{off['ttft']:.3f}",
+        )
+    console.print(table)
+    # The prefill rate of this machine, from the cold requests (nothing cached) of the run without sharing.
+    cold = [r for r in results[False] if r["cached"] == 0]
+    rate = statistics.median(r["prompt"] / r["ttft"] for r in cold)
+    for share, label in ((True, "sharing on"), (False, "sharing off")):
+        ttft = sorted(r["ttft"] for r in results[share])
+        saved = sum(r["cached"] for r in results[share])
+        p95 = ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))]
+        print(
+            f"{label}: prefill tokens saved {saved:,} of {sum(r['prompt'] for r in results[share]):,}; "
+            f"TTFT p50 {statistics.median(ttft):.3f} s, p95 {p95:.3f} s"
+        )
+    peer = [r for r in results[True] if r["source"].startswith("peer")]
+    for r in peer:
+        bound = r["fetch_s"] + (r["prompt"] - r["cached"]) / rate
+        print(
+            f"from the peer: conversation {r['conversation']} turn {r['turn']}: TTFT {r['ttft']:.3f} s against "
+            f"fetch + suffix prefill {bound:.3f} s ({r['ttft'] / bound:.2f}x; target <= 1.10x)"
+        )
+    print(f"(prefill rate measured from cold requests: {rate:.0f} tokens/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

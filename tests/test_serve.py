@@ -1,0 +1,291 @@
+"""`kvmesh serve`: real server processes, the official `openai` client, mlx-lm as the reference."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from helpers import ENV, KVMESH, put
+from kvmesh.caches.prefill import prefill
+from kvmesh.daemon.control import start_daemon
+from kvmesh.generation import generate
+from kvmesh.serve.engine import Done, Engine, Job
+from kvmesh.serve.prompt_cache import MeshPromptCache
+from kvmesh.store import CacheStore
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You answer questions about rivers, briefly and plainly. " * 24  # a long shared prefix
+QUESTION = [{"role": "user", "content": "Where do rivers go?"}]
+
+
+@pytest.fixture
+def http_server(tmp_path):
+    """http_server(name, *args) -> (openai client, process): `kvmesh serve` of the tiny model."""
+    started = []
+
+    def start(model_dir, name, *args):
+        command = [KVMESH, "--data-dir", str(tmp_path / name), "serve", str(model_dir), "--port", "0", *map(str, args)]
+        with open(tmp_path / f"{name}.serve.log", "w") as log:  # the server keeps its own copy
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
+        started.append(process)
+        line = process.stdout.readline()
+        assert line.startswith("kvmesh serve: "), f"the server did not start: {line!r}; see {name}.serve.log"
+        url = line.split(" at ")[1].split()[0]
+        return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120), process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.terminate()
+        process.wait(timeout=30)
+
+
+def reference(tiny, messages=None, prompt=None, max_tokens=8, temperature=0.0, seed=None) -> str:
+    """What mlx-lm itself generates for the same prompt and sampling settings."""
+    model, tokenizer = tiny
+    tokens = (
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True) if messages else tokenizer.encode(prompt)
+    )
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = make_sampler(temp=temperature)
+    return "".join(r.text for r in stream_generate(model, tokenizer, mx.array(tokens), max_tokens, sampler=sampler))
+
+
+def chat(client, messages, **options):
+    return client.chat.completions.create(model="tiny", messages=messages, **options)
+
+
+def streamed(client, messages, **options) -> tuple[str, object]:
+    text, usage = [], None
+    for chunk in chat(client, messages, stream=True, stream_options={"include_usage": True}, **options):
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+        elif chunk.usage:
+            usage = chunk.usage
+    return "".join(text), usage
+
+
+def test_chat_and_completions_streamed_or_not_equal_mlx_lm(tiny, tiny_dir, http_server):
+    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+    messages = [{"role": "system", "content": SYSTEM}, *QUESTION]
+    expected = reference(tiny, messages)
+    first = chat(client, messages, max_tokens=8)
+    assert first.choices[0].message.content == expected and first.choices[0].finish_reason == "length"
+    assert first.usage.completion_tokens == 8 and first.usage.prompt_tokens_details.cached_tokens == 0
+    text, usage = streamed(client, messages, max_tokens=8)
+    assert text == expected and usage.prompt_tokens == first.usage.prompt_tokens
+    # The second request found the first one's cache in memory.
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    assert usage.model_extra["kvmesh"]["prefix_from"] == "memory"
+
+    completion = client.completions.create(model="tiny", prompt="Rivers run to the sea", max_tokens=6)
+    assert completion.choices[0].text == reference(tiny, prompt="Rivers run to the sea", max_tokens=6)
+    pieces = client.completions.create(model="tiny", prompt="Rivers run to the sea", max_tokens=6, stream=True)
+    assert "".join(p.choices[0].text for p in pieces) == completion.choices[0].text
+
+    seeded = [chat(client, QUESTION, max_tokens=8, temperature=1.0, seed=7).choices[0].message.content for _ in "ab"]
+    assert seeded[0] == seeded[1] == reference(tiny, QUESTION, temperature=1.0, seed=7)
+
+
+def test_stop_strings_and_max_tokens_end_generation(tiny, tiny_dir, http_server):
+    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+    full = reference(tiny, QUESTION, max_tokens=12)
+    stop = full[3:6]
+    answer = chat(client, QUESTION, max_tokens=12, stop=[stop])
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].message.content == full[: full.index(stop)]
+    text, usage = streamed(client, QUESTION, max_tokens=12, stop=stop)
+    assert text == full[: full.index(stop)]
+    assert chat(client, QUESTION, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny_dir, http_server):
+    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        chat(client, QUESTION, max_tokens=-1)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, [{"role": "user", "content": "word " * 9000}])
+    assert e.value.body["code"] == "context_length_exceeded"
+    base = str(client.base_url).rstrip("/")
+    malformed = urllib.request.Request(f"{base}/chat/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(malformed, timeout=30)
+    assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["code"] == "invalid_json"
+    with urllib.request.urlopen(f"{base.removesuffix('/v1')}/health", timeout=30) as health:
+        assert json.loads(health.read()) == {"status": "ok"}
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert chat(client, QUESTION, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_off_loopback_needs_an_api_key(tiny_dir, tmp_path):
+    result = subprocess.run(
+        [KVMESH, "serve", str(tiny_dir), "--host", "0.0.0.0"], capture_output=True, text=True, env=ENV, timeout=60
+    )
+    assert result.returncode == 1 and "needs an API key" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(tiny, tiny_dir, http_server):
+    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+    model, tokenizer = tiny
+    turn = [{"role": "system", "content": SYSTEM}, *QUESTION]
+    first = chat(client, turn, max_tokens=8)
+    second = [
+        *turn,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And then?"},
+    ]
+    answer = chat(client, second, max_tokens=8)
+    assert answer.choices[0].message.content == reference(tiny, second)
+    # The cache of turn one covers its prompt and its answer's tokens; turn two's prompt holds the
+    # answer as the client sent it back, re-tokenized, which can differ from the generated tokens
+    # (mlx-lm's detokenizer drops the answer's leading space): the cache serves what they share.
+    prompt = tokenizer.apply_chat_template(turn, add_generation_prompt=True)
+    generated = [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), 8)]
+    again = tokenizer.apply_chat_template(second, add_generation_prompt=True)
+    shared = next(i for i, (x, y) in enumerate(zip([*prompt, *generated], again)) if x != y)
+    assert answer.usage.prompt_tokens_details.cached_tokens == shared >= first.usage.prompt_tokens
+    assert answer.usage.model_extra["kvmesh"]["prefix_from"] == "memory"
+
+
+def test_the_engine_keeps_prompt_and_completion_for_the_next_turn(tiny, tiny_fp):
+    """In process: a prompt that extends turn one's prompt and generated tokens reuses all of them."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, MeshPromptCache(tiny_fp, None, []))
+    try:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, *QUESTION], add_generation_prompt=True
+        )
+        first = run(engine, Job(list(prompt), 8))
+        generated = [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), 8)]
+        second = run(engine, Job([*prompt, *generated, *tokenizer.encode(" more", add_special_tokens=False)], 4))
+    finally:
+        engine.close()
+    assert first.cached_tokens == 0 and first.completion_tokens == 8
+    assert second.cached_tokens == len(prompt) + len(generated) and second.prefix_from == "memory"
+
+
+def run(engine: Engine, job: Job) -> Done:
+    engine.submit(job)
+    while not isinstance(event := job.events.get(timeout=120), Done):
+        assert not isinstance(event, Exception), event
+    return event
+
+
+def test_two_servers_share_a_long_system_prompt_over_the_mesh(tiny, tiny_dir, http_server, tmp_path):
+    # A serves the API and (through its daemon) its store; B asks A's daemon for what it lacks.
+    client_a, _ = http_server(tiny_dir, "a", "--no-mesh", "--min-store-tokens", 64)
+    daemon = start_daemon(tmp_path / "a", ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"], env=ENV)
+    try:
+        client_b, _ = http_server(tiny_dir, "b", "--peer", daemon.address, "--min-store-tokens", 64)
+        chat(client_a, [{"role": "system", "content": SYSTEM}, *QUESTION], max_tokens=4)
+        other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a delta?"}]
+        answer = chat(client_b, other, max_tokens=8)
+    finally:
+        daemon.stop()
+    mesh = answer.usage.model_extra["kvmesh"]
+    tokenizer = tiny[1]
+    first = tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, *QUESTION], add_generation_prompt=True
+    )
+    second = tokenizer.apply_chat_template(other, add_generation_prompt=True)
+    shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+    assert mesh["prefix_from"] == f"peer {daemon.address}" and mesh["wire_bytes"] > 0
+    # A's cache of its whole conversation serves B the block-aligned part of the prefix they share.
+    assert answer.usage.prompt_tokens_details.cached_tokens == shared // 128 * 128 > 0
+    assert answer.choices[0].message.content == reference(tiny, other)
+
+
+def test_a_frozen_peer_costs_the_idle_timeout_not_an_error(tiny, tiny_dir, tiny_fp, http_server, tmp_path):
+    # A's store holds the cache of the whole conversation; its daemon is frozen (SIGSTOP) when B asks.
+    # (A freeze in the middle of a transfer: tests/test_reliability.py.)
+    model, tokenizer = tiny
+    messages = [{"role": "system", "content": SYSTEM * 3}, *QUESTION]
+    tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    put(
+        CacheStore(tmp_path / "a" / "store"),
+        prefill(model, tokens[:-1]).cache,
+        tiny_fp,
+        tokens[:-1],
+        codec="none",
+        chunk_size=16 << 10,
+    )
+    daemon = start_daemon(tmp_path / "a", ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"], env=ENV)
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    try:
+        client, _ = http_server(tiny_dir, "b", "--peer", daemon.address, "--idle-timeout", 2)
+        answer = chat(client, messages, max_tokens=6)
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+        daemon.stop()
+    assert answer.choices[0].message.content == reference(tiny, messages, max_tokens=6)
+    mesh = answer.usage.model_extra["kvmesh"]
+    assert mesh["prefix_from"] == "none" and mesh["skipped"] and mesh["seconds"] < 15
+
+
+def test_generate_stops_at_the_end_of_a_turn(tiny, tiny_fp, prompt_ids, tmp_path):
+    """`kvmesh generate` ends where mlx-lm would: at an end-of-turn token, which is not returned."""
+    model = tiny[0]
+    store = CacheStore(tmp_path / "s")
+    free = generate(model, tiny_fp, prompt_ids, store, max_tokens=6)
+    assert len(free.tokens) == 6
+    stopped = generate(model, tiny_fp, prompt_ids, store, max_tokens=6, stop_tokens={free.tokens[2]})
+    assert stopped.tokens == free.tokens[: free.tokens.index(free.tokens[2])]
+
+
+def test_generate_cli_takes_sampling_options(tiny_dir, tmp_path):
+    args = [
+        KVMESH,
+        "--data-dir",
+        str(tmp_path),
+        "generate",
+        str(tiny_dir),
+        "--prompt",
+        "Rivers",
+        "--no-mesh",
+        "--max-tokens",
+        "5",
+        "--temp",
+        "1.0",
+        "--seed",
+        "3",
+        "--json",
+    ]
+    runs = [json.loads(subprocess.run(args, capture_output=True, text=True, env=ENV, check=True).stdout) for _ in "ab"]
+    assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"]) == 5
+
+
+def test_the_daemon_runs_the_server_its_config_describes(tiny_dir, tmp_path):
+    config = tmp_path / "kvmesh.toml"
+    config.write_text(f'discovery = false\n\n[serve]\nmodel = "{tiny_dir}"\nport = 0\nmin-store-tokens = 64\n')
+    daemon = start_daemon(tmp_path / "d", ["--config", config, "--interface", "127.0.0.1", "--port", "0"], env=ENV)
+    try:
+        deadline = time.monotonic() + 60
+        while "kvmesh serve: tiny at " not in daemon.log.read_text():
+            assert time.monotonic() < deadline and daemon.process.poll() is None, daemon.log.read_text()
+            time.sleep(0.1)  # the server is the daemon's child: its only word is its line in the log
+        url = daemon.log.read_text().split("kvmesh serve: tiny at ")[1].split()[0]
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        assert chat(client, QUESTION, max_tokens=2).usage.completion_tokens == 2
+    finally:
+        daemon.stop()
+    with pytest.raises(openai.APIConnectionError):
+        chat(client, QUESTION, max_tokens=2)  # stopped with the daemon
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[serve]\nmodle = 'x'\n")
+    result = subprocess.run([KVMESH, "serve", "--config", str(bad)], capture_output=True, text=True, env=ENV)
+    assert result.returncode == 1 and "unknown [serve] setting 'modle'" in result.stderr
