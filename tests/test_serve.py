@@ -18,6 +18,7 @@ from helpers import ENV, KVMESH, put
 from kvmesh.caches.prefill import prefill
 from kvmesh.daemon.control import start_daemon
 from kvmesh.generation import generate
+from kvmesh.net.client import PeerClient
 from kvmesh.serve.engine import Done, Engine, Job
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
@@ -193,6 +194,11 @@ def test_two_servers_share_a_long_system_prompt_over_the_mesh(tiny, tiny_dir, ht
     try:
         client_b, _ = http_server(tiny_dir, "b", "--peer", daemon.address, "--min-store-tokens", 64)
         chat(client_a, [{"role": "system", "content": SYSTEM}, *QUESTION], max_tokens=4)
+        with PeerClient(daemon.address) as a:  # A stores its cache once the answer is out
+            deadline = time.monotonic() + 30
+            while not a.info().store.entries:
+                assert time.monotonic() < deadline, "A never stored its cache"
+                time.sleep(0.05)
         other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a delta?"}]
         answer = chat(client_b, other, max_tokens=8)
     finally:
@@ -214,7 +220,7 @@ def test_a_frozen_peer_costs_the_idle_timeout_not_an_error(tiny, tiny_dir, tiny_
     # A's store holds the cache of the whole conversation; its daemon is frozen (SIGSTOP) when B asks.
     # (A freeze in the middle of a transfer: tests/test_reliability.py.)
     model, tokenizer = tiny
-    messages = [{"role": "system", "content": SYSTEM * 3}, *QUESTION]
+    messages = [{"role": "system", "content": SYSTEM}, *QUESTION]
     tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     put(
         CacheStore(tmp_path / "a" / "store"),
@@ -289,3 +295,22 @@ def test_the_daemon_runs_the_server_its_config_describes(tiny_dir, tmp_path):
     bad.write_text("[serve]\nmodle = 'x'\n")
     result = subprocess.run([KVMESH, "serve", "--config", str(bad)], capture_output=True, text=True, env=ENV)
     assert result.returncode == 1 and "unknown [serve] setting 'modle'" in result.stderr
+
+
+def test_the_engine_ends_at_an_end_of_turn_token(tiny, tiny_dir, tiny_fp):
+    """mlx-lm's stop at the tokenizer's EOS ids: here a greedy token is made one."""
+    from mlx_lm.utils import load_tokenizer
+
+    model, tokenizer = tiny
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+    tokens = [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), 6)]
+    first_new = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+    own = load_tokenizer(tiny_dir)  # a tokenizer of its own: the shared one stays as it is
+    own.add_eos_token(str(tokens[first_new]))
+    engine = Engine(model, own, MeshPromptCache(tiny_fp, None, []))
+    try:
+        job = Job(list(prompt), 6)
+        done = run(engine, job)
+    finally:
+        engine.close()
+    assert done.finish_reason == "stop" and done.completion_tokens == first_new

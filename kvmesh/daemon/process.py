@@ -187,7 +187,10 @@ class Daemon:
             signal.signal(sig, lambda *_: stop.set())
         self.start()
         print(f"kvmesh: node {self.node_id} ({self.mode}) serving on {', '.join(self.listen)}", flush=True)
-        stop.wait()
+        # Timed waits: a signal may land on one of gRPC's threads (after a SIGSTOP/SIGCONT, say), and
+        # Python runs its handler only when the main thread wakes up.
+        while not stop.wait(timeout=0.5):
+            pass
         log.info("shutting down")
         self.stop(grace)
 

@@ -1,6 +1,7 @@
 """The server's generation thread: one request at a time, mlx-lm's generation, the mesh's prompt cache.
 
 MLX work stays on this one thread; HTTP handlers hand it jobs and read events back from a queue.
+A request's cache goes to memory before its answer is out, and to the local store after.
 Concurrent requests are served one after another, in arrival order (no batching: sparse and
 quantized caches from the mesh cannot be batched by mlx-lm, and one Mac's GPU is one resource).
 Sampling and stopping are mlx-lm's: `make_sampler`, `stream_generate` (EOS ids from the tokenizer),
@@ -136,7 +137,7 @@ class Engine:
         if len(text) > sent:
             job.events.put(Delta(text[sent:]))
         completion = len(generated) - (1 if generated and generated[-1] in eos else 0)
-        self.prompt_cache.insert(job.tokens + generated, cache)
+        covered = self.prompt_cache.insert(job.tokens + generated, cache)
         job.events.put(
             Done(
                 finish,
@@ -149,3 +150,5 @@ class Engine:
                 hit.skipped,
             )
         )
+        # After the answer is out: the client does not wait for the store.
+        self.prompt_cache.persist(covered, cache)

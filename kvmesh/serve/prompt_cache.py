@@ -112,11 +112,12 @@ class MeshPromptCache:
                 layer.trim(layer.offset - best)
         return PrefixHit(cache, best, "memory", seconds=time.perf_counter() - start, skipped=skipped)
 
-    def insert(self, tokens: Sequence[int], cache: list[Any]) -> None:
-        """Keep the cache of `tokens` (its offset many) after a request: in memory, and in the store."""
+    def insert(self, tokens: Sequence[int], cache: list[Any]) -> tuple[int, ...]:
+        """Keep the cache of `tokens` (its offset many) in memory after a request; returns the tokens
+        it covers, for `persist`."""
         covered = tuple(tokens[: cache[0].offset])
         if not covered:
-            return
+            return covered
         mx.eval([c.state for c in cache])
         size = sum(stored_nbytes(c) for c in cache)
         self._memory[covered] = (cache, size)
@@ -126,11 +127,12 @@ class MeshPromptCache:
             del self._memory[key]
         while self.nbytes > self.max_bytes and len(self._memory) > 1:
             self._memory.popitem(last=False)
-        if self.store is not None and len(covered) >= self.min_store_tokens:
-            self._persist(covered, cache)
+        return covered
 
-    def _persist(self, tokens: tuple[int, ...], cache: list[Any]) -> None:
-        assert self.store is not None
+    def persist(self, tokens: tuple[int, ...], cache: list[Any]) -> None:
+        """Keep a cache of at least `min_store_tokens` in the local store too, where peers find it."""
+        if self.store is None or len(tokens) < self.min_store_tokens:
+            return
         match = self.store.lookup(self.model_fp.model_id, tokens)
         if match is not None and match.tokens == len(tokens):
             return  # already there
