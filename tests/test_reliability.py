@@ -341,6 +341,20 @@ def test_a_lost_or_corrupt_index_is_rebuilt_from_the_files(tiny, tiny_fp, prompt
 # One daemon per data directory, one per port
 
 
+def daemon_on_port(port, data_dir):
+    return cli(
+        "daemon",
+        "--interface",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--no-discovery",
+        data_dir=data_dir,
+        check=False,
+        timeout=60,
+    )
+
+
 def test_a_second_daemon_on_the_same_data_dir_or_a_taken_port_exits_with_one_line(tmp_path):
     first = start_daemon(tmp_path / "a", ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"], env=ENV)
     try:
@@ -363,17 +377,7 @@ def test_a_second_daemon_on_the_same_data_dir_or_a_taken_port_exits_with_one_lin
         assert (tmp_path / "a" / "daemon.json").exists()  # the first one's state is untouched
 
         port = int(first.address.rsplit(":", 1)[1])
-        taken = cli(
-            "daemon",
-            "--interface",
-            "127.0.0.1",
-            "--port",
-            port,
-            "--no-discovery",
-            data_dir=tmp_path / "b",
-            check=False,
-            timeout=60,
-        )
+        taken = daemon_on_port(port, tmp_path / "b")
         assert taken.returncode == 1 and taken.stderr.count("\n") == 1
         assert taken.stderr.startswith(f"kvmesh: error: cannot listen on 127.0.0.1:{port}")
         assert f"held by pid {first.process.pid}" in taken.stderr
@@ -382,17 +386,7 @@ def test_a_second_daemon_on_the_same_data_dir_or_a_taken_port_exits_with_one_lin
 
     with socket.create_server(("127.0.0.1", 0)) as other_program:
         port = other_program.getsockname()[1]
-        taken = cli(
-            "daemon",
-            "--interface",
-            "127.0.0.1",
-            "--port",
-            port,
-            "--no-discovery",
-            data_dir=tmp_path / "c",
-            check=False,
-            timeout=60,
-        )
+        taken = daemon_on_port(port, tmp_path / "c")
     assert taken.returncode == 1 and f"held by pid {os.getpid()}" in taken.stderr
 
 
