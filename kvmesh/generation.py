@@ -74,12 +74,12 @@ def find_prefix(
 ) -> tuple[list | None, PrefixSource]:
     """The cache of the longest prefix of `tokens[:-1]` found, and where it came from.
 
-    One token is always left to feed, since generation needs at least one. Without a `store`, only
-    peers are asked and nothing fetched is kept. Sources are tried
+    One token is always left to feed, since generation needs at least one. Sources are tried
     longest first (the local store first on a tie); one that fails (a damaged local entry, a peer
     that refuses, breaks or stalls for `idle_timeout` seconds) is skipped with its reason and the
     next is tried; when none delivers, the caller prefills everything. Sources serving no more than
-    `min_tokens` (what the caller already holds) are not tried.
+    `min_tokens` (what the caller already holds) are not tried. Without a `store`, only peers are
+    asked and nothing fetched is kept.
     """
     wanted = list(tokens[:-1])
     start = time.perf_counter()

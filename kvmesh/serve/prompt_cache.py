@@ -14,7 +14,7 @@ import copy
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,7 @@ class MeshPromptCache:
         self,
         model_fp: ModelFingerprint,
         store: CacheStore | None,
-        peers: Sequence[str] | Any = (),
+        peers: Sequence[str] | Callable[[], list[str]] = (),
         credentials: MeshCredentials | None = None,
         max_bytes: int = 2 << 30,
         min_store_tokens: int = 512,
