@@ -18,7 +18,6 @@ from helpers import ENV, KVMESH, put
 from kvmesh.caches.prefill import prefill
 from kvmesh.daemon.control import start_daemon
 from kvmesh.generation import generate
-from kvmesh.net.client import PeerClient
 from kvmesh.serve.engine import Done, Engine, Job
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
@@ -194,11 +193,6 @@ def test_two_servers_share_a_long_system_prompt_over_the_mesh(tiny, tiny_dir, ht
     try:
         client_b, _ = http_server(tiny_dir, "b", "--peer", daemon.address, "--min-store-tokens", 64)
         chat(client_a, [{"role": "system", "content": SYSTEM}, *QUESTION], max_tokens=4)
-        with PeerClient(daemon.address) as a:  # A stores its cache once the answer is out
-            deadline = time.monotonic() + 30
-            while not a.info().store.entries:
-                assert time.monotonic() < deadline, "A never stored its cache"
-                time.sleep(0.05)
         other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a delta?"}]
         answer = chat(client_b, other, max_tokens=8)
     finally:

@@ -1,7 +1,8 @@
 """The server's generation thread: one request at a time, mlx-lm's generation, the mesh's prompt cache.
 
 MLX work stays on this one thread; HTTP handlers hand it jobs and read events back from a queue.
-A request's cache goes to memory before its answer is out, and to the local store after.
+A request's text streams as it is made; the request completes (finish reason, usage) once its cache
+is in memory and, when long enough, in the local store.
 Concurrent requests are served one after another, in arrival order (no batching: sparse and
 quantized caches from the mesh cannot be batched by mlx-lm, and one Mac's GPU is one resource).
 Sampling and stopping are mlx-lm's: `make_sampler`, `stream_generate` (EOS ids from the tokenizer),
@@ -137,7 +138,10 @@ class Engine:
         if len(text) > sent:
             job.events.put(Delta(text[sent:]))
         completion = len(generated) - (1 if generated and generated[-1] in eos else 0)
+        # The text is out; the request completes once its cache is kept, so that the next request,
+        # here or on any peer, finds it.
         covered = self.prompt_cache.insert(job.tokens + generated, cache)
+        self.prompt_cache.persist(covered, cache)
         job.events.put(
             Done(
                 finish,
@@ -150,5 +154,3 @@ class Engine:
                 hit.skipped,
             )
         )
-        # After the answer is out: the client does not wait for the store.
-        self.prompt_cache.persist(covered, cache)
