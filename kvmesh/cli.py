@@ -659,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--repo-id", default="", help="Hugging Face repo id, if known")
     info.add_argument("--revision", default="", help="Hugging Face revision, if known")
 
-    cache = commands.add_parser("cache", help="list, export and import caches in the local store")
+    cache = commands.add_parser("cache", help="list, check, delete, export and import caches in the local store")
     store_option(cache)
     cache_commands = cache.add_subparsers(title="cache commands", metavar="COMMAND", required=True)
     listing = command("list", cmd_cache_list, "list stored caches", cache_commands)
