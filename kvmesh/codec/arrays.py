@@ -11,7 +11,8 @@ UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
 KIND_OF_CLASS = {SparseKVCache: pb.CACHE_KIND_SPARSE_KV, SparseQuantizedKVCache: pb.CACHE_KIND_SPARSE_QUANTIZED_KV}
 
 
-def dtype_name(dtype: mx.Dtype) -> str:
+def mlx_dtype_name(dtype: mx.Dtype) -> str:
+    """`mlx.core.float16` -> `float16` (the wire names are enums: kvmesh.model.fingerprint.dtype_name)."""
     return str(dtype).rsplit(".", 1)[-1]
 
 

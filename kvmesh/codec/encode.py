@@ -15,7 +15,7 @@ import xxhash
 
 from kvmesh.caches.presses import Press
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
-from kvmesh.codec.arrays import KIND_OF_CLASS, dtype_name, layer_tensors, uint_view
+from kvmesh.codec.arrays import KIND_OF_CLASS, layer_tensors, mlx_dtype_name, uint_view
 from kvmesh.codec.chunks import compressor, ordered_map, payload_digest, shuffle
 from kvmesh.codec.manifest import (
     CODECS,
@@ -74,7 +74,7 @@ def layer_spec(layer: SparseLayer) -> pb.LayerSpec:
     for tensor_name, t in zip(TENSOR_NAMES[kind], layer_tensors(layer), strict=True):
         _, heads, n, width = t.shape
         spec.tensors.add(
-            name=tensor_name, dtype=dtype_to_proto(dtype_name(t.dtype)), shape=[n, heads, width], nbytes=t.nbytes
+            name=tensor_name, dtype=dtype_to_proto(mlx_dtype_name(t.dtype)), shape=[n, heads, width], nbytes=t.nbytes
         )
     return spec
 

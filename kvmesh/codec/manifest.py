@@ -25,8 +25,6 @@ TENSOR_NAMES: dict[int, tuple[str, ...]] = {
 }
 CODECS = {"none": pb.CODEC_NONE, "zstd": pb.CODEC_ZSTD}
 CODEC_NAMES = {v: k for k, v in CODECS.items()}
-# PressConfig fields that are `optional` in the schema: unset means "not used by this method".
-OPTIONAL_PRESS_FIELDS = ("budget", "kv_bits", "sinks", "window", "kernel")
 
 
 def kind_name(kind: int) -> str:
@@ -100,11 +98,3 @@ def evicts_nothing(manifest: pb.CacheManifest) -> bool:
 def press_config_to_proto(config: dict[str, Any]) -> pb.PressConfig:
     """A press's config (kvmesh.caches.presses.Press.config()) as the typed message; None stays unset."""
     return pb.PressConfig(**{k: v for k, v in config.items() if v is not None})
-
-
-def press_config(manifest: pb.CacheManifest) -> dict[str, Any]:
-    """The config of the manifest's press, as `kvmesh.caches.presses.make_press` takes it."""
-    config = manifest.compression.config
-    values: dict[str, Any] = {"ratio": config.ratio, "kv_group_size": config.kv_group_size}
-    values.update({name: getattr(config, name) for name in OPTIONAL_PRESS_FIELDS if config.HasField(name)})
-    return values
