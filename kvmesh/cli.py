@@ -110,6 +110,16 @@ def load_model(path: str) -> tuple[Any, Any, Any]:
     return model, tokenizer, fp
 
 
+def load_tokenizer_and_fingerprint(path: str) -> tuple[Any, Any]:
+    """What file imports and exports need of a local model directory: no weights are loaded."""
+    from mlx_lm.utils import load_tokenizer
+
+    from kvmesh.model.fingerprint import fingerprint
+
+    fp = fingerprint(path)
+    return load_tokenizer(Path(path)), fp
+
+
 def prompt_texts(args: Args) -> tuple[str, str]:
     """(file text, prompt text), checked before any model is loaded."""
     if not args.file and not args.prompt:
@@ -248,11 +258,45 @@ def cmd_cache_list(args: Args) -> int:
     if not entries:
         print("the store is empty")
     for e in entries:
-        kind = "dense" if e.evicts_nothing else "sparse"
+        # Which prompts it serves: any that shares a block-aligned prefix with it, or only its own prefix.
+        serves = "any prefix" if e.cuttable else "exact"
         print(
-            f"{e.cache_id}  model {e.model_id}  {e.num_tokens:>7} tokens  {e.method:<13} {kind:<6} "
+            f"{e.cache_id}  model {e.model_id}  {e.num_tokens:>7} tokens  {e.method:<13} {serves:<10} "
             f"{e.file_bytes:>14,} bytes"
         )
+    return 0
+
+
+def cmd_cache_show(args: Args) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from kvmesh.codec.manifest import CODEC_NAMES, layer_report, uncuttable_reason
+
+    manifest = open_store(args).manifest(args.cache_id)
+    layers = layer_report(manifest)
+    if args.json:
+        summary = MessageToDict(manifest, preserving_proto_field_name=True)
+        print(json.dumps({**summary, "layers": layers}, indent=2))
+        return 0
+    config = MessageToDict(manifest.compression.config, preserving_proto_field_name=True)
+    encoding = manifest.encoding
+    print(f"cache {manifest.cache_id}: {manifest.prefix.num_tokens} tokens of model {manifest.model.model_id}")
+    print(f"  compression  {manifest.compression.method} {json.dumps(config) if config else ''}".rstrip())
+    print(
+        f"  encoding     {CODEC_NAMES[encoding.codec]}, {encoding.raw_bytes:,} bytes -> "
+        f"{encoding.encoded_bytes:,} in {encoding.chunk_count} chunks"
+    )
+    why = uncuttable_reason(manifest)
+    serves = f"only its exact prefix ({why})" if why else "its prefix and any shorter block-aligned one"
+    print(f"  serves       {serves}")
+    for row in layers:
+        if "arrays" in row:
+            held = "arrays " + " ".join("x".join(map(str, shape)) for shape in row["arrays"])
+        else:
+            held = f"{row['kept']:>7} of {row['of']} positions"
+        window = f", window {row['window']} keep {row['keep']}" if "window" in row else ""
+        bits = f", {row['bits']}-bit" if "bits" in row else ""
+        print(f"  layer {row['layer']:>3}  {row['kind']:<22} {held}{window}{bits}  {row['bytes']:,} bytes")
     return 0
 
 
@@ -304,6 +348,35 @@ def cmd_cache_import_mlx(args: Args) -> int:
     tokens = cache_prompt_tokens(load_tokenizer(args.model), text)
     manifest = import_prompt_cache(open_store(args), args.file, fingerprint(args.model), tokens)
     print(f"imported {manifest.cache_id} ({manifest.prefix.num_tokens} tokens)")
+    return 0
+
+
+def cmd_cache_import_wp30(args: Args) -> int:
+    from kvmesh.files.wp30 import import_wp30
+
+    texts = prompt_texts(args)
+    tokenizer, fp = load_tokenizer_and_fingerprint(args.model)
+    imported = import_wp30(open_store(args), args.path, fp, prompt_tokens(tokenizer, *texts, chat=args.chat))
+    manifest = imported.manifest
+    print(f"imported {manifest.cache_id} ({manifest.prefix.num_tokens} tokens, {manifest.compression.method})")
+    if imported.verified:
+        print(f"  verified: schema, geometry, prefix tokens, every layer, {', '.join(imported.verified)}")
+    if imported.unchecked:
+        print(
+            f"  not checked: {', '.join(imported.unchecked)} (wp30's own model hashes, which kvmesh cannot "
+            "recompute: make sure the file was made with this model)"
+        )
+    return 0
+
+
+def cmd_cache_export_wp30(args: Args) -> int:
+    from kvmesh.files.wp30 import export_wp30
+
+    texts = prompt_texts(args)
+    tokenizer, fp = load_tokenizer_and_fingerprint(args.model)
+    tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
+    path = export_wp30(open_store(args), args.cache_id, args.path, tokens, fp, args.compression)
+    print(f"exported {args.cache_id} to {path} (wp30-cache-2, compression {args.compression})")
     return 0
 
 
@@ -664,6 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache_commands = cache.add_subparsers(title="cache commands", metavar="COMMAND", required=True)
     listing = command("list", cmd_cache_list, "list stored caches", cache_commands)
     listing.add_argument("--json", action="store_true", help="print JSON")
+    show = command("show", cmd_cache_show, "what a stored cache holds, layer by layer", cache_commands)
+    show.add_argument("cache_id")
+    show.add_argument("--json", action="store_true", help="print the manifest and layer report as JSON")
     export = command("export", cmd_cache_export, "write a stored cache to one file", cache_commands)
     export.add_argument("cache_id")
     export.add_argument("file")
@@ -691,6 +767,30 @@ def build_parser() -> argparse.ArgumentParser:
     source = import_mlx.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt given to mlx_lm.cache_prompt")
     source.add_argument("--prompt-file", help="a file holding that prompt")
+    import_wp30 = command(
+        "import-wp30",
+        cmd_cache_import_wp30,
+        "import a wp30-cache-2 file (plain, gzip or zstd)",
+        cache_commands,
+        description="wp30 files hold only a hash of their prompt: give the model and the same prompt "
+        "(--file and/or --prompt, --chat as when it was made). Schema, geometry, prompt and every layer "
+        "are checked before anything is stored.",
+    )
+    import_wp30.add_argument("path", help="the wp30 file")
+    prompt_options(import_wp30)
+    export_wp30 = command(
+        "export-wp30",
+        cmd_cache_export_wp30,
+        "write a stored cache as a wp30-cache-2 file",
+        cache_commands,
+        description="The file records a hash of the prompt's tokens: give the model and the prompt the cache holds.",
+    )
+    export_wp30.add_argument("cache_id")
+    export_wp30.add_argument("path", help="the file to write")
+    prompt_options(export_wp30)
+    export_wp30.add_argument(
+        "--compression", choices=["none", "gzip", "zstd"], default="none", help="compress the whole file"
+    )
     export_mlx = command(
         "export-mlx", cmd_cache_export_mlx, "write a stored cache as an mlx-lm prompt-cache file", cache_commands
     )

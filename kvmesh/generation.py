@@ -15,9 +15,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvmesh.caches.prefill import generate_from_cache, greedy
+from kvmesh.codec.arrays import Layer
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.cut import cut_prefix
-from kvmesh.codec.decode import SparseLayer, decode_chunks
+from kvmesh.codec.decode import decode_chunks
 from kvmesh.errors import CacheRejected, IntegrityError, PeerError, StoreError
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient, Progress
@@ -127,7 +128,7 @@ def find_prefix(
     return None, PrefixSource("none", 0, time.perf_counter() - start, skipped=skipped)
 
 
-def load_prefix(store: CacheStore, cache_id: str, num_tokens: int) -> list[SparseLayer]:
+def load_prefix(store: CacheStore, cache_id: str, num_tokens: int) -> list[Layer]:
     """The first `num_tokens` of a stored cache, decoded (a dense cache's shorter prefix is cut as read)."""
     manifest = store.manifest(cache_id)
     if num_tokens == manifest.prefix.num_tokens:

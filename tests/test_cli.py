@@ -68,7 +68,7 @@ def test_cache_commands_round_trip_an_mlx_lm_file(tiny_dir, tmp_path):
     ).stdout
     assert out.startswith("imported ")
     [entry] = json.loads(run(*store, "list", "--json").stdout)
-    assert entry["method"] == "full" and entry["evicts_nothing"]
+    assert entry["method"] == "full" and entry["cuttable"]
 
     run(*store, "export", entry["cache_id"], str(tmp_path / "c.kvc"))
     other = ["cache", "--store", str(tmp_path / "other")]

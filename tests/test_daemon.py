@@ -227,3 +227,18 @@ def test_the_advert_carries_ids_only(daemons, tmp_path):
     assert set(properties) == {"id", "pv", "v", "tls"}
     assert properties["id"] == node_id(tmp_path / "A") and properties["tls"] == "0"
     assert len(info.text) < 400
+
+
+def test_link_local_ipv6_addresses_are_dialled_with_their_scope_or_left_out():
+    import socket
+
+    from kvmesh.net.discovery import dial_address
+
+    loopback = socket.if_indextoname(1)
+    assert dial_address("192.168.1.20", 7000) == "192.168.1.20:7000"
+    assert dial_address("2001:db8::5", 7000) == "[2001:db8::5]:7000"
+    # fe80::/10 exists on every link: without the interface it was heard on it cannot be dialled.
+    assert dial_address("fe80::1c2:3ff:fe4d:5e6f", 7000) is None
+    assert dial_address("fe80::1c2:3ff:fe4d:5e6f%1", 7000) == f"[fe80::1c2:3ff:fe4d:5e6f%{loopback}]:7000"
+    assert dial_address("fe80::1%en0", 7000) == "[fe80::1%en0]:7000"
+    assert dial_address("not-an-address", 7000) is None

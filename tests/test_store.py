@@ -46,7 +46,7 @@ def test_put_load_and_survive_a_restart(store, dense500, fp, long_ids, tmp_path)
     assert manifest.encoding.payload_digest and len(manifest.cache_id) == 32
     reopened = CacheStore(tmp_path / "store")
     [entry] = reopened.entries()
-    assert (entry.cache_id, entry.num_tokens, entry.method, entry.evicts_nothing) == (
+    assert (entry.cache_id, entry.num_tokens, entry.method, entry.cuttable) == (
         manifest.cache_id,
         500,
         "full",
@@ -102,7 +102,7 @@ def test_a_dense_entry_serves_a_block_aligned_shorter_prefix_cut_as_read(store, 
 def test_a_sparse_entry_serves_only_its_own_prefix(store, tiny, fp, long_ids):
     press = make_press("streaming_llm", {"budget": 64})
     manifest = put(store, prefill(tiny[0], long_ids[:300], press).cache, fp, long_ids[:300], press)
-    with pytest.raises(ValueError, match="it evicted tokens, so it serves only its exact prefix"):
+    with pytest.raises(ValueError, match="it serves only its exact prefix of 300 tokens: layer 0 evicted tokens"):
         load_prefix(store, manifest.cache_id, 256)
 
 

@@ -27,23 +27,30 @@ def wrap_attention(model: nn.Module, cache: list, wrapper: AttentionWrapper) -> 
     The layer is identified by the cache object the model passes along, so `cache` must be the
     list given to the forward pass.
     """
-    module = sys.modules[type(model).__module__]
-    original = getattr(module, "scaled_dot_product_attention", None)
-    if original is None:
+    # A model file may take its attention class from another (qwen3_5 uses qwen3_next's).
+    modules = {sys.modules[type(m).__module__] for _, m in model.named_modules()}
+    name = "scaled_dot_product_attention"
+    patched = {m: getattr(m, name) for m in modules if hasattr(m, name)}
+    if not patched:
         raise UnsupportedCacheError(
-            f"{module.__name__} does not use mlx-lm's shared attention function; "
+            f"{type(model).__module__} does not use mlx-lm's shared attention function; "
             "attention-based compression methods cannot observe it"
         )
     layer_of = {id(c): i for i, c in enumerate(cache)}
 
-    def routed(queries, keys, values, cache, scale, mask, **kwargs):
-        return wrapper(original, layer_of[id(cache)], queries, keys, values, cache, scale, mask, **kwargs)
+    def routing(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+        def routed(queries, keys, values, cache, scale, mask, **kwargs):
+            return wrapper(original, layer_of[id(cache)], queries, keys, values, cache, scale, mask, **kwargs)
 
-    setattr(module, "scaled_dot_product_attention", routed)  # noqa: B010 (a module attribute, patched)
+        return routed
+
+    for module, original in patched.items():
+        setattr(module, name, routing(original))
     try:
         yield
     finally:
-        setattr(module, "scaled_dot_product_attention", original)  # noqa: B010
+        for module, original in patched.items():
+            setattr(module, name, original)
 
 
 @contextmanager

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvmesh.caches.attention import record_queries
+from kvmesh.caches.kinds import check_supported
 from kvmesh.caches.presses import Press
 from kvmesh.caches.sparse import stored_nbytes
-from kvmesh.errors import UnsupportedCacheError
 
 ProgressFn = Callable[[int, int], None]
 
@@ -52,12 +52,7 @@ def run_prompt(
     if n == 0:
         raise ValueError("cannot prefill an empty prompt")
     cache = make_prompt_cache(model)
-    for i, c in enumerate(cache):
-        if type(c) is not KVCache:
-            raise UnsupportedCacheError(
-                f"layer {i} of this model uses {type(c).__name__}; kvmesh can only share caches "
-                "of models whose every layer uses a plain KVCache"
-            )
+    check_supported(cache)
     progress = progress or (lambda done, total: None)
 
     # The last chunk holds the observed tokens (and at least one, for the logits).
@@ -87,7 +82,7 @@ def prefill(
     return Prefilled(
         cache=pressed,
         logits=logits,
-        num_tokens=cache[0].offset,
+        num_tokens=len(tokens),
         dense_nbytes=sum(stored_nbytes(c) for c in cache),
         nbytes=sum(stored_nbytes(c) for c in pressed),
     )

@@ -10,10 +10,12 @@ Sizing, common to every method: `budget` is the number of positions each layer k
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from kvmesh.caches.kinds import snapshot
 from kvmesh.caches.sparse import sparse_from_dense
 from kvmesh.errors import PressConfigError
 
@@ -69,12 +71,25 @@ class Press:
         return None
 
     def apply(self, cache: list, observed: dict | None = None) -> list:
-        """A new list of sparse (and maybe quantized) caches; the dense `cache` is left as it was."""
+        """A new list of sparse (and maybe quantized) caches; the dense `cache` is left as it was.
+
+        Only full-attention layers are pressed: sliding-window layers already drop what leaves
+        their window (and mlx-lm cannot quantize them), and recurrent state holds no positions.
+        Those are copied as they are shared (`kvmesh.caches.kinds`).
+        """
         pressed = []
         for layer, c in enumerate(cache):
-            keys = c.keys[..., : c.offset, :]
+            if not isinstance(c, (KVCache, QuantizedKVCache)):
+                pressed.append(snapshot(c))
+                continue
+            keys = cast(mx.array, c.keys)[..., : c.offset, :]
             if keys.shape[0] != 1:
                 raise PressConfigError(f"{self.method}: caches of one prompt only (batch size 1)")
+            if self.kv_bits is not None and keys.shape[-1] % self.kv_group_size:
+                raise PressConfigError(
+                    f"{self.method}: kv_group_size {self.kv_group_size} does not divide this model's head "
+                    f"dim {keys.shape[-1]}; choose one of {[g for g in QUANT_GROUP_SIZES if keys.shape[-1] % g == 0]}"
+                )
             keep = self.select(keys, observed.get(layer) if observed else None)
             sparse = sparse_from_dense(c, keep)
             if self.kv_bits is not None:

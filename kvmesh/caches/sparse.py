@@ -14,10 +14,19 @@ They plug into mlx-lm generation unchanged (`generate`, `stream_generate`, `gene
 `kv_bits`, `save_prompt_cache`/`load_prompt_cache`).
 """
 
+from typing import Any
+
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, create_attention_mask
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    _BaseCache,
+    create_attention_mask,
+)
 
 from kvmesh.errors import UnsupportedCacheError
 
@@ -216,8 +225,8 @@ def sparse_from_dense(cache, keep: mx.array | None = None):
         keys, values = (gather_positions(a, keep, cache.offset) for a in (cache.keys, cache.values))
         return SparseQuantizedKVCache.from_arrays(keys, values, cache.offset, cache.group_size, cache.bits)
     raise UnsupportedCacheError(
-        f"cannot make a sparse cache from {type(cache).__name__}: only KVCache and QuantizedKVCache "
-        "layers are supported (models with sliding-window or state-space layers are not yet)"
+        f"cannot make a sparse cache from {type(cache).__name__}: only full-attention layers "
+        "(KVCache, QuantizedKVCache) are made sparse"
     )
 
 
@@ -235,11 +244,15 @@ def stored_nbytes(cache) -> int:
     """Bytes of one layer's stored positions, without the spare capacity mlx-lm buffers keep."""
     if isinstance(cache, _SparseBase):
         return cache.nbytes
-    if type(cache) in (KVCache, QuantizedKVCache):
+    if isinstance(cache, ArraysCache):
+        arrays: list[Any] = cache.cache
+        return sum(a.nbytes for a in arrays if a is not None)
+    if type(cache) in (KVCache, QuantizedKVCache, RotatingKVCache):
         if cache.keys is None:
             return 0
+        rows = min(cache.offset, cache.max_size) if isinstance(cache, RotatingKVCache) else cache.offset
         leaves = _leaves(cache.keys) + _leaves(cache.values)
-        return sum(a.nbytes // a.shape[2] * cache.offset for a in leaves)
+        return sum(a.nbytes // a.shape[2] * rows for a in leaves)
     raise UnsupportedCacheError(f"no byte count for {type(cache).__name__}")
 
 

@@ -1,14 +1,23 @@
-"""The MLX side of the codec: dtypes, the tensors each sparse layer stores, zero-copy byte views."""
+"""The MLX side of the codec: dtypes, the tensors each layer kind stores, zero-copy byte views."""
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
+from kvmesh.caches.kinds import state_arrays, window_tensors
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.v1 import cache_pb2 as pb
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
 UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
-KIND_OF_CLASS = {SparseKVCache: pb.CACHE_KIND_SPARSE_KV, SparseQuantizedKVCache: pb.CACHE_KIND_SPARSE_QUANTIZED_KV}
+KIND_OF_CLASS: dict[type, pb.CacheKind] = {
+    SparseKVCache: pb.CACHE_KIND_SPARSE_KV,
+    SparseQuantizedKVCache: pb.CACHE_KIND_SPARSE_QUANTIZED_KV,
+    RotatingKVCache: pb.CACHE_KIND_ROTATING_KV,
+    ArraysCache: pb.CACHE_KIND_ARRAYS,
+}
+# What a shared cache list holds: sparse attention layers, sliding windows, recurrent state.
+Layer = SparseKVCache | SparseQuantizedKVCache | RotatingKVCache | ArraysCache
 
 
 def mlx_dtype_name(dtype: mx.Dtype) -> str:
@@ -16,14 +25,59 @@ def mlx_dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def layer_tensors(layer: SparseKVCache | SparseQuantizedKVCache) -> list[mx.array]:
-    """The stored tensors of one sparse layer, each (1, kv_heads, n_kept, width), in manifest order."""
+def layer_kind(layer: Layer) -> pb.CacheKind:
+    kind = KIND_OF_CLASS.get(type(layer))
+    if kind is None:
+        raise TypeError(f"only sparse, sliding-window and recurrent caches are shared, not {type(layer).__name__}")
+    return kind
+
+
+def layer_tensors(layer: Layer) -> list[mx.array]:
+    """The stored tensors of one layer in manifest order, each with a leading batch axis of 1:
+    attention tensors (1, kv_heads, n_kept, width), recurrent arrays as the layer holds them."""
+    if isinstance(layer, RotatingKVCache):
+        return list(window_tensors(layer))
+    if isinstance(layer, ArraysCache):
+        return state_arrays(layer)
     keys, values = layer.keys_and_values()
     if isinstance(layer, SparseQuantizedKVCache):
         return [*keys, *values]
     return [keys, values]
 
 
+def wire_shape(kind: int, t: mx.array) -> list[int]:
+    """A tensor's manifest shape: token-major for attention, without the batch axis for arrays."""
+    if kind == pb.CACHE_KIND_ARRAYS:
+        return list(t.shape[1:])
+    _, heads, n, width = t.shape
+    return [n, heads, width]
+
+
+def mlx_shape(kind: int, shape: list[int]) -> tuple[int, ...]:
+    """The MLX array shape (batch 1) of a tensor with manifest shape `shape`."""
+    if kind == pb.CACHE_KIND_ARRAYS:
+        return (1, *shape)
+    n, heads, width = shape
+    return (1, heads, n, width)
+
+
 def uint_view(a: mx.array) -> np.ndarray:
     """A zero-copy numpy view of an evaluated, contiguous mlx array (bfloat16 as uint16)."""
     return np.array(a.view(UINT_OF_SIZE[a.itemsize]), copy=False)
+
+
+def rows_of(view: np.ndarray, token_major_layout: bool, r0: int, rows: int) -> np.ndarray:
+    """Rows [r0, r0+rows) of a tensor's unbatched view, in wire order (positions first)."""
+    if token_major_layout:
+        return np.ascontiguousarray(view[:, r0 : r0 + rows, :].transpose(1, 0, 2))
+    return np.ascontiguousarray(view[r0 : r0 + rows])
+
+
+def write_rows(view: np.ndarray, token_major_layout: bool, r0: int, raw: bytes | np.ndarray) -> None:
+    """Write wire rows starting at row r0 into a tensor's unbatched view."""
+    if token_major_layout:
+        rows = np.frombuffer(raw, dtype=view.dtype).reshape(-1, view.shape[0], view.shape[2])
+        view[:, r0 : r0 + rows.shape[0], :] = rows.transpose(1, 0, 2)
+    else:
+        rows = np.frombuffer(raw, dtype=view.dtype).reshape(-1, *view.shape[1:])
+        view[r0 : r0 + rows.shape[0]] = rows

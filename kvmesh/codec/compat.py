@@ -6,11 +6,22 @@ receiver allocates anything, so a manifest that lies about its shapes is refused
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.codec.limits import DIGEST_BYTES, HASH_BYTES, MAX_BLOCK_SIZE, MAX_CHUNK_SIZE, MAX_LAYERS, MIN_CHUNK_SIZE
-from kvmesh.codec.manifest import CODEC_NAMES, CODECS, ITEMSIZE, TENSOR_NAMES, chunk_count, kind_name, tensor_dtype
+from kvmesh.codec.manifest import (
+    CODEC_NAMES,
+    CODECS,
+    ITEMSIZE,
+    MAX_STATE_ARRAYS,
+    TENSOR_NAMES,
+    chunk_count,
+    kind_name,
+    state_names,
+    tensor_dtype,
+    tensor_specs,
+)
 from kvmesh.codec.prefix import prefix_sha256
 from kvmesh.errors import CacheRejected, Rejection
 from kvmesh.model.fingerprint import ModelFingerprint, dtype_name
@@ -59,40 +70,72 @@ def validate_manifest(m: pb.CacheManifest) -> Rejection | None:
         return bad(f"prefix hashes must be {HASH_BYTES} bytes each")
     if not MIN_CHUNK_SIZE <= m.encoding.chunk_size <= MAX_CHUNK_SIZE:
         return bad(f"chunk size {m.encoding.chunk_size} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
-    total = 0
     for i, layer in enumerate(m.layers):
-        names = TENSOR_NAMES.get(layer.kind)
-        if names is None:
-            return Rejection(pb.REJECT_REASON_CACHE_CLASS, f"layer {i}: unsupported cache kind {kind_name(layer.kind)}")
-        if layer.offset != m.prefix.num_tokens or layer.n_kept > layer.offset:
-            return bad(
-                f"layer {i}: {layer.n_kept} kept of offset {layer.offset}, prefix has {m.prefix.num_tokens} tokens"
-            )
-        quantized = layer.kind == pb.CACHE_KIND_SPARSE_QUANTIZED_KV
-        if quantized and (layer.bits not in (2, 3, 4, 5, 6, 8) or layer.group_size not in (32, 64, 128)):
-            return bad(f"layer {i}: quantization bits={layer.bits} group_size={layer.group_size}")
-        if [t.name for t in layer.tensors] != list(names):
-            return bad(f"layer {i}: tensors {[t.name for t in layer.tensors]}, expected {list(names)}")
-        for t in layer.tensors:
-            t_dtype = tensor_dtype(t)
-            if t_dtype not in ITEMSIZE:
-                return Rejection(pb.REJECT_REASON_DTYPE, f"layer {i} {t.name}: unsupported dtype {t_dtype}")
-            expected_dtype = "uint32" if t.name.endswith("packed") else dtype
-            width = expected_width(t.name, m.head_dim, layer.bits, layer.group_size)
-            if t_dtype != expected_dtype or list(t.shape) != [layer.n_kept, m.num_kv_heads, width]:
-                return bad(
-                    f"layer {i} {t.name}: {t_dtype} {list(t.shape)}, expected {expected_dtype} "
-                    f"{[layer.n_kept, m.num_kv_heads, width]}"
-                )
-            if t.nbytes != math.prod(t.shape) * ITEMSIZE[t_dtype]:
-                return bad(f"layer {i} {t.name}: {t.nbytes} bytes do not match its shape")
-            total += t.nbytes
+        if rejection := layer_problem(m, i, layer):
+            return rejection
+    total = sum(t.nbytes for t in tensor_specs(m))
     if total != m.encoding.raw_bytes:
         return bad(f"tensors hold {total} bytes, the encoding claims {m.encoding.raw_bytes}")
     if m.encoding.chunk_count != chunk_count(m):
         return bad(f"{m.encoding.chunk_count} chunks announced, the tensors make {chunk_count(m)}")
     if m.encoding.payload_digest and len(m.encoding.payload_digest) != DIGEST_BYTES:
         return bad(f"the payload digest must be {DIGEST_BYTES} bytes")
+    return None
+
+
+def layer_problem(m: pb.CacheManifest, i: int, layer: pb.LayerSpec) -> Rejection | None:
+    """What is wrong with one layer's spec, checked against the manifest's geometry."""
+
+    def bad(message: str) -> Rejection:
+        return Rejection(pb.REJECT_REASON_MALFORMED, f"layer {i}: {message}")
+
+    if layer.kind not in (*TENSOR_NAMES, pb.CACHE_KIND_ARRAYS):
+        return Rejection(pb.REJECT_REASON_CACHE_CLASS, f"layer {i}: unsupported cache kind {kind_name(layer.kind)}")
+    if layer.offset != m.prefix.num_tokens or layer.n_kept > layer.offset:
+        return bad(f"{layer.n_kept} kept of offset {layer.offset}, prefix has {m.prefix.num_tokens} tokens")
+    if layer.kind == pb.CACHE_KIND_ARRAYS:
+        return arrays_problem(i, layer, bad)
+    names = TENSOR_NAMES[layer.kind]
+    if layer.kind == pb.CACHE_KIND_ROTATING_KV and (
+        not 0 <= layer.keep < layer.window or layer.n_kept != min(layer.offset, layer.window)
+    ):
+        return bad(f"a window of {layer.window} (keep {layer.keep}) at offset {layer.offset} holding {layer.n_kept}")
+    quantized = layer.kind == pb.CACHE_KIND_SPARSE_QUANTIZED_KV
+    if quantized and (layer.bits not in (2, 3, 4, 5, 6, 8) or layer.group_size not in (32, 64, 128)):
+        return bad(f"quantization bits={layer.bits} group_size={layer.group_size}")
+    if [t.name for t in layer.tensors] != list(names):
+        return bad(f"tensors {[t.name for t in layer.tensors]}, expected {list(names)}")
+    dtype = dtype_name(m.dtype)
+    for t in layer.tensors:
+        t_dtype = tensor_dtype(t)
+        if t_dtype not in ITEMSIZE:
+            return Rejection(pb.REJECT_REASON_DTYPE, f"layer {i} {t.name}: unsupported dtype {t_dtype}")
+        expected_dtype = "uint32" if t.name.endswith("packed") else dtype
+        width = expected_width(t.name, m.head_dim, layer.bits, layer.group_size)
+        if t_dtype != expected_dtype or list(t.shape) != [layer.n_kept, m.num_kv_heads, width]:
+            return bad(
+                f"{t.name}: {t_dtype} {list(t.shape)}, expected {expected_dtype} "
+                f"{[layer.n_kept, m.num_kv_heads, width]}"
+            )
+        if t.nbytes != math.prod(t.shape) * ITEMSIZE[t_dtype]:
+            return bad(f"{t.name}: {t.nbytes} bytes do not match its shape")
+    return None
+
+
+def arrays_problem(i: int, layer: pb.LayerSpec, bad: Callable[[str], Rejection]) -> Rejection | None:
+    """A recurrent layer: state.0..state.N-1 of float dtypes, each 1 to 4 axes, no positions."""
+    if layer.n_kept or not 1 <= len(layer.tensors) <= MAX_STATE_ARRAYS:
+        return bad(f"a recurrent layer of {len(layer.tensors)} arrays and {layer.n_kept} positions")
+    if [t.name for t in layer.tensors] != state_names(len(layer.tensors)):
+        return bad(f"tensors {[t.name for t in layer.tensors]}, expected {state_names(len(layer.tensors))}")
+    for t in layer.tensors:
+        t_dtype = tensor_dtype(t)
+        if t_dtype not in ITEMSIZE or t_dtype == "uint32":
+            return Rejection(
+                pb.REJECT_REASON_DTYPE, f"layer {i} {t.name}: unsupported dtype {t_dtype} for recurrent state"
+            )
+        if not 1 <= len(t.shape) <= 4 or min(t.shape) < 1 or t.nbytes != math.prod(t.shape) * ITEMSIZE[t_dtype]:
+            return bad(f"{t.name}: {t_dtype} {list(t.shape)} in {t.nbytes} bytes")
     return None
 
 

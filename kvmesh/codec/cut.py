@@ -7,8 +7,9 @@ as they are (their checksums stay valid) and re-encodes only that last, partial 
 the payload digest is recomputed from the chunks' (length, checksum) pairs. Nothing is stored and
 no MLX array is made: a server streams the cut as it reads its file.
 
-Only a cache that evicted nothing has every position of a shorter prefix; the cut is block-aligned
-so that its prefix hash is one of the cache's block hashes.
+Only a cache whose every layer holds every position has a shorter prefix (no eviction, no window
+that dropped tokens, no recurrent state); the cut is block-aligned so that its prefix hash is one
+of the cache's block hashes.
 """
 
 from collections.abc import Callable, Iterable, Iterator
@@ -17,7 +18,7 @@ import numpy as np
 import xxhash
 
 from kvmesh.codec.chunks import ChunkChecker, compressor, payload_digest, shuffle
-from kvmesh.codec.manifest import ITEMSIZE, chunk_count, chunk_plan, content_id, evicts_nothing, tensor_dtype
+from kvmesh.codec.manifest import ITEMSIZE, chunk_count, chunk_plan, content_id, tensor_dtype, uncuttable_reason
 from kvmesh.codec.prefix import PrefixKey
 from kvmesh.errors import IntegrityError
 from kvmesh.v1 import cache_pb2 as pb
@@ -29,8 +30,8 @@ Records = Callable[[], Iterable[bytes]]
 def can_cut(manifest: pb.CacheManifest, num_tokens: int) -> str | None:
     """None if `num_tokens` is a prefix this cache can be cut to, else why not."""
     block = manifest.prefix.block_size
-    if not evicts_nothing(manifest):
-        return "it evicted tokens, so it serves only its exact prefix"
+    if why := uncuttable_reason(manifest):
+        return f"it serves only its exact prefix of {manifest.prefix.num_tokens} tokens: {why}"
     if num_tokens % block or not 0 < num_tokens < manifest.prefix.num_tokens:
         return f"shorter prefixes are cut at multiples of {block} tokens below {manifest.prefix.num_tokens}"
     return None

@@ -1,4 +1,8 @@
-"""Chunks back into sparse MLX caches, written straight into preallocated buffers.
+"""Chunks back into MLX caches, written straight into preallocated buffers.
+
+Each layer is rebuilt as the class mlx-lm's model code expects of it: full attention as kvmesh's
+sparse caches (mlx-lm's KVCache cannot hold evicted positions), sliding windows as RotatingKVCache,
+recurrent state as ArraysCache.
 
 The decoder writes each chunk into per-tensor MLX buffers through their zero-copy numpy views, so
 decoding needs about one copy of the cache in memory, never the whole encoded payload.
@@ -9,25 +13,26 @@ from collections.abc import Iterable, Iterator
 import mlx.core as mx
 import numpy as np
 
+from kvmesh.caches.kinds import arrays_from_state, window_from_arrays
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
-from kvmesh.codec.arrays import DTYPES, UINT_OF_SIZE, uint_view
+from kvmesh.codec.arrays import DTYPES, UINT_OF_SIZE, Layer, mlx_shape, uint_view, write_rows
 from kvmesh.codec.chunks import ChunkChecker
-from kvmesh.codec.manifest import ITEMSIZE, tensor_dtype
+from kvmesh.codec.manifest import ITEMSIZE, tensor_dtype, token_major
 from kvmesh.v1 import cache_pb2 as pb
-
-SparseLayer = SparseKVCache | SparseQuantizedKVCache
 
 
 class CacheDecoder:
-    """Rebuilds sparse caches from checked chunks, written straight into preallocated buffers."""
+    """Rebuilds caches from checked chunks, written straight into preallocated buffers."""
 
     def __init__(self, manifest: pb.CacheManifest):
         self.manifest = manifest
         self.checker = ChunkChecker(manifest)
+        kinds = [layer.kind for layer in manifest.layers for _ in layer.tensors]
+        self.layouts = [token_major(kind) for kind in kinds]
         self.buffers: list[mx.array] = []
-        for spec in self.checker.specs:
-            n, heads, width = spec.shape
-            self.buffers.append(mx.zeros((1, heads, n, width), UINT_OF_SIZE[ITEMSIZE[tensor_dtype(spec)]]))
+        for spec, layer_kind in zip(self.checker.specs, kinds, strict=True):
+            shape = mlx_shape(layer_kind, list(spec.shape))
+            self.buffers.append(mx.zeros(shape, UINT_OF_SIZE[ITEMSIZE[tensor_dtype(spec)]]))
         mx.eval(self.buffers)
         self.views = [uint_view(b)[0] for b in self.buffers]
 
@@ -46,34 +51,37 @@ class CacheDecoder:
 
     def _write(self, chunk: pb.Chunk, raw: bytes | np.ndarray) -> None:
         slot = self.checker.plan[chunk.index]
-        view = self.views[slot.tensor]
-        rows = np.frombuffer(raw, dtype=view.dtype).reshape(-1, view.shape[0], view.shape[2])
-        r0 = slot.byte_offset // slot.row_bytes
-        view[:, r0 : r0 + rows.shape[0], :] = rows.transpose(1, 0, 2)
+        write_rows(self.views[slot.tensor], self.layouts[slot.tensor], slot.byte_offset // slot.row_bytes, raw)
 
-    def finish(self, trailer_digest: bytes | None = None) -> list[SparseLayer]:
+    def finish(self, trailer_digest: bytes | None = None) -> list[Layer]:
         """Check the payload is complete and intact, then hand over the caches."""
         self.checker.finish(trailer_digest)
-        caches: list[SparseLayer] = []
+        caches: list[Layer] = []
         tensors = iter(zip(self.checker.specs, self.buffers, strict=True))
         for layer in self.manifest.layers:
             arrays = [buf.view(DTYPES[tensor_dtype(spec)]) for spec, buf in (next(tensors) for _ in layer.tensors)]
-            if layer.kind == pb.CACHE_KIND_SPARSE_QUANTIZED_KV:
-                caches.append(
-                    SparseQuantizedKVCache.from_arrays(
-                        tuple(arrays[:3]), tuple(arrays[3:]), layer.offset, layer.group_size, layer.bits
-                    )
-                )
-            else:
-                caches.append(SparseKVCache.from_arrays(arrays[0], arrays[1], layer.offset))
+            caches.append(rebuild_layer(layer, arrays))
         self.buffers, self.views = [], []
         return caches
 
 
+def rebuild_layer(layer: pb.LayerSpec, arrays: list[mx.array]) -> Layer:
+    """One layer's cache object from its decoded tensors (in manifest order)."""
+    if layer.kind == pb.CACHE_KIND_SPARSE_QUANTIZED_KV:
+        return SparseQuantizedKVCache.from_arrays(
+            tuple(arrays[:3]), tuple(arrays[3:]), layer.offset, layer.group_size, layer.bits
+        )
+    if layer.kind == pb.CACHE_KIND_ROTATING_KV:
+        return window_from_arrays(arrays[0], arrays[1], layer.offset, layer.window, layer.keep)
+    if layer.kind == pb.CACHE_KIND_ARRAYS:
+        return arrays_from_state(arrays)
+    return SparseKVCache.from_arrays(arrays[0], arrays[1], layer.offset)
+
+
 def decode_chunks(
     manifest: pb.CacheManifest, chunks: Iterable[pb.Chunk], trailer_digest: bytes | None = None, threads: int = 1
-) -> list[SparseLayer]:
-    """The sparse caches a manifest and its chunks describe, every chunk and the digest verified.
+) -> list[Layer]:
+    """The caches a manifest and its chunks describe, every chunk and the digest verified.
 
     With a store: `decode_chunks(store.manifest(cache_id), store.chunks(cache_id))`.
     """

@@ -1,4 +1,4 @@
-"""Sparse MLX caches into a manifest and chunks.
+"""MLX caches (sparse attention, sliding-window and recurrent layers) into a manifest and chunks.
 
 `encode_cache` is how a cache enters the store or the wire: `store.add(*encode_cache(...))`. Every
 encoding choice is one `EncodeOptions`.
@@ -12,10 +12,11 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 import xxhash
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from kvmesh.caches.presses import Press
-from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
-from kvmesh.codec.arrays import KIND_OF_CLASS, layer_tensors, mlx_dtype_name, uint_view
+from kvmesh.caches.sparse import SparseQuantizedKVCache
+from kvmesh.codec.arrays import Layer, layer_kind, layer_tensors, mlx_dtype_name, rows_of, uint_view, wire_shape
 from kvmesh.codec.chunks import compressor, ordered_map, payload_digest, shuffle
 from kvmesh.codec.manifest import (
     CODECS,
@@ -25,15 +26,15 @@ from kvmesh.codec.manifest import (
     chunk_count,
     chunk_plan,
     press_config_to_proto,
+    state_names,
     tensor_dtype,
     tensor_specs,
+    token_major,
 )
 from kvmesh.codec.prefix import PrefixKey
 from kvmesh.model.fingerprint import ModelFingerprint, dtype_to_proto
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.versions import SCHEMA_VERSION
-
-SparseLayer = SparseKVCache | SparseQuantizedKVCache
 
 
 @dataclass(frozen=True)
@@ -64,37 +65,46 @@ class Encoded(NamedTuple):
     chunks: Iterator[pb.Chunk]
 
 
-def layer_spec(layer: SparseLayer) -> pb.LayerSpec:
-    kind = KIND_OF_CLASS.get(type(layer))
-    if kind is None:
-        raise TypeError(f"only sparse caches are shared, not {type(layer).__name__}")
-    spec = pb.LayerSpec(kind=kind, n_kept=layer.n_kept, offset=layer.offset)
+def layer_spec(layer: Layer, num_tokens: int) -> pb.LayerSpec:
+    """What one layer stores; a recurrent layer records no token count, so it gets the prefix's."""
+    kind = layer_kind(layer)
+    tensors = layer_tensors(layer)
+    if isinstance(layer, ArraysCache):
+        spec = pb.LayerSpec(kind=kind, n_kept=0, offset=num_tokens)
+        names = state_names(len(tensors))
+    else:
+        spec = pb.LayerSpec(kind=kind, n_kept=tensors[0].shape[2], offset=layer.offset)
+        names = list(TENSOR_NAMES[kind])
     if isinstance(layer, SparseQuantizedKVCache):
         spec.bits, spec.group_size = layer.bits, layer.group_size
-    for tensor_name, t in zip(TENSOR_NAMES[kind], layer_tensors(layer), strict=True):
-        _, heads, n, width = t.shape
+    if isinstance(layer, RotatingKVCache):
+        spec.window, spec.keep = layer.max_size, layer.keep
+    for tensor_name, t in zip(names, tensors, strict=True):
+        if t.shape[0] != 1:
+            raise ValueError(f"only caches of one sequence are shared, not a batch of {t.shape[0]}")
         spec.tensors.add(
-            name=tensor_name, dtype=dtype_to_proto(mlx_dtype_name(t.dtype)), shape=[n, heads, width], nbytes=t.nbytes
+            name=tensor_name, dtype=dtype_to_proto(mlx_dtype_name(t.dtype)), shape=wire_shape(kind, t), nbytes=t.nbytes
         )
     return spec
 
 
 def build_manifest(
-    cache: Sequence[SparseLayer],
+    cache: Sequence[Layer],
     model: ModelFingerprint,
     prefix: PrefixKey,
     press: Press,
     options: EncodeOptions | None = None,
     node_id: str = "",
 ) -> pb.CacheManifest:
-    """The manifest of a sparse cache, complete except for what encoding it tells (sizes, digest, id)."""
-    if prefix.num_tokens != cache[0].offset:
-        raise ValueError(f"the prefix has {prefix.num_tokens} tokens, the cache {cache[0].offset}")
+    """The manifest of a cache, complete except for what encoding it tells (sizes, digest, id)."""
     options = options or EncodeOptions()
-    layers = [layer_spec(c) for c in cache]
-    float_dtypes = {tensor_dtype(t) for layer in layers for t in layer.tensors} - {"uint32"}
+    layers = [layer_spec(c, prefix.num_tokens) for c in cache]
+    if offsets := {layer.offset for layer in layers} - {prefix.num_tokens}:
+        raise ValueError(f"the prefix has {prefix.num_tokens} tokens, the cache {sorted(offsets)}")
+    # Attention tensors share the model's dtype; recurrent state keeps its own (often float32).
+    float_dtypes = {tensor_dtype(t) for layer in layers if token_major(layer.kind) for t in layer.tensors} - {"uint32"}
     if len(float_dtypes) != 1:
-        raise ValueError(f"a cache must have one float dtype, found {sorted(float_dtypes)}")
+        raise ValueError(f"a cache's attention layers must have one float dtype, found {sorted(float_dtypes)}")
     dtype = float_dtypes.pop()
     byte_shuffle = dtype == "bfloat16" if options.byte_shuffle is None else options.byte_shuffle
     zstd = options.codec == "zstd"
@@ -103,7 +113,7 @@ def build_manifest(
         model=model.to_proto(),
         prefix=prefix.to_proto(),
         num_layers=len(layers),
-        num_kv_heads=layers[0].tensors[0].shape[1],
+        num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         dtype=dtype_to_proto(dtype),
         layers=layers,
@@ -123,13 +133,14 @@ def build_manifest(
     return manifest
 
 
-def encode_chunks(cache: Sequence[SparseLayer], manifest: pb.CacheManifest, threads: int = 2) -> Iterator[pb.Chunk]:
+def encode_chunks(cache: Sequence[Layer], manifest: pb.CacheManifest, threads: int = 2) -> Iterator[pb.Chunk]:
     """The payload of `cache` as chunks, following `manifest` (from build_manifest).
 
     Fills in the manifest's encoded size and payload digest once the last chunk is out.
     """
     encoding = manifest.encoding
     tensors = [t for layer in cache for t in layer_tensors(layer)]
+    layouts = [token_major(layer.kind) for layer in manifest.layers for _ in layer.tensors]
     specs = tensor_specs(manifest)
     views: dict[int, np.ndarray] = {}
 
@@ -140,9 +151,8 @@ def encode_chunks(cache: Sequence[SparseLayer], manifest: pb.CacheManifest, thre
             t = mx.contiguous(tensors[slot.tensor])
             mx.eval(t)
             views[slot.tensor] = uint_view(t)[0]
-        view = views[slot.tensor]
         r0, rows = slot.byte_offset // slot.row_bytes, slot.raw_length // slot.row_bytes
-        return np.ascontiguousarray(view[:, r0 : r0 + rows, :].transpose(1, 0, 2))
+        return rows_of(views[slot.tensor], layouts[slot.tensor], r0, rows)
 
     def encode(item: tuple[int, ChunkSlot, np.ndarray]) -> pb.Chunk:
         index, slot, raw = item
@@ -176,14 +186,14 @@ def encode_chunks(cache: Sequence[SparseLayer], manifest: pb.CacheManifest, thre
 
 
 def encode_cache(
-    cache: Sequence[SparseLayer],
+    cache: Sequence[Layer],
     model: ModelFingerprint,
     tokens: Sequence[int] | PrefixKey,
     press: Press | None = None,
     options: EncodeOptions | None = None,
     node_id: str = "",
 ) -> Encoded:
-    """A sparse cache of the prefix `tokens`, made by `model` and compressed by `press`, encoded."""
+    """A cache of the prefix `tokens`, made by `model` and compressed by `press`, encoded."""
     options = options or EncodeOptions()
     prefix = tokens if isinstance(tokens, PrefixKey) else PrefixKey.of(tokens)
     manifest = build_manifest(cache, model, prefix, press or Press(), options, node_id)

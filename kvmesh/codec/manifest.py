@@ -1,8 +1,9 @@
 """Manifests: everything a receiver needs to accept or refuse a cache before any tensor byte.
 
-Tensors are described token-major ([n_kept, kv_heads, width]) because that is how they travel: a
-chunk holds whole token rows of one tensor, so the first m tokens of a dense cache are a prefix of
-each tensor's chunks, and a store can serve a shorter prefix without decoding the rest.
+Attention tensors are described token-major ([n_kept, kv_heads, width]) because that is how they
+travel: a chunk holds whole rows of one tensor, so the first m tokens of a dense cache are a prefix
+of each tensor's chunks, and a store can serve a shorter prefix without decoding the rest. The
+arrays of recurrent layers travel as they are, rows along their first axis.
 
 This module reads manifests and needs no MLX (the store, server and daemon use it); building one
 from MLX caches is `kvmesh.codec.encode`'s job.
@@ -16,13 +17,16 @@ from kvmesh.model.fingerprint import dtype_name
 from kvmesh.v1 import cache_pb2 as pb
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "uint32": 4}
-# The tensors each cache kind stores, in manifest order.
+# The tensors each attention cache kind stores, in manifest order (recurrent layers: `state_names`).
 TENSOR_NAMES: dict[int, tuple[str, ...]] = {
     pb.CACHE_KIND_SPARSE_KV: ("keys", "values"),
     pb.CACHE_KIND_SPARSE_QUANTIZED_KV: tuple(
         f"{role}.{part}" for role in ("keys", "values") for part in ("packed", "scales", "biases")
     ),
+    pb.CACHE_KIND_ROTATING_KV: ("keys", "values"),
 }
+# At most this many arrays in one recurrent layer (mlx-lm's models use 1 to 4).
+MAX_STATE_ARRAYS = 8
 CODECS = {"none": pb.CODEC_NONE, "zstd": pb.CODEC_ZSTD}
 CODEC_NAMES = {v: k for k, v in CODECS.items()}
 
@@ -32,6 +36,16 @@ def kind_name(kind: int) -> str:
     if kind in pb.CacheKind.values():
         return pb.CacheKind.Name(kind).removeprefix("CACHE_KIND_").lower()
     return f"unknown({kind})"
+
+
+def state_names(n: int) -> list[str]:
+    """The tensor names of a recurrent layer of `n` arrays: state.0, state.1, ..."""
+    return [f"state.{i}" for i in range(n)]
+
+
+def token_major(kind: int) -> bool:
+    """Attention layers store positions, token-major; recurrent layers store arrays as they are."""
+    return kind != pb.CACHE_KIND_ARRAYS
 
 
 def tensor_dtype(t: pb.TensorSpec) -> str:
@@ -90,9 +104,43 @@ def content_id(manifest: pb.CacheManifest) -> str:
     return hashlib.sha256(stable.SerializeToString(deterministic=True)).hexdigest()[:32]
 
 
-def evicts_nothing(manifest: pb.CacheManifest) -> bool:
-    """A cache that keeps every position can also serve any shorter prefix of itself."""
-    return all(layer.n_kept == layer.offset for layer in manifest.layers)
+def uncuttable_reason(manifest: pb.CacheManifest) -> str | None:
+    """Why the cache serves only its exact prefix, or None when any shorter one can be cut from it.
+
+    A shorter prefix needs every layer to hold every position of it.
+    """
+    for i, layer in enumerate(manifest.layers):
+        if layer.kind == pb.CACHE_KIND_ARRAYS:
+            return f"layer {i} is recurrent state, which folds in every token and cannot be cut back"
+        if layer.n_kept != layer.offset:
+            if layer.kind == pb.CACHE_KIND_ROTATING_KV:
+                return f"layer {i}'s sliding window of {layer.window} has dropped earlier tokens"
+            return f"layer {i} evicted tokens"
+    return None
+
+
+def cuttable(manifest: pb.CacheManifest) -> bool:
+    """Can the cache serve any shorter (block-aligned) prefix of itself?"""
+    return uncuttable_reason(manifest) is None
+
+
+def layer_report(manifest: pb.CacheManifest) -> list[dict[str, Any]]:
+    """What each layer holds, for people: its kind, the positions it kept of the prefix (or the
+    shapes of its recurrent arrays), its quantization and bytes."""
+    report = []
+    for i, layer in enumerate(manifest.layers):
+        row: dict[str, Any] = {"layer": i, "kind": kind_name(layer.kind)}
+        if token_major(layer.kind):
+            row.update(kept=layer.n_kept, of=layer.offset)
+        else:
+            row["arrays"] = [list(t.shape) for t in layer.tensors]
+        if layer.kind == pb.CACHE_KIND_ROTATING_KV:
+            row.update(window=layer.window, keep=layer.keep)
+        if layer.bits:
+            row.update(bits=layer.bits, group_size=layer.group_size)
+        row["bytes"] = sum(t.nbytes for t in layer.tensors)
+        report.append(row)
+    return report
 
 
 def press_config_to_proto(config: dict[str, Any]) -> pb.PressConfig:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
+from kvmesh.caches.kinds import cached_tokens, check_supported, snapshot
 from kvmesh.caches.presses import Press, QuantizePress
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache, sparse_from_dense
 from kvmesh.codec.decode import decode_chunks
@@ -44,27 +45,43 @@ def import_prompt_cache(
         raise KvmeshError(f"{path}: not an mlx-lm prompt cache: {e}") from e
     if len(cache) != model.num_layers:
         raise KvmeshError(f"{path}: {len(cache)} layers, the model has {model.num_layers}")
-    sparse = [c if isinstance(c, (SparseKVCache, SparseQuantizedKVCache)) else sparse_from_dense(c) for c in cache]
-    if sparse[0].offset != len(tokens):
-        raise KvmeshError(f"{path}: the cache holds {sparse[0].offset} tokens, the prompt has {len(tokens)}")
-    first = sparse[0]
+    dense = [c for c in cache if not isinstance(c, (SparseKVCache, SparseQuantizedKVCache))]
+    check_supported(dense)
+    if cached_tokens(cache) != len(tokens):
+        raise KvmeshError(f"{path}: the cache holds {cached_tokens(cache)} tokens, the prompt has {len(tokens)}")
+    layers = [as_shared(c) for c in cache]
     press = Press()
-    if isinstance(first, SparseQuantizedKVCache):
-        press = QuantizePress(kv_bits=first.bits, kv_group_size=first.group_size)
-    return store.add(*encode_cache(sparse, model, tokens, press, options or EncodeOptions()))
+    if quantized := [c for c in layers if isinstance(c, SparseQuantizedKVCache)]:
+        press = QuantizePress(kv_bits=quantized[0].bits, kv_group_size=quantized[0].group_size)
+    return store.add(*encode_cache(layers, model, tokens, press, options or EncodeOptions()))
+
+
+def as_shared(layer):
+    """A layer of an mlx-lm file as kvmesh shares it (full attention made sparse, the rest as is)."""
+    if isinstance(layer, (SparseKVCache, SparseQuantizedKVCache)):
+        return layer
+    if isinstance(layer, (KVCache, QuantizedKVCache)):
+        return sparse_from_dense(layer)
+    return snapshot(layer)
 
 
 def export_prompt_cache(store: CacheStore, cache_id: str, path: Path | str, model_path: str) -> Path:
     """Write an entry as an mlx-lm prompt-cache file for the model at `model_path` (or hub id).
 
-    A cache that evicted nothing becomes mlx-lm's own KVCache/QuantizedKVCache, usable by
-    `mlx_lm.generate --prompt-cache-file` as is. An evicted cache keeps kvmesh's sparse classes:
-    a process reads it after `import kvmesh.caches.sparse`.
+    Every layer becomes one of mlx-lm's own classes (KVCache, QuantizedKVCache, RotatingKVCache,
+    ArraysCache), so `mlx_lm.generate --prompt-cache-file` uses the file as is. A cache with evicted
+    positions has no such form (mlx-lm's KVCache cannot hold them) and is refused, naming what does
+    use it.
     """
     manifest = store.manifest(cache_id)
-    cache = decode_chunks(manifest, store.chunks(cache_id))
-    if all(c.n_kept == c.offset for c in cache):
-        cache = [_as_mlx_lm(c) for c in cache]
+    full_attention = (pb.CACHE_KIND_SPARSE_KV, pb.CACHE_KIND_SPARSE_QUANTIZED_KV)
+    if any(layer.kind in full_attention and layer.n_kept != layer.offset for layer in manifest.layers):
+        raise KvmeshError(
+            f"cache {cache_id} evicted tokens ({manifest.compression.method}), which mlx-lm's own caches cannot "
+            "hold: use it with `kvmesh generate` or `kvmesh serve`, keep it as a file with `kvmesh cache export`, "
+            "or export a cache made without eviction (--method full or quantize)"
+        )
+    cache = [_as_mlx_lm(c) for c in decode_chunks(manifest, store.chunks(cache_id))]
     metadata = {
         "model": model_path,
         "tokenizer_config": json.dumps({}),
@@ -76,8 +93,9 @@ def export_prompt_cache(store: CacheStore, cache_id: str, path: Path | str, mode
 
 
 def _as_mlx_lm(layer):
-    quantized = isinstance(layer, SparseQuantizedKVCache)
-    dense = QuantizedKVCache(layer.group_size, layer.bits) if quantized else KVCache()
+    if not isinstance(layer, (SparseKVCache, SparseQuantizedKVCache)):
+        return layer  # sliding windows and recurrent state are mlx-lm's own classes already
+    dense = QuantizedKVCache(layer.group_size, layer.bits) if isinstance(layer, SparseQuantizedKVCache) else KVCache()
     dense.keys, dense.values = layer.keys_and_values()
     dense.offset = layer.offset
     return dense

@@ -3,7 +3,8 @@
 `kvmesh.model.testmodels` builds them; the CLI lists them without importing MLX.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class Preset:
     dtype: str
     rope_theta: float = 500000.0
     max_position_embeddings: int = 8192
+    # Config keys of the family beyond the common ones (windows, linear-attention sizes, ...).
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 PRESETS = {
@@ -49,6 +52,69 @@ PRESETS = {
         512,
         "float32",
         rope_theta=1000000.0,
+    ),
+    "tiny-gemma3": Preset(
+        "gemma3_text, 4 layers alternating a 32-token sliding window (RotatingKVCache) and global attention",
+        "gemma3_text",
+        128,
+        4,
+        256,
+        2,
+        1,
+        64,
+        512,
+        "float32",
+        rope_theta=1000000.0,
+        extra={
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 32,
+            "sliding_window_pattern": 2,
+            "rope_local_base_freq": 10000.0,
+        },
+    ),
+    "tiny-qwen3.5": Preset(
+        "qwen3_5 hybrid, 4 layers alternating gated-delta linear attention (ArraysCache) and full attention",
+        "qwen3_5",
+        128,
+        4,
+        256,
+        2,
+        1,
+        64,
+        512,
+        "float32",
+        extra={
+            "linear_num_value_heads": 2,
+            "linear_num_key_heads": 1,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 2,
+            "rope_parameters": {"type": "default", "rope_theta": 100000, "partial_rotary_factor": 0.25},
+        },
+    ),
+    "tiny-lfm2": Preset(
+        "lfm2 hybrid, 4 layers alternating short convolutions (ArraysCache) and full attention",
+        "lfm2",
+        128,
+        4,
+        256,
+        2,
+        1,
+        64,
+        512,
+        "float32",
+        extra={
+            "norm_eps": 1e-5,
+            "conv_bias": False,
+            "conv_L_cache": 3,
+            "block_dim": 128,
+            "block_multiple_of": 16,
+            "block_ffn_dim_multiplier": 1.0,
+            "block_auto_adjust_ff_dim": False,
+            "block_ff_dim": 256,
+            "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        },
     ),
     "small": Preset(
         "llama with Llama-3.2-1B KV geometry (16 layers, 8 kv heads of 64), narrower hidden size: for benchmarks",

@@ -34,6 +34,7 @@ def preset_config(preset: Preset) -> dict:
     """The config.json of a preset, as mlx-lm and transformers expect it."""
     config = asdict(preset)
     del config["description"], config["dtype"]
+    config.update(config.pop("extra"))
     config.update(
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvmesh.codec.arrays import Layer
 from kvmesh.codec.compat import ReceiverProfile, check_manifest
-from kvmesh.codec.decode import CacheDecoder, SparseLayer
+from kvmesh.codec.decode import CacheDecoder
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, prefix_sha256
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
 from kvmesh.net.credentials import MeshCredentials
@@ -42,7 +43,7 @@ class Fetched:
     """A fetched cache, ready to generate from, and what getting it cost."""
 
     manifest: pb.CacheManifest
-    cache: list[SparseLayer]
+    cache: list[Layer]
     seconds: float
     wire_bytes: int
     # Whether it was also kept in the local store.
@@ -134,7 +135,7 @@ class PeerClient:
         for c in response.candidates:
             if c.num_tokens <= len(tokens) and prefix_sha256(tokens[: c.num_tokens]) == c.prefix_sha256:
                 matches.append(Match(c, c.num_tokens))
-            elif c.evicts_nothing and c.matched_tokens:
+            elif c.cuttable and c.matched_tokens:
                 matches.append(Match(c, c.matched_tokens))
         return sorted(matches, key=lambda m: -m.tokens)
 

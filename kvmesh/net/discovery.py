@@ -7,7 +7,10 @@ again (after a partition heals). The advert carries only ids and a port; what a 
 over gRPC.
 """
 
+import contextlib
+import ipaddress
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -106,6 +109,31 @@ def routable_addresses(interfaces: Sequence[str] | None) -> list[str]:
     return found
 
 
+def dial_address(address: str, port: int) -> str | None:
+    """The `host:port` to dial an address a peer advertised, or None when it cannot be dialled.
+
+    An IPv6 link-local address (fe80::/10) exists on every link at once, so it means something only
+    with its scope, the interface it was heard on: zeroconf appends that as `%<interface index>`
+    when it knows it, and the interface's name is put there (gRPC takes either; names read better
+    in logs). Without a scope it is left out.
+    """
+    host, _, scope = address.partition("%")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.version == 4:
+        return f"{host}:{port}"
+    if ip.is_link_local:
+        if not scope:
+            return None
+        if scope.isdigit():
+            with contextlib.suppress(OSError):
+                scope = socket.if_indextoname(int(scope))
+        return f"[{host}%{scope}]:{port}"
+    return f"[{host}]:{port}"
+
+
 class Discovery:
     """Advertise this node and keep a PeerTable of the others found by mDNS."""
 
@@ -156,9 +184,11 @@ class Discovery:
         if props.get("pv") != str(PROTOCOL_VERSION):
             log.warning("ignoring %s: protocol %s, this node speaks %d", node_id, props.get("pv"), PROTOCOL_VERSION)
             return
-        addresses = tuple(
-            f"[{a}]:{info.port}" if ":" in a else f"{a}:{info.port}" for a in info.parsed_scoped_addresses()
-        )
+        dialable = (dial_address(a, info.port) for a in info.parsed_scoped_addresses())
+        addresses = tuple(a for a in dialable if a is not None)
+        if not addresses:
+            log.warning("ignoring %s: none of its addresses can be dialled", node_id)
+            return
         self.table.upsert(Peer(props.get("id", node_id), addresses, "mdns", props.get("v", "")))
 
     def stop(self) -> None:

@@ -206,14 +206,14 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             blocks = matched.get(e.cache_id, 0)
             # An entry whose every complete block matches may hold exactly the requester's prefix
             # (the requester checks prefix_sha256); one that evicted nothing serves its matched blocks.
-            if blocks < e.num_tokens // BLOCK_SIZE and not (e.evicts_nothing and blocks):
+            if blocks < e.num_tokens // BLOCK_SIZE and not (e.cuttable and blocks):
                 continue
             response.candidates.add(
                 cache_id=e.cache_id,
                 num_tokens=e.num_tokens,
                 prefix_sha256=e.prefix_sha256,
                 matched_tokens=min(blocks * BLOCK_SIZE, e.num_tokens),
-                evicts_nothing=e.evicts_nothing,
+                cuttable=e.cuttable,
                 method=e.method,
                 raw_bytes=e.raw_bytes,
                 stored_bytes=e.file_bytes,
@@ -228,11 +228,16 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         opened = first.open
         self.counters.add("fetches_started")
         with self._transfer(peer, context):
-            manifest, records = self._open_cache(opened, context)
+            found = self._open_cache(opened, context)
             profile = profile_from_proto(opened.profile) if opened.HasField("profile") else None
-            if profile and (rejection := check_manifest(manifest, profile)):
+            if isinstance(found, Rejection):
+                rejection: Rejection | None = found
+            else:
+                manifest, records = found
+                rejection = check_manifest(manifest, profile) if profile else None
+            if rejection:
                 self.counters.add("fetches_rejected")
-                log.info("refused %s to %s: %s", manifest.cache_id, peer, rejection)
+                log.info("refused %s to %s: %s", opened.cache_id, peer, rejection)
                 yield spb.FetchResponse(refused=reject(rejection))
                 return
             yield spb.FetchResponse(manifest=manifest)
@@ -267,8 +272,9 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
 
     def _open_cache(
         self, opened: spb.FetchOpen, context: grpc.ServicerContext
-    ) -> tuple[pb.CacheManifest, Iterator[bytes]]:
-        """The manifest of what was asked for (the cache, or a prefix cut from it) and its chunk records.
+    ) -> tuple[pb.CacheManifest, Iterator[bytes]] | Rejection:
+        """The manifest of what was asked for (the cache, or a prefix cut from it) and its chunk records,
+        or why that prefix cannot be served.
 
         Reading the records starts only when the receiver has accepted.
         """
@@ -280,7 +286,9 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             if not opened.num_tokens or opened.num_tokens == manifest.prefix.num_tokens:
                 return manifest, self.store.chunk_records(cache_id)
             if why := can_cut(manifest, opened.num_tokens):
-                raise StoreError(f"cache {cache_id} cannot serve a {opened.num_tokens}-token prefix: {why}")
+                return Rejection(
+                    pb.REJECT_REASON_PREFIX, f"cache {cache_id} cannot serve a {opened.num_tokens}-token prefix: {why}"
+                )
             return cut_prefix(manifest, lambda: self.store.chunk_records(cache_id), opened.num_tokens)
         except NotFoundError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))

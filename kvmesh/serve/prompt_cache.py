@@ -21,7 +21,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from kvmesh.caches.sparse import sparse_from_dense, stored_nbytes
+from kvmesh.caches.kinds import cached_tokens
+from kvmesh.caches.presses import Press
+from kvmesh.caches.sparse import stored_nbytes
 from kvmesh.codec.encode import encode_cache
 from kvmesh.errors import KvmeshError
 from kvmesh.generation import find_prefix
@@ -109,13 +111,13 @@ class MeshPromptCache:
         cache = copy.deepcopy(self._memory[best_key][0])
         if best < len(best_key):
             for layer in cache:
-                layer.trim(layer.offset - best)
+                layer.trim(layer.offset - best)  # only trimmable (KVCache) layers get here
         return PrefixHit(cache, best, "memory", seconds=time.perf_counter() - start, skipped=skipped)
 
     def insert(self, tokens: Sequence[int], cache: list[Any]) -> tuple[int, ...]:
         """Keep the cache of `tokens` (its offset many) in memory after a request; returns the tokens
         it covers, for `persist`."""
-        covered = tuple(tokens[: cache[0].offset])
+        covered = tuple(tokens[: cached_tokens(cache)])
         if not covered:
             return covered
         mx.eval([c.state for c in cache])
@@ -137,7 +139,6 @@ class MeshPromptCache:
         if match is not None and match.tokens == len(tokens):
             return  # already there
         try:
-            sparse = [sparse_from_dense(c) for c in cache]
-            self.store.add(*encode_cache(sparse, self.model_fp, list(tokens)))
+            self.store.add(*encode_cache(Press().apply(cache), self.model_fp, list(tokens)))
         except KvmeshError as e:  # a full disk or a budget: memory still has it
             log.warning("not kept in the store: %s", e)

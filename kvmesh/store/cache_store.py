@@ -35,7 +35,7 @@ from typing import Protocol
 from kvmesh import paths
 from kvmesh.codec.chunks import ChunkChecker
 from kvmesh.codec.compat import validate_manifest
-from kvmesh.codec.manifest import content_id, evicts_nothing
+from kvmesh.codec.manifest import content_id, cuttable
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, prefix_sha256
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
 from kvmesh.store import entry_file
@@ -43,7 +43,7 @@ from kvmesh.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
 # Raised whenever the index's tables change; an index of another version is rebuilt from the files.
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 INDEX = "index.sqlite3"
 # `max_bytes` default: a share of the disk the store is on.
 AUTO_BUDGET = -1
@@ -67,7 +67,7 @@ class StoredEntry:
     num_tokens: int
     prefix_sha256: bytes
     method: str
-    evicts_nothing: bool
+    cuttable: bool
     raw_bytes: int
     file_bytes: int
     created_ms: int
@@ -111,14 +111,13 @@ def resolve_budget(setting: int | None, root: Path) -> int | None:
 
 
 ENTRY_COLUMNS = (
-    "cache_id, model_id, num_tokens, prefix_sha256, method, evicts_nothing, raw_bytes, file_bytes, "
-    "created_ms, last_used_ms"
+    "cache_id, model_id, num_tokens, prefix_sha256, method, cuttable, raw_bytes, file_bytes, created_ms, last_used_ms"
 )
 SCHEMA_SQL = """
     CREATE TABLE IF NOT EXISTS entries (
         cache_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, num_tokens INTEGER NOT NULL,
         prefix_sha256 BLOB NOT NULL, block_size INTEGER NOT NULL, method TEXT NOT NULL,
-        evicts_nothing INTEGER NOT NULL, raw_bytes INTEGER NOT NULL,
+        cuttable INTEGER NOT NULL, raw_bytes INTEGER NOT NULL,
         file_bytes INTEGER NOT NULL, created_ms INTEGER NOT NULL, last_used_ms INTEGER NOT NULL);
     CREATE INDEX IF NOT EXISTS entries_model ON entries (model_id);
     CREATE TABLE IF NOT EXISTS blocks (
@@ -256,7 +255,7 @@ class CacheStore:
                         manifest.prefix.sha256,
                         manifest.prefix.block_size,
                         manifest.compression.method,
-                        evicts_nothing(manifest),
+                        cuttable(manifest),
                         manifest.encoding.raw_bytes,
                         path.stat().st_size,
                         now,
@@ -454,7 +453,7 @@ class CacheStore:
     def _select(self, clause: str, args: tuple = ()) -> list[StoredEntry]:
         with self._read() as db:
             rows = db.execute(f"SELECT {ENTRY_COLUMNS} FROM entries {clause}", args).fetchall()
-        return [StoredEntry(**{**dict(row), "evicts_nothing": bool(row["evicts_nothing"])}) for row in rows]
+        return [StoredEntry(**{**dict(row), "cuttable": bool(row["cuttable"])}) for row in rows]
 
     def touch(self, cache_id: str) -> None:
         """Record a use (for LRU eviction); skipped, not failed, when the disk is full."""
@@ -539,7 +538,7 @@ class CacheStore:
             usable = 0
             if e.num_tokens <= len(tokens) and prefix_sha256(tokens[: e.num_tokens]) == e.prefix_sha256:
                 usable = e.num_tokens
-            elif e.evicts_nothing:
+            elif e.cuttable:
                 usable = min(shared.get(e.cache_id, 0) * BLOCK_SIZE, e.num_tokens)
             if usable and (best is None or usable > best.tokens or (usable == best.tokens and e.num_tokens == usable)):
                 best = PrefixMatch(e, usable)

@@ -24,6 +24,8 @@ class CacheKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CACHE_KIND_UNSPECIFIED: _ClassVar[CacheKind]
     CACHE_KIND_SPARSE_KV: _ClassVar[CacheKind]
     CACHE_KIND_SPARSE_QUANTIZED_KV: _ClassVar[CacheKind]
+    CACHE_KIND_ROTATING_KV: _ClassVar[CacheKind]
+    CACHE_KIND_ARRAYS: _ClassVar[CacheKind]
 
 class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -49,6 +51,8 @@ DIGEST_ALGORITHM_XXH3: DigestAlgorithm
 CACHE_KIND_UNSPECIFIED: CacheKind
 CACHE_KIND_SPARSE_KV: CacheKind
 CACHE_KIND_SPARSE_QUANTIZED_KV: CacheKind
+CACHE_KIND_ROTATING_KV: CacheKind
+CACHE_KIND_ARRAYS: CacheKind
 REJECT_REASON_UNSPECIFIED: RejectReason
 REJECT_REASON_SCHEMA: RejectReason
 REJECT_REASON_MODEL_CONFIG: RejectReason
@@ -89,20 +93,24 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class LayerSpec(_message.Message):
-    __slots__ = ("kind", "n_kept", "offset", "bits", "group_size", "tensors")
+    __slots__ = ("kind", "n_kept", "offset", "bits", "group_size", "tensors", "window", "keep")
     KIND_FIELD_NUMBER: _ClassVar[int]
     N_KEPT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     kind: CacheKind
     n_kept: int
     offset: int
     bits: int
     group_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, kind: _Optional[_Union[CacheKind, str]] = ..., n_kept: _Optional[int] = ..., offset: _Optional[int] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    window: int
+    keep: int
+    def __init__(self, kind: _Optional[_Union[CacheKind, str]] = ..., n_kept: _Optional[int] = ..., offset: _Optional[int] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., window: _Optional[int] = ..., keep: _Optional[int] = ...) -> None: ...
 
 class PressConfig(_message.Message):
     __slots__ = ("ratio", "budget", "kv_bits", "kv_group_size", "sinks", "window", "kernel")

@@ -26,7 +26,7 @@ from kvmesh.v1 import cache_pb2 as kvmesh_dot_v1_dot_cache__pb2
 from kvmesh.v1 import model_pb2 as kvmesh_dot_v1_dot_model__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/service.proto\x12\tkvmesh.v1\x1a\x15kvmesh/v1/cache.proto\x1a\x15kvmesh/v1/model.proto\"\r\n\x0bInfoRequest\"B\n\nStoreStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x04\"\x94\x02\n\rTransferStats\x12\x17\n\x0f\x66\x65tches_started\x18\x01 \x01(\x04\x12\x19\n\x11\x66\x65tches_completed\x18\x02 \x01(\x04\x12\x18\n\x10\x66\x65tches_rejected\x18\x03 \x01(\x04\x12\x16\n\x0e\x66\x65tches_failed\x18\x04 \x01(\x04\x12\x18\n\x10\x63hunk_bytes_sent\x18\x05 \x01(\x04\x12\x18\n\x10transfers_active\x18\x06 \x01(\r\x12\x1a\n\x12transfers_max_seen\x18\x07 \x01(\r\x12\x15\n\rtransfers_cap\x18\x08 \x01(\r\x12\x1a\n\x12publishes_accepted\x18\t \x01(\x04\x12\x1a\n\x12publishes_rejected\x18\n \x01(\x04\"\xb0\x01\n\x0cInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x11\n\tmodel_ids\x18\x04 \x03(\t\x12$\n\x05store\x18\x05 \x01(\x0b\x32\x15.kvmesh.v1.StoreStats\x12+\n\ttransfers\x18\x06 \x01(\x0b\x32\x18.kvmesh.v1.TransferStats\"K\n\rLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\xb1\x01\n\tCandidate\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x15\n\rprefix_sha256\x18\x03 \x01(\x0c\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x65victs_nothing\x18\x05 \x01(\x08\x12\x0e\n\x06method\x18\x06 \x01(\t\x12\x11\n\traw_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x08 \x01(\x04\":\n\x0eLookupResponse\x12(\n\ncandidates\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Candidate\"\xb4\x01\n\x0fReceiverProfile\x12*\n\x05model\x18\x01 \x01(\x0b\x32\x1b.kvmesh.v1.ModelFingerprint\x12 \n\x06\x63odecs\x18\x02 \x03(\x0e\x32\x10.kvmesh.v1.Codec\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14\x61\x63\x63\x65pt_other_weights\x18\x04 \x01(\x08\x12\"\n\x1a\x61\x63\x63\x65pt_other_chat_template\x18\x05 \x01(\x08\"^\n\tFetchOpen\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12+\n\x07profile\x18\x03 \x01(\x0b\x32\x1a.kvmesh.v1.ReceiverProfile\"T\n\x08\x44\x65\x63ision\x12\x0e\n\x06\x61\x63\x63\x65pt\x18\x01 \x01(\x08\x12\'\n\x06reason\x18\x02 \x01(\x0e\x32\x17.kvmesh.v1.RejectReason\x12\x0f\n\x07message\x18\x03 \x01(\t\"6\n\x07Trailer\x12\x16\n\x0epayload_digest\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_count\x18\x02 \x01(\r\"d\n\x0c\x46\x65tchRequest\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.FetchOpenH\x00\x12\'\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x42\x05\n\x03msg\"\xb6\x01\n\rFetchResponse\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.CacheManifestH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.ChunkH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.TrailerH\x00\x12&\n\x07refused\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x42\x05\n\x03msg\"\x8f\x01\n\x0ePublishRequest\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.CacheManifestH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.ChunkH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.TrailerH\x00\x42\x05\n\x03msg\"!\n\rPublishResult\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\"m\n\x0fPublishResponse\x12\'\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.PublishResultH\x00\x42\x05\n\x03msg2\x86\x02\n\x06KvMesh\x12\x37\n\x04Info\x12\x16.kvmesh.v1.InfoRequest\x1a\x17.kvmesh.v1.InfoResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12>\n\x05\x46\x65tch\x12\x17.kvmesh.v1.FetchRequest\x1a\x18.kvmesh.v1.FetchResponse(\x01\x30\x01\x12\x44\n\x07Publish\x12\x19.kvmesh.v1.PublishRequest\x1a\x1a.kvmesh.v1.PublishResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/service.proto\x12\tkvmesh.v1\x1a\x15kvmesh/v1/cache.proto\x1a\x15kvmesh/v1/model.proto\"\r\n\x0bInfoRequest\"B\n\nStoreStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x04\"\x94\x02\n\rTransferStats\x12\x17\n\x0f\x66\x65tches_started\x18\x01 \x01(\x04\x12\x19\n\x11\x66\x65tches_completed\x18\x02 \x01(\x04\x12\x18\n\x10\x66\x65tches_rejected\x18\x03 \x01(\x04\x12\x16\n\x0e\x66\x65tches_failed\x18\x04 \x01(\x04\x12\x18\n\x10\x63hunk_bytes_sent\x18\x05 \x01(\x04\x12\x18\n\x10transfers_active\x18\x06 \x01(\r\x12\x1a\n\x12transfers_max_seen\x18\x07 \x01(\r\x12\x15\n\rtransfers_cap\x18\x08 \x01(\r\x12\x1a\n\x12publishes_accepted\x18\t \x01(\x04\x12\x1a\n\x12publishes_rejected\x18\n \x01(\x04\"\xb0\x01\n\x0cInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x11\n\tmodel_ids\x18\x04 \x03(\t\x12$\n\x05store\x18\x05 \x01(\x0b\x32\x15.kvmesh.v1.StoreStats\x12+\n\ttransfers\x18\x06 \x01(\x0b\x32\x18.kvmesh.v1.TransferStats\"K\n\rLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\xab\x01\n\tCandidate\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x15\n\rprefix_sha256\x18\x03 \x01(\x0c\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\x04\x12\x10\n\x08\x63uttable\x18\x05 \x01(\x08\x12\x0e\n\x06method\x18\x06 \x01(\t\x12\x11\n\traw_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x08 \x01(\x04\":\n\x0eLookupResponse\x12(\n\ncandidates\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Candidate\"\xb4\x01\n\x0fReceiverProfile\x12*\n\x05model\x18\x01 \x01(\x0b\x32\x1b.kvmesh.v1.ModelFingerprint\x12 \n\x06\x63odecs\x18\x02 \x03(\x0e\x32\x10.kvmesh.v1.Codec\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14\x61\x63\x63\x65pt_other_weights\x18\x04 \x01(\x08\x12\"\n\x1a\x61\x63\x63\x65pt_other_chat_template\x18\x05 \x01(\x08\"^\n\tFetchOpen\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12+\n\x07profile\x18\x03 \x01(\x0b\x32\x1a.kvmesh.v1.ReceiverProfile\"T\n\x08\x44\x65\x63ision\x12\x0e\n\x06\x61\x63\x63\x65pt\x18\x01 \x01(\x08\x12\'\n\x06reason\x18\x02 \x01(\x0e\x32\x17.kvmesh.v1.RejectReason\x12\x0f\n\x07message\x18\x03 \x01(\t\"6\n\x07Trailer\x12\x16\n\x0epayload_digest\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_count\x18\x02 \x01(\r\"d\n\x0c\x46\x65tchRequest\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.FetchOpenH\x00\x12\'\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x42\x05\n\x03msg\"\xb6\x01\n\rFetchResponse\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.CacheManifestH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.ChunkH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.TrailerH\x00\x12&\n\x07refused\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x42\x05\n\x03msg\"\x8f\x01\n\x0ePublishRequest\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.CacheManifestH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.ChunkH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.TrailerH\x00\x42\x05\n\x03msg\"!\n\rPublishResult\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\"m\n\x0fPublishResponse\x12\'\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.PublishResultH\x00\x42\x05\n\x03msg2\x86\x02\n\x06KvMesh\x12\x37\n\x04Info\x12\x16.kvmesh.v1.InfoRequest\x1a\x17.kvmesh.v1.InfoResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12>\n\x05\x46\x65tch\x12\x17.kvmesh.v1.FetchRequest\x1a\x18.kvmesh.v1.FetchResponse(\x01\x30\x01\x12\x44\n\x07Publish\x12\x19.kvmesh.v1.PublishRequest\x1a\x1a.kvmesh.v1.PublishResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,27 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_start=625
   _globals['_LOOKUPREQUEST']._serialized_end=700
   _globals['_CANDIDATE']._serialized_start=703
-  _globals['_CANDIDATE']._serialized_end=880
-  _globals['_LOOKUPRESPONSE']._serialized_start=882
-  _globals['_LOOKUPRESPONSE']._serialized_end=940
-  _globals['_RECEIVERPROFILE']._serialized_start=943
-  _globals['_RECEIVERPROFILE']._serialized_end=1123
-  _globals['_FETCHOPEN']._serialized_start=1125
-  _globals['_FETCHOPEN']._serialized_end=1219
-  _globals['_DECISION']._serialized_start=1221
-  _globals['_DECISION']._serialized_end=1305
-  _globals['_TRAILER']._serialized_start=1307
-  _globals['_TRAILER']._serialized_end=1361
-  _globals['_FETCHREQUEST']._serialized_start=1363
-  _globals['_FETCHREQUEST']._serialized_end=1463
-  _globals['_FETCHRESPONSE']._serialized_start=1466
-  _globals['_FETCHRESPONSE']._serialized_end=1648
-  _globals['_PUBLISHREQUEST']._serialized_start=1651
-  _globals['_PUBLISHREQUEST']._serialized_end=1794
-  _globals['_PUBLISHRESULT']._serialized_start=1796
-  _globals['_PUBLISHRESULT']._serialized_end=1829
-  _globals['_PUBLISHRESPONSE']._serialized_start=1831
-  _globals['_PUBLISHRESPONSE']._serialized_end=1940
-  _globals['_KVMESH']._serialized_start=1943
-  _globals['_KVMESH']._serialized_end=2205
+  _globals['_CANDIDATE']._serialized_end=874
+  _globals['_LOOKUPRESPONSE']._serialized_start=876
+  _globals['_LOOKUPRESPONSE']._serialized_end=934
+  _globals['_RECEIVERPROFILE']._serialized_start=937
+  _globals['_RECEIVERPROFILE']._serialized_end=1117
+  _globals['_FETCHOPEN']._serialized_start=1119
+  _globals['_FETCHOPEN']._serialized_end=1213
+  _globals['_DECISION']._serialized_start=1215
+  _globals['_DECISION']._serialized_end=1299
+  _globals['_TRAILER']._serialized_start=1301
+  _globals['_TRAILER']._serialized_end=1355
+  _globals['_FETCHREQUEST']._serialized_start=1357
+  _globals['_FETCHREQUEST']._serialized_end=1457
+  _globals['_FETCHRESPONSE']._serialized_start=1460
+  _globals['_FETCHRESPONSE']._serialized_end=1642
+  _globals['_PUBLISHREQUEST']._serialized_start=1645
+  _globals['_PUBLISHREQUEST']._serialized_end=1788
+  _globals['_PUBLISHRESULT']._serialized_start=1790
+  _globals['_PUBLISHRESULT']._serialized_end=1823
+  _globals['_PUBLISHRESPONSE']._serialized_start=1825
+  _globals['_PUBLISHRESPONSE']._serialized_end=1934
+  _globals['_KVMESH']._serialized_start=1937
+  _globals['_KVMESH']._serialized_end=2199
 # @@protoc_insertion_point(module_scope)

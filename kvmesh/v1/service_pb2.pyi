@@ -73,12 +73,12 @@ class LookupRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Candidate(_message.Message):
-    __slots__ = ("cache_id", "num_tokens", "prefix_sha256", "matched_tokens", "evicts_nothing", "method", "raw_bytes", "stored_bytes")
+    __slots__ = ("cache_id", "num_tokens", "prefix_sha256", "matched_tokens", "cuttable", "method", "raw_bytes", "stored_bytes")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SHA256_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    EVICTS_NOTHING_FIELD_NUMBER: _ClassVar[int]
+    CUTTABLE_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -86,11 +86,11 @@ class Candidate(_message.Message):
     num_tokens: int
     prefix_sha256: bytes
     matched_tokens: int
-    evicts_nothing: bool
+    cuttable: bool
     method: str
     raw_bytes: int
     stored_bytes: int
-    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., evicts_nothing: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., cuttable: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("candidates",)

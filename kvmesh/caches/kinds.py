@@ -1,0 +1,103 @@
+"""The mlx-lm cache kinds kvmesh shares besides full attention, and how each is captured exactly.
+
+A model's cache list mixes kinds (shared/docs/mlx-cache-kinds.md has the measured facts):
+
+- full attention (`KVCache`): made sparse (`kvmesh.caches.sparse`); presses evict and quantize here.
+- sliding window (`RotatingKVCache`): shared as the window holds it, never pressed (mlx-lm cannot
+  quantize it, and it already drops what falls out of its window). Its buffer may be a ring in
+  write order and longer than the window after a chunked prefill; it is captured in temporal order
+  as the `keep` leading positions plus the latest ones, `min(offset, window)` in all: the state a
+  prefill leaves, up to rows that mlx-lm's next update drops anyway, so generation goes on exactly.
+- recurrent or convolution state (`ArraysCache`): its arrays, exact. It records no token count and
+  cannot be cut back to a shorter prefix, so a cache holding one serves only its exact prefix.
+
+Any other kind (`ChunkedKVCache`, `CacheList`, model-specific classes) is refused with its name.
+"""
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from kvmesh.errors import UnsupportedCacheError
+
+SHARED_KINDS = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
+
+
+def check_supported(cache: list) -> None:
+    """Raise UnsupportedCacheError naming the first layer whose cache kind kvmesh cannot share."""
+    for i, c in enumerate(cache):
+        if type(c) not in SHARED_KINDS:
+            raise UnsupportedCacheError(
+                f"layer {i} of this model uses {type(c).__name__}, a cache kind kvmesh cannot share yet "
+                "(it shares KVCache, QuantizedKVCache, RotatingKVCache and ArraysCache layers)"
+            )
+
+
+def window_tensors(c: RotatingKVCache) -> tuple[mx.array, mx.array]:
+    """A sliding-window layer's keys and values in temporal order, `min(offset, window)` positions."""
+    if c.keys is None or c.values is None:
+        raise ValueError("a sliding-window layer that has seen no token has nothing to share")
+
+    def temporal(v: mx.array) -> mx.array:
+        v = c._temporal_order(v)  # mlx-lm's own reordering, as its next multi-token update does
+        stored = min(c.offset, c.max_size)
+        if v.shape[2] > stored:
+            v = mx.concatenate([v[..., : c.keep, :], v[..., v.shape[2] - (stored - c.keep) :, :]], axis=2)
+        return mx.contiguous(v)
+
+    keys, values = temporal(c.keys), temporal(c.values)
+    mx.eval(keys, values)
+    return keys, values
+
+
+def window_snapshot(c: RotatingKVCache) -> RotatingKVCache:
+    """A copy of a sliding-window layer holding exactly what is shared of it (`window_tensors`)."""
+    keys, values = window_tensors(c)
+    return window_from_arrays(keys, values, c.offset, c.max_size, c.keep)
+
+
+def window_from_arrays(keys: mx.array, values: mx.array, offset: int, window: int, keep: int) -> RotatingKVCache:
+    """Rebuild a sliding-window layer from its temporal-order positions (see `window_tensors`)."""
+    stored = keys.shape[2]
+    if stored != min(offset, window) or not 0 <= keep < window:
+        raise ValueError(
+            f"a window of {window} (keep {keep}) at offset {offset} holds {min(offset, window)}, not {stored}"
+        )
+    layer = RotatingKVCache(max_size=window, keep=keep)
+    layer.keys, layer.values, layer.offset = keys, values, offset
+    # The write index at the end of the temporal buffer: mlx-lm then wraps or grows as after a prefill.
+    layer._idx = stored
+    return layer
+
+
+def state_arrays(c: ArraysCache) -> list[mx.array]:
+    """The arrays of a recurrent layer of one sequence, evaluated and contiguous."""
+    if c.left_padding is not None or c.lengths is not None or c.batch_size != 1:
+        raise UnsupportedCacheError("only caches of one unpadded sequence are shared (batch size 1)")
+    held: list[Any] = c.cache
+    if any(a is None for a in held):
+        raise ValueError("a recurrent layer that has seen no token has nothing to share")
+    arrays = [mx.contiguous(a) for a in held if a is not None]
+    mx.eval(arrays)
+    return arrays
+
+
+def arrays_from_state(arrays: list[mx.array]) -> ArraysCache:
+    """Rebuild a recurrent layer from its arrays."""
+    layer = ArraysCache(size=len(arrays))
+    layer.cache = list[Any](arrays)
+    return layer
+
+
+def snapshot(c: RotatingKVCache | ArraysCache) -> RotatingKVCache | ArraysCache:
+    """A copy of a sliding-window or recurrent layer holding exactly what is shared of it."""
+    if isinstance(c, RotatingKVCache):
+        return window_snapshot(c)
+    return arrays_from_state(state_arrays(c))
+
+
+def cached_tokens(cache: list) -> int:
+    """Tokens a cache list holds, read from its attention layers (recurrent layers record none);
+    0 for a model of recurrent layers only, whose token count only its caller knows."""
+    return max((c.offset for c in cache if not isinstance(c, ArraysCache)), default=0)
