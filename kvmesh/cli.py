@@ -229,7 +229,7 @@ def cmd_mesh_status(args: Args) -> int:
 def cmd_model_make_test(args: Args) -> int:
     from kvmesh.model.testmodels import make_test_model
 
-    path = make_test_model(args.dir, preset=args.preset, seed=args.seed)
+    path = make_test_model(args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype)
     print(f"built preset {args.preset!r} in {path}")
     return 0
 
@@ -683,7 +683,7 @@ def cmd_demo(args: Args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvmesh.model.presets import PRESETS
+    from kvmesh.model.presets import PRESETS, REAL_PRESETS
 
     parser = argparse.ArgumentParser(
         prog="kvmesh",
@@ -719,13 +719,21 @@ def build_parser() -> argparse.ArgumentParser:
     make = command(
         "make-test",
         cmd_model_make_test,
-        "build an offline model with random weights",
+        "build an offline model: random weights, or a real one from an installed package",
         model_commands,
-        description="Presets: " + "; ".join(f"{k}: {p.description}" for k, p in PRESETS.items()),
+        description="Presets: "
+        + "; ".join(f"{k}: {p.description}" for presets in (PRESETS, REAL_PRESETS) for k, p in presets.items()),
     )
     make.add_argument("dir", help="directory to create (must not exist, or be empty)")
-    make.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    make.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    make.add_argument("--preset", default="tiny", choices=sorted([*PRESETS, *REAL_PRESETS]))
+    make.add_argument("--seed", type=int, default=0, help="weight initialisation seed (random presets)")
+    make.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="real presets: the dtype of the weights, dequantized from the shipped 4-bit file (default "
+        "float32: fastest on a CPU; float16 or bfloat16 on a Mac's GPU)",
+    )
     info = command("info", cmd_model_info, "print the fingerprint of a local model directory", model_commands)
     info.add_argument("path", help="model directory (config.json, *.safetensors, tokenizer)")
     info.add_argument("--json", action="store_true", help="print JSON")

@@ -28,7 +28,7 @@ class ModelDirError(KvmeshError):
 
 
 class UnsupportedCacheError(KvmeshError):
-    """A cache of a kind kvmesh cannot make sparse (e.g. a rotating or SSM cache)."""
+    """A cache of a kind kvmesh cannot share (e.g. mlx-lm's CacheList or ChunkedKVCache)."""
 
 
 class PressConfigError(KvmeshError):

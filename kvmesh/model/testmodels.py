@@ -9,6 +9,7 @@ opens offline, and building it twice gives byte-identical files (so identical fi
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
@@ -17,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.utils import _get_classes, save_config, save_model
 
 from kvmesh.errors import KvmeshError, ModelDirError
-from kvmesh.model.presets import PRESETS, Preset
+from kvmesh.model.presets import PRESETS, REAL_PRESETS, Preset
 
 BOS, EOS, PAD = "<|bos|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [PAD, BOS, "<|im_start|>", EOS]
@@ -79,20 +80,20 @@ def tokenizer_config() -> dict:
     }
 
 
-def make_test_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0) -> Path:
+def make_test_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
     """Write a loadable model directory for `preset` to `out_dir` and return its path.
 
-    The directory is built beside its destination and renamed into place, so a half-built model is
-    never left where a loader would find it.
+    A real preset (REAL_PRESETS) is converted from its package's GGUF file to weights of `dtype`;
+    `seed` is for random weights only.
     """
-    if preset not in PRESETS:
-        raise KvmeshError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-    spec = PRESETS[preset]
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ModelDirError(out_dir, "exists and is not an empty directory; choose a new one")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if preset in REAL_PRESETS:
+        from kvmesh.model.gguf import convert_gguf, packaged_gguf
 
+        real = REAL_PRESETS[preset]
+        return convert_gguf(packaged_gguf(real.package, real.filename), out_dir, dtype)
+    if preset not in PRESETS:
+        raise KvmeshError(f"unknown preset {preset!r}; choose one of: {', '.join([*PRESETS, *REAL_PRESETS])}")
+    spec = PRESETS[preset]
     config = preset_config(spec)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
@@ -100,13 +101,26 @@ def make_test_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0) ->
     model.set_dtype(getattr(mx, spec.dtype))
     mx.eval(model.parameters())
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    tmp.chmod(0o755)
-    try:
+    def write(tmp: Path) -> None:
         save_model(tmp, model)
         save_config(config, tmp / "config.json")
         train_tokenizer(spec.vocab_size).save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+
+    return write_model_dir(out_dir, write)
+
+
+def write_model_dir(out_dir: Path | str, write: Callable[[Path], None]) -> Path:
+    """Fill a new model directory with `write(tmp)` beside `out_dir`, then rename it into place, so a
+    half-built model is never left where a loader would find it."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ModelDirError(out_dir, "exists and is not an empty directory; choose a new one")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        write(tmp)
         if out_dir.exists():
             out_dir.rmdir()
         tmp.rename(out_dir)
