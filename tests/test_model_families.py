@@ -1,5 +1,6 @@
-"""Models whose layers are not all full attention: sliding windows (gemma3) and hybrids whose
-linear-attention or convolution layers keep recurrent state (qwen3.5, lfm2).
+"""Models whose layers are not all full attention: sliding windows (gemma3), hybrids whose
+linear-attention or convolution layers keep recurrent state (qwen3.5, lfm2), composite layers of a
+mamba state and attention (falcon_h1: CacheList), and chunked attention (llama4).
 
 Each family is a real mlx-lm architecture with random weights; their caches go through a real
 daemon and come back as the classes mlx-lm's model code expects, generating exactly as a local
@@ -14,8 +15,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import (
     ArraysCache,
+    BatchKVCache,
     CacheList,
     ChunkedKVCache,
+    ConcatenateKVCache,
     KVCache,
     RotatingKVCache,
     load_prompt_cache,
@@ -40,14 +43,22 @@ from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import model_pb2
 
-FAMILIES = ["tiny-gemma3", "tiny-qwen3.5", "tiny-lfm2"]
+FAMILIES = ["tiny-gemma3", "tiny-qwen3.5", "tiny-lfm2", "tiny-falcon-h1", "tiny-llama4"]
 # What mlx-lm's make_cache gives each family, layer by layer.
 LAYOUTS = {
     "tiny-gemma3": [RotatingKVCache, KVCache, RotatingKVCache, KVCache],
     "tiny-qwen3.5": [ArraysCache, KVCache, ArraysCache, KVCache],
     "tiny-lfm2": [ArraysCache, KVCache, ArraysCache, KVCache],
+    "tiny-falcon-h1": [CacheList, CacheList],
+    "tiny-llama4": [ChunkedKVCache, ChunkedKVCache, ChunkedKVCache, KVCache],
 }
 WINDOW = 32  # tiny-gemma3's sliding window: every prompt here is longer
+CHUNK = 64  # tiny-llama4's attention chunk
+
+
+def parts(cache):
+    """Every cache of a cache list, CacheLists opened: what the manifest and `cache show` list."""
+    return [part for c in cache for part in (c.caches if isinstance(c, CacheList) else [c])]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -112,25 +123,36 @@ def test_presses_touch_only_full_attention_and_say_what_each_layer_kept(family, 
     cache = decode_chunks(store.manifest(manifest.cache_id), store.chunks(manifest.cache_id))
 
     report = layer_report(manifest)
-    for row, cls in zip(report, LAYOUTS[preset]):
-        if cls is KVCache:
+    pressed_kind = "sparse_quantized_kv" if "kv_bits" in config else "sparse_kv"
+    in_list = [isinstance(c, CacheList) for c in make_prompt_cache(model) for _ in getattr(c, "caches", [c])]
+    assert len(report) == len(in_list)
+    for row, part, listed in zip(report, parts(make_prompt_cache(model)), in_list):
+        if isinstance(part, KVCache) and listed:  # a CacheList's attention is never pressed
+            assert (row["kind"], row["kept"], "bits" in row) == ("sparse_kv", 256, False)
+        elif isinstance(part, KVCache):
             assert (row["kind"], row["kept"], row.get("bits")) == (
-                "sparse_quantized_kv" if "kv_bits" in config else "sparse_kv",
+                pressed_kind,
                 128 if method == "snapkv" else 64,
                 config.get("kv_bits"),
             )
-        elif cls is RotatingKVCache:
+        elif isinstance(part, RotatingKVCache):
             assert (row["kind"], row["kept"], row["window"], "bits" in row) == ("rotating_kv", WINDOW, WINDOW, False)
+        elif isinstance(part, ChunkedKVCache):
+            # Chunks trim their front before each forward pass: the last chunk, plus what came after it.
+            assert row["kind"] == "chunked_kv" and CHUNK < row["kept"] <= CHUNK + 16 and "bits" not in row
         else:
             assert row["kind"] == "arrays" and row["arrays"] and "kept" not in row
-    quantized = SparseQuantizedKVCache if "kv_bits" in config else SparseKVCache
-    assert [type(c) for c in cache] == [quantized if cls is KVCache else cls for cls in LAYOUTS[preset]]
+    expected = [
+        (SparseQuantizedKVCache if "kv_bits" in config else SparseKVCache) if cls is KVCache else cls
+        for cls in LAYOUTS[preset]
+    ]
+    assert [type(c) for c in cache] == expected
     tokens = [t for t, _ in generate_from_cache(model, cache, prompt_ids[256:260], 4)]
     assert len(tokens) == 4
 
     shown = cli("cache", "--store", tmp_path / "store", "show", manifest.cache_id).stdout
     assert f"{method}" in shown and "only its exact prefix" in shown
-    assert shown.count("sparse_quantized_kv" if "kv_bits" in config else "sparse_kv") == 2
+    assert shown.count(f" {pressed_kind} ") == sum(row["kind"] == pressed_kind for row in report)
 
 
 def test_a_window_that_dropped_nothing_is_cut_like_a_dense_cache(tiny_fp, prompt_ids):
@@ -150,10 +172,13 @@ def test_a_window_that_dropped_nothing_is_cut_like_a_dense_cache(tiny_fp, prompt
 
 
 def test_unsupported_kinds_are_refused_by_name():
-    with pytest.raises(UnsupportedCacheError, match="layer 1 of this model uses CacheList"):
-        check_supported([KVCache(), CacheList(ArraysCache(2), KVCache())])
-    with pytest.raises(UnsupportedCacheError, match="layer 0 of this model uses ChunkedKVCache"):
-        check_supported([ChunkedKVCache(64), KVCache()])
+    # Kinds no model's make_cache returns for one sequence, or that mlx-lm itself cannot reload.
+    with pytest.raises(UnsupportedCacheError, match="layer 1 of this model uses ConcatenateKVCache"):
+        check_supported([KVCache(), ConcatenateKVCache()])
+    with pytest.raises(UnsupportedCacheError, match="layer 0 of this model uses CacheList"):
+        check_supported([CacheList(CacheList(KVCache()), KVCache())])
+    with pytest.raises(UnsupportedCacheError, match="layer 0 of this model uses BatchKVCache"):
+        check_supported([BatchKVCache([0, 1])])
 
 
 def test_layer_specs_of_each_kind_are_checked(family, prompt_ids):
@@ -174,30 +199,45 @@ def test_layer_specs_of_each_kind_are_checked(family, prompt_ids):
 
     rejection = refused(unknown_kind)
     assert rejection.reason == pb.REJECT_REASON_CACHE_CLASS and "unknown(99)" in rejection.message
-    if preset == "tiny-gemma3":
 
-        def wider_window(layer):
-            layer.window = 64  # 100 tokens in a 64-window leave 64 positions, not the 32 sent
+    def wider_window(layer):
+        layer.window = 64  # 100 tokens in a 64-window leave 64 positions, not the 32 sent
 
-        def keep_all(layer):
-            layer.keep = layer.window
+    def keep_all(layer):
+        layer.keep = layer.window
 
-        for edit in (wider_window, keep_all):
-            assert refused(edit).reason == pb.REJECT_REASON_MALFORMED
-    else:
+    def integer_state(layer):
+        arrays = layer.parts[0] if layer.parts else layer
+        arrays.tensors[0].dtype = model_pb2.DTYPE_UINT32
 
-        def integer_state(layer):
-            layer.tensors[0].dtype = model_pb2.DTYPE_UINT32
+    def positions(layer):
+        layer.n_kept = 5
 
-        def positions(layer):
-            layer.n_kept = 5
+    def renamed(layer):
+        layer.tensors[0].name = "keys"
 
-        def renamed(layer):
-            layer.tensors[0].name = "keys"
+    def no_chunks(layer):
+        layer.chunk_size = 0
 
-        assert refused(integer_state).reason == pb.REJECT_REASON_DTYPE
-        assert refused(positions).reason == pb.REJECT_REASON_MALFORMED
-        assert refused(renamed).reason == pb.REJECT_REASON_MALFORMED
+    def later_start(layer):
+        layer.start_position += 1
+
+    def nested(layer):
+        inner = pb.LayerSpec()
+        inner.CopyFrom(layer)
+        layer.parts[1].CopyFrom(inner)
+
+    def with_tensors(layer):
+        layer.tensors.add().CopyFrom(layer.parts[1].tensors[0])
+
+    edits = {
+        pb.CACHE_KIND_ROTATING_KV: {wider_window: "MALFORMED", keep_all: "MALFORMED"},
+        pb.CACHE_KIND_ARRAYS: {integer_state: "DTYPE", positions: "MALFORMED", renamed: "MALFORMED"},
+        pb.CACHE_KIND_CHUNKED_KV: {no_chunks: "MALFORMED", later_start: "MALFORMED", positions: "MALFORMED"},
+        pb.CACHE_KIND_LIST: {nested: "MALFORMED", with_tensors: "MALFORMED", integer_state: "DTYPE"},
+    }[manifest.layers[special].kind]
+    for edit, reason in edits.items():
+        assert refused(edit).reason == getattr(pb, f"REJECT_REASON_{reason}"), edit.__name__
 
 
 PLAIN_MLX_LM_LOAD = textwrap.dedent(

@@ -36,7 +36,8 @@ def wrap_attention(model: nn.Module, cache: list, wrapper: AttentionWrapper) -> 
             f"{type(model).__module__} does not use mlx-lm's shared attention function; "
             "attention-based compression methods cannot observe it"
         )
-    layer_of = {id(c): i for i, c in enumerate(cache)}
+    # A composite layer (mlx-lm's CacheList) passes one of its parts to attention.
+    layer_of = {id(part): i for i, c in enumerate(cache) for part in (c, *getattr(c, "caches", ()))}
 
     def routing(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         def routed(queries, keys, values, cache, scale, mask, **kwargs):

@@ -10,28 +10,51 @@ A model's cache list mixes kinds (shared/docs/mlx-cache-kinds.md has the measure
   prefill leaves, up to rows that mlx-lm's next update drops anyway, so generation goes on exactly.
 - recurrent or convolution state (`ArraysCache`): its arrays, exact. It records no token count and
   cannot be cut back to a shorter prefix, so a cache holding one serves only its exact prefix.
+- chunked attention (`ChunkedKVCache`, llama4): the positions since its `start_position`, as held.
+- several caches for one layer (`CacheList`: falcon_h1, deepseek_v32, ...): each part by its kind,
+  none pressed (the parts work together: an indexer's keys must match the keys they index).
 
-Any other kind (`ChunkedKVCache`, `CacheList`, model-specific classes) is refused with its name.
+Any other kind (model-specific classes mlx-lm itself cannot reload) is refused with its name.
 """
 
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
 
+from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache, sparse_from_dense
 from kvmesh.errors import UnsupportedCacheError
 
-SHARED_KINDS = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
+# Kinds a layer, or a part of a CacheList layer, may be (kvmesh's sparse caches stand for KVCache).
+SHARED_KINDS = (
+    KVCache,
+    QuantizedKVCache,
+    SparseKVCache,
+    SparseQuantizedKVCache,
+    RotatingKVCache,
+    ArraysCache,
+    ChunkedKVCache,
+)
 
 
 def check_supported(cache: list) -> None:
     """Raise UnsupportedCacheError naming the first layer whose cache kind kvmesh cannot share."""
     for i, c in enumerate(cache):
-        if type(c) not in SHARED_KINDS:
-            raise UnsupportedCacheError(
-                f"layer {i} of this model uses {type(c).__name__}, a cache kind kvmesh cannot share yet "
-                "(it shares KVCache, QuantizedKVCache, RotatingKVCache and ArraysCache layers)"
-            )
+        parts = list(c.caches) if type(c) is CacheList else [c]
+        for part in parts:
+            if type(part) not in SHARED_KINDS:
+                raise UnsupportedCacheError(
+                    f"layer {i} of this model uses {type(part).__name__}, a cache kind kvmesh cannot share "
+                    "(it shares KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache, ChunkedKVCache "
+                    "and CacheLists of them)"
+                )
 
 
 def window_tensors(c: RotatingKVCache) -> tuple[mx.array, mx.array]:
@@ -90,14 +113,51 @@ def arrays_from_state(arrays: list[mx.array]) -> ArraysCache:
     return layer
 
 
-def snapshot(c: RotatingKVCache | ArraysCache) -> RotatingKVCache | ArraysCache:
-    """A copy of a sliding-window or recurrent layer holding exactly what is shared of it."""
+def chunked_tensors(c: ChunkedKVCache) -> tuple[mx.array, mx.array]:
+    """A chunked-attention layer's keys and values since its start position, contiguous."""
+    if c.keys is None:
+        raise ValueError("a chunked-attention layer that has seen no token has nothing to share")
+    keys, values = (mx.contiguous(a) for a in c.keys_and_values())
+    mx.eval(keys, values)
+    return keys, values
+
+
+def chunked_from_arrays(
+    keys: mx.array, values: mx.array, offset: int, chunk_size: int, start_position: int
+) -> ChunkedKVCache:
+    """Rebuild a chunked-attention layer from its positions since `start_position`."""
+    if keys.shape[2] != offset - start_position:
+        raise ValueError(f"{keys.shape[2]} positions from {start_position} to offset {offset}")
+    layer = ChunkedKVCache(chunk_size)
+    layer.keys, layer.values, layer.offset, layer.start_position = keys, values, offset, start_position
+    return layer
+
+
+def snapshot(c):
+    """A copy of a layer that presses leave alone (sliding window, recurrent, chunked, composite),
+    holding exactly what is shared of it; a CacheList's full-attention parts become sparse caches
+    that keep every position."""
     if isinstance(c, RotatingKVCache):
         return window_snapshot(c)
-    return arrays_from_state(state_arrays(c))
+    if isinstance(c, ArraysCache):
+        return arrays_from_state(state_arrays(c))
+    if isinstance(c, ChunkedKVCache):
+        offset, chunk_size, start = c.offset, c.chunk_size, c.start_position
+        return chunked_from_arrays(*chunked_tensors(c), offset, chunk_size, start)
+    if isinstance(c, CacheList):
+        return CacheList(*(snapshot(part) for part in c.caches))
+    if isinstance(c, (SparseKVCache, SparseQuantizedKVCache)):
+        return c
+    return sparse_from_dense(c)
 
 
 def cached_tokens(cache: list) -> int:
     """Tokens a cache list holds, read from its attention layers (recurrent layers record none);
     0 for a model of recurrent layers only, whose token count only its caller knows."""
-    return max((c.offset for c in cache if not isinstance(c, ArraysCache)), default=0)
+    offsets = [
+        part.offset
+        for c in cache
+        for part in (c.caches if isinstance(c, CacheList) else [c])
+        if not isinstance(part, ArraysCache)
+    ]
+    return max(offsets, default=0)

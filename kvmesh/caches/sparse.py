@@ -21,6 +21,8 @@ from mlx.utils import tree_map
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import (
     ArraysCache,
+    CacheList,
+    ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -247,10 +249,15 @@ def stored_nbytes(cache) -> int:
     if isinstance(cache, ArraysCache):
         arrays: list[Any] = cache.cache
         return sum(a.nbytes for a in arrays if a is not None)
-    if type(cache) in (KVCache, QuantizedKVCache, RotatingKVCache):
+    if isinstance(cache, CacheList):
+        return sum(stored_nbytes(part) for part in cache.caches)
+    if type(cache) in (KVCache, QuantizedKVCache, RotatingKVCache, ChunkedKVCache):
         if cache.keys is None:
             return 0
-        rows = min(cache.offset, cache.max_size) if isinstance(cache, RotatingKVCache) else cache.offset
+        if isinstance(cache, RotatingKVCache):
+            rows = min(cache.offset, cache.max_size)
+        else:
+            rows = cache.offset - getattr(cache, "start_position", 0)
         leaves = _leaves(cache.keys) + _leaves(cache.values)
         return sum(a.nbytes // a.shape[2] * rows for a in leaves)
     raise UnsupportedCacheError(f"no byte count for {type(cache).__name__}")

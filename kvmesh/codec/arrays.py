@@ -2,9 +2,9 @@
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, RotatingKVCache
 
-from kvmesh.caches.kinds import state_arrays, window_tensors
+from kvmesh.caches.kinds import chunked_tensors, state_arrays, window_tensors
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.v1 import cache_pb2 as pb
 
@@ -15,9 +15,12 @@ KIND_OF_CLASS: dict[type, pb.CacheKind] = {
     SparseQuantizedKVCache: pb.CACHE_KIND_SPARSE_QUANTIZED_KV,
     RotatingKVCache: pb.CACHE_KIND_ROTATING_KV,
     ArraysCache: pb.CACHE_KIND_ARRAYS,
+    ChunkedKVCache: pb.CACHE_KIND_CHUNKED_KV,
+    CacheList: pb.CACHE_KIND_LIST,
 }
-# What a shared cache list holds: sparse attention layers, sliding windows, recurrent state.
-Layer = SparseKVCache | SparseQuantizedKVCache | RotatingKVCache | ArraysCache
+# What a shared cache list holds: sparse attention layers, sliding windows, recurrent state, chunked
+# attention, and CacheLists of those.
+Layer = SparseKVCache | SparseQuantizedKVCache | RotatingKVCache | ArraysCache | ChunkedKVCache | CacheList
 
 
 def mlx_dtype_name(dtype: mx.Dtype) -> str:
@@ -28,7 +31,7 @@ def mlx_dtype_name(dtype: mx.Dtype) -> str:
 def layer_kind(layer: Layer) -> pb.CacheKind:
     kind = KIND_OF_CLASS.get(type(layer))
     if kind is None:
-        raise TypeError(f"only sparse, sliding-window and recurrent caches are shared, not {type(layer).__name__}")
+        raise TypeError(f"{type(layer).__name__} is not a cache kind kvmesh shares (see kvmesh.caches.kinds)")
     return kind
 
 
@@ -39,6 +42,10 @@ def layer_tensors(layer: Layer) -> list[mx.array]:
         return list(window_tensors(layer))
     if isinstance(layer, ArraysCache):
         return state_arrays(layer)
+    if isinstance(layer, ChunkedKVCache):
+        return list(chunked_tensors(layer))
+    if isinstance(layer, CacheList):
+        return [t for part in layer.caches for t in layer_tensors(part)]
     keys, values = layer.keys_and_values()
     if isinstance(layer, SparseQuantizedKVCache):
         return [*keys, *values]

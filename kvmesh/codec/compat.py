@@ -14,6 +14,7 @@ from kvmesh.codec.manifest import (
     CODEC_NAMES,
     CODECS,
     ITEMSIZE,
+    MAX_LIST_PARTS,
     MAX_STATE_ARRAYS,
     TENSOR_NAMES,
     chunk_count,
@@ -83,18 +84,33 @@ def validate_manifest(m: pb.CacheManifest) -> Rejection | None:
     return None
 
 
-def layer_problem(m: pb.CacheManifest, i: int, layer: pb.LayerSpec) -> Rejection | None:
-    """What is wrong with one layer's spec, checked against the manifest's geometry."""
+def layer_problem(m: pb.CacheManifest, i: int, layer: pb.LayerSpec, in_list: bool = False) -> Rejection | None:
+    """What is wrong with one layer's spec (or one part of a composite layer), checked against the
+    manifest's geometry."""
 
     def bad(message: str) -> Rejection:
         return Rejection(pb.REJECT_REASON_MALFORMED, f"layer {i}: {message}")
 
-    if layer.kind not in (*TENSOR_NAMES, pb.CACHE_KIND_ARRAYS):
+    if layer.kind not in (*TENSOR_NAMES, pb.CACHE_KIND_ARRAYS, pb.CACHE_KIND_LIST):
         return Rejection(pb.REJECT_REASON_CACHE_CLASS, f"layer {i}: unsupported cache kind {kind_name(layer.kind)}")
     if layer.offset != m.prefix.num_tokens or layer.n_kept > layer.offset:
         return bad(f"{layer.n_kept} kept of offset {layer.offset}, prefix has {m.prefix.num_tokens} tokens")
+    if layer.parts and layer.kind != pb.CACHE_KIND_LIST:
+        return bad(f"a {kind_name(layer.kind)} layer has no parts")
+    if layer.kind == pb.CACHE_KIND_LIST:
+        if in_list or layer.n_kept or layer.tensors or not 1 <= len(layer.parts) <= MAX_LIST_PARTS:
+            return bad(f"a composite layer holds 1 to {MAX_LIST_PARTS} parts of other kinds and no tensors")
+        problems = (layer_problem(m, i, part, in_list=True) for part in layer.parts)
+        return next((p for p in problems if p), None)
     if layer.kind == pb.CACHE_KIND_ARRAYS:
         return arrays_problem(i, layer, bad)
+    if layer.kind == pb.CACHE_KIND_CHUNKED_KV and (
+        layer.chunk_size < 1 or layer.n_kept != layer.offset - layer.start_position
+    ):
+        return bad(
+            f"chunks of {layer.chunk_size} from position {layer.start_position} to {layer.offset} "
+            f"holding {layer.n_kept}"
+        )
     names = TENSOR_NAMES[layer.kind]
     if layer.kind == pb.CACHE_KIND_ROTATING_KV and (
         not 0 <= layer.keep < layer.window or layer.n_kept != min(layer.offset, layer.window)

@@ -18,7 +18,15 @@ import numpy as np
 import xxhash
 
 from kvmesh.codec.chunks import ChunkChecker, compressor, payload_digest, shuffle
-from kvmesh.codec.manifest import ITEMSIZE, chunk_count, chunk_plan, content_id, tensor_dtype, uncuttable_reason
+from kvmesh.codec.manifest import (
+    ITEMSIZE,
+    chunk_count,
+    chunk_plan,
+    content_id,
+    leaf_layers,
+    tensor_dtype,
+    uncuttable_reason,
+)
 from kvmesh.codec.prefix import PrefixKey
 from kvmesh.errors import IntegrityError
 from kvmesh.v1 import cache_pb2 as pb
@@ -48,6 +56,8 @@ def cut_manifest(manifest: pb.CacheManifest, num_tokens: int) -> pb.CacheManifes
     cut.prefix.CopyFrom(prefix.to_proto())
     raw_bytes = 0
     for layer in cut.layers:
+        layer.offset = num_tokens  # a composite layer's own, and its parts' below
+    for _, layer in leaf_layers(cut.layers):
         layer.n_kept = layer.offset = num_tokens
         for t in layer.tensors:
             row_bytes = t.nbytes // t.shape[0]

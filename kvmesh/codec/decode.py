@@ -12,12 +12,13 @@ from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import CacheList
 
-from kvmesh.caches.kinds import arrays_from_state, window_from_arrays
+from kvmesh.caches.kinds import arrays_from_state, chunked_from_arrays, window_from_arrays
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.arrays import DTYPES, UINT_OF_SIZE, Layer, mlx_shape, uint_view, write_rows
 from kvmesh.codec.chunks import ChunkChecker
-from kvmesh.codec.manifest import ITEMSIZE, tensor_dtype, token_major
+from kvmesh.codec.manifest import ITEMSIZE, leaf_layers, tensor_dtype, token_major
 from kvmesh.v1 import cache_pb2 as pb
 
 
@@ -27,7 +28,7 @@ class CacheDecoder:
     def __init__(self, manifest: pb.CacheManifest):
         self.manifest = manifest
         self.checker = ChunkChecker(manifest)
-        kinds = [layer.kind for layer in manifest.layers for _ in layer.tensors]
+        kinds = [layer.kind for _, layer in leaf_layers(manifest.layers) for _ in layer.tensors]
         self.layouts = [token_major(kind) for kind in kinds]
         self.buffers: list[mx.array] = []
         for spec, layer_kind in zip(self.checker.specs, kinds, strict=True):
@@ -56,17 +57,21 @@ class CacheDecoder:
     def finish(self, trailer_digest: bytes | None = None) -> list[Layer]:
         """Check the payload is complete and intact, then hand over the caches."""
         self.checker.finish(trailer_digest)
-        caches: list[Layer] = []
         tensors = iter(zip(self.checker.specs, self.buffers, strict=True))
-        for layer in self.manifest.layers:
+
+        def rebuild(layer: pb.LayerSpec) -> Layer:
+            if layer.kind == pb.CACHE_KIND_LIST:
+                return CacheList(*(rebuild(part) for part in layer.parts))
             arrays = [buf.view(DTYPES[tensor_dtype(spec)]) for spec, buf in (next(tensors) for _ in layer.tensors)]
-            caches.append(rebuild_layer(layer, arrays))
+            return rebuild_layer(layer, arrays)
+
+        caches = [rebuild(layer) for layer in self.manifest.layers]
         self.buffers, self.views = [], []
         return caches
 
 
 def rebuild_layer(layer: pb.LayerSpec, arrays: list[mx.array]) -> Layer:
-    """One layer's cache object from its decoded tensors (in manifest order)."""
+    """One cache object from its decoded tensors (in manifest order)."""
     if layer.kind == pb.CACHE_KIND_SPARSE_QUANTIZED_KV:
         return SparseQuantizedKVCache.from_arrays(
             tuple(arrays[:3]), tuple(arrays[3:]), layer.offset, layer.group_size, layer.bits
@@ -75,6 +80,8 @@ def rebuild_layer(layer: pb.LayerSpec, arrays: list[mx.array]) -> Layer:
         return window_from_arrays(arrays[0], arrays[1], layer.offset, layer.window, layer.keep)
     if layer.kind == pb.CACHE_KIND_ARRAYS:
         return arrays_from_state(arrays)
+    if layer.kind == pb.CACHE_KIND_CHUNKED_KV:
+        return chunked_from_arrays(arrays[0], arrays[1], layer.offset, layer.chunk_size, layer.start_position)
     return SparseKVCache.from_arrays(arrays[0], arrays[1], layer.offset)
 
 

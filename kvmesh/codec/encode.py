@@ -12,7 +12,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 import xxhash
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, RotatingKVCache
 
 from kvmesh.caches.presses import Press
 from kvmesh.caches.sparse import SparseQuantizedKVCache
@@ -25,6 +25,7 @@ from kvmesh.codec.manifest import (
     ChunkSlot,
     chunk_count,
     chunk_plan,
+    leaf_layers,
     press_config_to_proto,
     state_names,
     tensor_dtype,
@@ -68,6 +69,8 @@ class Encoded(NamedTuple):
 def layer_spec(layer: Layer, num_tokens: int) -> pb.LayerSpec:
     """What one layer stores; a recurrent layer records no token count, so it gets the prefix's."""
     kind = layer_kind(layer)
+    if isinstance(layer, CacheList):
+        return pb.LayerSpec(kind=kind, offset=num_tokens, parts=[layer_spec(part, num_tokens) for part in layer.caches])
     tensors = layer_tensors(layer)
     if isinstance(layer, ArraysCache):
         spec = pb.LayerSpec(kind=kind, n_kept=0, offset=num_tokens)
@@ -79,6 +82,8 @@ def layer_spec(layer: Layer, num_tokens: int) -> pb.LayerSpec:
         spec.bits, spec.group_size = layer.bits, layer.group_size
     if isinstance(layer, RotatingKVCache):
         spec.window, spec.keep = layer.max_size, layer.keep
+    if isinstance(layer, ChunkedKVCache):
+        spec.chunk_size, spec.start_position = layer.chunk_size, layer.start_position
     for tensor_name, t in zip(names, tensors, strict=True):
         if t.shape[0] != 1:
             raise ValueError(f"only caches of one sequence are shared, not a batch of {t.shape[0]}")
@@ -99,10 +104,11 @@ def build_manifest(
     """The manifest of a cache, complete except for what encoding it tells (sizes, digest, id)."""
     options = options or EncodeOptions()
     layers = [layer_spec(c, prefix.num_tokens) for c in cache]
-    if offsets := {layer.offset for layer in layers} - {prefix.num_tokens}:
+    leaves = [layer for _, layer in leaf_layers(layers)]
+    if offsets := {layer.offset for layer in leaves} - {prefix.num_tokens}:
         raise ValueError(f"the prefix has {prefix.num_tokens} tokens, the cache {sorted(offsets)}")
     # Attention tensors share the model's dtype; recurrent state keeps its own (often float32).
-    float_dtypes = {tensor_dtype(t) for layer in layers if token_major(layer.kind) for t in layer.tensors} - {"uint32"}
+    float_dtypes = {tensor_dtype(t) for layer in leaves if token_major(layer.kind) for t in layer.tensors} - {"uint32"}
     if len(float_dtypes) != 1:
         raise ValueError(f"a cache's attention layers must have one float dtype, found {sorted(float_dtypes)}")
     dtype = float_dtypes.pop()
@@ -123,7 +129,7 @@ def build_manifest(
             level=options.level if zstd else 0,
             byte_shuffle=byte_shuffle and zstd,
             chunk_size=options.chunk_size,
-            raw_bytes=sum(t.nbytes for layer in layers for t in layer.tensors),
+            raw_bytes=sum(t.nbytes for layer in leaves for t in layer.tensors),
             digest_algorithm=pb.DIGEST_ALGORITHM_XXH3,
         ),
         created_unix_ms=int(time.time() * 1000),
@@ -140,7 +146,7 @@ def encode_chunks(cache: Sequence[Layer], manifest: pb.CacheManifest, threads: i
     """
     encoding = manifest.encoding
     tensors = [t for layer in cache for t in layer_tensors(layer)]
-    layouts = [token_major(layer.kind) for layer in manifest.layers for _ in layer.tensors]
+    layouts = [token_major(layer.kind) for _, layer in leaf_layers(manifest.layers) for _ in layer.tensors]
     specs = tensor_specs(manifest)
     views: dict[int, np.ndarray] = {}
 

@@ -10,6 +10,7 @@ from MLX caches is `kvmesh.codec.encode`'s job.
 """
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +25,12 @@ TENSOR_NAMES: dict[int, tuple[str, ...]] = {
         f"{role}.{part}" for role in ("keys", "values") for part in ("packed", "scales", "biases")
     ),
     pb.CACHE_KIND_ROTATING_KV: ("keys", "values"),
+    pb.CACHE_KIND_CHUNKED_KV: ("keys", "values"),
 }
 # At most this many arrays in one recurrent layer (mlx-lm's models use 1 to 4).
 MAX_STATE_ARRAYS = 8
+# At most this many caches in one composite layer (mlx-lm's models use 2).
+MAX_LIST_PARTS = 4
 CODECS = {"none": pb.CODEC_NONE, "zstd": pb.CODEC_ZSTD}
 CODEC_NAMES = {v: k for k, v in CODECS.items()}
 
@@ -62,8 +66,18 @@ class ChunkSlot:
     row_bytes: int
 
 
+def leaf_layers(layers: Iterable[pb.LayerSpec]) -> list[tuple[int, pb.LayerSpec]]:
+    """(model layer, spec) of every cache that holds tensors, in payload order: a composite layer
+    (CACHE_KIND_LIST) stands for its parts."""
+    return [
+        (i, part)
+        for i, layer in enumerate(layers)
+        for part in (layer.parts if layer.kind == pb.CACHE_KIND_LIST else [layer])
+    ]
+
+
 def tensor_specs(manifest: pb.CacheManifest) -> list[pb.TensorSpec]:
-    return [t for layer in manifest.layers for t in layer.tensors]
+    return [t for _, layer in leaf_layers(manifest.layers) for t in layer.tensors]
 
 
 def rows_per_chunk(row_bytes: int, chunk_size: int) -> int:
@@ -109,12 +123,14 @@ def uncuttable_reason(manifest: pb.CacheManifest) -> str | None:
 
     A shorter prefix needs every layer to hold every position of it.
     """
-    for i, layer in enumerate(manifest.layers):
+    for i, layer in leaf_layers(manifest.layers):
         if layer.kind == pb.CACHE_KIND_ARRAYS:
             return f"layer {i} is recurrent state, which folds in every token and cannot be cut back"
         if layer.n_kept != layer.offset:
             if layer.kind == pb.CACHE_KIND_ROTATING_KV:
                 return f"layer {i}'s sliding window of {layer.window} has dropped earlier tokens"
+            if layer.kind == pb.CACHE_KIND_CHUNKED_KV:
+                return f"layer {i}'s attention chunks of {layer.chunk_size} have dropped earlier tokens"
             return f"layer {i} evicted tokens"
     return None
 
@@ -125,10 +141,11 @@ def cuttable(manifest: pb.CacheManifest) -> bool:
 
 
 def layer_report(manifest: pb.CacheManifest) -> list[dict[str, Any]]:
-    """What each layer holds, for people: its kind, the positions it kept of the prefix (or the
-    shapes of its recurrent arrays), its quantization and bytes."""
+    """What each cache holds, for people: its layer and kind, the positions it kept of the prefix (or
+    the shapes of its recurrent arrays), its quantization and bytes; a composite layer gives a row
+    per part."""
     report = []
-    for i, layer in enumerate(manifest.layers):
+    for i, layer in leaf_layers(manifest.layers):
         row: dict[str, Any] = {"layer": i, "kind": kind_name(layer.kind)}
         if token_major(layer.kind):
             row.update(kept=layer.n_kept, of=layer.offset)
@@ -136,6 +153,8 @@ def layer_report(manifest: pb.CacheManifest) -> list[dict[str, Any]]:
             row["arrays"] = [list(t.shape) for t in layer.tensors]
         if layer.kind == pb.CACHE_KIND_ROTATING_KV:
             row.update(window=layer.window, keep=layer.keep)
+        if layer.kind == pb.CACHE_KIND_CHUNKED_KV:
+            row.update(chunk_size=layer.chunk_size)
         if layer.bits:
             row.update(bits=layer.bits, group_size=layer.group_size)
         row["bytes"] = sum(t.nbytes for t in layer.tensors)

@@ -9,13 +9,14 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
 from kvmesh.caches.kinds import cached_tokens, check_supported, snapshot
 from kvmesh.caches.presses import Press, QuantizePress
-from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache, sparse_from_dense
+from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import EncodeOptions, encode_cache
+from kvmesh.codec.manifest import leaf_layers
 from kvmesh.errors import KvmeshError
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.store import CacheStore
@@ -45,24 +46,14 @@ def import_prompt_cache(
         raise KvmeshError(f"{path}: not an mlx-lm prompt cache: {e}") from e
     if len(cache) != model.num_layers:
         raise KvmeshError(f"{path}: {len(cache)} layers, the model has {model.num_layers}")
-    dense = [c for c in cache if not isinstance(c, (SparseKVCache, SparseQuantizedKVCache))]
-    check_supported(dense)
+    check_supported(cache)
     if cached_tokens(cache) != len(tokens):
         raise KvmeshError(f"{path}: the cache holds {cached_tokens(cache)} tokens, the prompt has {len(tokens)}")
-    layers = [as_shared(c) for c in cache]
+    layers = [snapshot(c) for c in cache]  # full attention made sparse, the other kinds as they are
     press = Press()
     if quantized := [c for c in layers if isinstance(c, SparseQuantizedKVCache)]:
         press = QuantizePress(kv_bits=quantized[0].bits, kv_group_size=quantized[0].group_size)
     return store.add(*encode_cache(layers, model, tokens, press, options or EncodeOptions()))
-
-
-def as_shared(layer):
-    """A layer of an mlx-lm file as kvmesh shares it (full attention made sparse, the rest as is)."""
-    if isinstance(layer, (SparseKVCache, SparseQuantizedKVCache)):
-        return layer
-    if isinstance(layer, (KVCache, QuantizedKVCache)):
-        return sparse_from_dense(layer)
-    return snapshot(layer)
 
 
 def export_prompt_cache(store: CacheStore, cache_id: str, path: Path | str, model_path: str) -> Path:
@@ -75,7 +66,7 @@ def export_prompt_cache(store: CacheStore, cache_id: str, path: Path | str, mode
     """
     manifest = store.manifest(cache_id)
     full_attention = (pb.CACHE_KIND_SPARSE_KV, pb.CACHE_KIND_SPARSE_QUANTIZED_KV)
-    if any(layer.kind in full_attention and layer.n_kept != layer.offset for layer in manifest.layers):
+    if any(layer.kind in full_attention and layer.n_kept != layer.offset for _, layer in leaf_layers(manifest.layers)):
         raise KvmeshError(
             f"cache {cache_id} evicted tokens ({manifest.compression.method}), which mlx-lm's own caches cannot "
             "hold: use it with `kvmesh generate` or `kvmesh serve`, keep it as a file with `kvmesh cache export`, "
@@ -93,8 +84,10 @@ def export_prompt_cache(store: CacheStore, cache_id: str, path: Path | str, mode
 
 
 def _as_mlx_lm(layer):
+    if isinstance(layer, CacheList):
+        return CacheList(*(_as_mlx_lm(part) for part in layer.caches))
     if not isinstance(layer, (SparseKVCache, SparseQuantizedKVCache)):
-        return layer  # sliding windows and recurrent state are mlx-lm's own classes already
+        return layer  # the other kinds are mlx-lm's own classes already
     dense = QuantizedKVCache(layer.group_size, layer.bits) if isinstance(layer, SparseQuantizedKVCache) else KVCache()
     dense.keys, dense.values = layer.keys_and_values()
     dense.offset = layer.offset

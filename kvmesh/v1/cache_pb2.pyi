@@ -26,6 +26,8 @@ class CacheKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CACHE_KIND_SPARSE_QUANTIZED_KV: _ClassVar[CacheKind]
     CACHE_KIND_ROTATING_KV: _ClassVar[CacheKind]
     CACHE_KIND_ARRAYS: _ClassVar[CacheKind]
+    CACHE_KIND_CHUNKED_KV: _ClassVar[CacheKind]
+    CACHE_KIND_LIST: _ClassVar[CacheKind]
 
 class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -53,6 +55,8 @@ CACHE_KIND_SPARSE_KV: CacheKind
 CACHE_KIND_SPARSE_QUANTIZED_KV: CacheKind
 CACHE_KIND_ROTATING_KV: CacheKind
 CACHE_KIND_ARRAYS: CacheKind
+CACHE_KIND_CHUNKED_KV: CacheKind
+CACHE_KIND_LIST: CacheKind
 REJECT_REASON_UNSPECIFIED: RejectReason
 REJECT_REASON_SCHEMA: RejectReason
 REJECT_REASON_MODEL_CONFIG: RejectReason
@@ -93,7 +97,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class LayerSpec(_message.Message):
-    __slots__ = ("kind", "n_kept", "offset", "bits", "group_size", "tensors", "window", "keep")
+    __slots__ = ("kind", "n_kept", "offset", "bits", "group_size", "tensors", "window", "keep", "chunk_size", "start_position", "parts")
     KIND_FIELD_NUMBER: _ClassVar[int]
     N_KEPT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +106,9 @@ class LayerSpec(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     kind: CacheKind
     n_kept: int
     offset: int
@@ -110,7 +117,10 @@ class LayerSpec(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     window: int
     keep: int
-    def __init__(self, kind: _Optional[_Union[CacheKind, str]] = ..., n_kept: _Optional[int] = ..., offset: _Optional[int] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., window: _Optional[int] = ..., keep: _Optional[int] = ...) -> None: ...
+    chunk_size: int
+    start_position: int
+    parts: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    def __init__(self, kind: _Optional[_Union[CacheKind, str]] = ..., n_kept: _Optional[int] = ..., offset: _Optional[int] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., window: _Optional[int] = ..., keep: _Optional[int] = ..., chunk_size: _Optional[int] = ..., start_position: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
 
 class PressConfig(_message.Message):
     __slots__ = ("ratio", "budget", "kv_bits", "kv_group_size", "sinks", "window", "kernel")
