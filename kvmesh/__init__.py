@@ -38,6 +38,7 @@ _EXPORTS = {
     "decode_chunks": "kvmesh.codec.decode",
     "ReceiverProfile": "kvmesh.codec.compat",
     "check_manifest": "kvmesh.codec.compat",
+    "layer_report": "kvmesh.codec.manifest",
     "CacheStore": "kvmesh.store.cache_store",
     "PeerClient": "kvmesh.net.client",
     "start_server": "kvmesh.net.server",
@@ -53,6 +54,7 @@ _EXPORTS = {
     "IntegrityError": "kvmesh.errors",
     "StoreError": "kvmesh.errors",
     "NotFoundError": "kvmesh.errors",
+    "UnsupportedCacheError": "kvmesh.errors",
 }
 
 __all__ = [
@@ -74,6 +76,7 @@ __all__ = [
     "ReceiverProfile",
     "Rejection",
     "StoreError",
+    "UnsupportedCacheError",
     "__version__",
     "check_manifest",
     "decode_chunks",
@@ -82,6 +85,7 @@ __all__ = [
     "fingerprint",
     "generate",
     "generate_from_cache",
+    "layer_report",
     "load_prefix",
     "make_press",
     "make_test_model",
