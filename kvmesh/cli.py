@@ -286,6 +286,9 @@ def cmd_cache_show(args: Args) -> int:
         f"  encoding     {CODEC_NAMES[encoding.codec]}, {encoding.raw_bytes:,} bytes -> "
         f"{encoding.encoded_bytes:,} in {encoding.chunk_count} chunks"
     )
+    if manifest.HasField("quality"):
+        quality = manifest.quality
+        print(f"  quality      {quality.metric} {quality.value:.4f} nats/token over its last {quality.tokens} tokens")
     why = uncuttable_reason(manifest)
     serves = f"only its exact prefix ({why})" if why else "its prefix and any shorter block-aligned one"
     print(f"  serves       {serves}")
@@ -517,7 +520,8 @@ def cmd_prefill(args: Args) -> int:
     with bar:
         cached = prefill(model, tokens, press, progress=update)
     elapsed = time.perf_counter() - start
-    manifest = store.add(*encode_cache(cached.cache, fp, tokens, press, EncodeOptions(codec=args.codec)))
+    options = EncodeOptions(codec=args.codec)
+    manifest = store.add(*encode_cache(cached.cache, fp, tokens, press, options, tail_kl=cached.tail_kl))
     result = {
         "cache_id": manifest.cache_id,
         "tokens": len(tokens),
@@ -525,14 +529,16 @@ def cmd_prefill(args: Args) -> int:
         "dense_bytes": cached.dense_nbytes,
         "bytes": cached.nbytes,
         "stored_bytes": manifest.encoding.encoded_bytes,
+        "tail_kl": cached.tail_kl,
     }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
+        loss = "" if cached.tail_kl is None else f"; measured loss {cached.tail_kl:.4f} nats/token on its tail"
         print(
             f"stored {manifest.cache_id}: {len(tokens)} tokens prefilled in {elapsed:.2f} s, "
             f"{cached.dense_nbytes:,} -> {cached.nbytes:,} bytes ({press.method}), "
-            f"{manifest.encoding.encoded_bytes:,} on disk"
+            f"{manifest.encoding.encoded_bytes:,} on disk{loss}"
         )
     return 0
 
@@ -542,7 +548,7 @@ def cmd_fetch(args: Args) -> int:
     from kvmesh.model.fingerprint import fingerprint
     from kvmesh.net.client import PeerClient
 
-    profile = ReceiverProfile(fingerprint(args.model))
+    profile = ReceiverProfile(fingerprint(args.model), max_kl=args.max_kl)
     bar, update = progress_bar("fetch", "bytes")
     with bar, PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
         fetched = client.fetch(args.cache_id, profile, num_tokens=args.tokens, store=open_store(args), progress=update)
@@ -577,6 +583,7 @@ def cmd_generate(args: Args) -> int:
             credentials=mesh_credentials(args),
             sampler=make_sampler(temp=args.temp, top_p=args.top_p),
             stop_tokens=set(tokenizer.eos_token_ids),
+            max_kl=args.max_kl,
         )
     text = tokenizer.decode(result.tokens)
     source = result.source
@@ -699,6 +706,14 @@ def build_parser() -> argparse.ArgumentParser:
         sub = parent.add_parser(name, help=help, description=kwargs.pop("description", help), **kwargs)
         sub.set_defaults(func=func)
         return sub
+
+    def max_kl_option(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--max-kl",
+            type=float,
+            help="quality floor: refuse lossy caches whose producer measured a loss above this (nats/token on "
+            "the context's tail; see `kvmesh cache show`) or did not measure one; lossless caches always pass",
+        )
 
     def store_option(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--store", default=None, help="store directory (default: the daemon's, or <data dir>/store)")
@@ -860,7 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt_options(prefill)
     store_option(prefill)
     prefill.add_argument(
-        "--method", default="full", help="compression method: full, quantize, streaming_llm, snapkv, knorm"
+        "--method", default="full", help="compression method: full, quantize, streaming_llm, snapkv, knorm, kvzip"
     )
     prefill.add_argument("--ratio", type=float, help="fraction of tokens to evict")
     prefill.add_argument("--budget", type=int, help="tokens to keep per layer")
@@ -873,6 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--peer", required=True, help="host:port of the peer")
     fetch.add_argument("--model", required=True, help="the local model the cache must fit")
     fetch.add_argument("--tokens", type=int, default=0, help="only a block-aligned prefix of this many tokens")
+    max_kl_option(fetch)
     store_option(fetch)
 
     generate = command(
@@ -890,6 +906,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, help="random seed, for repeatable sampling")
     generate.add_argument("--peer", action="append", help="host:port of a peer to ask (repeat)")
     generate.add_argument("--no-mesh", action="store_true", help="only the local store")
+    max_kl_option(generate)
     generate.add_argument("--json", action="store_true", help="print JSON")
 
     serve = command(

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvmesh.caches.prefill import generate_from_cache, greedy
 from kvmesh.codec.arrays import Layer
-from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.codec.compat import ReceiverProfile, quality_problem
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.errors import CacheRejected, IntegrityError, PeerError, StoreError
@@ -72,6 +72,7 @@ def find_prefix(
     credentials: MeshCredentials | None = None,
     idle_timeout: float = IDLE_TIMEOUT,
     min_tokens: int = 0,
+    max_kl: float | None = None,
 ) -> tuple[list | None, PrefixSource]:
     """The cache of the longest prefix of `tokens[:-1]` found, and where it came from.
 
@@ -80,7 +81,8 @@ def find_prefix(
     that refuses, breaks or stalls for `idle_timeout` seconds) is skipped with its reason and the
     next is tried; when none delivers, the caller prefills everything. Sources serving no more than
     `min_tokens` (what the caller already holds) are not tried. Without a `store`, only peers are
-    asked and nothing fetched is kept.
+    asked and nothing fetched is kept. `max_kl` is a quality floor for lossy caches
+    (`ReceiverProfile.max_kl`), honoured for the local store's entries too.
     """
     wanted = list(tokens[:-1])
     start = time.perf_counter()
@@ -100,11 +102,13 @@ def find_prefix(
             skipped.append(str(e))
     sources = sorted((s for s in sources if s[0] > min_tokens), key=lambda s: (-s[0], s[1]))
 
-    profile = ReceiverProfile(model_fp, prompt=list(tokens))
+    profile = ReceiverProfile(model_fp, prompt=list(tokens), max_kl=max_kl)
     for n, _, where, found in sources:
         try:
             if where == "local store":
                 assert store is not None
+                if rejection := quality_problem(store.manifest(found.entry.cache_id), max_kl):
+                    raise CacheRejected(rejection)
                 cache = load_prefix(store, found.entry.cache_id, n)
                 return cache, PrefixSource(where, n, time.perf_counter() - start, 0, found.entry.cache_id, skipped)
             candidate = found.candidate
@@ -151,11 +155,12 @@ def generate(
     idle_timeout: float = IDLE_TIMEOUT,
     sampler: Callable[[mx.array], mx.array] = greedy,
     stop_tokens: Collection[int] = (),
+    max_kl: float | None = None,
 ) -> Generation:
     """Generation after `tokens` (greedy, or with an mlx-lm `sampler`), reusing the longest cached
     prefix found on the mesh; it ends at `max_tokens` or at one of `stop_tokens` (the tokenizer's
     end-of-turn ids: `tokenizer.eos_token_ids`), which is not returned."""
-    cache, source = find_prefix(model_fp, tokens, store, peers, progress, credentials, idle_timeout)
+    cache, source = find_prefix(model_fp, tokens, store, peers, progress, credentials, idle_timeout, max_kl=max_kl)
     suffix = list(tokens[source.tokens :])
     start = time.perf_counter()
     out, first_at = [], None

@@ -396,3 +396,32 @@ def test_a_generic_client_works_from_reflection_alone(serve, tmp_path):
     assert "kvmesh.v1.KvMesh" in services.split() and "grpc.health.v1.Health" in services.split()
     node_id = (tmp_path / "store.data" / "node-id").read_text().strip()
     assert info.split() == [node_id, str(PROTOCOL_VERSION)]
+
+
+def test_a_quality_floor_is_honoured_before_any_chunk(tiny, prompt_ids, fp, serve, tmp_path):
+    prefix = prompt_ids[:250]
+    press = make_press("knorm", {"ratio": 0.9, "kv_bits": 4})
+    pressed = prefill(tiny[0], prefix, press)
+    assert pressed.tail_kl is not None and pressed.tail_kl > 0
+    store = CacheStore(tmp_path / "served")
+    measured = store.add(*encode_cache(pressed.cache, fp, prefix, press, tail_kl=pressed.tail_kl))
+    unmeasured = store.add(*encode_cache(pressed.cache, fp, prefix, press))
+    lossless = store.add(*encode_cache(prefill(tiny[0], prefix).cache, fp, prefix))
+    assert measured.quality.metric == "tail_kl" and not unmeasured.HasField("quality")
+    kl = measured.quality.value
+
+    def fetch(client, manifest, max_kl):
+        profile = ReceiverProfile(fp, prompt=prompt_ids, max_kl=max_kl)
+        return client.fetch(manifest.cache_id, profile, store=CacheStore(tmp_path / "received"))
+
+    with PeerClient(serve(tmp_path / "served")) as client:
+        for manifest, floor, why in [
+            (measured, kl / 2, f"measured at {kl:.4f}"),
+            (unmeasured, 10.0, "did not measure"),
+        ]:
+            with pytest.raises(CacheRejected, match=why) as refused:
+                fetch(client, manifest, floor)
+            assert refused.value.rejection.reason_name == "quality"
+        assert client.info().transfers.chunk_bytes_sent == 0
+        assert fetch(client, measured, kl * 2).manifest.cache_id == measured.cache_id
+        assert fetch(client, lossless, 0.0).manifest.cache_id == lossless.cache_id  # lossless passes any floor

@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvmesh.caches.attention import reconstruction_scores, record_queries
 from kvmesh.caches.prefill import prefill, run_prompt
 from kvmesh.caches.presses import PRESSES, avg_pool, make_press
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
@@ -26,7 +27,7 @@ def kept_positions(dense_layer, sparse_layer) -> list[set[int]]:
 
 
 def test_every_method_is_registered():
-    assert set(PRESSES) == {"full", "quantize", "streaming_llm", "knorm", "snapkv"}
+    assert set(PRESSES) == {"full", "quantize", "streaming_llm", "knorm", "snapkv", "kvzip"}
 
 
 @pytest.mark.parametrize("method", ["streaming_llm", "knorm", "snapkv"])
@@ -102,6 +103,65 @@ def test_avg_pool_matches_numpy():
     x = np.random.default_rng(0).random((3, 20)).astype(np.float32)
     want = np.stack([np.convolve(np.pad(r, 2), np.ones(5) / 5, mode="valid") for r in x])
     np.testing.assert_allclose(np.array(avg_pool(mx.array(x), 5)), want, rtol=1e-5, atol=1e-6)
+
+
+def kvzip_reference(model, tokens, ratio):
+    """KVzip's selection written independently: a second pass recorded with the queries it makes,
+    attention in NumPy (float64) one kv head at a time, budgets over all layers, top per head."""
+    n = len(tokens)
+    cache, _, _ = run_prompt(model, tokens)
+    with record_queries(model, cache) as seen:
+        model(mx.array(tokens)[None], cache=cache)
+    scores = []
+    for layer, c in enumerate(cache):
+        queries, scale = seen[layer]
+        q, k = np.array(queries[0], np.float64), np.array(c.keys[0, :, : 2 * n], np.float64)
+        rep = q.shape[0] // k.shape[0]
+        per_head = []
+        for h in range(k.shape[0]):
+            logits = np.einsum("gid,jd->gij", q[h * rep : (h + 1) * rep], k[h]) * scale
+            logits[:, np.triu(np.ones((n, 2 * n), bool), k=n + 1)] = -np.inf
+            attn = np.exp(logits - logits.max(-1, keepdims=True))
+            attn /= attn.sum(-1, keepdims=True)
+            per_head.append(attn[..., :n].max(axis=(0, 1)))
+        scores.append(np.stack(per_head))
+    every = np.sort(np.concatenate([s.ravel() for s in scores]))
+    per_layer = n - int(n * ratio)
+    threshold = every[every.size - per_layer * sum(s.shape[0] for s in scores)]
+    kept = []
+    for s in scores:
+        count = min(n, max(1, round((s >= threshold).sum() / s.shape[0])))
+        kept.append([set(np.argsort(-s[h], kind="stable")[:count].tolist()) for h in range(s.shape[0])])
+    return kept
+
+
+def test_kvzip_matches_an_independent_reference(tiny, prompt_ids):
+    model = tiny[0]
+    pressed = prefill(model, prompt_ids, make_press("kvzip", {"ratio": 0.5})).cache
+    dense, _, _ = run_prompt(model, prompt_ids)
+    want = kvzip_reference(model, prompt_ids, 0.5)
+    # Budgets differ across layers (the point), and average what was asked.
+    counts = [c.n_kept for c in pressed]
+    assert len(set(counts)) > 1 and abs(sum(counts) / len(counts) - 150) <= 1
+    for layer, (d, s) in enumerate(zip(dense, pressed)):
+        got = kept_positions(d, s)
+        # float32 vs float64 may move the cut-off by one position or swap near-ties.
+        assert abs(len(got[0]) - len(want[layer][0])) <= 1
+        for h in range(len(got)):
+            assert len(got[h] ^ want[layer][h]) <= 4, (layer, h, sorted(got[h] ^ want[layer][h]))
+
+
+def test_kvzip_leaves_the_dense_cache_as_it_was(tiny, prompt_ids):
+    model = tiny[0]
+    dense, _, _ = run_prompt(model, prompt_ids)
+    before = [mx.array(c.keys[..., : c.offset, :]) for c in dense]
+    scores = reconstruction_scores(model, dense, prompt_ids)
+    assert [c.offset for c in dense] == [300] * len(dense)
+    assert all(mx.array_equal(b, c.keys[..., :300, :]).item() for b, c in zip(before, dense))
+    assert [s.shape for s in scores.values()] == [(2, 300)] * len(dense)
+    # With a budget, every layer keeps that many; with 8 bits, quantized as every method is.
+    both = make_press("kvzip", {"budget": 64, "kv_bits": 8}).apply(dense, scores)
+    assert [(type(c), c.n_kept) for c in both] == [(SparseQuantizedKVCache, 64)] * len(dense)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -7,12 +7,15 @@ a sparse cache against a dense one with the evicted keys hidden), for every mode
 the shared function, with no second prefill and no copy of model code.
 """
 
+import copy
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
 
 from kvmesh.errors import UnsupportedCacheError
 
@@ -66,3 +69,49 @@ def record_queries(model: nn.Module, cache: list) -> Iterator[dict]:
 
     with wrap_attention(model, cache, wrapper):
         yield seen
+
+
+def reconstruction_scores(model: nn.Module, cache: list, tokens: list[int], step_size: int = 512) -> dict:
+    """{layer: (kv_heads, n) scores} of the n cached positions of each full-attention layer: the most
+    attention any query of a second, teacher-forced pass over the same tokens (the model repeating
+    its context) gives each position, over the query heads sharing a kv head (KVzip's scoring).
+
+    The pass runs on copies of the layers, so `cache` is left as it was.
+    """
+    n = len(tokens)
+    work = [_fork(c) for c in cache]
+    scores: dict[int, mx.array] = {}
+
+    def wrapper(original, layer, queries, keys, values, cache, scale, mask, **kwargs):
+        if type(cache) is KVCache:
+            weights = window_attention(queries, keys, scale)[..., :n].max(axis=1)
+            scores[layer] = weights if layer not in scores else mx.maximum(scores[layer], weights)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+
+    with wrap_attention(model, work, wrapper):
+        for start in range(0, n, step_size):
+            model(mx.array(tokens[start : start + step_size])[None], cache=work)
+            mx.eval(list(scores.values()))
+    return scores
+
+
+def _fork(c):
+    """A copy of a layer that a forward pass may extend without touching the original's buffers."""
+    if type(c) is KVCache:
+        fork = KVCache()
+        keys, values = cast(mx.array, c.keys), cast(mx.array, c.values)
+        fork.keys, fork.values, fork.offset = keys[..., : c.offset, :], values[..., : c.offset, :], c.offset
+        return fork
+    return copy.deepcopy(c)
+
+
+def window_attention(queries: mx.array, keys: mx.array, scale: float) -> mx.array:
+    """Softmax attention (fp32) of the last w queries onto all n keys: (n_kv, n_heads/n_kv * w, n)."""
+    _, n_heads, w, d = queries.shape
+    n_kv, n = keys.shape[1], keys.shape[2]
+    q = queries[0].astype(mx.float32).reshape(n_kv, (n_heads // n_kv) * w, d)
+    logits = (q * scale) @ keys[0].astype(mx.float32).transpose(0, 2, 1)
+    # Query i of the window sits at position n - w + i and must not see later positions.
+    pos = mx.tile(mx.arange(n - w, n), n_heads // n_kv)
+    logits = mx.where(mx.arange(n)[None] <= pos[:, None], logits, -mx.inf)
+    return mx.softmax(logits, axis=-1)

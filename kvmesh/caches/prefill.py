@@ -16,9 +16,10 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvmesh.caches.attention import record_queries
+from kvmesh.caches.attention import reconstruction_scores, record_queries
 from kvmesh.caches.kinds import check_supported
 from kvmesh.caches.presses import Press
+from kvmesh.caches.quality import tail_kl
 from kvmesh.caches.sparse import stored_nbytes
 
 ProgressFn = Callable[[int, int], None]
@@ -33,6 +34,8 @@ class Prefilled:
     # Bytes of the dense cache before the press, and of `cache` after it.
     dense_nbytes: int
     nbytes: int
+    # What a lossy press cost, measured on the prompt's own tail (kvmesh.caches.quality); None: lossless.
+    tail_kl: float | None = None
 
 
 def run_prompt(
@@ -78,6 +81,8 @@ def prefill(
     """Run `tokens` through `model` into a fresh cache, then compress it with `press`."""
     press = press or Press()
     cache, logits, observed = run_prompt(model, tokens, press.needs_queries, step_size, progress)
+    if press.needs_reconstruction:
+        observed = reconstruction_scores(model, cache, list(tokens), step_size)
     pressed = press.apply(cache, observed)
     return Prefilled(
         cache=pressed,
@@ -85,6 +90,7 @@ def prefill(
         num_tokens=len(tokens),
         dense_nbytes=sum(stored_nbytes(c) for c in cache),
         nbytes=sum(stored_nbytes(c) for c in pressed),
+        tail_kl=tail_kl(model, cache, pressed, list(tokens)) if press.lossy else None,
     )
 
 

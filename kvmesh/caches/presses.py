@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache
 
+from kvmesh.caches.attention import window_attention
 from kvmesh.caches.kinds import snapshot
 from kvmesh.caches.sparse import sparse_from_dense
 from kvmesh.errors import PressConfigError
@@ -53,6 +54,16 @@ class Press:
         """How many of the prompt's last tokens the method needs the queries of (0: none)."""
         return 0
 
+    @property
+    def needs_reconstruction(self) -> bool:
+        """Does the method score positions by a second, context-reconstruction pass (`kvzip`)?"""
+        return False
+
+    @property
+    def lossy(self) -> bool:
+        """Does the press change what the model would generate (it evicts or quantizes)?"""
+        return type(self) is not Press
+
     def config(self) -> dict:
         return asdict(self)
 
@@ -77,26 +88,36 @@ class Press:
         their window (and mlx-lm cannot quantize them), and recurrent state holds no positions.
         Those are copied as they are shared (`kvmesh.caches.kinds`).
         """
-        pressed = []
+        keys: dict[int, mx.array] = {}
         for layer, c in enumerate(cache):
-            if not isinstance(c, (KVCache, QuantizedKVCache)):
-                pressed.append(snapshot(c))
+            if not isinstance(c, KVCache):
                 continue
-            keys = cast(mx.array, c.keys)[..., : c.offset, :]
-            if keys.shape[0] != 1:
+            keys[layer] = cast(mx.array, c.keys)[..., : c.offset, :]
+            if keys[layer].shape[0] != 1:
                 raise PressConfigError(f"{self.method}: caches of one prompt only (batch size 1)")
-            if self.kv_bits is not None and keys.shape[-1] % self.kv_group_size:
+            head_dim = keys[layer].shape[-1]
+            if self.kv_bits is not None and head_dim % self.kv_group_size:
                 raise PressConfigError(
                     f"{self.method}: kv_group_size {self.kv_group_size} does not divide this model's head "
-                    f"dim {keys.shape[-1]}; choose one of {[g for g in QUANT_GROUP_SIZES if keys.shape[-1] % g == 0]}"
+                    f"dim {head_dim}; choose one of {[g for g in QUANT_GROUP_SIZES if head_dim % g == 0]}"
                 )
-            keep = self.select(keys, observed.get(layer) if observed else None)
-            sparse = sparse_from_dense(c, keep)
+        keeps = self.select_all(keys, observed or {})
+        pressed = []
+        for layer, c in enumerate(cache):
+            if layer not in keys:
+                pressed.append(snapshot(c))
+                continue
+            sparse = sparse_from_dense(c, keeps[layer])
             if self.kv_bits is not None:
                 sparse = sparse.to_quantized(group_size=self.kv_group_size, bits=self.kv_bits)
                 mx.eval(sparse.keys, sparse.values)
             pressed.append(sparse)
         return pressed
+
+    def select_all(self, keys: dict[int, mx.array], observed: dict) -> dict[int, mx.array | None]:
+        """Positions to keep of every pressed layer ({layer: keys} in, {layer: keep} out): one layer
+        at a time, unless a method sets budgets across layers."""
+        return {layer: self.select(k, observed.get(layer)) for layer, k in keys.items()}
 
 
 @dataclass(frozen=True)
@@ -193,18 +214,6 @@ class SnapKVPress(Press):
         return mx.sort(mx.concatenate([top, window], axis=-1), axis=-1)
 
 
-def window_attention(queries: mx.array, keys: mx.array, scale: float) -> mx.array:
-    """Softmax attention (fp32) of the last w queries onto all n keys: (n_kv, n_heads/n_kv * w, n)."""
-    _, n_heads, w, d = queries.shape
-    n_kv, n = keys.shape[1], keys.shape[2]
-    q = queries[0].astype(mx.float32).reshape(n_kv, (n_heads // n_kv) * w, d)
-    logits = (q * scale) @ keys[0].astype(mx.float32).transpose(0, 2, 1)
-    # Query i of the window sits at position n - w + i and must not see later positions.
-    pos = mx.tile(mx.arange(n - w, n), n_heads // n_kv)
-    logits = mx.where(mx.arange(n)[None] <= pos[:, None], logits, -mx.inf)
-    return mx.softmax(logits, axis=-1)
-
-
 def avg_pool(x: mx.array, kernel: int) -> mx.array:
     """Average over a centred window of `kernel` positions along the last axis (zero padded)."""
     if kernel == 1:
@@ -215,8 +224,53 @@ def avg_pool(x: mx.array, kernel: int) -> mx.array:
     return (csum[..., kernel:] - csum[..., :-kernel]) / kernel
 
 
+@dataclass(frozen=True)
+class KVzipPress(Press):
+    """KVzip-style, query-agnostic: keep what the model needs to reconstruct the context.
+
+    A cache shared on the mesh is compressed before anyone knows the questions it will serve. KVzip
+    (Kim et al., NeurIPS 2025) scores each cached position by how much the model relies on it to
+    repeat the context: after the prefill the context is fed once more, teacher-forced, after itself
+    (a second pass costing about one more prefill, `kvmesh.caches.attention.reconstruction_scores`),
+    and a position's score for a kv head is the most attention any reconstructing query of the heads
+    sharing it gives it. Budgets are set over all layers at once (with `ratio`): a layer keeps, per
+    head, as many positions as its heads have among the top scores of the whole model, so layers that
+    need more keep more; each head keeps its own best. With `budget`, every layer keeps that many.
+    """
+
+    method: ClassVar[str] = "kvzip"
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        return True
+
+    def select_all(self, keys: dict[int, mx.array], observed: dict) -> dict[int, mx.array | None]:
+        if not observed:
+            raise PressConfigError("kvzip needs the reconstruction pass's scores (use prefill())")
+        n = next(iter(keys.values())).shape[2]
+        k = self.kept(n)
+        if k >= n:
+            return dict.fromkeys(keys)
+        counts = dict.fromkeys(keys, k)
+        if self.budget is None:
+            counts = layer_budgets({layer: observed[layer] for layer in keys}, k)
+        return {layer: mx.sort(mx.argsort(-observed[layer], axis=-1)[:, : counts[layer]], axis=-1) for layer in keys}
+
+
+def layer_budgets(scores: dict[int, mx.array], per_layer: int) -> dict[int, int]:
+    """Positions each layer keeps per head when `per_layer` per layer are kept on average, given
+    to the layers whose heads hold the most of the model's top scores ({layer: (heads, n)} in)."""
+    every = mx.concatenate([s.reshape(-1) for s in scores.values()])
+    heads = sum(s.shape[0] for s in scores.values())
+    total = per_layer * heads
+    threshold = mx.sort(every)[every.size - total]
+    n = next(iter(scores.values())).shape[1]
+    above = {layer: cast(int, (s >= threshold).astype(mx.int32).sum().item()) for layer, s in scores.items()}
+    return {layer: min(n, max(1, round(above[layer] / s.shape[0]))) for layer, s in scores.items()}
+
+
 PRESSES: dict[str, type[Press]] = {
-    cls.method: cls for cls in (Press, QuantizePress, StreamingLLMPress, KNormPress, SnapKVPress)
+    cls.method: cls for cls in (Press, QuantizePress, StreamingLLMPress, KNormPress, SnapKVPress, KVzipPress)
 }
 
 

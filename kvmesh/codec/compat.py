@@ -44,6 +44,9 @@ class ReceiverProfile:
     # Same architecture and tokenizer, other weights (a fine-tune): refused unless asked for.
     accept_other_weights: bool = False
     accept_other_chat_template: bool = False
+    # A quality floor: the largest measured loss ("tail_kl", nats/token) a lossy cache may have;
+    # a lossy cache that carries no measurement is refused too. None: any cache.
+    max_kl: float | None = None
 
 
 def validate_manifest(m: pb.CacheManifest) -> Rejection | None:
@@ -155,6 +158,25 @@ def arrays_problem(i: int, layer: pb.LayerSpec, bad: Callable[[str], Rejection])
     return None
 
 
+def quality_problem(m: pb.CacheManifest, max_kl: float | None) -> Rejection | None:
+    """Is a lossy cache within the receiver's quality floor? Lossless caches always are."""
+    if max_kl is None or m.compression.method == "full":
+        return None
+    if not m.HasField("quality") or m.quality.metric != "tail_kl":
+        return Rejection(
+            pb.REJECT_REASON_QUALITY,
+            f"a {m.compression.method} cache whose loss its producer did not measure (this receiver "
+            f"accepts at most {max_kl} nats/token)",
+        )
+    if not m.quality.value <= max_kl:
+        return Rejection(
+            pb.REJECT_REASON_QUALITY,
+            f"a {m.compression.method} cache measured at {m.quality.value:.4f} nats/token over its "
+            f"context's last {m.quality.tokens} tokens, above this receiver's floor of {max_kl}",
+        )
+    return None
+
+
 def expected_width(name: str, head_dim: int, bits: int, group_size: int) -> int:
     if name.endswith("packed"):
         return head_dim * bits // 32
@@ -208,6 +230,8 @@ def check_manifest(m: pb.CacheManifest, profile: ReceiverProfile) -> Rejection |
         n = m.prefix.num_tokens
         if n > len(profile.prompt) or prefix_sha256(profile.prompt[:n], m.prefix.block_size) != m.prefix.sha256:
             return Rejection(pb.REJECT_REASON_PREFIX, f"the cache's {n}-token prefix is not a prefix of this prompt")
+    if rejection := quality_problem(m, profile.max_kl):
+        return rejection
     codec = CODEC_NAMES[m.encoding.codec]
     if codec not in profile.codecs:
         return Rejection(pb.REJECT_REASON_CODEC, f"codec {codec} is not among {sorted(profile.codecs)}")

@@ -15,6 +15,7 @@ import xxhash
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, RotatingKVCache
 
 from kvmesh.caches.presses import Press
+from kvmesh.caches.quality import QUALITY_TOKENS
 from kvmesh.caches.sparse import SparseQuantizedKVCache
 from kvmesh.codec.arrays import Layer, layer_kind, layer_tensors, mlx_dtype_name, rows_of, uint_view, wire_shape
 from kvmesh.codec.chunks import compressor, ordered_map, payload_digest, shuffle
@@ -100,8 +101,12 @@ def build_manifest(
     press: Press,
     options: EncodeOptions | None = None,
     node_id: str = "",
+    tail_kl: float | None = None,
 ) -> pb.CacheManifest:
-    """The manifest of a cache, complete except for what encoding it tells (sizes, digest, id)."""
+    """The manifest of a cache, complete except for what encoding it tells (sizes, digest, id).
+
+    `tail_kl` is the loss its producer measured (`Prefilled.tail_kl`), for receivers' quality floors.
+    """
     options = options or EncodeOptions()
     layers = [layer_spec(c, prefix.num_tokens) for c in cache]
     leaves = [layer for _, layer in leaf_layers(layers)]
@@ -136,6 +141,8 @@ def build_manifest(
         node_id=node_id,
     )
     manifest.encoding.chunk_count = chunk_count(manifest)
+    if tail_kl is not None:
+        manifest.quality.CopyFrom(pb.Quality(metric="tail_kl", value=tail_kl, tokens=QUALITY_TOKENS))
     return manifest
 
 
@@ -198,9 +205,11 @@ def encode_cache(
     press: Press | None = None,
     options: EncodeOptions | None = None,
     node_id: str = "",
+    tail_kl: float | None = None,
 ) -> Encoded:
-    """A cache of the prefix `tokens`, made by `model` and compressed by `press`, encoded."""
+    """A cache of the prefix `tokens`, made by `model` and compressed by `press` (which cost
+    `tail_kl`, when measured), encoded."""
     options = options or EncodeOptions()
     prefix = tokens if isinstance(tokens, PrefixKey) else PrefixKey.of(tokens)
-    manifest = build_manifest(cache, model, prefix, press or Press(), options, node_id)
+    manifest = build_manifest(cache, model, prefix, press or Press(), options, node_id, tail_kl)
     return Encoded(manifest, encode_chunks(cache, manifest, options.threads))

@@ -15,6 +15,7 @@ def profile_to_proto(profile: ReceiverProfile) -> spb.ReceiverProfile:
         max_bytes=profile.max_bytes,
         accept_other_weights=profile.accept_other_weights,
         accept_other_chat_template=profile.accept_other_chat_template,
+        max_kl=profile.max_kl,
     )
 
 
@@ -25,6 +26,7 @@ def profile_from_proto(msg: spb.ReceiverProfile) -> ReceiverProfile:
         max_bytes=msg.max_bytes,
         accept_other_weights=msg.accept_other_weights,
         accept_other_chat_template=msg.accept_other_chat_template,
+        max_kl=msg.max_kl if msg.HasField("max_kl") else None,
     )
 
 

@@ -45,6 +45,7 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_SIZE_LIMIT: _ClassVar[RejectReason]
     REJECT_REASON_MALFORMED: _ClassVar[RejectReason]
     REJECT_REASON_POLICY: _ClassVar[RejectReason]
+    REJECT_REASON_QUALITY: _ClassVar[RejectReason]
 CODEC_UNSPECIFIED: Codec
 CODEC_NONE: Codec
 CODEC_ZSTD: Codec
@@ -71,6 +72,7 @@ REJECT_REASON_CACHE_CLASS: RejectReason
 REJECT_REASON_SIZE_LIMIT: RejectReason
 REJECT_REASON_MALFORMED: RejectReason
 REJECT_REASON_POLICY: RejectReason
+REJECT_REASON_QUALITY: RejectReason
 
 class Prefix(_message.Message):
     __slots__ = ("num_tokens", "sha256", "block_size", "block_hashes")
@@ -148,6 +150,16 @@ class Compression(_message.Message):
     config: PressConfig
     def __init__(self, method: _Optional[str] = ..., config: _Optional[_Union[PressConfig, _Mapping]] = ...) -> None: ...
 
+class Quality(_message.Message):
+    __slots__ = ("metric", "value", "tokens")
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    metric: str
+    value: float
+    tokens: int
+    def __init__(self, metric: _Optional[str] = ..., value: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+
 class Encoding(_message.Message):
     __slots__ = ("codec", "level", "byte_shuffle", "chunk_size", "chunk_count", "raw_bytes", "encoded_bytes", "digest_algorithm", "payload_digest")
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -171,7 +183,7 @@ class Encoding(_message.Message):
     def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., level: _Optional[int] = ..., byte_shuffle: _Optional[bool] = ..., chunk_size: _Optional[int] = ..., chunk_count: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., payload_digest: _Optional[bytes] = ...) -> None: ...
 
 class CacheManifest(_message.Message):
-    __slots__ = ("schema_version", "cache_id", "model", "prefix", "num_layers", "num_kv_heads", "head_dim", "dtype", "layers", "compression", "encoding", "created_unix_ms", "node_id")
+    __slots__ = ("schema_version", "cache_id", "model", "prefix", "num_layers", "num_kv_heads", "head_dim", "dtype", "layers", "compression", "encoding", "created_unix_ms", "node_id", "quality")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +197,7 @@ class CacheManifest(_message.Message):
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     cache_id: str
     model: _model_pb2.ModelFingerprint
@@ -198,7 +211,8 @@ class CacheManifest(_message.Message):
     encoding: Encoding
     created_unix_ms: int
     node_id: str
-    def __init__(self, schema_version: _Optional[int] = ..., cache_id: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., prefix: _Optional[_Union[Prefix, _Mapping]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    quality: Quality
+    def __init__(self, schema_version: _Optional[int] = ..., cache_id: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., prefix: _Optional[_Union[Prefix, _Mapping]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., quality: _Optional[_Union[Quality, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "tensor", "byte_offset", "raw_length", "checksum", "data")

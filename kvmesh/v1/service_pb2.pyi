@@ -99,18 +99,20 @@ class LookupResponse(_message.Message):
     def __init__(self, candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
 
 class ReceiverProfile(_message.Message):
-    __slots__ = ("model", "codecs", "max_bytes", "accept_other_weights", "accept_other_chat_template")
+    __slots__ = ("model", "codecs", "max_bytes", "accept_other_weights", "accept_other_chat_template", "max_kl")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_OTHER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_OTHER_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_KL_FIELD_NUMBER: _ClassVar[int]
     model: _model_pb2.ModelFingerprint
     codecs: _containers.RepeatedScalarFieldContainer[_cache_pb2.Codec]
     max_bytes: int
     accept_other_weights: bool
     accept_other_chat_template: bool
-    def __init__(self, model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., codecs: _Optional[_Iterable[_Union[_cache_pb2.Codec, str]]] = ..., max_bytes: _Optional[int] = ..., accept_other_weights: _Optional[bool] = ..., accept_other_chat_template: _Optional[bool] = ...) -> None: ...
+    max_kl: float
+    def __init__(self, model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., codecs: _Optional[_Iterable[_Union[_cache_pb2.Codec, str]]] = ..., max_bytes: _Optional[int] = ..., accept_other_weights: _Optional[bool] = ..., accept_other_chat_template: _Optional[bool] = ..., max_kl: _Optional[float] = ...) -> None: ...
 
 class FetchOpen(_message.Message):
     __slots__ = ("cache_id", "num_tokens", "profile")

