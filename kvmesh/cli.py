@@ -499,6 +499,7 @@ def mesh_peers(args: Args) -> list[str]:
 def cmd_prefill(args: Args) -> int:
     import time
 
+    from kvmesh.caches.defaults import DEFAULT_COMPRESSION
     from kvmesh.caches.prefill import prefill
     from kvmesh.caches.presses import make_press
     from kvmesh.codec.encode import EncodeOptions, encode_cache
@@ -507,7 +508,10 @@ def cmd_prefill(args: Args) -> int:
     config = {
         k: v for k, v in {"ratio": args.ratio, "budget": args.budget, "kv_bits": args.kv_bits}.items() if v is not None
     }
-    press = make_press(args.method, config)
+    if args.compress and (args.method or config):
+        raise KvmeshError("--compress chooses the method itself: give it alone, or --method with its options")
+    method, defaults = DEFAULT_COMPRESSION if args.compress else (args.method or "full", {})
+    press = make_press(method, {**defaults, **config})
     store = open_store(args)
     model, tokenizer, fp = load_model(args.model)
     tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
@@ -653,6 +657,7 @@ def cmd_serve(args: Args) -> int:
         min_store_tokens=pick("min_store_tokens"),
         max_tokens=pick("max_tokens"),
         idle_timeout=pick("idle_timeout"),
+        compress=bool(pick("compress")),
     )
     check_exposure(options.host, api_key)  # before the model loads
     store = None if args.no_store else open_store(args)
@@ -690,6 +695,7 @@ def cmd_demo(args: Args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvmesh.caches.defaults import DEFAULT_COMPRESSION
     from kvmesh.model.presets import PRESETS, REAL_PRESETS
 
     parser = argparse.ArgumentParser(
@@ -875,7 +881,14 @@ def build_parser() -> argparse.ArgumentParser:
     prompt_options(prefill)
     store_option(prefill)
     prefill.add_argument(
-        "--method", default="full", help="compression method: full, quantize, streaming_llm, snapkv, knorm, kvzip"
+        "--method", help="compression method: full (the default), quantize, streaming_llm, snapkv, knorm, kvzip"
+    )
+    prefill.add_argument(
+        "--compress",
+        action="store_true",
+        help="compress with the measured default ("
+        + ", ".join([DEFAULT_COMPRESSION[0], *(f"{k} {v}" for k, v in DEFAULT_COMPRESSION[1].items())])
+        + "; see README)",
     )
     prefill.add_argument("--ratio", type=float, help="fraction of tokens to evict")
     prefill.add_argument("--budget", type=int, help="tokens to keep per layer")
@@ -934,6 +947,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-tokens", type=positive_int, help="default max_tokens of a request (default 512)")
     serve.add_argument("--idle-timeout", type=float, help="seconds a peer's transfer may stall (default 10)")
+    serve.add_argument(
+        "--compress",
+        action="store_true",
+        default=None,
+        help="keep caches in the store compressed with the measured default (8-bit; see README)",
+    )
 
     service = command("service", cmd_service, "write a launchd (macOS) or systemd (Linux) service for the daemon")
     service.add_argument("--platform", choices=["macos", "linux"], help="default: this machine's")

@@ -91,6 +91,7 @@ SERVE_SETTINGS = {
     "min_store_tokens": int,
     "max_tokens": int,
     "idle_timeout": float,
+    "compress": bool,
 }
 
 

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvmesh.caches.kinds import cached_tokens
 from kvmesh.caches.presses import Press
+from kvmesh.caches.quality import tail_kl
 from kvmesh.caches.sparse import stored_nbytes
 from kvmesh.codec.encode import encode_cache
 from kvmesh.errors import KvmeshError
@@ -72,6 +73,18 @@ class MeshPromptCache:
         self._peers = peers
         self.max_bytes, self.min_store_tokens, self.idle_timeout = max_bytes, min_store_tokens, idle_timeout
         self._memory: OrderedDict[tuple[int, ...], tuple[list[Any], int]] = OrderedDict()
+        # How caches are kept in the store: as they are, unless `compress_with` was called.
+        self.press, self.model = Press(), None
+
+    def compress_with(self, press: Press, model: Any) -> None:
+        """Keep caches in the store compressed by `press`, their loss measured with `model`.
+
+        Only presses that need no second look at the prompt (its queries, a reconstruction pass): the
+        cache is kept after the request, when those are gone.
+        """
+        if press.needs_queries or press.needs_reconstruction:
+            raise KvmeshError(f"{press.method} needs the prompt's own passes; the server keeps caches after them")
+        self.press, self.model = press, model
 
     def peers(self) -> list[str]:
         return list(self._peers() if callable(self._peers) else self._peers)
@@ -139,6 +152,8 @@ class MeshPromptCache:
         if match is not None and match.tokens == len(tokens):
             return  # already there
         try:
-            self.store.add(*encode_cache(Press().apply(cache), self.model_fp, list(tokens)))
+            pressed = self.press.apply(cache)
+            loss = tail_kl(self.model, cache, pressed, tokens) if self.press.lossy and self.model else None
+            self.store.add(*encode_cache(pressed, self.model_fp, list(tokens), self.press, tail_kl=loss))
         except KvmeshError as e:  # a full disk or a budget: memory still has it
             log.warning("not kept in the store: %s", e)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import uvicorn
 
+from kvmesh.caches.defaults import DEFAULT_COMPRESSION
+from kvmesh.caches.presses import make_press
 from kvmesh.errors import KvmeshError
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.serve.app import ServedModel, make_app
@@ -30,6 +32,8 @@ class ServeOptions:
     min_store_tokens: int = 512
     max_tokens: int = 512
     idle_timeout: float = 10.0
+    # Keep caches in the store compressed with the measured default (kvmesh.caches.defaults).
+    compress: bool = False
 
 
 def check_exposure(host: str, api_key: str | None) -> None:
@@ -65,6 +69,8 @@ def serve(
     prompt_cache = MeshPromptCache(
         fp, store, peers, credentials, options.memory_bytes, options.min_store_tokens, options.idle_timeout
     )
+    if options.compress:
+        prompt_cache.compress_with(make_press(*DEFAULT_COMPRESSION), model)
     engine = Engine(model, tokenizer, prompt_cache)
     name = Path(model_path).name or model_path
     served = ServedModel(

@@ -1,0 +1,64 @@
+"""The loss a producer measures and ships with a lossy cache, and the defaults chosen by measurement."""
+
+import copy
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from helpers import cli
+from kvmesh.caches.prefill import prefill, run_prompt
+from kvmesh.caches.presses import make_press
+from kvmesh.caches.quality import QUALITY_TOKENS
+from kvmesh.errors import KvmeshError
+from kvmesh.serve.prompt_cache import MeshPromptCache
+from kvmesh.store import CacheStore
+
+
+def test_tail_kl_is_the_kl_of_re_reading_the_prompts_tail(tiny, prompt_ids):
+    model = tiny[0]
+    press = make_press("knorm", {"ratio": 0.8, "kv_bits": 4})
+    pressed = prefill(model, prompt_ids, press)
+    dense, _, _ = run_prompt(model, prompt_ids)
+
+    def logprobs(cache):  # independently: NumPy, float64
+        probe = mx.array(prompt_ids[-QUALITY_TOKENS:])[None]
+        logits = np.array(model(probe, cache=copy.deepcopy(cache))[0], np.float64)
+        shifted = logits - logits.max(-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+    full, compressed = logprobs(dense), logprobs(pressed.cache)
+    want = (np.exp(full) * (full - compressed)).sum(-1).mean()
+    assert pressed.tail_kl == pytest.approx(want, rel=1e-3, abs=1e-6) and want > 0
+    assert prefill(model, prompt_ids).tail_kl is None  # lossless: nothing to measure
+
+
+def test_prefill_compress_uses_the_measured_default_and_ships_its_loss(tiny_dir, tmp_path):
+    store = tmp_path / "store"
+    out = json.loads(
+        cli("prefill", tiny_dir, "--prompt", "one two three " * 30, "--compress", "--store", store, "--json").stdout
+    )
+    assert out["tail_kl"] is not None
+    shown = cli("cache", "--store", store, "show", out["cache_id"]).stdout
+    assert '"kv_bits": 8' in shown and "quality      tail_kl" in shown
+    both = cli("prefill", tiny_dir, "--prompt", "x", "--compress", "--method", "snapkv", check=False)
+    assert both.returncode == 1 and "--compress chooses the method itself" in both.stderr
+
+
+def test_the_server_keeps_compressed_caches_with_their_loss(tiny, tiny_fp, prompt_ids, tmp_path):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny[0]
+    store = CacheStore(tmp_path / "store")
+    served = MeshPromptCache(tiny_fp, store, min_store_tokens=1)
+    served.compress_with(make_press("quantize", {"kv_bits": 8}), model)
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt_ids)[None], cache=cache)
+    served.persist(served.insert(prompt_ids, cache), cache)
+    (entry,) = store.entries()
+    manifest = store.manifest(entry.cache_id)
+    assert manifest.compression.method == "quantize" and manifest.layers[0].bits == 8
+    assert manifest.quality.metric == "tail_kl" and manifest.quality.value >= 0
+    with pytest.raises(KvmeshError, match="kvzip needs the prompt's own passes"):
+        served.compress_with(make_press("kvzip", {"ratio": 0.5}), model)
