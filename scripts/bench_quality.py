@@ -150,6 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one kept share (50%%), fewer rows")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--methods", nargs="+", help="only these methods (the full cache is always the reference)")
     args = parser.parse_args()
 
     import mlx_lm
@@ -190,10 +191,12 @@ def main() -> None:
         reconstruction, reconstruction_s = None, 0.0
         reference = None
         for method, config in presses(args.quick):
+            if args.methods and method not in (*args.methods, "full"):
+                continue
             press = make_press(method, config)
             if press.needs_reconstruction and reconstruction is None:
                 start = time.perf_counter()
-                reconstruction = reconstruction_scores(model, dense, context)
+                reconstruction = reconstruction_scores(model, dense, context, observed=observed)
                 reconstruction_s = time.perf_counter() - start
             start = time.perf_counter()
             cache = press.apply(dense, reconstruction if press.needs_reconstruction else observed)

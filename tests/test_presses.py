@@ -105,26 +105,34 @@ def test_avg_pool_matches_numpy():
     np.testing.assert_allclose(np.array(avg_pool(mx.array(x), 5)), want, rtol=1e-5, atol=1e-6)
 
 
-def kvzip_reference(model, tokens, ratio):
-    """KVzip's selection written independently: a second pass recorded with the queries it makes,
-    attention in NumPy (float64) one kv head at a time, budgets over all layers, top per head."""
+def max_attention(queries, keys, scale, first):
+    """Per kv head, the most attention any of `queries` (at positions first, first+1, ...) gives each
+    key, in NumPy float64: (kv_heads, keys)."""
+    q, k = np.array(queries[0], np.float64), np.array(keys[0], np.float64)
+    rep, m, n = q.shape[0] // k.shape[0], q.shape[1], k.shape[1]
+    per_head = []
+    for h in range(k.shape[0]):
+        logits = np.einsum("gid,jd->gij", q[h * rep : (h + 1) * rep], k[h]) * scale
+        logits[:, np.arange(n)[None, :] > first + np.arange(m)[:, None]] = -np.inf
+        attn = np.exp(logits - logits.max(-1, keepdims=True))
+        attn /= attn.sum(-1, keepdims=True)
+        per_head.append(attn.max(axis=(0, 1)))
+    return np.stack(per_head)
+
+
+def kvzip_reference(model, tokens, ratio, window=32):
+    """KVzip's selection written independently: the prompt's last queries and a second pass, both
+    recorded with the queries they make, attention in NumPy (float64) one kv head at a time, budgets
+    over all layers, top per head."""
     n = len(tokens)
-    cache, _, _ = run_prompt(model, tokens)
+    cache, _, observed = run_prompt(model, tokens, observe_last=window)
     with record_queries(model, cache) as seen:
         model(mx.array(tokens)[None], cache=cache)
     scores = []
     for layer, c in enumerate(cache):
-        queries, scale = seen[layer]
-        q, k = np.array(queries[0], np.float64), np.array(c.keys[0, :, : 2 * n], np.float64)
-        rep = q.shape[0] // k.shape[0]
-        per_head = []
-        for h in range(k.shape[0]):
-            logits = np.einsum("gid,jd->gij", q[h * rep : (h + 1) * rep], k[h]) * scale
-            logits[:, np.triu(np.ones((n, 2 * n), bool), k=n + 1)] = -np.inf
-            attn = np.exp(logits - logits.max(-1, keepdims=True))
-            attn /= attn.sum(-1, keepdims=True)
-            per_head.append(attn[..., :n].max(axis=(0, 1)))
-        scores.append(np.stack(per_head))
+        tail = max_attention(observed[layer][0], c.keys[..., :n, :], observed[layer][1], n - window)
+        again = max_attention(seen[layer][0], c.keys[..., : 2 * n, :], seen[layer][1], n)[:, :n]
+        scores.append(np.maximum(tail, again))
     every = np.sort(np.concatenate([s.ravel() for s in scores]))
     per_layer = n - int(n * ratio)
     threshold = every[every.size - per_layer * sum(s.shape[0] for s in scores)]

@@ -71,16 +71,24 @@ def record_queries(model: nn.Module, cache: list) -> Iterator[dict]:
         yield seen
 
 
-def reconstruction_scores(model: nn.Module, cache: list, tokens: list[int], step_size: int = 512) -> dict:
+def reconstruction_scores(
+    model: nn.Module, cache: list, tokens: list[int], step_size: int = 512, observed: dict | None = None
+) -> dict:
     """{layer: (kv_heads, n) scores} of the n cached positions of each full-attention layer: the most
     attention any query of a second, teacher-forced pass over the same tokens (the model repeating
     its context) gives each position, over the query heads sharing a kv head (KVzip's scoring).
+    `observed` ({layer: (queries, scale)} of the prompt's last tokens, from `run_prompt`) adds the
+    most attention those queries gave.
 
     The pass runs on copies of the layers, so `cache` is left as it was.
     """
     n = len(tokens)
     work = [_fork(c) for c in cache]
     scores: dict[int, mx.array] = {}
+    for layer, (queries, scale) in (observed or {}).items():
+        if type(cache[layer]) is KVCache:
+            keys = cast(mx.array, cache[layer].keys)[..., :n, :]
+            scores[layer] = window_attention(queries, keys, scale).max(axis=1)
 
     def wrapper(original, layer, queries, keys, values, cache, scale, mask, **kwargs):
         if type(cache) is KVCache:

@@ -82,7 +82,7 @@ def prefill(
     press = press or Press()
     cache, logits, observed = run_prompt(model, tokens, press.needs_queries, step_size, progress)
     if press.needs_reconstruction:
-        observed = reconstruction_scores(model, cache, list(tokens), step_size)
+        observed = reconstruction_scores(model, cache, list(tokens), step_size, observed)
     pressed = press.apply(cache, observed)
     return Prefilled(
         cache=pressed,
