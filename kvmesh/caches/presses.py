@@ -235,7 +235,7 @@ class KVzipPress(Press):
     and a position's score for a kv head is the most attention any reconstructing query of the heads
     sharing it gives it. The prompt's own last `window` queries count too (their most attention,
     as the reconstruction's): measured on SmolLM2-135M this lowered continuation KL at 50% kept from
-    0.0185 / 0.0221 to 0.0154 / 0.0133 on two texts without losing a fact (scripts/bench_quality.py).
+    0.0185 / 0.0221 to 0.0153 / 0.0133 on two texts without losing a fact (scripts/bench_quality.py).
     Budgets are set over all layers at once (with `ratio`): a layer keeps, per head, as many
     positions as its heads have among the top scores of the whole model, so layers that need more
     keep more; each head keeps its own best. With `budget`, every layer keeps that many.
