@@ -502,6 +502,7 @@ def cmd_prefill(args: Args) -> int:
     from kvmesh.caches.defaults import DEFAULT_COMPRESSION
     from kvmesh.caches.prefill import prefill
     from kvmesh.caches.presses import make_press
+    from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
     from kvmesh.codec.encode import EncodeOptions, encode_cache
 
     texts = prompt_texts(args)
@@ -535,6 +536,12 @@ def cmd_prefill(args: Args) -> int:
         "stored_bytes": manifest.encoding.encoded_bytes,
         "tail_kl": cached.tail_kl,
     }
+    if press.lossy and not any(isinstance(c, (SparseKVCache, SparseQuantizedKVCache)) for c in cached.cache):
+        print(
+            f"note: {press.method} changed nothing: it compresses full-attention layers only, and this model "
+            "has none outside sliding windows, recurrent state or CacheLists (`kvmesh cache show` lists them)",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -294,3 +294,12 @@ def test_the_servers_prompt_cache_keeps_and_finds_caches_of_each_family(family, 
     assert [t for t, _ in generate_from_cache(model, hit.cache, [5, 6], 4)] == [
         t for t, _ in generate_from_cache(model, cache, [5, 6], 4)
     ]
+
+
+@pytest.mark.slow
+def test_prefill_says_when_a_press_has_nothing_to_press(family, tmp_path):
+    preset, *_, path = family
+    args = ["--prompt", "The kettle on the stove began to sing. " * 20, "--method", "snapkv", "--ratio", 0.5]
+    made = cli("prefill", path, *args, "--store", tmp_path / "store")
+    # falcon_h1's attention lives inside CacheLists, which are never pressed.
+    assert ("snapkv changed nothing" in made.stderr) == (preset == "tiny-falcon-h1")
