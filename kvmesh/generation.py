@@ -107,9 +107,7 @@ def find_prefix(
         try:
             if where == "local store":
                 assert store is not None
-                if rejection := quality_problem(store.manifest(found.entry.cache_id), max_kl):
-                    raise CacheRejected(rejection)
-                cache = load_prefix(store, found.entry.cache_id, n)
+                cache = load_prefix(store, found.entry.cache_id, n, max_kl)
                 return cache, PrefixSource(where, n, time.perf_counter() - start, 0, found.entry.cache_id, skipped)
             candidate = found.candidate
             with PeerClient(where, credentials=credentials) as client:
@@ -132,9 +130,12 @@ def find_prefix(
     return None, PrefixSource("none", 0, time.perf_counter() - start, skipped=skipped)
 
 
-def load_prefix(store: CacheStore, cache_id: str, num_tokens: int) -> list[Layer]:
-    """The first `num_tokens` of a stored cache, decoded (a dense cache's shorter prefix is cut as read)."""
+def load_prefix(store: CacheStore, cache_id: str, num_tokens: int, max_kl: float | None = None) -> list[Layer]:
+    """The first `num_tokens` of a stored cache, decoded (a dense cache's shorter prefix is cut as read);
+    CacheRejected when it is lossy beyond the quality floor `max_kl`."""
     manifest = store.manifest(cache_id)
+    if rejection := quality_problem(manifest, max_kl):
+        raise CacheRejected(rejection)
     if num_tokens == manifest.prefix.num_tokens:
         records = store.chunk_records(cache_id)
     else:

@@ -62,3 +62,18 @@ def test_the_server_keeps_compressed_caches_with_their_loss(tiny, tiny_fp, promp
     assert manifest.quality.metric == "tail_kl" and manifest.quality.value >= 0
     with pytest.raises(KvmeshError, match="kvzip needs the prompt's own passes"):
         served.compress_with(make_press("kvzip", {"ratio": 0.5}), model)
+
+
+def test_the_local_store_is_held_to_the_quality_floor(tiny, tiny_fp, prompt_ids, tmp_path):
+    from kvmesh.codec.encode import encode_cache
+    from kvmesh.generation import find_prefix
+
+    press = make_press("knorm", {"ratio": 0.9, "kv_bits": 4})
+    pressed = prefill(tiny[0], prompt_ids[:256], press)
+    store = CacheStore(tmp_path / "store")
+    store.add(*encode_cache(pressed.cache, tiny_fp, prompt_ids[:256], press, tail_kl=pressed.tail_kl))
+    cache, source = find_prefix(tiny_fp, prompt_ids, store, [], max_kl=pressed.tail_kl / 2)
+    assert cache is None and source.where == "none"
+    assert len(source.skipped) == 1 and "quality" in source.skipped[0]
+    cache, source = find_prefix(tiny_fp, prompt_ids, store, [], max_kl=pressed.tail_kl * 2)
+    assert cache is not None and (source.where, source.tokens) == ("local store", 256)
