@@ -7,7 +7,6 @@ a sparse cache against a dense one with the evicted keys hidden), for every mode
 the shared function, with no second prefill and no copy of model code.
 """
 
-import copy
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from kvmesh.caches.kinds import fork
 from kvmesh.errors import UnsupportedCacheError
 
 # fn(original_sdpa, layer_index, queries, keys, values, cache, scale, mask, **kwargs) -> output
@@ -83,7 +83,7 @@ def reconstruction_scores(
     The pass runs on copies of the layers, so `cache` is left as it was.
     """
     n = len(tokens)
-    work = [_fork(c) for c in cache]
+    work = [fork(c) for c in cache]
     scores: dict[int, mx.array] = {}
     for layer, (queries, scale) in (observed or {}).items():
         if type(cache[layer]) is KVCache:
@@ -101,16 +101,6 @@ def reconstruction_scores(
             model(mx.array(tokens[start : start + step_size])[None], cache=work)
             mx.eval(list(scores.values()))
     return scores
-
-
-def _fork(c):
-    """A copy of a layer that a forward pass may extend without touching the original's buffers."""
-    if type(c) is KVCache:
-        fork = KVCache()
-        keys, values = cast(mx.array, c.keys), cast(mx.array, c.values)
-        fork.keys, fork.values, fork.offset = keys[..., : c.offset, :], values[..., : c.offset, :], c.offset
-        return fork
-    return copy.deepcopy(c)
 
 
 def window_attention(queries: mx.array, keys: mx.array, scale: float) -> mx.array:

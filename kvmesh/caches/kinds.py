@@ -17,7 +17,8 @@ A model's cache list mixes kinds (shared/docs/mlx-cache-kinds.md has the measure
 Any other kind (model-specific classes mlx-lm itself cannot reload) is refused with its name.
 """
 
-from typing import Any
+import copy
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -149,6 +150,17 @@ def snapshot(c):
     if isinstance(c, (SparseKVCache, SparseQuantizedKVCache)):
         return c
     return sparse_from_dense(c)
+
+
+def fork(c):
+    """A copy of a layer that a forward pass may extend without touching the original's buffers: a
+    KVCache shares its arrays up to its offset (the pass appends past them), others are deep-copied."""
+    if type(c) is KVCache:
+        forked = KVCache()
+        keys, values = cast(mx.array, c.keys), cast(mx.array, c.values)
+        forked.keys, forked.values, forked.offset = keys[..., : c.offset, :], values[..., : c.offset, :], c.offset
+        return forked
+    return copy.deepcopy(c)
 
 
 def cached_tokens(cache: list) -> int:

@@ -7,22 +7,23 @@ with the compressed one, and the mean KL divergence between its next-token distr
 manifest, where a receiver's quality floor (`ReceiverProfile.max_kl`) reads it.
 """
 
-import copy
 from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from kvmesh.caches.kinds import fork
 
 QUALITY_TOKENS = 32
 
 
 def tail_kl(model: nn.Module, dense: list, pressed: list, tokens: Sequence[int], n: int = QUALITY_TOKENS) -> float:
     """KL (nats/token) of the model's predictions given `pressed` from those given `dense` while it
-    re-reads the last `n` of `tokens`; both caches are left as they were (copies are fed)."""
+    re-reads the last `n` of `tokens`; both caches are left as they were (forks are fed)."""
     probe = mx.array(list(tokens[-n:]))[None]
 
     def logprobs(cache: list) -> mx.array:
-        logits = model(probe, cache=copy.deepcopy(cache))[0].astype(mx.float32)
+        logits = model(probe, cache=[fork(c) for c in cache])[0].astype(mx.float32)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     full, compressed = logprobs(dense), logprobs(pressed)
