@@ -342,14 +342,11 @@ def cmd_cache_import(args: Args) -> int:
 
 
 def cmd_cache_import_mlx(args: Args) -> int:
-    from mlx_lm.utils import load_tokenizer
-
     from kvmesh.files.mlx_prompt_cache import cache_prompt_tokens, import_prompt_cache
-    from kvmesh.model.fingerprint import fingerprint
 
     text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
-    tokens = cache_prompt_tokens(load_tokenizer(args.model), text)
-    manifest = import_prompt_cache(open_store(args), args.file, fingerprint(args.model), tokens)
+    tokenizer, fp = load_tokenizer_and_fingerprint(args.model)
+    manifest = import_prompt_cache(open_store(args), args.file, fp, cache_prompt_tokens(tokenizer, text))
     print(f"imported {manifest.cache_id} ({manifest.prefix.num_tokens} tokens)")
     return 0
 

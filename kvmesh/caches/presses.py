@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvmesh.caches.attention import window_attention
 from kvmesh.caches.kinds import snapshot
-from kvmesh.caches.sparse import sparse_from_dense
+from kvmesh.caches.sparse import SparseQuantizedKVCache, sparse_from_dense
 from kvmesh.errors import PressConfigError
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -285,6 +285,15 @@ def layer_budgets(scores: dict[int, mx.array], per_layer: int) -> dict[int, int]
 PRESSES: dict[str, type[Press]] = {
     cls.method: cls for cls in (Press, QuantizePress, StreamingLLMPress, KNormPress, SnapKVPress, KVzipPress)
 }
+
+
+def press_shown_by(cache: list) -> Press:
+    """The press a cache made elsewhere (a file) shows in its layers: quantization at the bits of its
+    quantized layers, or none. Which positions were evicted, and how, layers cannot tell."""
+    quantized = [c for c in cache if isinstance(c, SparseQuantizedKVCache)]
+    if quantized:
+        return QuantizePress(kv_bits=quantized[0].bits, kv_group_size=quantized[0].group_size)
+    return Press()
 
 
 def make_press(method: str, config: dict | None = None) -> Press:

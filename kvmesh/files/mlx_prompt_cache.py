@@ -12,7 +12,7 @@ from pathlib import Path
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
 from kvmesh.caches.kinds import cached_tokens, check_supported, snapshot
-from kvmesh.caches.presses import Press, QuantizePress
+from kvmesh.caches.presses import press_shown_by
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import EncodeOptions, encode_cache
@@ -50,10 +50,7 @@ def import_prompt_cache(
     if cached_tokens(cache) != len(tokens):
         raise KvmeshError(f"{path}: the cache holds {cached_tokens(cache)} tokens, the prompt has {len(tokens)}")
     layers = [snapshot(c) for c in cache]  # full attention made sparse, the other kinds as they are
-    press = Press()
-    if quantized := [c for c in layers if isinstance(c, SparseQuantizedKVCache)]:
-        press = QuantizePress(kv_bits=quantized[0].bits, kv_group_size=quantized[0].group_size)
-    return store.add(*encode_cache(layers, model, tokens, press, options or EncodeOptions()))
+    return store.add(*encode_cache(layers, model, tokens, press_shown_by(layers), options or EncodeOptions()))
 
 
 def export_prompt_cache(store: CacheStore, cache_id: str, path: Path | str, model_path: str) -> Path:

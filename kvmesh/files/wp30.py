@@ -26,7 +26,7 @@ from typing import Any, cast
 import mlx.core as mx
 import zstandard
 
-from kvmesh.caches.presses import Press, QuantizePress, make_press
+from kvmesh.caches.presses import QUANT_BITS, QUANT_GROUP_SIZES, Press, make_press, press_shown_by
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.arrays import mlx_dtype_name
 from kvmesh.codec.decode import decode_chunks
@@ -198,7 +198,7 @@ def _layer(refuse, i: int, meta: Any, described: Any, arrays: dict, model: Model
         bits, group_size = meta.get("bits"), meta.get("group_size")
         if (described.get("bits"), described.get("group_size")) != (bits, group_size):
             raise refuse(f"layer {i}: bits/group_size differ between wp30_layers and the manifest")
-        if bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128) or model.head_dim % group_size:
+        if bits not in QUANT_BITS or group_size not in QUANT_GROUP_SIZES or model.head_dim % group_size:
             raise refuse(f"layer {i}: quantization bits={bits!r} group_size={group_size!r}")
         widths = [model.head_dim * bits // 32, model.head_dim // group_size, model.head_dim // group_size] * 2
         expected_dtypes = ["uint32", model.dtype, model.dtype] * 2
@@ -228,12 +228,9 @@ def _press(manifest: dict, cache: list[Sparse]) -> Press:
     try:
         return make_press(str(manifest.get("method_id") or "full"), config if isinstance(config, dict) else {})
     except PressConfigError as e:
-        first = cache[0]
         if any(c.n_kept != c.offset for c in cache):
             raise KvmeshError(f"cannot record how this cache was made: {e}") from None
-        if isinstance(first, SparseQuantizedKVCache):
-            return QuantizePress(kv_bits=first.bits, kv_group_size=first.group_size)
-        return Press()
+        return press_shown_by(cache)
 
 
 def export_wp30(
