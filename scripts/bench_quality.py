@@ -188,6 +188,7 @@ def main() -> None:
         dense, _, observed = run_prompt(model, context, observe_last=32)
         prefill_s = time.perf_counter() - start
         print(f"{name}: {len(context)} context tokens prefilled in {prefill_s:.1f} s", file=sys.stderr)
+        full_bytes = fp16_bytes(make_press("full").apply(dense))
         reconstruction, reconstruction_s = None, 0.0
         reference = None
         for method, config in presses(args.quick):
@@ -221,7 +222,7 @@ def main() -> None:
             row = rows.setdefault((label, name), {"method": label, "text": name})
             row.update(
                 kept=sum(c.n_kept for c in cache) / (len(cache) * len(context)),
-                bytes_vs_fp16=fp16_bytes(cache) / fp16_bytes(press_full(dense)),
+                bytes_vs_fp16=fp16_bytes(cache) / full_bytes,
                 press_s=round(press_s, 2),
                 kl=kl,
                 top1=top1,
@@ -256,10 +257,6 @@ def main() -> None:
     Console(width=140).print(table)
     if args.json:
         args.json.write_text(json.dumps(list(rows.values()), indent=2))
-
-
-def press_full(dense):
-    return make_press("full").apply(dense)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ class Press:
             raise PressConfigError(f"{self.method}: budget must be at least 1, got {self.budget}")
         if type(self) is Press and (self.ratio or self.budget is not None):
             raise PressConfigError(
-                "full keeps every position: ratio and budget need a method that evicts (streaming_llm, snapkv, knorm)"
+                "full keeps every position: ratio and budget need a method that evicts (kvzip, snapkv, streaming_llm)"
             )
         if self.kv_bits is not None and self.kv_bits not in QUANT_BITS:
             raise PressConfigError(f"{self.method}: kv_bits must be one of {QUANT_BITS}")

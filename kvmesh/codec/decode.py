@@ -2,7 +2,7 @@
 
 Each layer is rebuilt as the class mlx-lm's model code expects of it: full attention as kvmesh's
 sparse caches (mlx-lm's KVCache cannot hold evicted positions), sliding windows as RotatingKVCache,
-recurrent state as ArraysCache.
+recurrent state as ArraysCache, chunked attention as ChunkedKVCache, composite layers as CacheList.
 
 The decoder writes each chunk into per-tensor MLX buffers through their zero-copy numpy views, so
 decoding needs about one copy of the cache in memory, never the whole encoded payload.
