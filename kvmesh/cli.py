@@ -571,6 +571,7 @@ def cmd_generate(args: Args) -> int:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
+    from kvmesh.fetch_or_prefill import Rates
     from kvmesh.generation import generate
 
     texts = prompt_texts(args)
@@ -592,6 +593,7 @@ def cmd_generate(args: Args) -> int:
             sampler=make_sampler(temp=args.temp, top_p=args.top_p),
             stop_tokens=set(tokenizer.eos_token_ids),
             max_kl=args.max_kl,
+            rates=None if args.fetch == "always" else Rates(data_dir(args)),
         )
     text = tokenizer.decode(result.tokens)
     source = result.source
@@ -611,6 +613,7 @@ def cmd_generate(args: Args) -> int:
                     "generate_s": round(result.generate_s, 4),
                     "estimated_saving_s": None if saving is None else round(saving, 3),
                     "skipped": source.skipped,
+                    "choices": source.choices,
                 },
                 indent=2,
             )
@@ -635,12 +638,16 @@ def cmd_generate(args: Args) -> int:
         print(f"estimated time saved against prefilling the cached tokens here: {saving:.2f} s", file=sys.stderr)
     for reason in source.skipped:
         print(f"skipped: {reason}", file=sys.stderr)
+    if args.explain:
+        for choice in source.choices or ["no peer had a longer cached prefix: nothing to choose"]:
+            print(f"choice: {choice}", file=sys.stderr)
     return 0
 
 
 def cmd_serve(args: Args) -> int:
     """Flags, then the config file's [serve] table, then the defaults of ServeOptions."""
     from kvmesh.daemon.config import load_serve_settings
+    from kvmesh.fetch_or_prefill import Rates
     from kvmesh.serve.server import ServeOptions, check_exposure, serve
 
     settings = load_serve_settings(Path(args.config) if args.config else None)
@@ -662,7 +669,10 @@ def cmd_serve(args: Args) -> int:
         max_tokens=pick("max_tokens"),
         idle_timeout=pick("idle_timeout"),
         compress=bool(pick("compress")),
+        fetch=pick("fetch"),
     )
+    if options.fetch not in ("auto", "always"):
+        raise KvmeshError(f"fetch must be auto or always, not {options.fetch!r} (the config's [serve] table)")
     check_exposure(options.host, api_key)  # before the model loads
     store = None if args.no_store else open_store(args)
     loaded = load_model(model)
@@ -673,7 +683,16 @@ def cmd_serve(args: Args) -> int:
         from kvmesh.daemon.control import live_peer_addresses
 
         peers = lambda: live_peer_addresses(data_dir(args))  # noqa: E731 (asked again for each request)
-    serve(model, loaded, store, peers, mesh_credentials(args), options, announce=lambda line: print(line, flush=True))
+    serve(
+        model,
+        loaded,
+        store,
+        peers,
+        mesh_credentials(args),
+        options,
+        announce=lambda line: print(line, flush=True),
+        rates=Rates(data_dir(args)),
+    )
     return 0
 
 
@@ -723,6 +742,16 @@ def build_parser() -> argparse.ArgumentParser:
             type=float,
             help="quality floor: refuse lossy caches whose producer measured a loss above this (nats/token on "
             "the context's tail; see `kvmesh cache show`) or did not measure one; lossless caches always pass",
+        )
+
+    def fetch_option(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--fetch",
+            choices=["auto", "always"],
+            default=None,
+            help="auto (default): fetch a peer's cache only when that is expected to beat prefilling its tokens "
+            "here (link rates measured per peer, this model's prefill rate measured here; kept in the data dir); "
+            "always: whenever a peer has a longer prefix",
         )
 
     def store_option(sub: argparse.ArgumentParser) -> None:
@@ -923,6 +952,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, help="random seed, for repeatable sampling")
     generate.add_argument("--peer", action="append", help="host:port of a peer to ask (repeat)")
     generate.add_argument("--no-mesh", action="store_true", help="only the local store")
+    fetch_option(generate)
+    generate.add_argument(
+        "--explain", action="store_true", help="say, for each peer's cache, why it was fetched or prefilled instead"
+    )
     max_kl_option(generate)
     generate.add_argument("--json", action="store_true", help="print JSON")
 
@@ -942,6 +975,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--peer", action="append", help="host:port of a peer to ask (repeat)")
     serve.add_argument("--no-mesh", action="store_true", help="only memory and the local store")
     serve.add_argument("--no-store", action="store_true", help="only memory and the mesh; keep nothing on disk")
+    fetch_option(serve)
     store_option(serve)
     serve.add_argument("--memory-bytes", type=positive_int, help="bytes of live caches in memory (default 2 GiB)")
     serve.add_argument(

@@ -14,18 +14,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvmesh.caches.prefill import generate_from_cache, greedy
+from kvmesh.caches.prefill import CALIBRATION_TOKENS, generate_from_cache, greedy, measure_prefill_rate
 from kvmesh.codec.arrays import Layer
+from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.compat import ReceiverProfile, quality_problem
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.errors import CacheRejected, IntegrityError, PeerError, StoreError
+from kvmesh.fetch_or_prefill import Choice, Rates, choose, probe_bytes
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient, Progress
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.transport import IDLE_TIMEOUT
 from kvmesh.store import CacheStore
-from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.v1.service_pb2 import Candidate
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ class PrefixSource:
     cache_id: str = ""
     # Peers that were tried and failed or refused, with why.
     skipped: list[str] = field(default_factory=list)
+    # Each choice between fetching a peer's cache and prefilling its tokens here, with its figures.
+    choices: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +77,7 @@ def find_prefix(
     idle_timeout: float = IDLE_TIMEOUT,
     min_tokens: int = 0,
     max_kl: float | None = None,
+    rates: Rates | None = None,
 ) -> tuple[list | None, PrefixSource]:
     """The cache of the longest prefix of `tokens[:-1]` found, and where it came from.
 
@@ -83,6 +88,10 @@ def find_prefix(
     `min_tokens` (what the caller already holds) are not tried. Without a `store`, only peers are
     asked and nothing fetched is kept. `max_kl` is a quality floor for lossy caches
     (`ReceiverProfile.max_kl`), honoured for the local store's entries too.
+
+    With `rates` (kvmesh.fetch_or_prefill), a peer's cache is fetched only when that is expected to
+    be faster than prefilling the tokens it adds here; each fetch's rate is kept for next time.
+    Without them, every peer's cache is fetched.
     """
     wanted = list(tokens[:-1])
     start = time.perf_counter()
@@ -103,13 +112,25 @@ def find_prefix(
     sources = sorted((s for s in sources if s[0] > min_tokens), key=lambda s: (-s[0], s[1]))
 
     profile = ReceiverProfile(model_fp, prompt=list(tokens), max_kl=max_kl)
+    choices: list[str] = []
     for n, _, where, found in sources:
         try:
             if where == "local store":
                 assert store is not None
                 cache = load_prefix(store, found.entry.cache_id, n, max_kl)
-                return cache, PrefixSource(where, n, time.perf_counter() - start, 0, found.entry.cache_id, skipped)
+                return cache, PrefixSource(
+                    where, n, time.perf_counter() - start, 0, found.entry.cache_id, skipped, choices
+                )
             candidate = found.candidate
+            if rates is not None:
+                # What fetching saves: prefilling the tokens beyond what is held or found here.
+                held = max([min_tokens] + [s[0] for s in sources if s[2] == "local store" and s[0] < n])
+                choice = fetch_or_prefill(
+                    rates, model_fp.model_id, where, candidate, n - held, credentials, idle_timeout
+                )
+                choices.append(str(choice))
+                if not choice.fetch:
+                    continue
             with PeerClient(where, credentials=credentials) as client:
                 fetched = client.fetch(
                     candidate.cache_id,
@@ -120,14 +141,55 @@ def find_prefix(
                     idle_timeout=idle_timeout,
                     keep=False,
                 )
+            if rates is not None:
+                rates.record_transfer(where, fetched.wire_bytes, fetched.seconds)
             return fetched.cache, PrefixSource(
-                f"peer {where}", n, time.perf_counter() - start, fetched.wire_bytes, fetched.manifest.cache_id, skipped
+                f"peer {where}",
+                n,
+                time.perf_counter() - start,
+                fetched.wire_bytes,
+                fetched.manifest.cache_id,
+                skipped,
+                choices,
             )
         except (PeerError, IntegrityError, CacheRejected, StoreError) as e:
             reason = str(e) if where != "local store" else f"local store: {e}"
             log.warning("%s", reason)
             skipped.append(reason)
-    return None, PrefixSource("none", 0, time.perf_counter() - start, skipped=skipped)
+    return None, PrefixSource("none", 0, time.perf_counter() - start, skipped=skipped, choices=choices)
+
+
+def fetch_or_prefill(
+    rates: Rates,
+    model_id: str,
+    address: str,
+    candidate: Candidate,
+    tokens: int,
+    credentials: MeshCredentials | None = None,
+    timeout: float = IDLE_TIMEOUT,
+) -> Choice:
+    """Whether fetching `tokens` more of `candidate` from `address` beats prefilling them here.
+
+    The link rate is the one measured on earlier transfers from that peer, else a short probe's;
+    without a prefill rate for the model (`calibrate`), fetching is the choice.
+    """
+    wire = candidate.stored_bytes * tokens // max(1, candidate.num_tokens)
+    prefill_rate = rates.prefill_rate(model_id)
+    if prefill_rate is None:
+        return Choice(True, 0.0, 0.0, f"{tokens:,} cached tokens at {address}: no prefill rate measured here: fetch")
+    if (link_rate := rates.link_rate(address)) is None:
+        with PeerClient(address, timeout=timeout, credentials=credentials) as client:
+            link_rate = client.probe(probe_bytes(wire))
+        rates.record_probe(address, link_rate)
+    return choose(tokens, wire, link_rate, prefill_rate, address, rates.link_source(address))
+
+
+def calibrate(model: nn.Module, model_fp: ModelFingerprint, rates: Rates) -> float:
+    """The model's prefill rate on this machine (tokens/s): as measured before, else measured now."""
+    if (rate := rates.prefill_rate(model_fp.model_id)) is None:
+        rate = measure_prefill_rate(model)
+        rates.record_prefill(model_fp.model_id, CALIBRATION_TOKENS, CALIBRATION_TOKENS / rate)
+    return rate
 
 
 def load_prefix(store: CacheStore, cache_id: str, num_tokens: int, max_kl: float | None = None) -> list[Layer]:
@@ -140,7 +202,7 @@ def load_prefix(store: CacheStore, cache_id: str, num_tokens: int, max_kl: float
         records = store.chunk_records(cache_id)
     else:
         manifest, records = cut_prefix(manifest, lambda: store.chunk_records(cache_id), num_tokens)
-    return decode_chunks(manifest, map(pb.Chunk.FromString, records))
+    return decode_chunks(manifest, map(parse_frame, records))
 
 
 def generate(
@@ -157,11 +219,19 @@ def generate(
     sampler: Callable[[mx.array], mx.array] = greedy,
     stop_tokens: Collection[int] = (),
     max_kl: float | None = None,
+    rates: Rates | None = None,
 ) -> Generation:
     """Generation after `tokens` (greedy, or with an mlx-lm `sampler`), reusing the longest cached
     prefix found on the mesh; it ends at `max_tokens` or at one of `stop_tokens` (the tokenizer's
-    end-of-turn ids: `tokenizer.eos_token_ids`), which is not returned."""
-    cache, source = find_prefix(model_fp, tokens, store, peers, progress, credentials, idle_timeout, max_kl=max_kl)
+    end-of-turn ids: `tokenizer.eos_token_ids`), which is not returned.
+
+    With `rates`, a peer's cache is fetched only when that beats prefilling its tokens here (the
+    model's prefill rate is measured first if it never was), and this prefill refreshes the rate."""
+    if rates is not None and peers:
+        calibrate(model, model_fp, rates)
+    cache, source = find_prefix(
+        model_fp, tokens, store, peers, progress, credentials, idle_timeout, max_kl=max_kl, rates=rates
+    )
     suffix = list(tokens[source.tokens :])
     start = time.perf_counter()
     out, first_at = [], None
@@ -174,4 +244,6 @@ def generate(
         if on_token:
             on_token(token)
     end = time.perf_counter()
+    if rates is not None:
+        rates.record_prefill(model_fp.model_id, len(suffix), (first_at or end) - start)
     return Generation(out, source, len(tokens), (first_at or end) - start, end - (first_at or end))

@@ -15,4 +15,4 @@ need no bump. The loopback `Control` service changes with the package (CLI and d
 
 __version__ = "0.2.0"
 SCHEMA_VERSION = 2
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3

@@ -1,6 +1,7 @@
 """Wire encoding: bit-exact round trips, and every kind of bad chunk refused with a clear error."""
 
 import itertools
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -9,6 +10,7 @@ from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import truncate
 from kvmesh.codec.arrays import layer_tensors
+from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import CacheDecoder, decode_chunks
 from kvmesh.codec.encode import EncodeOptions, build_manifest, encode_cache, encode_chunks
@@ -79,8 +81,8 @@ def test_encoding_twice_gives_the_same_id_and_digest(caches, tiny_fp, prompt_ids
 def test_one_thread_and_two_encode_the_same(caches, tiny_fp, prompt_ids):
     cache, press = caches["dense", mx.bfloat16]
     manifest = build_manifest(cache, tiny_fp, PrefixKey.of(prompt_ids), press, EncodeOptions(chunk_size=8192))
-    one = [c.SerializeToString() for c in encode_chunks(cache, manifest, threads=1)]
-    two = [c.SerializeToString() for c in encode_chunks(cache, manifest, threads=2)]
+    one = [c.frame() for c in encode_chunks(cache, manifest, threads=1)]
+    two = [c.frame() for c in encode_chunks(cache, manifest, threads=2)]
     assert one == two
 
 
@@ -135,9 +137,7 @@ def test_duplicated_chunk(stream):
 
 def test_extra_chunk(stream):
     manifest, chunks = stream
-    extra = type(chunks[0])()
-    extra.CopyFrom(chunks[-1])
-    extra.index = len(chunks)
+    extra = replace(chunks[-1], index=len(chunks))
     with pytest.raises(IntegrityError, match=f"beyond the {len(chunks)} the manifest announced"):
         feed_all(manifest, chunks + [extra])
 
@@ -213,14 +213,14 @@ def test_a_cut_prefix_is_the_fresh_encoding_of_that_prefix(caches, tiny_fp, prom
     """Cutting 128 of 300 tokens from the chunks gives exactly what encoding those 128 gives."""
     cache, press = caches[kind, mx.bfloat16]
     manifest, chunks = encoded(cache, press, tiny_fp, prompt_ids, codec, shuffle, chunk_size=5000)
-    records = [c.SerializeToString() for c in chunks]
+    records = [c.frame() for c in chunks]
     cut, stream = cut_prefix(manifest, lambda: iter(records), 128)
-    cut_chunks = [type(chunks[0]).FromString(r) for r in stream]
+    cut_chunks = [parse_frame(r) for r in stream]
     fresh, fresh_chunks = encoded(
         [truncate(c, 128) for c in cache], press, tiny_fp, prompt_ids[:128], codec, shuffle, chunk_size=5000
     )
     assert cut.cache_id == content_id(fresh) and cut.encoding == fresh.encoding
-    assert [c.SerializeToString() for c in cut_chunks] == [c.SerializeToString() for c in fresh_chunks]
+    assert [c.frame() for c in cut_chunks] == [c.frame() for c in fresh_chunks]
     assert_same_tensors(decode_chunks(cut, cut_chunks), [truncate(c, 128) for c in cache])
 
 
@@ -238,6 +238,6 @@ def test_a_cut_refuses_what_it_cannot_serve_and_damage_it_reads(caches, tiny_fp,
         if s.byte_offset < 128 * s.row_bytes < s.byte_offset + s.raw_length
     )
     chunks[partial].checksum ^= 1
-    records = [c.SerializeToString() for c in chunks]
+    records = [c.frame() for c in chunks]
     with pytest.raises(IntegrityError, match=f"chunk {partial} is corrupt"):
         cut_prefix(manifest, lambda: iter(records), 128)

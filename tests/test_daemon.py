@@ -85,7 +85,7 @@ def test_daemons_find_each_other_and_generate_uses_a_peers_cache(daemons, tiny, 
 
     def generate_on_b() -> dict:
         args = ["--file", document, "--prompt", " What does this test check?", "--max-tokens", 12, "--json"]
-        return json.loads(kvmesh(tmp_path / "B", "generate", tiny_dir, *args).stdout)
+        return json.loads(kvmesh(tmp_path / "B", "generate", tiny_dir, *args, "--fetch", "always").stdout)
 
     out = generate_on_b()
     assert out["prefix_from"] == f"peer {address_a}" and out["prefix_tokens"] == stored["tokens"]

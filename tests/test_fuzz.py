@@ -8,6 +8,7 @@ decode that "succeeds" with bytes other than the original.
 import functools
 import os
 import random
+from dataclasses import replace
 
 import mlx.core as mx
 from google.protobuf.message import DecodeError
@@ -246,7 +247,7 @@ CHUNK_EDITS = st.one_of(
 )
 def test_mutated_chunks_fail_cleanly_or_decode_exactly(kind, codec, position, edits):
     cache, manifest, chunks = sample("quantized" if kind == "quantized" else "dense", codec)
-    chunks = [copy_of(c) for c in chunks]
+    chunks = [replace(c) for c in chunks]
     i = position % len(chunks)
     for edit, a, b in edits:
         chunk = chunks[i % len(chunks)]
@@ -265,7 +266,7 @@ def test_mutated_chunks_fail_cleanly_or_decode_exactly(kind, codec, position, ed
         elif edit == "drop" and len(chunks) > 1:
             del chunks[i % len(chunks)]
         elif edit == "duplicate":
-            chunks.insert(i % len(chunks), copy_of(chunk))
+            chunks.insert(i % len(chunks), replace(chunk))
         elif edit == "swap" and len(chunks) > 1:
             j = (i + 1) % len(chunks)
             chunks[i % len(chunks)], chunks[j] = chunks[j], chunks[i % len(chunks)]

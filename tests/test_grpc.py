@@ -21,6 +21,7 @@ from kvmesh.caches.prefill import generate_from_cache, prefill
 from kvmesh.caches.presses import Press, make_press
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.arrays import layer_tensors
+from kvmesh.codec.chunks import FRAME_HEADER
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.codec.manifest import content_id
@@ -243,11 +244,9 @@ def corrupt_a_chunk_in_flight(entry_path, index):
         length, _ = RECORD_HEADER.unpack_from(data, at)
         at += RECORD_HEADER.size + length
     length, _ = RECORD_HEADER.unpack_from(data, at)
-    chunk = pb.Chunk.FromString(bytes(data[at + RECORD_HEADER.size : at + RECORD_HEADER.size + length]))
-    chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
-    record = chunk.SerializeToString()
-    assert len(record) == length
-    data[at : at + RECORD_HEADER.size + length] = RECORD_HEADER.pack(length, xxhash.xxh3_64_intdigest(record)) + record
+    frame = at + RECORD_HEADER.size
+    data[frame + FRAME_HEADER.size] ^= 0xFF  # the chunk's first data byte
+    data[at:frame] = RECORD_HEADER.pack(length, xxhash.xxh3_64_intdigest(bytes(data[frame : frame + length])))
     entry_path.write_bytes(bytes(data))
 
 

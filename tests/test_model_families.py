@@ -30,6 +30,7 @@ from kvmesh.caches.kinds import check_supported
 from kvmesh.caches.prefill import generate_from_cache, prefill, run_prompt
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
+from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.compat import ReceiverProfile, validate_manifest
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import decode_chunks
@@ -164,9 +165,9 @@ def test_a_window_that_dropped_nothing_is_cut_like_a_dense_cache(tiny_fp, prompt
         layer.update_and_fetch(keys, values)
         layers.append(layer)
     manifest, chunks = encode_cache(layers, tiny_fp, prompt_ids)
-    records = [c.SerializeToString() for c in chunks]
+    records = [c.frame() for c in chunks]
     cut, cut_records = cut_prefix(manifest, lambda: iter(records), 256)
-    decoded = decode_chunks(cut, map(pb.Chunk.FromString, cut_records))
+    decoded = decode_chunks(cut, map(parse_frame, cut_records))
     assert [(c.offset, c.max_size, c.keys.shape[2]) for c in decoded] == [(256, 1024, 256)] * 4
     assert mx.array_equal(decoded[0].keys, keys[..., :256, :]).item()
 

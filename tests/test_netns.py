@@ -123,7 +123,18 @@ def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tin
     CacheStore(tmp_path / "n1" / "store").add(*encode_cache(prefill(model, doc_tokens).cache, tiny_fp, doc_tokens))
     out = json.loads(
         lan.kvmesh(
-            2, "generate", str(tiny_dir), "--file", str(document), "--prompt", " Why?", "--max-tokens", "8", "--json"
+            2,
+            "generate",
+            str(tiny_dir),
+            "--file",
+            str(document),
+            "--prompt",
+            " Why?",
+            "--max-tokens",
+            "8",
+            "--json",
+            "--fetch",
+            "always",
         ).stdout
     )
     assert out["prefix_from"] == f"peer {lan.address(1)}:{PORT}" and out["prefix_tokens"] == len(doc_tokens)

@@ -58,7 +58,8 @@ def test_prefill_on_one_node_generate_on_another_identical_to_mlx_lm(smollm2, se
     address = serve(tmp_path / "a")
 
     args = ["--file", document, "--prompt", QUESTION, "--chat", "--max-tokens", 8, "--json"]
-    out = json.loads(cli("generate", path, *args, "--store", tmp_path / "b", "--peer", address, timeout=600).stdout)
+    peer = ["--store", tmp_path / "b", "--peer", address, "--fetch", "always"]
+    out = json.loads(cli("generate", path, *args, *peer, timeout=600).stdout)
     assert out["prefix_from"] == f"peer {address}" and out["prefix_tokens"] == stored["tokens"]
 
     tokens = prompt_tokens(tokenizer, DOCUMENT, QUESTION, chat=True)

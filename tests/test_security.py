@@ -17,6 +17,7 @@ from cryptography import x509
 from helpers import ENV
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.sparse import SparseKVCache
+from kvmesh.codec.chunks import Chunk
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.daemon.control import DaemonProcess, start_daemon
@@ -33,12 +34,13 @@ from kvmesh.net.credentials import (
     renew_if_due,
 )
 from kvmesh.net.node_id import node_id
-from kvmesh.net.transport import MAX_MESSAGE_BYTES, open_channel
+from kvmesh.net.transport import MAX_MESSAGE_BYTES, method, open_channel, serialize
 from kvmesh.paths import mesh_dir
 from kvmesh.store import CacheStore, entry_file
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.v1 import service_pb2_grpc
+from kvmesh.versions import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.slow
 NONE = EncodeOptions(codec="none")
@@ -301,10 +303,14 @@ def rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def raw_publish(address: str, credentials: MeshCredentials, messages) -> list:
-    """Publish hand-made messages, as a hostile peer would; returns the responses."""
+def raw_publish(address: str, credentials: MeshCredentials, manifest: pb.CacheManifest, frames=()) -> list:
+    """Publish a manifest, then hand-made frames, as a hostile peer would; returns the responses."""
+    first = spb.PublishRequest(manifest=manifest, protocol_version=PROTOCOL_VERSION)
     with open_channel(address, credentials) as channel:
-        return list(service_pb2_grpc.KvMeshStub(channel).Publish(iter(messages), timeout=20))
+        call = channel.stream_stream(
+            method("Publish"), request_serializer=serialize, response_deserializer=spb.PublishResponse.FromString
+        )
+        return list(call(iter([first, *frames]), timeout=20))
 
 
 def lying(manifest: pb.CacheManifest, lie) -> pb.CacheManifest:
@@ -340,7 +346,7 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
         worker.start()
 
         def publish(m):
-            return raw_publish(daemon.address, attacker, [spb.PublishRequest(manifest=m)])[0].decision
+            return raw_publish(daemon.address, attacker, m)[0].decision
 
         refusals = {
             "a billion layers": publish(lying(manifest, lambda m: setattr(m, "num_layers", 10**9))),
@@ -356,25 +362,21 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
 
         # A consistent manifest under the limit, then garbage where the chunks should be.
         small = CacheStore(tmp_path / "small").add(*encode_cache(small_cache(), fp, prompt_ids[:64], options=NONE))
-        garbage = [spb.PublishRequest(manifest=small)] + [
-            spb.PublishRequest(chunk=pb.Chunk(index=i, tensor=0, raw_length=4096, data=os.urandom(4096)))
-            for i in range(3)
-        ]
+        garbage = [Chunk(i, 0, 0, 4096, 0, os.urandom(4096)).frame() for i in range(3)]
         with pytest.raises(grpc.RpcError) as e:
-            raw_publish(daemon.address, attacker, garbage)
+            raw_publish(daemon.address, attacker, small, garbage)
         assert e.value.code() == grpc.StatusCode.DATA_LOSS
 
         # A message over gRPC's size limit is refused by gRPC itself.
-        huge = spb.PublishRequest(chunk=pb.Chunk(data=bytes(MAX_MESSAGE_BYTES + 1)))
         with pytest.raises(grpc.RpcError) as e:
-            raw_publish(daemon.address, attacker, [spb.PublishRequest(manifest=small), huge])
+            raw_publish(daemon.address, attacker, small, [bytes(MAX_MESSAGE_BYTES + 1)])
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
         # Slow loris: open a fetch, read the manifest, never decide. The stream is cut.
         release = threading.Event()
 
         def stalled():
-            yield spb.FetchRequest(open=spb.FetchOpen(cache_id=manifest.cache_id))
+            yield spb.FetchRequest(open=spb.FetchOpen(cache_id=manifest.cache_id, protocol_version=PROTOCOL_VERSION))
             release.wait()
 
         with open_channel(daemon.address, attacker) as channel:
@@ -388,7 +390,7 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
         gate = threading.Event()
 
         def holding():
-            yield spb.FetchRequest(open=spb.FetchOpen(cache_id=manifest.cache_id))
+            yield spb.FetchRequest(open=spb.FetchOpen(cache_id=manifest.cache_id, protocol_version=PROTOCOL_VERSION))
             gate.wait()
 
         with open_channel(daemon.address, attacker) as channel:

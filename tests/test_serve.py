@@ -191,7 +191,9 @@ def test_two_servers_share_a_long_system_prompt_over_the_mesh(tiny, tiny_dir, ht
     client_a, _ = http_server(tiny_dir, "a", "--no-mesh", "--min-store-tokens", 64)
     daemon = start_daemon(tmp_path / "a", ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"], env=ENV)
     try:
-        client_b, _ = http_server(tiny_dir, "b", "--peer", daemon.address, "--min-store-tokens", 64)
+        client_b, _ = http_server(
+            tiny_dir, "b", "--peer", daemon.address, "--min-store-tokens", 64, "--fetch", "always"
+        )
         chat(client_a, [{"role": "system", "content": SYSTEM}, *QUESTION], max_tokens=4)
         other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a delta?"}]
         answer = chat(client_b, other, max_tokens=8)

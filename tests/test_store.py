@@ -140,7 +140,7 @@ def corrupt(chunks, how):
     elif how == "duplicated":
         chunks.insert(3, chunks[2])
     elif how == "oversized":
-        chunks[0].data += bytes(3 * chunks[0].raw_length)
+        chunks[0].data = bytes(chunks[0].data) + bytes(3 * chunks[0].raw_length)
     return chunks
 
 

@@ -7,6 +7,7 @@ those, and generation continues from the cache with that token. A consumer that 
 prefix feeds only its suffix instead (`generate_from_cache`).
 """
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -131,3 +132,19 @@ def generate_from_cache(
         )
     for token, logprobs in generate_step(suffix, model, prompt_cache=cache, max_tokens=max_tokens, sampler=sampler):
         yield int(token), logprobs
+
+
+# A calibration prefills this many tokens: long enough to time, short enough to go unnoticed.
+CALIBRATION_TOKENS = 256
+
+
+def measure_prefill_rate(model: nn.Module, tokens: int = CALIBRATION_TOKENS) -> float:
+    """This machine's prefill rate of `model`, in tokens/s, on `tokens` arbitrary tokens.
+
+    A short pass runs first: mlx-lm loads weights lazily, so the first forward pass also reads them.
+    """
+    ids = [1 + i % 97 for i in range(tokens)]
+    run_prompt(model, ids[:8])
+    start = time.perf_counter()
+    run_prompt(model, ids)
+    return tokens / (time.perf_counter() - start)

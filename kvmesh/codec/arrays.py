@@ -80,7 +80,7 @@ def rows_of(view: np.ndarray, token_major_layout: bool, r0: int, rows: int) -> n
     return np.ascontiguousarray(view[r0 : r0 + rows])
 
 
-def write_rows(view: np.ndarray, token_major_layout: bool, r0: int, raw: bytes | np.ndarray) -> None:
+def write_rows(view: np.ndarray, token_major_layout: bool, r0: int, raw: bytes | memoryview | np.ndarray) -> None:
     """Write wire rows starting at row r0 into a tensor's unbatched view."""
     if token_major_layout:
         rows = np.frombuffer(raw, dtype=view.dtype).reshape(-1, view.shape[0], view.shape[2])

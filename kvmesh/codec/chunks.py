@@ -1,7 +1,10 @@
-"""Chunks on the wire and on disk: checked, decompressed, digested. Needs no MLX.
+"""Chunks on the wire and on disk: framed, checked, decompressed, digested. Needs no MLX.
 
 Each chunk holds whole token rows of one tensor, compressed on its own (zstd or nothing), with its
-raw length and an xxh3-64 checksum of its raw bytes. The payload digest is xxh3-128 over every
+raw length and an xxh3-64 checksum of its raw bytes. A chunk travels, and lies in a store file, as
+one frame: a fixed 32-byte header, then its bytes. The header is read with `struct`, and the bytes
+stay where gRPC or the file put them (a memoryview) until they are decoded into the cache: no
+protobuf parsing and no copy per chunk. The payload digest is xxh3-128 over every
 chunk's (raw length, checksum) in order, so a receiver can verify completeness and order without a
 second pass over the data, and a store can cut a dense cache's prefix without re-hashing it.
 
@@ -9,11 +12,13 @@ second pass over the data, and a store can cut a dense cache's prefix without re
 `kvmesh.codec.encode` and `kvmesh.codec.decode`.
 """
 
+import os
 import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -28,6 +33,45 @@ from kvmesh.v1 import cache_pb2 as pb
 T = TypeVar("T")
 R = TypeVar("R")
 _local = threading.local()
+# A chunk's decoded bytes: a view of its frame (no codec), or what decompression made.
+Raw = bytes | memoryview | np.ndarray
+# Threads that decode chunks at once: one per core. zstd, xxhash and numpy's copies release the GIL.
+DECODE_THREADS = os.cpu_count() or 2
+# magic, index, tensor, byte_offset, raw_length, checksum (xxh3-64 of the raw bytes).
+FRAME_HEADER = struct.Struct("<4sIIQIQ")
+FRAME_MAGIC = b"KVCF"
+
+
+@dataclass
+class Chunk:
+    """One chunk: which bytes of which tensor it holds, their checksum, and its encoded `data`."""
+
+    index: int
+    tensor: int
+    byte_offset: int
+    raw_length: int
+    checksum: int
+    data: bytes | memoryview
+
+    def header(self) -> bytes:
+        return FRAME_HEADER.pack(FRAME_MAGIC, self.index, self.tensor, self.byte_offset, self.raw_length, self.checksum)
+
+    def frame(self) -> bytes:
+        """The chunk as it travels and is stored: header, then data."""
+        return b"".join((self.header(), self.data))
+
+
+def parse_frame(frame: bytes | memoryview, where: str = "chunk") -> Chunk:
+    """The chunk in a frame; its data is a view of the frame, not a copy.
+
+    IntegrityError when it is not a frame: too short, or another framing (an older peer's).
+    """
+    if len(frame) < FRAME_HEADER.size:
+        raise IntegrityError(f"{where}: {len(frame)} bytes, too short for a chunk frame")
+    magic, index, tensor, byte_offset, raw_length, checksum = FRAME_HEADER.unpack_from(frame)
+    if magic != FRAME_MAGIC:
+        raise IntegrityError(f"{where}: not a kvmesh chunk frame (magic {bytes(magic)!r})")
+    return Chunk(index, tensor, byte_offset, raw_length, checksum, memoryview(frame)[FRAME_HEADER.size :])
 
 
 def compressor(level: int) -> zstandard.ZstdCompressor:
@@ -100,23 +144,23 @@ class ChunkChecker:
         self.specs = tensor_specs(manifest)
         self.sums: list[tuple[int, int]] = []
 
-    def check(self, chunk: pb.Chunk) -> bytes | np.ndarray:
+    def check(self, chunk: Chunk) -> Raw:
         """The chunk's raw bytes, once it proved to be the next chunk, intact."""
         raw = self.decode(chunk)
         self.accept(chunk)
         return raw
 
-    def check_all(self, chunks: Iterable[pb.Chunk], threads: int = 1) -> Iterator[tuple[pb.Chunk, bytes | np.ndarray]]:
+    def check_all(self, chunks: Iterable[Chunk], threads: int = 1) -> Iterator[tuple[Chunk, Raw]]:
         """`check` over a stream, decompressing on `threads` threads; results stay in order."""
 
-        def decode(c: pb.Chunk) -> tuple[pb.Chunk, bytes | np.ndarray]:
+        def decode(c: Chunk) -> tuple[Chunk, Raw]:
             return c, self.decode(c)
 
         for chunk, raw in ordered_map(decode, chunks, threads):
             self.accept(chunk)
             yield chunk, raw
 
-    def decode(self, chunk: pb.Chunk) -> bytes | np.ndarray:
+    def decode(self, chunk: Chunk) -> Raw:
         """Check one chunk against its slot in the plan, then decode it and verify its checksum.
 
         Needs no state, so chunks can be decoded on several threads.
@@ -130,11 +174,11 @@ class ChunkChecker:
                 f"the manifest puts it at tensor {slot.tensor} bytes {slot.byte_offset}+{slot.raw_length}"
             )
         raw = self._decode(chunk)
-        if xxhash.xxh3_64_intdigest(raw if isinstance(raw, bytes) else raw.data) != chunk.checksum:
+        if xxhash.xxh3_64_intdigest(raw.data if isinstance(raw, np.ndarray) else raw) != chunk.checksum:
             raise IntegrityError(f"chunk {chunk.index} is corrupt: its checksum does not match its bytes")
         return raw
 
-    def accept(self, chunk: pb.Chunk) -> None:
+    def accept(self, chunk: Chunk) -> None:
         """Record a decoded chunk, which must be the next one in the payload."""
         expected = len(self.sums)
         if chunk.index != expected:
@@ -143,7 +187,7 @@ class ChunkChecker:
             )
         self.sums.append((chunk.raw_length, chunk.checksum))
 
-    def _decode(self, chunk: pb.Chunk) -> bytes | np.ndarray:
+    def _decode(self, chunk: Chunk) -> Raw:
         encoding = self.manifest.encoding
         if encoding.codec == pb.CODEC_NONE:
             if len(chunk.data) != chunk.raw_length:

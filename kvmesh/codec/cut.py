@@ -13,11 +13,12 @@ of the cache's block hashes.
 """
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
 import numpy as np
 import xxhash
 
-from kvmesh.codec.chunks import ChunkChecker, compressor, payload_digest, shuffle
+from kvmesh.codec.chunks import Chunk, ChunkChecker, compressor, parse_frame, payload_digest, shuffle
 from kvmesh.codec.manifest import (
     ITEMSIZE,
     chunk_count,
@@ -31,7 +32,7 @@ from kvmesh.codec.prefix import PrefixKey
 from kvmesh.errors import IntegrityError
 from kvmesh.v1 import cache_pb2 as pb
 
-# Opens the stored chunk records of the whole cache afresh, as serialized Chunk messages, in order.
+# Opens the stored chunk records of the whole cache afresh, as chunk frames, in order.
 Records = Callable[[], Iterable[bytes]]
 
 
@@ -87,12 +88,12 @@ def cut_prefix(
         for i, chunk in enumerate(_cut_chunks(manifest, cut, records())):
             if (chunk.raw_length, chunk.checksum) != sums[i][:2]:
                 raise IntegrityError(f"cache {manifest.cache_id} changed while its prefix was served")
-            yield chunk.SerializeToString()
+            yield chunk.frame()
 
     return cut, stream()
 
 
-def _cut_chunks(manifest: pb.CacheManifest, cut: pb.CacheManifest, records: Iterable[bytes]) -> Iterator[pb.Chunk]:
+def _cut_chunks(manifest: pb.CacheManifest, cut: pb.CacheManifest, records: Iterable[bytes]) -> Iterator[Chunk]:
     """The cut's chunks in its payload order, from the original's records in theirs."""
     wanted = {(s.tensor, s.byte_offset): (i, s) for i, s in enumerate(chunk_plan(cut))}
     checker = ChunkChecker(manifest)
@@ -105,14 +106,13 @@ def _cut_chunks(manifest: pb.CacheManifest, cut: pb.CacheManifest, records: Iter
         place = wanted.get((slot.tensor, slot.byte_offset))
         if place is None:
             continue
-        chunk = pb.Chunk.FromString(record)
+        chunk = parse_frame(record, f"cache {manifest.cache_id}: chunk {index}")
         new_index, new_slot = place
         found += 1
         if new_slot.raw_length == slot.raw_length:
             if (chunk.index, chunk.tensor, chunk.byte_offset) != (index, slot.tensor, slot.byte_offset):
                 raise IntegrityError(f"chunk {index} of cache {manifest.cache_id} is out of place")
-            chunk.index = new_index
-            yield chunk
+            yield replace(chunk, index=new_index)
             continue
         raw = np.frombuffer(checker.decode(chunk), np.uint8)[: new_slot.raw_length]
         dtype = tensor_dtype(specs[slot.tensor])
@@ -120,13 +120,7 @@ def _cut_chunks(manifest: pb.CacheManifest, cut: pb.CacheManifest, records: Iter
         if manifest.encoding.codec == pb.CODEC_ZSTD:
             planes = shuffle(raw, ITEMSIZE[dtype]) if manifest.encoding.byte_shuffle and dtype != "uint32" else raw
             data = compressor(manifest.encoding.level).compress(planes.data)
-        yield pb.Chunk(
-            index=new_index,
-            tensor=slot.tensor,
-            byte_offset=slot.byte_offset,
-            raw_length=new_slot.raw_length,
-            checksum=xxhash.xxh3_64_intdigest(raw.data),
-            data=data,
-        )
+        checksum = xxhash.xxh3_64_intdigest(raw.data)
+        yield Chunk(new_index, slot.tensor, slot.byte_offset, new_slot.raw_length, checksum, data)
     if found != len(wanted):
         raise IntegrityError(f"cache {manifest.cache_id} ended before the chunks of its prefix")

@@ -11,13 +11,12 @@ decoding needs about one copy of the cache in memory, never the whole encoded pa
 from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import CacheList
 
 from kvmesh.caches.kinds import arrays_from_state, chunked_from_arrays, window_from_arrays
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.arrays import DTYPES, UINT_OF_SIZE, Layer, mlx_shape, uint_view, write_rows
-from kvmesh.codec.chunks import ChunkChecker
+from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, Raw, ordered_map
 from kvmesh.codec.manifest import ITEMSIZE, leaf_layers, tensor_dtype, token_major
 from kvmesh.v1 import cache_pb2 as pb
 
@@ -37,20 +36,30 @@ class CacheDecoder:
         mx.eval(self.buffers)
         self.views = [uint_view(b)[0] for b in self.buffers]
 
-    def feed(self, chunk: pb.Chunk) -> None:
+    def feed(self, chunk: Chunk) -> None:
         self._write(chunk, self.checker.check(chunk))
 
-    def feed_all(self, chunks: Iterable[pb.Chunk], threads: int = 1) -> None:
+    def feed_all(self, chunks: Iterable[Chunk], threads: int = DECODE_THREADS) -> None:
         for _ in self.feed_iter(chunks, threads):
             pass
 
-    def feed_iter(self, chunks: Iterable[pb.Chunk], threads: int = 1) -> Iterator[pb.Chunk]:
-        """Feed chunks (decompressed on `threads` threads), yielding each once it is written."""
-        for chunk, raw in self.checker.check_all(chunks, threads):
-            self._write(chunk, raw)
+    def feed_iter(self, chunks: Iterable[Chunk], threads: int = DECODE_THREADS) -> Iterator[Chunk]:
+        """Feed chunks, yielding each in order once it is written.
+
+        Each chunk is checked against its slot, decoded and written into its own rows on one of
+        `threads` threads while the caller brings the next; only the order check runs here, so a
+        chunk out of place never lands outside its announced rows and still fails the transfer.
+        """
+
+        def decode(chunk: Chunk) -> Chunk:
+            self._write(chunk, self.checker.decode(chunk))
+            return chunk
+
+        for chunk in ordered_map(decode, chunks, threads):
+            self.checker.accept(chunk)
             yield chunk
 
-    def _write(self, chunk: pb.Chunk, raw: bytes | np.ndarray) -> None:
+    def _write(self, chunk: Chunk, raw: Raw) -> None:
         slot = self.checker.plan[chunk.index]
         write_rows(self.views[slot.tensor], self.layouts[slot.tensor], slot.byte_offset // slot.row_bytes, raw)
 
@@ -86,7 +95,10 @@ def rebuild_layer(layer: pb.LayerSpec, arrays: list[mx.array]) -> Layer:
 
 
 def decode_chunks(
-    manifest: pb.CacheManifest, chunks: Iterable[pb.Chunk], trailer_digest: bytes | None = None, threads: int = 1
+    manifest: pb.CacheManifest,
+    chunks: Iterable[Chunk],
+    trailer_digest: bytes | None = None,
+    threads: int = DECODE_THREADS,
 ) -> list[Layer]:
     """The caches a manifest and its chunks describe, every chunk and the digest verified.
 

@@ -18,7 +18,7 @@ from kvmesh.caches.presses import Press
 from kvmesh.caches.quality import QUALITY_TOKENS
 from kvmesh.caches.sparse import SparseQuantizedKVCache
 from kvmesh.codec.arrays import Layer, layer_kind, layer_tensors, mlx_dtype_name, rows_of, uint_view, wire_shape
-from kvmesh.codec.chunks import compressor, ordered_map, payload_digest, shuffle
+from kvmesh.codec.chunks import Chunk, compressor, ordered_map, payload_digest, shuffle
 from kvmesh.codec.manifest import (
     CODECS,
     ITEMSIZE,
@@ -64,7 +64,7 @@ class Encoded(NamedTuple):
     goes out, so consume `chunks` before reading them (the store does)."""
 
     manifest: pb.CacheManifest
-    chunks: Iterator[pb.Chunk]
+    chunks: Iterator[Chunk]
 
 
 def layer_spec(layer: Layer, num_tokens: int) -> pb.LayerSpec:
@@ -146,7 +146,7 @@ def build_manifest(
     return manifest
 
 
-def encode_chunks(cache: Sequence[Layer], manifest: pb.CacheManifest, threads: int = 2) -> Iterator[pb.Chunk]:
+def encode_chunks(cache: Sequence[Layer], manifest: pb.CacheManifest, threads: int = 2) -> Iterator[Chunk]:
     """The payload of `cache` as chunks, following `manifest` (from build_manifest).
 
     Fills in the manifest's encoded size and payload digest once the last chunk is out.
@@ -167,7 +167,7 @@ def encode_chunks(cache: Sequence[Layer], manifest: pb.CacheManifest, threads: i
         r0, rows = slot.byte_offset // slot.row_bytes, slot.raw_length // slot.row_bytes
         return rows_of(views[slot.tensor], layouts[slot.tensor], r0, rows)
 
-    def encode(item: tuple[int, ChunkSlot, np.ndarray]) -> pb.Chunk:
+    def encode(item: tuple[int, ChunkSlot, np.ndarray]) -> Chunk:
         index, slot, raw = item
         raw_bytes = raw.view(np.uint8).reshape(-1)
         checksum = xxhash.xxh3_64_intdigest(raw_bytes.data)
@@ -178,14 +178,7 @@ def encode_chunks(cache: Sequence[Layer], manifest: pb.CacheManifest, threads: i
             data = compressor(encoding.level).compress(raw_bytes.data)
         else:
             data = raw_bytes.tobytes()
-        return pb.Chunk(
-            index=index,
-            tensor=slot.tensor,
-            byte_offset=slot.byte_offset,
-            raw_length=slot.raw_length,
-            checksum=checksum,
-            data=data,
-        )
+        return Chunk(index, slot.tensor, slot.byte_offset, slot.raw_length, checksum, data)
 
     plan = chunk_plan(manifest)
     items = ((i, slot, source(slot)) for i, slot in enumerate(plan))

@@ -92,6 +92,7 @@ SERVE_SETTINGS = {
     "max_tokens": int,
     "idle_timeout": float,
     "compress": bool,
+    "fetch": str,
 }
 
 

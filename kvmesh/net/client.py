@@ -12,19 +12,30 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvmesh.codec.arrays import Layer
+from kvmesh.codec.chunks import FRAME_HEADER, Chunk, parse_frame
 from kvmesh.codec.compat import ReceiverProfile, check_manifest
 from kvmesh.codec.decode import CacheDecoder
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, prefix_sha256
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.messages import accept, profile_to_proto, reject, rejection_of
-from kvmesh.net.transport import IDLE_TIMEOUT, MIN_TRANSFER_RATE, TRANSFER_GRACE, open_channel
+from kvmesh.net.transport import (
+    IDLE_TIMEOUT,
+    MIN_TRANSFER_RATE,
+    TRANSFER_GRACE,
+    as_bytes,
+    method,
+    open_channel,
+    serialize,
+)
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.v1 import service_pb2_grpc
+from kvmesh.versions import PROTOCOL_VERSION
 
 # progress(bytes received so far, bytes expected); raise to cancel the transfer.
 Progress = Callable[[int, int], None]
@@ -55,7 +66,7 @@ class Watchdog:
     deadline, and says why: gRPC has no per-message timeout, and a sleeping Mac's TCP stack can keep
     a connection open for minutes."""
 
-    def __init__(self, call: grpc.Future, idle: float, deadline: float):
+    def __init__(self, call: grpc.RpcContext, idle: float, deadline: float):
         self.call, self.idle = call, idle
         self.deadline = time.monotonic() + deadline
         self.last = time.monotonic()
@@ -99,6 +110,16 @@ class PeerClient:
         self.address, self.timeout = address, timeout
         self.channel = open_channel(address, credentials)
         self.stub = service_pb2_grpc.KvMeshStub(self.channel)
+        # The streams that carry chunk frames (raw bytes) or probe data: read here, not by stubs.
+        self._fetch = self.channel.stream_stream(
+            method("Fetch"), request_serializer=serialize, response_deserializer=as_bytes
+        )
+        self._publish = self.channel.stream_stream(
+            method("Publish"), request_serializer=serialize, response_deserializer=spb.PublishResponse.FromString
+        )
+        self._probe = self.channel.unary_stream(
+            method("Probe"), request_serializer=serialize, response_deserializer=as_bytes
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -174,22 +195,32 @@ class PeerClient:
                     cache_id=cache_id,
                     num_tokens=num_tokens,
                     profile=profile_to_proto(profile),
+                    protocol_version=PROTOCOL_VERSION,
                 )
             )
         )
-        call = self.stub.Fetch(requests())
+        call = self._fetch(requests())
+        stream = iter(call)
         watchdog = Watchdog(call, idle_timeout, deadline or TRANSFER_GRACE)
-        try:
-            first = next(call, None)
+
+        def response(what: str) -> spb.FetchResponse:
+            data = next(stream, None)
             watchdog.alive()
-            if first is None:
-                raise PeerError(self.address, "closed the fetch without an answer")
+            if data is None:
+                raise PeerError(self.address, f"the stream ended before the {what}")
+            try:
+                return spb.FetchResponse.FromString(data)
+            except DecodeError:
+                raise IntegrityError(f"the {what} is not a FetchResponse (more chunks than announced?)") from None
+
+        try:
+            first = response("answer")
             if first.WhichOneof("msg") == "refused":
                 raise CacheRejected(rejection_of(first.refused))
             if first.WhichOneof("msg") != "manifest":
                 raise PeerError(self.address, f"answered a fetch with {first.WhichOneof('msg')}")
             manifest = first.manifest
-            rejection = check_manifest(manifest, profile)
+            rejection = old_peer(first.protocol_version) or check_manifest(manifest, profile)
             if store is not None and rejection is None and (problem := store.cannot_hold(manifest)):
                 if keep:
                     rejection = Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}")
@@ -206,26 +237,28 @@ class PeerClient:
             decoder = CacheDecoder(manifest)
             received = {"bytes": 0}
 
-            def chunks() -> Iterator[pb.Chunk]:
-                for response in call:
+            def chunks() -> Iterator[Chunk]:
+                for i in range(manifest.encoding.chunk_count):
+                    frame = next(stream, None)
                     watchdog.alive()
-                    kind = response.WhichOneof("msg")
-                    if kind == "trailer":
-                        if response.trailer.payload_digest != manifest.encoding.payload_digest:
-                            raise IntegrityError("the trailer's digest differs from the manifest's")
-                        return
-                    if kind != "chunk":
-                        raise PeerError(self.address, f"sent {kind} in the middle of a transfer")
-                    received["bytes"] += len(response.chunk.data)
+                    if frame is None:
+                        raise PeerError(
+                            self.address, f"the stream ended after {i} of {len(decoder.checker.plan)} chunks"
+                        )
+                    received["bytes"] += len(frame) - FRAME_HEADER.size
                     if progress:
                         progress(received["bytes"], manifest.encoding.encoded_bytes)
-                    yield response.chunk
-                raise PeerError(self.address, "the stream ended before the trailer")
+                    yield parse_frame(frame, f"chunk {i}")
+                end = response("trailer")
+                if end.WhichOneof("msg") != "trailer":
+                    raise PeerError(self.address, f"sent {end.WhichOneof('msg')} where the trailer was due")
+                if end.trailer.payload_digest != manifest.encoding.payload_digest:
+                    raise IntegrityError("the trailer's digest differs from the manifest's")
 
             if store is not None:
                 manifest = store.receive(manifest, chunks(), decoder=decoder)
             else:
-                decoder.feed_all(chunks(), threads=2)
+                decoder.feed_all(chunks())
             cache = decoder.finish(manifest.encoding.payload_digest)
             return Fetched(manifest, cache, time.perf_counter() - start, received["bytes"], kept=store is not None)
         except grpc.RpcError as e:
@@ -246,13 +279,12 @@ class PeerClient:
         decided: queue.Queue = queue.Queue()
         local_error: list[Exception] = []
 
-        def requests() -> Iterator[spb.PublishRequest]:
-            yield spb.PublishRequest(manifest=manifest)
+        def requests() -> Iterator[spb.PublishRequest | bytes]:
+            yield spb.PublishRequest(manifest=manifest, protocol_version=PROTOCOL_VERSION)
             if not decided.get():
                 return
             try:
-                for chunk in store.chunks(cache_id):
-                    yield spb.PublishRequest(chunk=chunk)
+                yield from store.chunk_records(cache_id)  # the frames, as stored
             except (IntegrityError, KvmeshError) as e:
                 local_error.append(e)  # the stream ends without a trailer: the peer stores nothing
                 return
@@ -265,14 +297,13 @@ class PeerClient:
 
         # The peer answers only at the start and the end: a frozen peer is found by keepalive pings
         # (kvmesh.net.transport), a crawling transfer by this deadline.
-        call = self.stub.Publish(
-            requests(), timeout=TRANSFER_GRACE + manifest.encoding.encoded_bytes / MIN_TRANSFER_RATE
-        )
+        call = self._publish(requests(), timeout=TRANSFER_GRACE + manifest.encoding.encoded_bytes / MIN_TRANSFER_RATE)
         try:
-            first = next(call)
-            decided.put(first.decision.accept)
-            if not first.decision.accept:
-                raise CacheRejected(rejection_of(first.decision))
+            first = next(iter(call))
+            rejection = old_peer(first.protocol_version) if first.decision.accept else rejection_of(first.decision)
+            decided.put(rejection is None)
+            if rejection:
+                raise CacheRejected(rejection)
             for response in call:
                 if response.WhichOneof("msg") == "result":
                     return response.result.cache_id
@@ -284,6 +315,33 @@ class PeerClient:
         finally:
             decided.put(False)
             call.cancel()
+
+    def probe(self, nbytes: int = 4 << 20) -> float:
+        """The link's rate to this peer in bytes per second, measured by receiving `nbytes` (at
+        most 8 MiB) of probe data: the fallback when no transfer from it was timed yet."""
+        start = time.perf_counter()
+        received = 0
+        try:
+            for message in self._probe(spb.ProbeRequest(bytes=nbytes), timeout=self.timeout):
+                received += len(message)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        elapsed = time.perf_counter() - start
+        if not received:
+            raise PeerError(self.address, "sent no probe data")
+        return received / elapsed
+
+
+def old_peer(version: int) -> Rejection | None:
+    """Why a peer of an older protocol is refused before any chunk: it sends chunks as protobuf
+    messages, which this kvmesh no longer reads."""
+    if version >= PROTOCOL_VERSION:
+        return None
+    return Rejection(
+        pb.REJECT_REASON_VERSION,
+        f"the peer speaks protocol {version or '2 or older'} (chunks as protobuf messages), this kvmesh "
+        f"{PROTOCOL_VERSION} (chunks as raw frames): update kvmesh on the older machine",
+    )
 
 
 def fetch_from_any(

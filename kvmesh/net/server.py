@@ -1,9 +1,10 @@
-"""The gRPC service a daemon serves from its store: Info, Lookup, Fetch and Publish.
+"""The gRPC service a daemon serves from its store: Info, Lookup, Fetch, Publish and Probe.
 
 Fetch is manifest-first: the sender answers an open with the manifest alone and sends no chunk
-until the receiver accepts. Chunks are read from the store file as they were encoded, so serving
-never recompresses; a shorter prefix of a dense cache is cut on the fly (`kvmesh.codec.cut`),
-re-encoding one chunk per tensor and storing nothing. The service needs no MLX. A bounded number
+until the receiver accepts. Chunks are read from the store file as the frames they travel as, so
+serving never parses or recompresses them; a shorter prefix of a dense cache is cut on the fly
+(`kvmesh.codec.cut`), re-encoding one chunk per tensor and storing nothing. The service needs no
+MLX. A bounded number
 of transfers run at once; others wait for a slot. Every call is held to the daemon's policy (what
 it shares, who may publish) and each mesh member to its own rate, transfer count and stream idle
 limits.
@@ -17,19 +18,21 @@ from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeVar, cast
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.codec.chunks import FRAME_HEADER, Chunk, parse_frame
 from kvmesh.codec.compat import check_manifest, validate_manifest
 from kvmesh.codec.cut import can_cut, cut_prefix
 from kvmesh.codec.prefix import BLOCK_SIZE
 from kvmesh.errors import IntegrityError, ListenError, NotFoundError, Rejection, StoreError
 from kvmesh.net.messages import accept, profile_from_proto, reject
 from kvmesh.net.policy import PeerLimits, Policy
-from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME
+from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME, as_bytes, serialize
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
@@ -39,6 +42,10 @@ from kvmesh.versions import PROTOCOL_VERSION, __version__
 log = logging.getLogger(__name__)
 # A lookup names at most this many blocks: prompts of 8M tokens.
 MAX_LOOKUP_BLOCKS = 65536
+# A probe sends at most this much, in messages of PROBE_MESSAGE_BYTES.
+MAX_PROBE_BYTES = 8 << 20
+PROBE_MESSAGE_BYTES = 1 << 20
+M = TypeVar("M", bound=Message)
 # Worker threads no transfer may take: health checks, Info and Lookup always find one.
 RESERVED_WORKERS = 4
 
@@ -145,6 +152,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         self.policy = policy or Policy()
         self.limits = PeerLimits(self.policy)
         self.counters = TransferCounters(max_transfers, max_transfers if max_waiting is None else max_waiting)
+        self._probe_message = probe_data(PROBE_MESSAGE_BYTES)
 
     def _admit(self, context: grpc.ServicerContext) -> str:
         """The caller's identity, once it is within its call rate.
@@ -221,6 +229,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         return response
 
     def Fetch(self, requests: Iterator[spb.FetchRequest], context) -> Iterator[spb.FetchResponse | bytes]:
+        """Manifest first; after an accept, the chunk frames as raw messages, then the trailer."""
         peer = self._admit(context)
         first = next_within(requests, self.policy.idle_timeout, context, "open")
         if first is None or first.WhichOneof("msg") != "open":
@@ -230,8 +239,10 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         with self._transfer(peer, context):
             found = self._open_cache(opened, context)
             profile = profile_from_proto(opened.profile) if opened.HasField("profile") else None
-            if isinstance(found, Rejection):
-                rejection: Rejection | None = found
+            if opened.protocol_version < PROTOCOL_VERSION:
+                rejection: Rejection | None = old_protocol(opened.protocol_version)
+            elif isinstance(found, Rejection):
+                rejection = found
             else:
                 manifest, records = found
                 rejection = check_manifest(manifest, profile) if profile else None
@@ -240,7 +251,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 log.info("refused %s to %s: %s", opened.cache_id, peer, rejection)
                 yield spb.FetchResponse(refused=reject(rejection))
                 return
-            yield spb.FetchResponse(manifest=manifest)
+            yield spb.FetchResponse(manifest=manifest, protocol_version=PROTOCOL_VERSION)
             reply = next_within(requests, self.policy.idle_timeout, context, "decision")
             if reply is None or reply.WhichOneof("msg") != "decision":
                 self.counters.add("fetches_failed")
@@ -250,9 +261,9 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 log.info("%s rejected %s: %s", peer, manifest.cache_id, reply.decision.message)
                 return
             try:
-                for record in records:
-                    yield chunk_response(record)
-                    self.counters.add("chunk_bytes_sent", len(record))
+                for frame in records:  # stored as they travel: read, then sent
+                    yield frame
+                    self.counters.add("chunk_bytes_sent", len(frame) - FRAME_HEADER.size)
             except (IntegrityError, StoreError) as e:
                 self.counters.add("fetches_failed")
                 log.error("cannot serve %s: %s", manifest.cache_id, e)
@@ -269,6 +280,15 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                     chunk_count=manifest.encoding.chunk_count,
                 )
             )
+
+    def Probe(self, request: spb.ProbeRequest, context) -> Iterator[bytes]:
+        """`request.bytes` zero bytes (at most MAX_PROBE_BYTES), in 1 MiB messages: a link measurement."""
+        self._admit(context)
+        left = min(request.bytes, MAX_PROBE_BYTES)
+        while left > 0:
+            size = min(left, PROBE_MESSAGE_BYTES)
+            yield self._probe_message if size == PROBE_MESSAGE_BYTES else probe_data(size)
+            left -= size
 
     def _open_cache(
         self, opened: spb.FetchOpen, context: grpc.ServicerContext
@@ -296,14 +316,18 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         raise AssertionError("context.abort raises")
 
-    def Publish(self, requests: Iterator[spb.PublishRequest], context) -> Iterator[spb.PublishResponse]:
+    def Publish(self, requests: Iterator[bytes], context) -> Iterator[spb.PublishResponse]:
+        """A manifest, this peer's decision, then (after an accept) raw chunk frames and a trailer."""
         peer = self._admit(context)
-        first = next_within(requests, self.policy.idle_timeout, context, "manifest")
-        if first is None or first.WhichOneof("msg") != "manifest":
+        message = next_within(requests, self.policy.idle_timeout, context, "manifest")
+        first = parse_message(spb.PublishRequest, message, context)
+        if first.WhichOneof("msg") != "manifest":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a publish starts with a manifest")
         manifest = first.manifest
         refusal = None
-        if not self.policy.may_publish(peer):
+        if first.protocol_version < PROTOCOL_VERSION:
+            refusal = reject(old_protocol(first.protocol_version))
+        elif not self.policy.may_publish(peer):
             refusal = reject(Rejection(pb.REJECT_REASON_POLICY, f"this peer does not accept publishes from {peer}"))
         elif rejection := validate_manifest(manifest):
             refusal = reject(rejection)
@@ -315,23 +339,28 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         if refusal is not None:
             self.counters.add("publishes_rejected")
             log.info("refused a publish from %s: %s", peer, refusal.message)
-            yield spb.PublishResponse(decision=refusal)
+            yield spb.PublishResponse(decision=refusal, protocol_version=PROTOCOL_VERSION)
             return
         with self._transfer(peer, context):
-            yield spb.PublishResponse(decision=accept())
+            yield spb.PublishResponse(decision=accept(), protocol_version=PROTOCOL_VERSION)
 
-            def chunks():
-                while (request := next_within(requests, self.policy.idle_timeout, context, "chunk")) is not None:
-                    kind = request.WhichOneof("msg")
-                    if kind == "chunk":
-                        yield request.chunk
-                    elif kind == "trailer":
-                        if request.trailer.payload_digest != manifest.encoding.payload_digest:
-                            raise IntegrityError("the trailer's digest differs from the manifest's")
-                        return
-                    else:
-                        raise IntegrityError(f"unexpected {kind} message during a publish")
-                raise IntegrityError("the publisher went away before the trailer")
+            def incoming(what: str) -> bytes:
+                message = next_within(requests, self.policy.idle_timeout, context, what)
+                if message is None:
+                    raise IntegrityError("the publisher went away before the trailer")
+                return message
+
+            def chunks() -> Iterator[Chunk]:
+                for i in range(manifest.encoding.chunk_count):
+                    yield parse_frame(incoming("chunk"), f"chunk {i}")
+                try:
+                    trailer = spb.PublishRequest.FromString(incoming("trailer"))
+                except DecodeError:
+                    raise IntegrityError("more chunks than the manifest announced, or no trailer") from None
+                if trailer.WhichOneof("msg") != "trailer":
+                    raise IntegrityError(f"{trailer.WhichOneof('msg')} where the trailer was due")
+                if trailer.trailer.payload_digest != manifest.encoding.payload_digest:
+                    raise IntegrityError("the trailer's digest differs from the manifest's")
 
             try:
                 stored = self.store.receive(manifest, chunks())
@@ -347,26 +376,33 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             yield spb.PublishResponse(result=spb.PublishResult(cache_id=stored.cache_id))
 
 
-def chunk_response(record: bytes) -> bytes:
-    """A serialized FetchResponse holding a stored, already serialized Chunk.
-
-    Field 2 (`chunk`), length-delimited: tag, varint length, then the record as it lies on disk.
-    This skips parsing and re-serializing each 1 MiB chunk on the sending side.
-    """
-    n, length = len(record), bytearray()
-    while n >= 0x80:
-        length.append((n & 0x7F) | 0x80)
-        n >>= 7
-    length.append(n)
-    return b"\x12" + bytes(length) + record
+def old_protocol(version: int) -> Rejection:
+    """Why a peer of an older protocol (chunks as protobuf messages) is refused."""
+    return Rejection(
+        pb.REJECT_REASON_VERSION,
+        f"the requester speaks protocol {version or '2 or older'}, this peer {PROTOCOL_VERSION} "
+        "(chunks as raw frames): update kvmesh on the older machine",
+    )
 
 
-def serialize_fetch_response(response: spb.FetchResponse | bytes) -> bytes:
-    return response if isinstance(response, bytes) else response.SerializeToString()
+def parse_message(cls: type[M], data: bytes | None, context: grpc.ServicerContext) -> M:
+    """A protobuf message of a stream whose messages arrive as bytes; a bad one ends the call."""
+    if data is None:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected a {cls.__name__}, the stream ended")
+    try:
+        return cls.FromString(data)
+    except DecodeError:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected a {cls.__name__}: not one")
+    raise AssertionError("context.abort raises")
+
+
+def probe_data(size: int) -> bytes:
+    """A serialized ProbeData of `size` zero bytes."""
+    return spb.ProbeData(data=bytes(size)).SerializeToString()
 
 
 def add_service(service: KvMeshService, server: grpc.Server) -> None:
-    """Like the generated add_KvMeshServicer_to_server, but Fetch may yield pre-serialized bytes."""
+    """Like the generated add_KvMeshServicer_to_server, but chunk frames and probe data pass as bytes."""
     handlers = {
         "Info": grpc.unary_unary_rpc_method_handler(
             service.Info, spb.InfoRequest.FromString, spb.InfoResponse.SerializeToString
@@ -374,12 +410,11 @@ def add_service(service: KvMeshService, server: grpc.Server) -> None:
         "Lookup": grpc.unary_unary_rpc_method_handler(
             service.Lookup, spb.LookupRequest.FromString, spb.LookupResponse.SerializeToString
         ),
-        "Fetch": grpc.stream_stream_rpc_method_handler(
-            service.Fetch, spb.FetchRequest.FromString, serialize_fetch_response
-        ),
+        "Fetch": grpc.stream_stream_rpc_method_handler(service.Fetch, spb.FetchRequest.FromString, serialize),
         "Publish": grpc.stream_stream_rpc_method_handler(
-            service.Publish, spb.PublishRequest.FromString, spb.PublishResponse.SerializeToString
+            service.Publish, as_bytes, spb.PublishResponse.SerializeToString
         ),
+        "Probe": grpc.unary_stream_rpc_method_handler(service.Probe, spb.ProbeRequest.FromString, serialize),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]  # newer than grpc-stubs

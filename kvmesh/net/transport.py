@@ -5,6 +5,7 @@ CLI commands (`status`, `peers`) start fast.
 """
 
 import grpc
+from google.protobuf.message import Message
 
 from kvmesh.codec.limits import MAX_CHUNK_SIZE, max_encoded_length
 from kvmesh.net.credentials import SERVER_NAME, MeshCredentials
@@ -47,3 +48,18 @@ def open_channel(address: str, credentials: MeshCredentials | None = None) -> gr
         credentials.channel_credentials(),
         options=[*GRPC_OPTIONS, ("grpc.ssl_target_name_override", SERVER_NAME)],
     )
+
+
+def serialize(message: Message | bytes) -> bytes:
+    """Protobuf messages serialized; chunk frames and probe data, already bytes, as they are."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def as_bytes(data: bytes) -> bytes:
+    """The deserializer of streams whose messages their reader parses itself (chunk frames)."""
+    return data
+
+
+def method(name: str) -> str:
+    """The path of one of the peer service's methods."""
+    return f"/{SERVICE_NAME}/{name}"

@@ -128,6 +128,7 @@ def make_app(
                 "wire_bytes": done.wire_bytes,
                 "seconds": round(done.prefix_seconds, 4),
                 "skipped": done.skipped,
+                "choices": done.choices,
             },
         }
 

@@ -21,6 +21,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from kvmesh.generation import calibrate
 from kvmesh.serve.prompt_cache import MeshPromptCache
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class Done:
     wire_bytes: int
     prefix_seconds: float
     skipped: list[str]
+    # Each choice between fetching a peer's cache and prefilling here, with its figures.
+    choices: list[str]
 
 
 def held_back(text: str, stops: list[str]) -> int:
@@ -96,6 +99,8 @@ class Engine:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        if (rates := self.prompt_cache.rates) is not None:
+            calibrate(self.model, self.prompt_cache.model_fp, rates)  # before the first request's choice
         while (job := self._jobs.get()) is not None:
             if job.cancelled.is_set():
                 continue
@@ -122,6 +127,12 @@ class Engine:
             sampler=sampler,
             prompt_cache=cache,
         ):
+            if not generated and self.prompt_cache.rates is not None:  # the prefill is done: its rate
+                self.prompt_cache.rates.record_prefill(
+                    self.prompt_cache.model_fp.model_id,
+                    response.prompt_tokens,
+                    response.prompt_tokens / response.prompt_tps if response.prompt_tps else 0.0,
+                )
             generated.append(response.token)
             text += response.text
             finish = response.finish_reason or finish
@@ -152,5 +163,6 @@ class Engine:
                 hit.wire_bytes,
                 hit.seconds,
                 hit.skipped,
+                hit.choices,
             )
         )

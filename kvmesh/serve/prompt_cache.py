@@ -27,6 +27,7 @@ from kvmesh.caches.quality import tail_kl
 from kvmesh.caches.sparse import stored_nbytes
 from kvmesh.codec.encode import encode_cache
 from kvmesh.errors import KvmeshError
+from kvmesh.fetch_or_prefill import Rates
 from kvmesh.generation import find_prefix
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.credentials import MeshCredentials
@@ -45,6 +46,8 @@ class PrefixHit:
     wire_bytes: int = 0
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)
+    # Each choice between fetching a peer's cache and prefilling here (kvmesh.fetch_or_prefill).
+    choices: list[str] = field(default_factory=list)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -67,9 +70,11 @@ class MeshPromptCache:
         max_bytes: int = 2 << 30,
         min_store_tokens: int = 512,
         idle_timeout: float = 10.0,
+        rates: Rates | None = None,
     ):
-        """`peers` is a list of addresses, or a function returning the live ones (the local daemon's)."""
-        self.model_fp, self.store, self.credentials = model_fp, store, credentials
+        """`peers` is a list of addresses, or a function returning the live ones (the local daemon's).
+        With `rates`, a peer's cache is fetched only when that beats prefilling it here."""
+        self.model_fp, self.store, self.credentials, self.rates = model_fp, store, credentials, rates
         self._peers = peers
         self.max_bytes, self.min_store_tokens, self.idle_timeout = max_bytes, min_store_tokens, idle_timeout
         self._memory: OrderedDict[tuple[int, ...], tuple[list[Any], int]] = OrderedDict()
@@ -105,6 +110,7 @@ class MeshPromptCache:
             if n > best and (n == len(key) or trimmable):
                 best_key, best = key, n
         skipped: list[str] = []
+        choices: list[str] = []
         if best < limit:
             found, source = find_prefix(
                 self.model_fp,
@@ -114,18 +120,27 @@ class MeshPromptCache:
                 credentials=self.credentials,
                 idle_timeout=self.idle_timeout,
                 min_tokens=best,
+                rates=self.rates,
             )
             if found is not None:
-                return PrefixHit(found, source.tokens, source.where, source.wire_bytes, source.seconds, source.skipped)
-            skipped = source.skipped
+                return PrefixHit(
+                    found,
+                    source.tokens,
+                    source.where,
+                    source.wire_bytes,
+                    source.seconds,
+                    source.skipped,
+                    source.choices,
+                )
+            skipped, choices = source.skipped, source.choices
         if best_key is None:
-            return PrefixHit(None, 0, "none", seconds=time.perf_counter() - start, skipped=skipped)
+            return PrefixHit(None, 0, "none", seconds=time.perf_counter() - start, skipped=skipped, choices=choices)
         self._memory.move_to_end(best_key)
         cache = copy.deepcopy(self._memory[best_key][0])
         if best < len(best_key):
             for layer in cache:
                 layer.trim(layer.offset - best)  # only trimmable (KVCache) layers get here
-        return PrefixHit(cache, best, "memory", seconds=time.perf_counter() - start, skipped=skipped)
+        return PrefixHit(cache, best, "memory", seconds=time.perf_counter() - start, skipped=skipped, choices=choices)
 
     def insert(self, tokens: Sequence[int], cache: list[Any]) -> tuple[int, ...]:
         """Keep the cache of `tokens` (its offset many) in memory after a request; returns the tokens

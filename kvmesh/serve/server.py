@@ -13,6 +13,7 @@ import uvicorn
 from kvmesh.caches.defaults import DEFAULT_COMPRESSION
 from kvmesh.caches.presses import make_press
 from kvmesh.errors import KvmeshError
+from kvmesh.fetch_or_prefill import Rates
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.serve.app import ServedModel, make_app
 from kvmesh.serve.engine import Engine
@@ -34,6 +35,8 @@ class ServeOptions:
     idle_timeout: float = 10.0
     # Keep caches in the store compressed with the measured default (kvmesh.caches.defaults).
     compress: bool = False
+    # "auto": fetch a peer's cache only when that beats prefilling it here; "always": whenever found.
+    fetch: str = "auto"
 
 
 def check_exposure(host: str, api_key: str | None) -> None:
@@ -62,12 +65,21 @@ def serve(
     credentials: MeshCredentials | None,
     options: ServeOptions,
     announce: Callable[[str], None] = print,
+    rates: Rates | None = None,
 ) -> None:
-    """Serve until interrupted; `loaded` is (model, tokenizer, fingerprint) of `model_path`."""
+    """Serve until interrupted; `loaded` is (model, tokenizer, fingerprint) of `model_path`. With
+    `rates` and `options.fetch` "auto", peers' caches are fetched only when faster than prefilling."""
     check_exposure(options.host, options.api_key)
     model, tokenizer, fp = loaded
     prompt_cache = MeshPromptCache(
-        fp, store, peers, credentials, options.memory_bytes, options.min_store_tokens, options.idle_timeout
+        fp,
+        store,
+        peers,
+        credentials,
+        options.memory_bytes,
+        options.min_store_tokens,
+        options.idle_timeout,
+        rates if options.fetch == "auto" else None,
     )
     if options.compress:
         prompt_cache.compress_with(make_press(*DEFAULT_COMPRESSION), model)

@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Protocol
 
 from kvmesh import paths
-from kvmesh.codec.chunks import ChunkChecker
+from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, parse_frame
 from kvmesh.codec.compat import validate_manifest
 from kvmesh.codec.manifest import content_id, cuttable
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, prefix_sha256
@@ -55,7 +55,7 @@ class ChunkDecoder(Protocol):
 
     checker: ChunkChecker
 
-    def feed_iter(self, chunks: Iterable[pb.Chunk], threads: int = 1) -> Iterator[pb.Chunk]: ...
+    def feed_iter(self, chunks: Iterable[Chunk]) -> Iterator[Chunk]: ...
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ class CacheStore:
 
     # Writing
 
-    def add(self, manifest: pb.CacheManifest, chunks: Iterable[pb.Chunk]) -> pb.CacheManifest:
+    def add(self, manifest: pb.CacheManifest, chunks: Iterable[Chunk]) -> pb.CacheManifest:
         """Store a cache this process encoded: `store.add(*kvmesh.codec.encode.encode_cache(...))`.
 
         The chunks are written as they come; the manifest, completed by the encoder once the last
@@ -323,7 +323,7 @@ class CacheStore:
     def receive(
         self,
         manifest: pb.CacheManifest,
-        chunks: Iterable[pb.Chunk],
+        chunks: Iterable[Chunk],
         trailer_digest: bytes | None = None,
         decoder: ChunkDecoder | None = None,
     ) -> pb.CacheManifest:
@@ -339,11 +339,11 @@ class CacheStore:
             raise StoreError(problem)
         checker = decoder.checker if decoder else ChunkChecker(manifest)
 
-        def checked() -> Iterator[pb.Chunk]:
+        def checked() -> Iterator[Chunk]:
             if decoder:
-                yield from decoder.feed_iter(chunks, threads=2)
+                yield from decoder.feed_iter(chunks)
             else:
-                for chunk, _ in checker.check_all(chunks, threads=2):
+                for chunk, _ in checker.check_all(chunks, threads=DECODE_THREADS):
                     yield chunk
             checker.finish(trailer_digest)
 
@@ -370,7 +370,7 @@ class CacheStore:
             )
         return None
 
-    def _write(self, manifest: pb.CacheManifest, chunks: Iterable[pb.Chunk]) -> pb.CacheManifest:
+    def _write(self, manifest: pb.CacheManifest, chunks: Iterable[Chunk]) -> pb.CacheManifest:
         tmp = self.incoming_dir / f"{uuid.uuid4().hex}.part"
         try:
             with open(tmp, "wb") as f:
@@ -378,7 +378,7 @@ class CacheStore:
                 fcntl.flock(f, fcntl.LOCK_EX)
                 entry_file.write_header(f)
                 for chunk in chunks:
-                    entry_file.write_record(f, chunk.SerializeToString())
+                    entry_file.write_chunk(f, chunk)
                 # The encoder fills in sizes and digest as the last chunk goes out: id it now.
                 manifest.cache_id = content_id(manifest)
                 entry_file.write_footer(f, manifest)
@@ -476,12 +476,12 @@ class CacheStore:
             self._quarantine(path, str(e))
             raise
 
-    def chunks(self, cache_id: str) -> Iterator[pb.Chunk]:
+    def chunks(self, cache_id: str) -> Iterator[Chunk]:
         """The stored chunks, exactly as they were encoded (no recompression)."""
-        return map(pb.Chunk.FromString, self.chunk_records(cache_id))
+        return map(parse_frame, self.chunk_records(cache_id))
 
     def chunk_records(self, cache_id: str) -> Iterator[bytes]:
-        """The stored chunks as serialized Chunk messages, each checked against its record checksum.
+        """The stored chunks as frames, as a peer sends them, each checked against its record checksum.
 
         Damage found on the way quarantines the entry and raises IntegrityError.
         """
@@ -489,7 +489,6 @@ class CacheStore:
         path = self._path(cache_id)
         try:
             with open(path, "rb") as f:
-                f.seek(len(entry_file.MAGIC))
                 yield from entry_file.read_records(f, manifest, source=f"cache {cache_id}")
         except FileNotFoundError:
             raise NotFoundError(f"no cache {cache_id} in the store") from None
@@ -506,7 +505,7 @@ class CacheStore:
         manifest = self.manifest(cache_id)
         checker = ChunkChecker(manifest)
         try:
-            for _ in checker.check_all(self.chunks(cache_id), threads=2):
+            for _ in checker.check_all(self.chunks(cache_id), threads=DECODE_THREADS):
                 pass
             checker.finish()
         except IntegrityError as e:

@@ -46,6 +46,7 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_MALFORMED: _ClassVar[RejectReason]
     REJECT_REASON_POLICY: _ClassVar[RejectReason]
     REJECT_REASON_QUALITY: _ClassVar[RejectReason]
+    REJECT_REASON_VERSION: _ClassVar[RejectReason]
 CODEC_UNSPECIFIED: Codec
 CODEC_NONE: Codec
 CODEC_ZSTD: Codec
@@ -73,6 +74,7 @@ REJECT_REASON_SIZE_LIMIT: RejectReason
 REJECT_REASON_MALFORMED: RejectReason
 REJECT_REASON_POLICY: RejectReason
 REJECT_REASON_QUALITY: RejectReason
+REJECT_REASON_VERSION: RejectReason
 
 class Prefix(_message.Message):
     __slots__ = ("num_tokens", "sha256", "block_size", "block_hashes")

@@ -115,14 +115,16 @@ class ReceiverProfile(_message.Message):
     def __init__(self, model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., codecs: _Optional[_Iterable[_Union[_cache_pb2.Codec, str]]] = ..., max_bytes: _Optional[int] = ..., accept_other_weights: _Optional[bool] = ..., accept_other_chat_template: _Optional[bool] = ..., max_kl: _Optional[float] = ...) -> None: ...
 
 class FetchOpen(_message.Message):
-    __slots__ = ("cache_id", "num_tokens", "profile")
+    __slots__ = ("cache_id", "num_tokens", "profile", "protocol_version")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     num_tokens: int
     profile: ReceiverProfile
-    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., profile: _Optional[_Union[ReceiverProfile, _Mapping]] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., profile: _Optional[_Union[ReceiverProfile, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("accept", "reason", "message")
@@ -151,26 +153,26 @@ class FetchRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[FetchOpen, _Mapping]] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("manifest", "chunk", "trailer", "refused")
+    __slots__ = ("manifest", "trailer", "refused", "protocol_version")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     manifest: _cache_pb2.CacheManifest
-    chunk: _cache_pb2.Chunk
     trailer: Trailer
     refused: Decision
-    def __init__(self, manifest: _Optional[_Union[_cache_pb2.CacheManifest, _Mapping]] = ..., chunk: _Optional[_Union[_cache_pb2.Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., refused: _Optional[_Union[Decision, _Mapping]] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, manifest: _Optional[_Union[_cache_pb2.CacheManifest, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., refused: _Optional[_Union[Decision, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("manifest", "chunk", "trailer")
+    __slots__ = ("manifest", "trailer", "protocol_version")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     manifest: _cache_pb2.CacheManifest
-    chunk: _cache_pb2.Chunk
     trailer: Trailer
-    def __init__(self, manifest: _Optional[_Union[_cache_pb2.CacheManifest, _Mapping]] = ..., chunk: _Optional[_Union[_cache_pb2.Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, manifest: _Optional[_Union[_cache_pb2.CacheManifest, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class PublishResult(_message.Message):
     __slots__ = ("cache_id",)
@@ -179,9 +181,23 @@ class PublishResult(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
-    __slots__ = ("decision", "result")
+    __slots__ = ("decision", "result", "protocol_version")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     result: PublishResult
-    def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeData(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...

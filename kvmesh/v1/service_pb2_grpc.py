@@ -54,6 +54,11 @@ class KvMeshStub:
                 request_serializer=kvmesh_dot_v1_dot_service__pb2.PublishRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_service__pb2.PublishResponse.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_stream(
+                '/kvmesh.v1.KvMesh/Probe',
+                request_serializer=kvmesh_dot_v1_dot_service__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_service__pb2.ProbeData.FromString,
+                _registered_method=True)
 
 
 class KvMeshServicer:
@@ -76,13 +81,27 @@ class KvMeshServicer:
     def Fetch(self, request_iterator, context):
         """Receiver opens, sender answers with the manifest only, receiver accepts or rejects, and only
         after an accept do chunks flow, closed by a trailer.
+
+        Chunks are not FetchResponses: after an accept the sender sends the manifest's chunk_count
+        chunk frames as raw gRPC messages (kvmesh.codec.chunks: a 32-byte header, then the bytes, read
+        without protobuf parsing or copies), then a FetchResponse trailer. Generated stubs cannot read
+        them; kvmesh.net.client can.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Publish(self, request_iterator, context):
-        """The same handshake the other way: the client offers a cache, the server decides.
+        """The same handshake the other way: the client offers a cache, the server decides; after an
+        accept the client sends chunk_count raw chunk frames, then a PublishRequest trailer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Probe(self, request, context):
+        """Sends `bytes` bytes (at most 8 MiB), so a receiver can measure the link before it chooses
+        between fetching a cache and recomputing it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +129,11 @@ def add_KvMeshServicer_to_server(servicer, server):
                     servicer.Publish,
                     request_deserializer=kvmesh_dot_v1_dot_service__pb2.PublishRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_service__pb2.PublishResponse.SerializeToString,
+            ),
+            'Probe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=kvmesh_dot_v1_dot_service__pb2.ProbeRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_service__pb2.ProbeData.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +244,33 @@ class KvMesh:
             '/kvmesh.v1.KvMesh/Publish',
             kvmesh_dot_v1_dot_service__pb2.PublishRequest.SerializeToString,
             kvmesh_dot_v1_dot_service__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.KvMesh/Probe',
+            kvmesh_dot_v1_dot_service__pb2.ProbeRequest.SerializeToString,
+            kvmesh_dot_v1_dot_service__pb2.ProbeData.FromString,
             options,
             channel_credentials,
             insecure,
