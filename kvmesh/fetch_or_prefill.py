@@ -2,9 +2,10 @@
 
 A fetch is expected to take its bytes on the wire over the rate this machine measured from that
 peer (on earlier transfers, or a short probe when there were none), plus a fixed setup; a prefill,
-its tokens over this model's prefill rate on this machine (a calibration, refreshed by every
-prefill). The faster is taken. Over Wi-Fi a short prefix of a small model is cheaper to recompute
-on a fast Mac; over 10 GbE or Thunderbolt nearly every prefix is cheaper to fetch.
+what a model fitted to this machine's timed prefills of the model says (a calibration of two
+lengths, refreshed by every prefill; attention makes long prefixes slower per token). The faster
+is taken. Over Wi-Fi a short prefix of a small model is cheaper to recompute on a fast Mac; over
+10 GbE or Thunderbolt nearly every prefix is cheaper to fetch.
 
 The rates persist in `rates.json` in the data directory, so a machine learns its links and models
 once. Needs no MLX: `scripts/paper_model.py` runs the same arithmetic on published rates.
@@ -13,7 +14,6 @@ once. Needs no MLX: `scripts/paper_model.py` runs the same arithmetic on publish
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,8 @@ NEW_WEIGHT = 0.5
 # Transfers and prefills shorter than these say more about latency than about rates: not recorded.
 MIN_TIMED_BYTES = 1 << 20
 MIN_TIMED_TOKENS = 32
+# The prefill model is fitted to this many of the latest prefills of a model.
+PREFILL_SAMPLES = 16
 # A probe moves this share of the cache it is for, within these bounds (the server allows 8 MiB).
 PROBE_SHARE = 4
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 256 << 10, 4 << 20
@@ -49,22 +51,66 @@ def expected_fetch_s(wire_bytes: float, bytes_per_s: float) -> float:
     return FETCH_SETUP_S + wire_bytes / bytes_per_s
 
 
-def expected_prefill_s(tokens: float, tokens_per_s: float) -> float:
-    return tokens / tokens_per_s
+@dataclass(frozen=True)
+class PrefillModel:
+    """Prefill time of `tokens` tokens after `context` cached ones: tokens * (per_token_s +
+    per_pair_s * (context + tokens / 2)). The layers' work grows with the tokens, attention with
+    the positions each token attends to, so long prefixes prefill slower per token than short ones."""
+
+    per_token_s: float
+    per_pair_s: float = 0.0
+
+    def seconds(self, tokens: float, context: float = 0) -> float:
+        return tokens * (self.per_token_s + self.per_pair_s * (context + tokens / 2))
+
+    def rate(self, tokens: float, context: float = 0) -> float:
+        """Tokens per second over a prefill of `tokens` after `context`."""
+        return tokens / self.seconds(tokens, context)
+
+    @classmethod
+    def at_rate(cls, tokens_per_s: float) -> "PrefillModel":
+        """A rate that does not depend on the length (published figures)."""
+        return cls(1 / tokens_per_s)
+
+
+def fit_prefill(samples: list[tuple[float, float, float]]) -> PrefillModel | None:
+    """The PrefillModel that best fits timed prefills (tokens, context, seconds), each weighed by its
+    relative error; the attention term only when the samples tell it apart (two lengths or more)."""
+    samples = [(m, c, t) for m, c, t in samples if m > 0 and t > 0]
+    if not samples:
+        return None
+    rows = [(m / t, m * (c + m / 2) / t) for m, c, t in samples]
+    s11 = sum(x * x for x, _ in rows)
+    s12 = sum(x * y for x, y in rows)
+    s22 = sum(y * y for _, y in rows)
+    b1, b2 = sum(x for x, _ in rows), sum(y for _, y in rows)
+    det = s11 * s22 - s12 * s12
+    if det > 1e-9 * s11 * s22:
+        a, b = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+        if a > 0 and b >= 0:
+            return PrefillModel(a, b)
+    return PrefillModel(b1 / s11)  # one term: least relative error with per-token time only
 
 
 def choose(
-    tokens: int, wire_bytes: int, bytes_per_s: float, tokens_per_s: float, where: str = "the peer", measured: str = ""
+    tokens: int,
+    wire_bytes: int,
+    bytes_per_s: float,
+    prefill: PrefillModel,
+    context: int = 0,
+    where: str = "the peer",
+    measured: str = "",
 ) -> Choice:
-    """Fetch `tokens` (`wire_bytes` on the wire) from `where` at `bytes_per_s`, or prefill them at
-    `tokens_per_s`, whichever is expected to be faster. `measured` says where the link rate came from."""
+    """Fetch `tokens` (`wire_bytes` on the wire) from `where` at `bytes_per_s`, or prefill them after
+    the `context` tokens already held, whichever is expected to be faster. `measured` says where the
+    link rate came from."""
     fetch_s = expected_fetch_s(wire_bytes, bytes_per_s)
-    prefill_s = expected_prefill_s(tokens, tokens_per_s)
+    prefill_s = prefill.seconds(tokens, context)
     fetch = fetch_s < prefill_s
     reason = (
         f"{tokens:,} cached tokens at {where}: fetching {wire_bytes / 1e6:,.1f} MB at "
-        f"{bytes_per_s / 1e6:,.0f} MB/s{f' ({measured})' if measured else ''} takes about {fetch_s:.2f} s, "
-        f"prefilling them here at {tokens_per_s:,.0f} tokens/s about {prefill_s:.2f} s: "
+        f"{bytes_per_s / 1e6:,.1f} MB/s{f' ({measured})' if measured else ''} takes about {fetch_s:.2f} s, "
+        f"prefilling them here at {prefill.rate(tokens, context):,.0f} tokens/s about {prefill_s:.2f} s: "
         + ("fetch" if fetch else "prefill")
     )
     return Choice(fetch, fetch_s, prefill_s, reason)
@@ -80,8 +126,8 @@ def blend(old: float | None, new: float) -> float:
 
 
 class Rates:
-    """The link rate to each peer (bytes/s of fetched payload) and the prefill rate of each model
-    (tokens/s) this machine measured, kept in `rates.json`.
+    """The link rate to each peer (bytes/s of fetched payload) and the latest timed prefills of each
+    model this machine measured, kept in `rates.json`.
 
     Every update re-reads the file before writing it (atomically), so processes sharing a data
     directory (`kvmesh generate`, `kvmesh serve`) keep each other's measurements. A damaged file is
@@ -91,16 +137,17 @@ class Rates:
     def __init__(self, data_dir: Path | str):
         self.path = Path(data_dir) / RATES_FILE
         self.links: dict[str, dict] = {}
-        self.prefill: dict[str, dict] = {}
+        # model id -> [[tokens, context, seconds], ...], the latest last
+        self.prefill: dict[str, list] = {}
         self._load()
 
     def link_rate(self, address: str) -> float | None:
         entry = self.links.get(address)
         return entry["bytes_per_s"] if entry else None
 
-    def prefill_rate(self, model_id: str) -> float | None:
-        entry = self.prefill.get(model_id)
-        return entry["tokens_per_s"] if entry else None
+    def prefill_model(self, model_id: str) -> PrefillModel | None:
+        """How fast this machine prefills the model, fitted to its latest timed prefills."""
+        return fit_prefill([tuple(x) for x in self.prefill.get(model_id, [])])
 
     def link_source(self, address: str) -> str:
         """Where the rate of `address` came from, for explanations."""
@@ -126,14 +173,13 @@ class Rates:
         self.links[address] = {"bytes_per_s": blend(old, rate), "transfers": entry.get("transfers", 0) + 1}
         self._save()
 
-    def record_prefill(self, model_id: str, tokens: int, seconds: float) -> None:
-        """This machine prefilled `tokens` of the model `model_id` in `seconds`."""
+    def record_prefill(self, model_id: str, tokens: int, seconds: float, context: int = 0) -> None:
+        """This machine prefilled `tokens` of the model `model_id`, after `context` cached ones, in `seconds`."""
         if tokens < MIN_TIMED_TOKENS or seconds <= 0:
             return
         self._load()
-        entry = self.prefill.get(model_id, {})
-        rate = blend(entry.get("tokens_per_s"), tokens / seconds)
-        self.prefill[model_id] = {"tokens_per_s": rate, "prefills": entry.get("prefills", 0) + 1}
+        samples = [*self.prefill.get(model_id, []), [tokens, context, seconds]]
+        self.prefill[model_id] = samples[-PREFILL_SAMPLES:]
         self._save()
 
     def _load(self) -> None:
@@ -147,10 +193,11 @@ class Rates:
             self.links, self.prefill = {}, {}
 
     def _save(self) -> None:
+        tmp = self.path.with_name(f".{RATES_FILE}.{os.getpid()}.part")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".part", delete=False) as f:
-                json.dump({"links": self.links, "prefill": self.prefill}, f, indent=1)
-            os.replace(f.name, self.path)
+            tmp.write_text(json.dumps({"links": self.links, "prefill": self.prefill}, indent=1))
+            os.replace(tmp, self.path)
         except OSError as e:  # a full disk: the rates are only advice
+            tmp.unlink(missing_ok=True)
             log.warning("cannot keep rates in %s: %s", self.path, e.strerror or e)

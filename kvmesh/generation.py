@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvmesh.caches.prefill import CALIBRATION_TOKENS, generate_from_cache, greedy, measure_prefill_rate
+from kvmesh.caches.prefill import generate_from_cache, greedy, time_prefills
 from kvmesh.codec.arrays import Layer
 from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.compat import ReceiverProfile, quality_problem
@@ -126,7 +126,7 @@ def find_prefix(
                 # What fetching saves: prefilling the tokens beyond what is held or found here.
                 held = max([min_tokens] + [s[0] for s in sources if s[2] == "local store" and s[0] < n])
                 choice = fetch_or_prefill(
-                    rates, model_fp.model_id, where, candidate, n - held, credentials, idle_timeout
+                    rates, model_fp.model_id, where, candidate, n - held, held, credentials, idle_timeout
                 )
                 choices.append(str(choice))
                 if not choice.fetch:
@@ -165,31 +165,32 @@ def fetch_or_prefill(
     address: str,
     candidate: Candidate,
     tokens: int,
+    held: int,
     credentials: MeshCredentials | None = None,
     timeout: float = IDLE_TIMEOUT,
 ) -> Choice:
-    """Whether fetching `tokens` more of `candidate` from `address` beats prefilling them here.
+    """Whether fetching the `tokens` that `candidate` at `address` adds to the `held` ones beats
+    prefilling them here.
 
     The link rate is the one measured on earlier transfers from that peer, else a short probe's;
-    without a prefill rate for the model (`calibrate`), fetching is the choice.
+    without timed prefills of the model (`calibrate`), fetching is the choice.
     """
     wire = candidate.stored_bytes * tokens // max(1, candidate.num_tokens)
-    prefill_rate = rates.prefill_rate(model_id)
-    if prefill_rate is None:
-        return Choice(True, 0.0, 0.0, f"{tokens:,} cached tokens at {address}: no prefill rate measured here: fetch")
+    prefill = rates.prefill_model(model_id)
+    if prefill is None:
+        return Choice(True, 0.0, 0.0, f"{tokens:,} cached tokens at {address}: no prefill timed here: fetch")
     if (link_rate := rates.link_rate(address)) is None:
         with PeerClient(address, timeout=timeout, credentials=credentials) as client:
             link_rate = client.probe(probe_bytes(wire))
         rates.record_probe(address, link_rate)
-    return choose(tokens, wire, link_rate, prefill_rate, address, rates.link_source(address))
+    return choose(tokens, wire, link_rate, prefill, held, address, rates.link_source(address))
 
 
-def calibrate(model: nn.Module, model_fp: ModelFingerprint, rates: Rates) -> float:
-    """The model's prefill rate on this machine (tokens/s): as measured before, else measured now."""
-    if (rate := rates.prefill_rate(model_fp.model_id)) is None:
-        rate = measure_prefill_rate(model)
-        rates.record_prefill(model_fp.model_id, CALIBRATION_TOKENS, CALIBRATION_TOKENS / rate)
-    return rate
+def calibrate(model: nn.Module, model_fp: ModelFingerprint, rates: Rates) -> None:
+    """Time prefills of the model on this machine, unless some were timed before."""
+    if rates.prefill_model(model_fp.model_id) is None:
+        for tokens, seconds in time_prefills(model):
+            rates.record_prefill(model_fp.model_id, tokens, seconds)
 
 
 def load_prefix(store: CacheStore, cache_id: str, num_tokens: int, max_kl: float | None = None) -> list[Layer]:
@@ -245,5 +246,5 @@ def generate(
             on_token(token)
     end = time.perf_counter()
     if rates is not None:
-        rates.record_prefill(model_fp.model_id, len(suffix), (first_at or end) - start)
+        rates.record_prefill(model_fp.model_id, len(suffix), (first_at or end) - start, source.tokens)
     return Generation(out, source, len(tokens), (first_at or end) - start, end - (first_at or end))

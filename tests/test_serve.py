@@ -17,6 +17,7 @@ from mlx_lm.sample_utils import make_sampler
 from helpers import ENV, KVMESH, put
 from kvmesh.caches.prefill import prefill
 from kvmesh.daemon.control import start_daemon
+from kvmesh.fetch_or_prefill import Rates
 from kvmesh.generation import generate
 from kvmesh.serve.engine import Done, Engine, Job
 from kvmesh.serve.prompt_cache import MeshPromptCache
@@ -237,6 +238,31 @@ def test_a_frozen_peer_costs_the_idle_timeout_not_an_error(tiny, tiny_dir, tiny_
     assert answer.choices[0].message.content == reference(tiny, messages, max_tokens=6)
     mesh = answer.usage.model_extra["kvmesh"]
     assert mesh["prefix_from"] == "none" and mesh["skipped"] and mesh["seconds"] < 15
+
+
+def test_the_usage_says_why_a_peer_cache_was_not_fetched(tiny, tiny_dir, tiny_fp, http_server, tmp_path):
+    # A's daemon holds the conversation's cache; B prefills ten million tokens a second (its rates
+    # file says so), so recomputing beats fetching, and the usage extension says why.
+    model, tokenizer = tiny
+    messages = [{"role": "system", "content": SYSTEM}, *QUESTION]
+    tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    put(CacheStore(tmp_path / "a" / "store"), prefill(model, tokens[:-1]).cache, tiny_fp, tokens[:-1])
+    rates = Rates(tmp_path / "b")
+    rates.record_prefill(tiny_fp.model_id, 128, 128e-7)
+    rates.record_prefill(tiny_fp.model_id, 512, 512e-7)
+    daemon = start_daemon(tmp_path / "a", ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"], env=ENV)
+    try:
+        client, _ = http_server(tiny_dir, "b", "--peer", daemon.address)
+        answer = chat(client, messages, max_tokens=6)
+    finally:
+        daemon.stop()
+    assert answer.choices[0].message.content == reference(tiny, messages, max_tokens=6)
+    mesh = answer.usage.model_extra["kvmesh"]
+    assert mesh["prefix_from"] == "none" and mesh["wire_bytes"] == 0
+    [choice] = mesh["choices"]
+    assert choice.startswith(f"{len(tokens) - 1} cached tokens at {daemon.address}: fetching")
+    assert "(probed)" in choice and choice.endswith(": prefill")
+    assert Rates(tmp_path / "b").link_source(daemon.address) == "probed"  # kept for the next request
 
 
 def test_generate_stops_at_the_end_of_a_turn(tiny, tiny_fp, prompt_ids, tmp_path):

@@ -8,7 +8,7 @@ prefix feeds only its suffix instead (`generate_from_cache`).
 """
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -134,17 +134,19 @@ def generate_from_cache(
         yield int(token), logprobs
 
 
-# A calibration prefills this many tokens: long enough to time, short enough to go unnoticed.
-CALIBRATION_TOKENS = 256
+# A calibration times prefills of these lengths: two, so that attention's growing share shows.
+CALIBRATION_LENGTHS = (128, 512)
 
 
-def measure_prefill_rate(model: nn.Module, tokens: int = CALIBRATION_TOKENS) -> float:
-    """This machine's prefill rate of `model`, in tokens/s, on `tokens` arbitrary tokens.
+def time_prefills(model: nn.Module, lengths: Sequence[int] = CALIBRATION_LENGTHS) -> list[tuple[int, float]]:
+    """(tokens, seconds) of a fresh prefill of each length of arbitrary tokens, on this machine.
 
     A short pass runs first: mlx-lm loads weights lazily, so the first forward pass also reads them.
     """
-    ids = [1 + i % 97 for i in range(tokens)]
-    run_prompt(model, ids[:8])
-    start = time.perf_counter()
-    run_prompt(model, ids)
-    return tokens / (time.perf_counter() - start)
+    run_prompt(model, [1] * 8)
+    timed = []
+    for n in lengths:
+        start = time.perf_counter()
+        run_prompt(model, [1 + i % 97 for i in range(n)])
+        timed.append((n, time.perf_counter() - start))
+    return timed

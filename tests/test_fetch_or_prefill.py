@@ -1,0 +1,156 @@
+"""Fetch or prefill: the cost model, the rates a machine keeps, and the choice in generate and serve."""
+
+import json
+import logging
+from importlib import resources
+
+import pytest
+
+from helpers import cli, put
+from kvmesh.caches.prefill import generate_from_cache, prefill
+from kvmesh.fetch_or_prefill import (
+    FETCH_SETUP_S,
+    PREFILL_SAMPLES,
+    PrefillModel,
+    Rates,
+    choose,
+    fit_prefill,
+)
+from kvmesh.generation import generate
+from kvmesh.net.client import PeerClient
+from kvmesh.net.server import MAX_PROBE_BYTES
+from kvmesh.store import CacheStore
+from kvmesh.v1 import service_pb2 as spb
+
+MB = 1 << 20
+
+
+def test_the_prefill_model_is_recovered_from_timed_prefills():
+    true = PrefillModel(per_token_s=0.004, per_pair_s=2e-6)
+    samples = [(128, 0, true.seconds(128)), (512, 0, true.seconds(512)), (300, 1000, true.seconds(300, 1000))]
+    fitted = fit_prefill(samples)
+    assert fitted is not None
+    assert (fitted.per_token_s, fitted.per_pair_s) == pytest.approx((true.per_token_s, true.per_pair_s), rel=1e-6)
+    # Attention's share: per token, 4,096 tokens cost nearly twice what 128 do.
+    assert true.rate(128) > 1.9 * true.rate(4096)
+    # One length cannot tell the two terms apart: a per-token time that fits it exactly.
+    single = fit_prefill([(256, 0, 1.0), (256, 0, 1.0)])
+    assert single == PrefillModel(1 / 256) and single.seconds(256) == pytest.approx(1.0)
+    assert fit_prefill([]) is None
+
+
+def test_the_choice_takes_the_faster_and_says_why():
+    prefill_model = PrefillModel.at_rate(1000)  # 1,000 tokens/s: 2,048 tokens take 2.05 s
+    wire = 64 * MB
+    fast = choose(2048, wire, 1.1e9, prefill_model, where="10.0.0.2:7470", measured="probed")
+    assert fast.fetch and fast.fetch_s == pytest.approx(FETCH_SETUP_S + wire / 1.1e9)
+    assert fast.prefill_s == pytest.approx(2.048)
+    assert fast.reason == (
+        "2,048 cached tokens at 10.0.0.2:7470: fetching 67.1 MB at 1,100.0 MB/s (probed) takes about 0.07 s, "
+        "prefilling them here at 1,000 tokens/s about 2.05 s: fetch"
+    )
+    slow = choose(2048, wire, 12e6, prefill_model)  # Wi-Fi: 5.6 s
+    assert not slow.fetch and str(slow).endswith("about 2.05 s: prefill")
+    # After 6,000 held tokens, attention makes the same prefill slower: then fetching wins.
+    held = choose(2048, wire, 12e6, PrefillModel(0.001, 5e-7), context=6000)
+    assert held.prefill_s == pytest.approx(2048 * (0.001 + 5e-7 * (6000 + 1024)))
+    assert held.fetch
+
+
+def test_rates_are_kept_in_the_data_dir_and_shared(tmp_path, caplog):
+    rates = Rates(tmp_path)
+    assert rates.link_rate("a:1") is None and rates.prefill_model("m") is None
+    rates.record_probe("a:1", 50e6)
+    assert rates.link_rate("a:1") == 50e6 and rates.link_source("a:1") == "probed"
+    rates.record_transfer("a:1", 10 * MB, 0.01 + 10 * MB / 100e6)  # a transfer replaces the probe
+    assert rates.link_rate("a:1") == pytest.approx(100e6) and rates.link_source("a:1") == "measured on 1 transfer"
+    rates.record_probe("a:1", 1e9)  # ...and a later probe never overrides transfers
+    rates.record_transfer("a:1", 10 * MB, 0.01 + 10 * MB / 200e6)
+    assert rates.link_rate("a:1") == pytest.approx(150e6) and rates.link_source("a:1") == "measured on 2 transfers"
+    rates.record_transfer("a:1", 1000, 0.5)  # too small to say anything about the link
+    assert rates.link_rate("a:1") == pytest.approx(150e6)
+
+    other = Rates(tmp_path)  # another process: `kvmesh serve` next to `kvmesh generate`
+    other.record_prefill("m", 128, 1.0)
+    rates.record_prefill("m", 512, 4.0, context=100)
+    assert json.loads((tmp_path / "rates.json").read_text())["prefill"]["m"] == [[128, 0, 1.0], [512, 100, 4.0]]
+    assert Rates(tmp_path).link_rate("a:1") == pytest.approx(150e6)
+    for i in range(2 * PREFILL_SAMPLES):
+        rates.record_prefill("m", 100 + i, 1.0)
+    assert len(Rates(tmp_path).prefill["m"]) == PREFILL_SAMPLES
+    assert list(tmp_path.glob("*.part")) == []
+
+    (tmp_path / "rates.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        damaged = Rates(tmp_path)
+    assert damaged.links == {} and "unreadable" in caplog.text
+    damaged.record_probe("b:2", 1e6)
+    assert Rates(tmp_path).link_rate("b:2") == 1e6
+
+
+@pytest.fixture
+def peer_with_a_cache(tiny, tiny_fp, serve, tmp_path):
+    """(address, prompt text, its tokens): a daemon serving the cache of the prompt's first 384 tokens."""
+    model, tokenizer = tiny
+    text = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()[:2000]
+    prompt = tokenizer.encode(text)
+    assert len(prompt) > 384
+    put(CacheStore(tmp_path / "a"), prefill(model, prompt[:384]).cache, tiny_fp, prompt[:384], codec="none")
+    return serve(tmp_path / "a"), text, prompt
+
+
+@pytest.mark.slow
+def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_cache, tmp_path):
+    model, _ = tiny
+    address, _, prompt = peer_with_a_cache
+    expected = [t for t, _ in generate_from_cache(model, prefill(model, prompt[:-1]).cache, prompt[-1:], 6)]
+
+    # A machine that prefills 10 tokens a second: fetching wins, the link is probed first.
+    slow = Rates(tmp_path / "slow")
+    slow.record_prefill(tiny_fp.model_id, 128, 12.8)
+    slow.record_prefill(tiny_fp.model_id, 512, 51.2)
+    fetched = generate(model, tiny_fp, prompt, CacheStore(tmp_path / "b"), [address], 6, rates=slow)
+    assert fetched.source.where == f"peer {address}" and fetched.source.tokens == 384
+    assert fetched.tokens == expected
+    [choice] = fetched.source.choices
+    assert choice.startswith(f"384 cached tokens at {address}: fetching") and "(probed)" in choice
+    assert choice.endswith(": fetch")
+    assert slow.link_source(address) == "measured on 1 transfer"
+
+    # A machine that prefills ten million tokens a second: it prefills, and says why.
+    fast = Rates(tmp_path / "fast")
+    fast.record_prefill(tiny_fp.model_id, 128, 128e-7)
+    fast.record_prefill(tiny_fp.model_id, 512, 512e-7)
+    recomputed = generate(model, tiny_fp, prompt, CacheStore(tmp_path / "c"), [address], 6, rates=fast)
+    assert recomputed.source.where == "none" and recomputed.source.wire_bytes == 0
+    assert recomputed.tokens == expected
+    assert recomputed.source.choices[0].endswith(": prefill")
+    assert CacheStore(tmp_path / "c").entries() == []  # nothing was fetched
+
+    # A machine that never timed this model times two prefills first.
+    fresh = Rates(tmp_path / "fresh")
+    generate(model, tiny_fp, prompt, CacheStore(tmp_path / "d"), [address], 2, rates=fresh)
+    assert [m for m, _, _ in fresh.prefill[tiny_fp.model_id][:2]] == [128, 512]
+
+
+@pytest.mark.slow
+def test_the_cli_explains_its_choice(tiny_fp, tiny_dir, peer_with_a_cache, tmp_path):
+    address, text, _ = peer_with_a_cache
+    rates = Rates(tmp_path / "b")
+    rates.record_prefill(tiny_fp.model_id, 128, 128e-7)
+    rates.record_prefill(tiny_fp.model_id, 512, 512e-7)
+    args = ["generate", tiny_dir, "--prompt", text, "--peer", address, "--max-tokens", 2]
+    shown = cli(*args, "--explain", data_dir=tmp_path / "b")
+    assert f"choice: 384 cached tokens at {address}: fetching" in shown.stderr
+    assert "prefill" in shown.stderr.splitlines()[-1] and "prefix: none cached" in shown.stderr
+    forced = json.loads(cli(*args, "--fetch", "always", "--json", data_dir=tmp_path / "b").stdout)
+    assert forced["prefix_from"] == f"peer {address}" and forced["choices"] == []
+
+
+@pytest.mark.slow
+def test_a_probe_measures_the_link_within_its_cap(tmp_path, serve):
+    address = serve(tmp_path / "a")
+    with PeerClient(address) as client:
+        assert client.probe(1 << 20) > 1e6  # loopback moves a MiB at more than a MB/s
+        received = sum(map(len, client._probe(spb.ProbeRequest(bytes=100 << 20))))
+    assert MAX_PROBE_BYTES <= received < MAX_PROBE_BYTES + 4096  # the data, and its framing
