@@ -19,15 +19,14 @@ faster: this script re-runs itself with it preloaded when it is installed.
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
-if OPENBLAS.exists() and "LD_PRELOAD" not in os.environ:
-    os.environ.update(LD_PRELOAD=str(OPENBLAS), OPENBLAS_NUM_THREADS=str(os.cpu_count() or 2))
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+sys.path.insert(0, str(Path(__file__).parent))
+from realmodel import blas_name, fast_blas, smollm2_dir
+
+fast_blas()
 
 from importlib import resources  # noqa: E402
 
@@ -38,8 +37,6 @@ from kvmesh.caches.prefill import run_prompt  # noqa: E402
 from kvmesh.caches.presses import make_press  # noqa: E402
 from kvmesh.caches.sparse import SparseQuantizedKVCache  # noqa: E402
 from kvmesh.cli import prompt_tokens  # noqa: E402
-from kvmesh.model.testmodels import make_test_model  # noqa: E402
-from kvmesh.paths import cache_dir  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # (thing, value): "The {thing} is {value}." placed in the context, "What is the {thing}?" asked after.
@@ -155,12 +152,8 @@ def main() -> None:
 
     import mlx_lm
 
-    model_dir = cache_dir() / "models" / "smollm2-135m-float32"
-    if not model_dir.exists():
-        make_test_model(model_dir, "smollm2-135m")
-    model, tokenizer = mlx_lm.load(str(model_dir))
-    blas = "OpenBLAS" if os.environ.get("LD_PRELOAD") else "MLX's own BLAS"
-    print(f"SmolLM2-135M-Instruct float32 on the CPU ({blas})", file=sys.stderr)
+    model, tokenizer = mlx_lm.load(str(smollm2_dir()))
+    print(f"SmolLM2-135M-Instruct float32 on the CPU ({blas_name()})", file=sys.stderr)
 
     rows: dict[tuple[str, str], dict] = {}
     for name, text in load_texts().items():

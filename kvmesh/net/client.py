@@ -232,9 +232,10 @@ class PeerClient:
                 for _ in call:  # the sender ends the stream once it has read the rejection
                     pass
                 raise CacheRejected(rejection)
+            # The buffers first: allocating them while chunks pour in makes both slower.
+            decoder = CacheDecoder(manifest)
             outbox.put(spb.FetchRequest(decision=accept()))
             watchdog.allow(deadline or TRANSFER_GRACE + manifest.encoding.encoded_bytes / MIN_TRANSFER_RATE)
-            decoder = CacheDecoder(manifest)
             received = {"bytes": 0}
 
             def chunks() -> Iterator[Chunk]:

