@@ -691,7 +691,7 @@ def cmd_serve(args: Args) -> int:
         mesh_credentials(args),
         options,
         announce=lambda line: print(line, flush=True),
-        rates=Rates(data_dir(args)),
+        rates=None if args.no_mesh else Rates(data_dir(args)),
     )
     return 0
 

@@ -35,7 +35,7 @@ R = TypeVar("R")
 _local = threading.local()
 # A chunk's decoded bytes: a view of its frame (no codec), or what decompression made.
 Raw = bytes | memoryview | np.ndarray
-# Threads that decode chunks at once: one per core. zstd, xxhash and numpy's copies release the GIL.
+# Threads that decode chunks at once: one per core (zstd and numpy's copies release the GIL).
 DECODE_THREADS = os.cpu_count() or 2
 # magic, index, tensor, byte_offset, raw_length, checksum (xxh3-64 of the raw bytes).
 FRAME_HEADER = struct.Struct("<4sIIQIQ")

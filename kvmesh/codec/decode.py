@@ -11,6 +11,7 @@ decoding needs about one copy of the cache in memory, never the whole encoded pa
 from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import CacheList
 
 from kvmesh.caches.kinds import arrays_from_state, chunked_from_arrays, window_from_arrays
@@ -22,22 +23,41 @@ from kvmesh.v1 import cache_pb2 as pb
 
 
 class CacheDecoder:
-    """Rebuilds caches from checked chunks, written straight into preallocated buffers."""
+    """Rebuilds caches from checked chunks, written straight into buffers made for them.
+
+    Each tensor's buffer is made when its first chunk arrives, on the thread that feeds the chunks
+    (MLX arrays are made on one thread): making them all up front would delay the transfer's start,
+    making them while other threads receive slows both, and a fetch cut short never allocates the rest.
+    """
 
     def __init__(self, manifest: pb.CacheManifest):
         self.manifest = manifest
         self.checker = ChunkChecker(manifest)
         kinds = [layer.kind for _, layer in leaf_layers(manifest.layers) for _ in layer.tensors]
         self.layouts = [token_major(kind) for kind in kinds]
-        self.buffers: list[mx.array] = []
-        for spec, layer_kind in zip(self.checker.specs, kinds, strict=True):
-            shape = mlx_shape(layer_kind, list(spec.shape))
-            self.buffers.append(mx.zeros(shape, UINT_OF_SIZE[ITEMSIZE[tensor_dtype(spec)]]))
-        mx.eval(self.buffers)
-        self.views = [uint_view(b)[0] for b in self.buffers]
+        self.shapes = [
+            (mlx_shape(kind, list(spec.shape)), UINT_OF_SIZE[ITEMSIZE[tensor_dtype(spec)]])
+            for spec, kind in zip(self.checker.specs, kinds, strict=True)
+        ]
+        self.buffers: list[mx.array | None] = [None] * len(self.shapes)
+        self.views: list[np.ndarray | None] = [None] * len(self.shapes)
+
+    def _allocate(self, chunk: Chunk) -> Chunk:
+        """Make the buffer of the tensor where the plan puts `chunk` (not where it claims to go)."""
+        if chunk.index < len(self.checker.plan):
+            self._buffer(self.checker.plan[chunk.index].tensor)
+        return chunk
+
+    def _buffer(self, tensor: int) -> mx.array:
+        buffer = self.buffers[tensor]
+        if buffer is None:
+            buffer = mx.zeros(*self.shapes[tensor])
+            mx.eval(buffer)
+            self.buffers[tensor], self.views[tensor] = buffer, uint_view(buffer)[0]
+        return buffer
 
     def feed(self, chunk: Chunk) -> None:
-        self._write(chunk, self.checker.check(chunk))
+        self._write(self._allocate(chunk), self.checker.check(chunk))
 
     def feed_all(self, chunks: Iterable[Chunk], threads: int = DECODE_THREADS) -> None:
         for _ in self.feed_iter(chunks, threads):
@@ -55,18 +75,22 @@ class CacheDecoder:
             self._write(chunk, self.checker.decode(chunk))
             return chunk
 
-        for chunk in ordered_map(decode, chunks, threads):
+        for chunk in ordered_map(decode, map(self._allocate, chunks), threads):
             self.checker.accept(chunk)
             yield chunk
 
     def _write(self, chunk: Chunk, raw: Raw) -> None:
         slot = self.checker.plan[chunk.index]
-        write_rows(self.views[slot.tensor], self.layouts[slot.tensor], slot.byte_offset // slot.row_bytes, raw)
+        view = self.views[slot.tensor]
+        assert view is not None, "a chunk is decoded only once its buffer is made"
+        write_rows(view, self.layouts[slot.tensor], slot.byte_offset // slot.row_bytes, raw)
 
     def finish(self, trailer_digest: bytes | None = None) -> list[Layer]:
         """Check the payload is complete and intact, then hand over the caches."""
         self.checker.finish(trailer_digest)
-        tensors = iter(zip(self.checker.specs, self.buffers, strict=True))
+        # Tensors of no bytes had no chunk to make theirs.
+        buffers = [self._buffer(i) for i in range(len(self.buffers))]
+        tensors = iter(zip(self.checker.specs, buffers, strict=True))
 
         def rebuild(layer: pb.LayerSpec) -> Layer:
             if layer.kind == pb.CACHE_KIND_LIST:

@@ -21,7 +21,7 @@ from kvmesh.codec.decode import CacheDecoder
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, prefix_sha256
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
 from kvmesh.net.credentials import MeshCredentials
-from kvmesh.net.messages import accept, profile_to_proto, reject, rejection_of
+from kvmesh.net.messages import accept, older_protocol, profile_to_proto, reject, rejection_of
 from kvmesh.net.transport import (
     IDLE_TIMEOUT,
     MIN_TRANSFER_RATE,
@@ -220,7 +220,7 @@ class PeerClient:
             if first.WhichOneof("msg") != "manifest":
                 raise PeerError(self.address, f"answered a fetch with {first.WhichOneof('msg')}")
             manifest = first.manifest
-            rejection = old_peer(first.protocol_version) or check_manifest(manifest, profile)
+            rejection = older_protocol(first.protocol_version, "the peer") or check_manifest(manifest, profile)
             if store is not None and rejection is None and (problem := store.cannot_hold(manifest)):
                 if keep:
                     rejection = Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}")
@@ -232,20 +232,18 @@ class PeerClient:
                 for _ in call:  # the sender ends the stream once it has read the rejection
                     pass
                 raise CacheRejected(rejection)
-            # The buffers first: allocating them while chunks pour in makes both slower.
             decoder = CacheDecoder(manifest)
             outbox.put(spb.FetchRequest(decision=accept()))
             watchdog.allow(deadline or TRANSFER_GRACE + manifest.encoding.encoded_bytes / MIN_TRANSFER_RATE)
             received = {"bytes": 0}
 
             def chunks() -> Iterator[Chunk]:
-                for i in range(manifest.encoding.chunk_count):
+                count = manifest.encoding.chunk_count
+                for i in range(count):
                     frame = next(stream, None)
                     watchdog.alive()
                     if frame is None:
-                        raise PeerError(
-                            self.address, f"the stream ended after {i} of {len(decoder.checker.plan)} chunks"
-                        )
+                        raise PeerError(self.address, f"the stream ended after {i} of {count} chunks")
                     received["bytes"] += len(frame) - FRAME_HEADER.size
                     if progress:
                         progress(received["bytes"], manifest.encoding.encoded_bytes)
@@ -301,7 +299,11 @@ class PeerClient:
         call = self._publish(requests(), timeout=TRANSFER_GRACE + manifest.encoding.encoded_bytes / MIN_TRANSFER_RATE)
         try:
             first = next(iter(call))
-            rejection = old_peer(first.protocol_version) if first.decision.accept else rejection_of(first.decision)
+            rejection = (
+                older_protocol(first.protocol_version, "the peer")
+                if first.decision.accept
+                else rejection_of(first.decision)
+            )
             decided.put(rejection is None)
             if rejection:
                 raise CacheRejected(rejection)
@@ -331,18 +333,6 @@ class PeerClient:
         if not received:
             raise PeerError(self.address, "sent no probe data")
         return received / elapsed
-
-
-def old_peer(version: int) -> Rejection | None:
-    """Why a peer of an older protocol is refused before any chunk: it sends chunks as protobuf
-    messages, which this kvmesh no longer reads."""
-    if version >= PROTOCOL_VERSION:
-        return None
-    return Rejection(
-        pb.REJECT_REASON_VERSION,
-        f"the peer speaks protocol {version or '2 or older'} (chunks as protobuf messages), this kvmesh "
-        f"{PROTOCOL_VERSION} (chunks as raw frames): update kvmesh on the older machine",
-    )
 
 
 def fetch_from_any(

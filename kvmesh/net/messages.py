@@ -4,7 +4,9 @@ from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.manifest import CODEC_NAMES, CODECS
 from kvmesh.errors import Rejection
 from kvmesh.model.fingerprint import ModelFingerprint
+from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
+from kvmesh.versions import PROTOCOL_VERSION
 
 
 def profile_to_proto(profile: ReceiverProfile) -> spb.ReceiverProfile:
@@ -40,3 +42,16 @@ def reject(rejection: Rejection) -> spb.Decision:
 
 def rejection_of(decision: spb.Decision) -> Rejection:
     return Rejection(decision.reason, decision.message)
+
+
+def older_protocol(version: int, who: str) -> Rejection | None:
+    """Why `who` (the peer, the requester) of protocol `version` is refused before any chunk moves,
+    or None when it speaks this one. Before protocol 3, chunks travelled as protobuf messages, and
+    the version was not stated at all (0)."""
+    if version >= PROTOCOL_VERSION:
+        return None
+    return Rejection(
+        pb.REJECT_REASON_VERSION,
+        f"{who} speaks protocol {version or '2 or older'} (chunks as protobuf messages), this peer "
+        f"{PROTOCOL_VERSION} (chunks as raw frames): update kvmesh on the older machine",
+    )

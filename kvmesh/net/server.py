@@ -30,7 +30,7 @@ from kvmesh.codec.compat import check_manifest, validate_manifest
 from kvmesh.codec.cut import can_cut, cut_prefix
 from kvmesh.codec.prefix import BLOCK_SIZE
 from kvmesh.errors import IntegrityError, ListenError, NotFoundError, Rejection, StoreError
-from kvmesh.net.messages import accept, profile_from_proto, reject
+from kvmesh.net.messages import accept, older_protocol, profile_from_proto, reject
 from kvmesh.net.policy import PeerLimits, Policy
 from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME, as_bytes, serialize
 from kvmesh.store import CacheStore
@@ -239,11 +239,10 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         with self._transfer(peer, context):
             found = self._open_cache(opened, context)
             profile = profile_from_proto(opened.profile) if opened.HasField("profile") else None
-            if opened.protocol_version < PROTOCOL_VERSION:
-                rejection: Rejection | None = old_protocol(opened.protocol_version)
-            elif isinstance(found, Rejection):
+            rejection = older_protocol(opened.protocol_version, "the requester")
+            if rejection is None and isinstance(found, Rejection):
                 rejection = found
-            else:
+            elif rejection is None and not isinstance(found, Rejection):
                 manifest, records = found
                 rejection = check_manifest(manifest, profile) if profile else None
             if rejection:
@@ -325,8 +324,8 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a publish starts with a manifest")
         manifest = first.manifest
         refusal = None
-        if first.protocol_version < PROTOCOL_VERSION:
-            refusal = reject(old_protocol(first.protocol_version))
+        if version_problem := older_protocol(first.protocol_version, "the publisher"):
+            refusal = reject(version_problem)
         elif not self.policy.may_publish(peer):
             refusal = reject(Rejection(pb.REJECT_REASON_POLICY, f"this peer does not accept publishes from {peer}"))
         elif rejection := validate_manifest(manifest):
@@ -374,15 +373,6 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             self.counters.add("publishes_accepted")
             log.info("%s published %s", peer, stored.cache_id)
             yield spb.PublishResponse(result=spb.PublishResult(cache_id=stored.cache_id))
-
-
-def old_protocol(version: int) -> Rejection:
-    """Why a peer of an older protocol (chunks as protobuf messages) is refused."""
-    return Rejection(
-        pb.REJECT_REASON_VERSION,
-        f"the requester speaks protocol {version or '2 or older'}, this peer {PROTOCOL_VERSION} "
-        "(chunks as raw frames): update kvmesh on the older machine",
-    )
 
 
 def parse_message(cls: type[M], data: bytes | None, context: grpc.ServicerContext) -> M:
