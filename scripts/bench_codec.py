@@ -75,6 +75,25 @@ def prepared_cache(work: Path, tokens: int):
     return load_prompt_cache(str(cache_file)), fp, ids
 
 
+def add_cache_arguments(parser: argparse.ArgumentParser, mb: int) -> None:
+    """--mb, --tokens and --work-dir: the tiled cache of the transfer benchmarks."""
+    parser.add_argument("--mb", type=int, default=mb, help="approximate fp16 cache size")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens prefilled before tiling")
+    parser.add_argument("--work-dir", type=Path, default=cache_dir() / "bench")
+
+
+def tiled_cache(args: argparse.Namespace):
+    """(cache, fingerprint, token ids): the prepared cache repeated along the tokens to about --mb MB."""
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    cache, fp, ids = prepared_cache(args.work_dir, args.tokens)
+    copies = max(1, round(args.mb * 1e6 / sum(c.nbytes for c in cache)))
+    tiled = [
+        SparseKVCache.from_arrays(*(mx.concatenate([t] * copies, 2) for t in (c.keys, c.values)), c.offset * copies)
+        for c in cache
+    ]
+    return tiled, fp, ids * copies
+
+
 def timed(fn, repeat: int):
     """(median seconds, the last result) of `repeat` calls."""
     times = []

@@ -30,12 +30,11 @@ from kvmesh.caches.presses import Press, make_press
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.daemon.control import start_daemon
-from kvmesh.paths import cache_dir
 from kvmesh.store import CacheStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 import netlab
-from bench_codec import prepared_cache
+from bench_codec import add_cache_arguments, tiled_cache
 
 PORT = 7478
 
@@ -114,26 +113,15 @@ def fetch_seconds(prefix: tuple[str, ...], address: str, data_dir: str, entry: S
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=128, help="approximate fp16 cache size")
+    add_cache_arguments(parser, mb=128)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens prefilled before tiling")
-    parser.add_argument("--work-dir", type=Path, default=cache_dir() / "bench")
     args = parser.parse_args()
     if why := netlab.missing():
         sys.exit(f"bench_link: {why}")
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-
-    cache, fp, ids = prepared_cache(args.work_dir, args.tokens)
-    copies = max(1, round(args.mb * 1e6 / sum(c.nbytes for c in cache)))
-    tiled = [
-        SparseKVCache.from_arrays(
-            mx.concatenate([c.keys] * copies, 2), mx.concatenate([c.values] * copies, 2), c.offset * copies
-        )
-        for c in cache
-    ]
+    tiled, fp, tokens = tiled_cache(args)
     links = [("1 Gbit/s (tbf)", 1e9), ("10 Gbit/s (tbf)", 10e9), ("veth, unshaped", None), ("loopback", None)]
     table = Table(
-        title=f"fetch of {sum(c.nbytes for c in tiled) / 1e6:.0f} MB of fp16 KV ({len(ids) * copies} tokens), "
+        title=f"fetch of {sum(c.nbytes for c in tiled) / 1e6:.0f} MB of fp16 KV ({len(tokens)} tokens), "
         f"medians of {args.repeat}; mutual TLS between namespaces, plaintext on loopback"
     )
     columns = ["link", "codec", "wire MB", "ratio", "fetch s", "wire / link s", "fetch / ideal", "goodput / link"]
@@ -143,7 +131,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         store = CacheStore(root / "store")
-        stored = store_codecs(store, tiled, fp, ids * copies)
+        stored = store_codecs(store, tiled, fp, tokens)
         del tiled
         server_dir, client_dir = root / "server", root / "client"
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -20,19 +20,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
 from rich.console import Console
 from rich.table import Table
 
 from kvmesh.caches.presses import Press
-from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.daemon.control import start_daemon
-from kvmesh.paths import cache_dir
 from kvmesh.store import CacheStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_codec import prepared_cache
+from bench_codec import add_cache_arguments, tiled_cache
 
 FETCH_CHILD = """
 import json, sys, time, dataclasses
@@ -152,25 +149,12 @@ def fetch_in_child(address: str, cache_id: str, fp, reject: bool = False, tuned:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=256, help="approximate cache size")
+    add_cache_arguments(parser, mb=256)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens prefilled before tiling")
-    parser.add_argument("--work-dir", type=Path, default=cache_dir() / "bench")
     args = parser.parse_args()
-    args.work_dir.mkdir(parents=True, exist_ok=True)
     if not sys.platform.startswith("linux"):
         sys.exit("bench_transfer reads /proc for peak memory: run it on Linux")
-
-    cache, fp, ids = prepared_cache(args.work_dir, args.tokens)
-    per_copy = sum(c.nbytes for c in cache)
-    copies = max(1, round(args.mb * 1e6 / per_copy))
-    tiled = [
-        SparseKVCache.from_arrays(
-            mx.concatenate([c.keys] * copies, 2), mx.concatenate([c.values] * copies, 2), c.offset * copies
-        )
-        for c in cache
-    ]
-    tokens = ids * copies
+    tiled, fp, tokens = tiled_cache(args)
     table = Table(
         title=f"fetch over loopback, {sum(c.nbytes for c in tiled) / 1e6:.0f} MB {fp.dtype} KV "
         f"({len(tokens)} tokens), medians of {args.repeat}"

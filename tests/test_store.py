@@ -16,6 +16,7 @@ from kvmesh.codec.arrays import layer_tensors
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
 from kvmesh.generation import load_prefix
 from kvmesh.store import CacheStore, entry_file
+from kvmesh.v1 import cache_pb2 as pb
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +189,33 @@ def test_export_then_import_elsewhere(store, tmp_path, tiny, fp, long_ids):
     assert same_tensors(load(other, manifest.cache_id)[1], cache)
 
 
+def test_files_of_kvmesh_0_2_are_read(store, tmp_path, dense500, fp, long_ids):
+    """Entry files of 0.2 hold protobuf Chunk records: in a store, and imported, they serve as before."""
+    source = CacheStore(tmp_path / "source")
+    manifest = put_dense500(source, dense500, fp, long_ids, codec="zstd")
+    old = tmp_path / "old.kvc"
+    with open(old, "wb") as f:
+        f.write(entry_file.MAGIC_V1)
+        for c in source.chunks(manifest.cache_id):
+            record = pb.Chunk(
+                index=c.index,
+                tensor=c.tensor,
+                byte_offset=c.byte_offset,
+                raw_length=c.raw_length,
+                checksum=c.checksum,
+                data=bytes(c.data),
+            )
+            entry_file.write_record(f, record.SerializeToString())
+        entry_file.write_footer(f, manifest)
+    assert store.import_file(old).cache_id == manifest.cache_id
+    assert same_tensors(load(store, manifest.cache_id)[1], dense500)
+    # Left in place by an upgrade: served from the file as it is, and exported in the new format.
+    (store.entries_dir / f"{manifest.cache_id}.kvc").write_bytes(old.read_bytes())
+    assert same_tensors(load(store, manifest.cache_id)[1], dense500)
+    exported = store.export(manifest.cache_id, tmp_path / "new.kvc")
+    assert exported.read_bytes().startswith(entry_file.MAGIC)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not-kvmesh"])
 def test_importing_a_bad_file_leaves_nothing(store, tmp_path, dense500, fp, long_ids, damage):
     source = CacheStore(tmp_path / "source")
@@ -224,6 +252,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     from kvmesh.store import CacheStore, entry_file
+from kvmesh.v1 import cache_pb2 as pb
 
     store = CacheStore(sys.argv[1])
     with open(sys.argv[2], "rb") as f:

@@ -318,8 +318,9 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
     def Publish(self, requests: Iterator[bytes], context) -> Iterator[spb.PublishResponse]:
         """A manifest, this peer's decision, then (after an accept) raw chunk frames and a trailer."""
         peer = self._admit(context)
-        message = next_within(requests, self.policy.idle_timeout, context, "manifest")
-        first = parse_message(spb.PublishRequest, message, context)
+        first = parse_message(
+            spb.PublishRequest, next_within(requests, self.policy.idle_timeout, context, "manifest"), context
+        )
         if first.WhichOneof("msg") != "manifest":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a publish starts with a manifest")
         manifest = first.manifest
