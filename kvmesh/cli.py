@@ -941,8 +941,9 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         cmd_generate,
         "generate, reusing the longest cached prefix on the mesh",
-        description="The local store is asked first, then peers (--peer, or the local daemon's). "
-        "Only the tokens after the cached prefix are prefilled.",
+        description="The local store is asked first, then peers (--peer, or the local daemon's); a peer's "
+        "cache is fetched when that is expected to beat prefilling it here (--fetch, --explain). Only the "
+        "tokens after the cached prefix are prefilled.",
     )
     prompt_options(generate)
     store_option(generate)
