@@ -117,7 +117,7 @@ def choose(
 
 
 def probe_bytes(wire_bytes: int) -> int:
-    """How much to probe before a fetch of `wire_bytes`: a share of it, never more than the fetch."""
+    """How much to probe before a fetch of `wire_bytes`: a share of it, within MIN/MAX_PROBE_BYTES."""
     return max(MIN_PROBE_BYTES, min(MAX_PROBE_BYTES, wire_bytes // PROBE_SHARE))
 
 
@@ -131,7 +131,7 @@ class Rates:
 
     Every update re-reads the file before writing it (atomically), so processes sharing a data
     directory (`kvmesh generate`, `kvmesh serve`) keep each other's measurements. A damaged file is
-    set aside with a warning: the rates are measured again.
+    ignored with a warning, and replaced at the next update: the rates are measured again.
     """
 
     def __init__(self, data_dir: Path | str):
@@ -185,10 +185,17 @@ class Rates:
     def _load(self) -> None:
         try:
             data = json.loads(self.path.read_text())
-            self.links, self.prefill = dict(data["links"]), dict(data["prefill"])
+            self.links = {
+                str(address): {"bytes_per_s": float(link["bytes_per_s"]), "transfers": int(link["transfers"])}
+                for address, link in data["links"].items()
+            }
+            self.prefill = {
+                str(model): [[float(tokens), float(context), float(seconds)] for tokens, context, seconds in samples]
+                for model, samples in data["prefill"].items()
+            }
         except FileNotFoundError:
             return
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("%s is unreadable (%s): rates are measured again", self.path, e)
             self.links, self.prefill = {}, {}
 

@@ -80,10 +80,12 @@ def test_rates_are_kept_in_the_data_dir_and_shared(tmp_path, caplog):
     assert len(Rates(tmp_path).prefill["m"]) == PREFILL_SAMPLES
     assert list(tmp_path.glob("*.part")) == []
 
-    (tmp_path / "rates.json").write_text("{not json")
-    with caplog.at_level(logging.WARNING):
-        damaged = Rates(tmp_path)
-    assert damaged.links == {} and "unreadable" in caplog.text
+    for damage in ("{not json", '{"links": {"a:1": 5}, "prefill": {}}', '{"links": {}, "prefill": {"m": [[1]]}}'):
+        (tmp_path / "rates.json").write_text(damage)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            damaged = Rates(tmp_path)
+        assert damaged.links == {} and damaged.prefill_model("m") is None and "unreadable" in caplog.text
     damaged.record_probe("b:2", 1e6)
     assert Rates(tmp_path).link_rate("b:2") == 1e6
 

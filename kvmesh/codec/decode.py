@@ -1,4 +1,4 @@
-"""Chunks back into MLX caches, written straight into preallocated buffers.
+"""Chunks back into MLX caches, written straight into buffers made for them.
 
 Each layer is rebuilt as the class mlx-lm's model code expects of it: full attention as kvmesh's
 sparse caches (mlx-lm's KVCache cannot hold evicted positions), sliding windows as RotatingKVCache,
