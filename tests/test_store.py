@@ -252,7 +252,6 @@ WRITER = textwrap.dedent(
     """
     import sys
     from kvmesh.store import CacheStore, entry_file
-from kvmesh.v1 import cache_pb2 as pb
 
     store = CacheStore(sys.argv[1])
     with open(sys.argv[2], "rb") as f:
