@@ -43,7 +43,7 @@ PORT = 7479
 TOLERANCE = 1.10
 
 CHILD = """
-import json, shutil, sys, time
+import json, sys, time
 from pathlib import Path
 import mlx.core as mx
 import mlx_lm
