@@ -61,8 +61,9 @@ fp = fingerprint(Path(model_dir))
 credentials = load_credentials(Path(mesh_dir))
 rates = Rates(rates_dir)
 calibrate(model, fp, rates)
+document = json.loads(Path(tokens_file).read_text())
 for n in json.loads(sys.argv[6]):
-    tokens = json.loads(Path(tokens_file).read_text())[:n]
+    tokens = document[:n]
     with PeerClient(address, credentials=credentials) as client:
         [match] = [m for m in client.lookup(fp.model_id, tokens + [0]) if m.candidate.num_tokens == n]
     choice = fetch_or_prefill(rates, fp.model_id, address, match.candidate, n, 0, credentials)
