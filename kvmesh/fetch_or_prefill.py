@@ -33,6 +33,14 @@ PROBE_SHARE = 4
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 256 << 10, 4 << 20
 RATES_FILE = "rates.json"
 
+# How a command or server takes peers' caches: "auto" weighs each fetch against a local prefill.
+FETCH_MODES = ("auto", "always")
+FETCH_HELP = (
+    "auto: fetch a peer's cache only when that is expected to beat prefilling its tokens here (link rates "
+    "measured per peer, this model's prefill rate measured here; kept in the data dir); always: whenever a "
+    "peer has a longer prefix"
+)
+
 
 @dataclass(frozen=True)
 class Choice:

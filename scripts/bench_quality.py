@@ -36,7 +36,7 @@ from kvmesh.caches.attention import reconstruction_scores  # noqa: E402
 from kvmesh.caches.prefill import run_prompt  # noqa: E402
 from kvmesh.caches.presses import make_press  # noqa: E402
 from kvmesh.caches.sparse import SparseQuantizedKVCache  # noqa: E402
-from kvmesh.cli import prompt_tokens  # noqa: E402
+from kvmesh.model.prompt import prompt_tokens  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # (thing, value): "The {thing} is {value}." placed in the context, "What is the {thing}?" asked after.

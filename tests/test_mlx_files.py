@@ -14,7 +14,8 @@ from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import sparse_from_dense
 from kvmesh.codec.arrays import layer_tensors
 from kvmesh.errors import KvmeshError
-from kvmesh.files.mlx_prompt_cache import cache_prompt_tokens, export_prompt_cache, import_prompt_cache
+from kvmesh.files.mlx_prompt_cache import export_prompt_cache, import_prompt_cache
+from kvmesh.model.prompt import cache_prompt_tokens
 from kvmesh.model.fingerprint import fingerprint
 from kvmesh.store import CacheStore
 

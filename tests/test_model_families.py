@@ -37,7 +37,8 @@ from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.manifest import layer_report
 from kvmesh.errors import CacheRejected, UnsupportedCacheError
-from kvmesh.files.mlx_prompt_cache import cache_prompt_tokens, export_prompt_cache, import_prompt_cache
+from kvmesh.files.mlx_prompt_cache import export_prompt_cache, import_prompt_cache
+from kvmesh.model.prompt import cache_prompt_tokens
 from kvmesh.model.fingerprint import fingerprint
 from kvmesh.net.client import PeerClient
 from kvmesh.store import CacheStore

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from helpers import cli
-from kvmesh.cli import prompt_tokens
+from kvmesh.model.prompt import prompt_tokens
 
 pytestmark = [
     pytest.mark.slow,

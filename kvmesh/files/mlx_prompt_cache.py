@@ -23,15 +23,6 @@ from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 
 
-def cache_prompt_tokens(tokenizer, prompt: str) -> list[int]:
-    """The tokens `mlx_lm.cache_prompt` feeds for `prompt` (its own rule, repeated here)."""
-    if tokenizer.has_chat_template:
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=False, continue_final_message=True
-        )
-    return tokenizer.encode(prompt)
-
-
 def import_prompt_cache(
     store: CacheStore,
     path: Path | str,

@@ -4,21 +4,37 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kvmesh.settings import setting
+
 
 @dataclass(frozen=True)
 class Policy:
-    # Model ids whose caches this daemon lists and serves; empty: all.
-    share_models: tuple[str, ...] = ()
-    accept_publish: bool = True
-    # Node ids that may publish; empty: every mesh member. Others are read-only.
-    publishers: tuple[str, ...] = ()
-    # A publish announcing more decoded bytes than this is refused before any chunk.
-    max_publish_bytes: int = 8 << 30
-    # Calls a peer may make per second (burst of twice that), and transfers it may run at once.
-    peer_calls_per_second: float = 50.0
-    peer_transfers: int = 2
-    # Seconds a stream may wait for the peer's next message (a decision, a chunk) before it is cut.
-    idle_timeout: float = 30.0
+    """What this daemon shares with and takes from the mesh's members; settings of its config."""
+
+    share_models: tuple[str, ...] = setting(
+        (),
+        help="share only caches of this model id; others look absent (default: every model)",
+        flag="--share-model",
+        metavar="MODEL_ID",
+    )
+    accept_publish: bool = setting(True, help="take no publishes from peers", flag="--read-only")
+    publishers: tuple[str, ...] = setting(
+        (),
+        help="node id allowed to publish here; others are read-only (default: every member)",
+        flag="--publisher",
+        metavar="NODE_ID",
+    )
+    max_publish_bytes: int = setting(8 << 30, help="a publish of more decoded bytes is refused before any chunk")
+    # A token bucket per peer (a burst of twice the rate), and transfers it may run at once.
+    peer_calls_per_second: float = setting(
+        50.0, help="calls per second allowed per peer", flag="--peer-rate", metavar="CALLS"
+    )
+    peer_transfers: int = setting(2, help="transfers one peer may run at once")
+    idle_timeout: float = setting(
+        30.0,
+        help="seconds a peer's stream may wait for its next message (a decision, a chunk) before it is cut",
+        metavar="SECONDS",
+    )
 
     def shares(self, model_id: str) -> bool:
         return not self.share_models or model_id in self.share_models

@@ -5,7 +5,6 @@ import json
 import logging
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
@@ -14,29 +13,15 @@ from kvmesh.caches.defaults import DEFAULT_COMPRESSION
 from kvmesh.caches.presses import make_press
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import Rates
+from kvmesh.model.loaded import LoadedModel
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.serve.app import ServedModel, make_app
 from kvmesh.serve.engine import Engine
+from kvmesh.serve.options import ServeOptions
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str | None = None
-    # Bytes of live caches kept in memory; caches of at least this many tokens also go to the store.
-    memory_bytes: int = 2 << 30
-    min_store_tokens: int = 512
-    max_tokens: int = 512
-    idle_timeout: float = 10.0
-    # Keep caches in the store compressed with the measured default (kvmesh.caches.defaults).
-    compress: bool = False
-    # "auto": fetch a peer's cache only when that beats prefilling it here; "always": whenever found.
-    fetch: str = "auto"
 
 
 def check_exposure(host: str, api_key: str | None) -> None:
@@ -58,19 +43,21 @@ def context_length(model_dir: Path) -> int:
 
 
 def serve(
-    model_path: str,
-    loaded: tuple,
+    options: ServeOptions,
+    loaded: LoadedModel,
+    *,
     store: CacheStore | None,
     peers: Sequence[str] | Callable[[], list[str]],
     credentials: MeshCredentials | None,
-    options: ServeOptions,
     announce: Callable[[str], None] = print,
     rates: Rates | None = None,
 ) -> None:
-    """Serve until interrupted; `loaded` is (model, tokenizer, fingerprint) of `model_path`. With
-    `rates` and `options.fetch` "auto", peers' caches are fetched only when faster than prefilling."""
+    """Serve `loaded` (the model of `options.model`) until interrupted. With `rates` and
+    `options.fetch` "auto", peers' caches are fetched only when faster than prefilling them here;
+    `peers` may be a function, asked again for each request (the local daemon's live peers)."""
     check_exposure(options.host, options.api_key)
-    model, tokenizer, fp = loaded
+    model, tokenizer, fp = loaded.model, loaded.tokenizer, loaded.fingerprint
+    model_path = options.model
     prompt_cache = MeshPromptCache(
         fp,
         store,
@@ -90,7 +77,7 @@ def serve(
         aliases=frozenset({name, model_path, fp.model_id, fp.repo_id} - {""}),
         context_length=context_length(Path(model_path)) if Path(model_path).is_dir() else 1 << 20,
     )
-    app = make_app(engine, served, options.api_key, options.max_tokens)
+    app = make_app(engine, served, options.api_key or None, options.max_tokens)
     family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -39,15 +39,13 @@ from kvmesh.codec.manifest import content_id, cuttable
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, prefix_sha256
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
 from kvmesh.store import entry_file
+from kvmesh.store.budget import AUTO_BUDGET, resolve_budget
 from kvmesh.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
 # Raised whenever the index's tables change; an index of another version is rebuilt from the files.
 INDEX_VERSION = 3
 INDEX = "index.sqlite3"
-# `max_bytes` default: a share of the disk the store is on.
-AUTO_BUDGET = -1
-AUTO_BUDGET_SHARE = 0.10
 
 
 class ChunkDecoder(Protocol):
@@ -101,13 +99,6 @@ def _abandoned(path: Path) -> bool:
             return True
     except (BlockingIOError, FileNotFoundError):
         return False
-
-
-def resolve_budget(setting: int | None, root: Path) -> int | None:
-    """Bytes a store may hold: AUTO_BUDGET is a share of its disk's size; None or 0, no limit."""
-    if setting == AUTO_BUDGET:
-        return int(shutil.disk_usage(root).total * AUTO_BUDGET_SHARE)
-    return setting or None
 
 
 ENTRY_COLUMNS = (

@@ -1,0 +1,244 @@
+"""`kvmesh cache`: the local store's caches: list, show, check, delete, and files in and out.
+
+Files of other tools come in and go out here: mlx-lm prompt-cache files and wp30-cache-2 files.
+Neither records the prompt's tokens, so both take the model and prompt the cache was made from.
+"""
+
+import json
+import sys
+from typing import Any
+
+from kvmesh.cli.common import (
+    Args,
+    Commands,
+    command,
+    open_store,
+    prompt_options,
+    prompt_texts,
+    read_text,
+    store_option,
+)
+from kvmesh.errors import KvmeshError
+
+
+def listing(args: Args) -> int:
+    entries = open_store(args).entries()
+    if args.json:
+        print(json.dumps([{**vars(e), "prefix_sha256": e.prefix_sha256.hex()} for e in entries], indent=2))
+        return 0
+    if not entries:
+        print("the store is empty")
+    for e in entries:
+        # Which prompts it serves: any that shares a block-aligned prefix with it, or only its own prefix.
+        serves = "any prefix" if e.cuttable else "exact"
+        print(
+            f"{e.cache_id}  model {e.model_id}  {e.num_tokens:>7} tokens  {e.method:<13} {serves:<10} "
+            f"{e.file_bytes:>14,} bytes"
+        )
+    return 0
+
+
+def show(args: Args) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from kvmesh.codec.manifest import CODEC_NAMES, layer_report, uncuttable_reason
+
+    manifest = open_store(args).manifest(args.cache_id)
+    layers = layer_report(manifest)
+    if args.json:
+        summary = MessageToDict(manifest, preserving_proto_field_name=True)
+        print(json.dumps({**summary, "layers": layers}, indent=2))
+        return 0
+    config = MessageToDict(manifest.compression.config, preserving_proto_field_name=True)
+    encoding = manifest.encoding
+    print(f"cache {manifest.cache_id}: {manifest.prefix.num_tokens} tokens of model {manifest.model.model_id}")
+    print(f"  compression  {manifest.compression.method} {json.dumps(config) if config else ''}".rstrip())
+    print(
+        f"  encoding     {CODEC_NAMES[encoding.codec]}, {encoding.raw_bytes:,} bytes -> "
+        f"{encoding.encoded_bytes:,} in {encoding.chunk_count} chunks"
+    )
+    if manifest.HasField("quality"):
+        quality = manifest.quality
+        print(f"  quality      {quality.metric} {quality.value:.4f} nats/token over its last {quality.tokens} tokens")
+    why = uncuttable_reason(manifest)
+    serves = f"only its exact prefix ({why})" if why else "its prefix and any shorter block-aligned one"
+    print(f"  serves       {serves}")
+    for row in layers:
+        if "arrays" in row:
+            held = "arrays " + " ".join("x".join(map(str, shape)) for shape in row["arrays"])
+        else:
+            held = f"{row['kept']:>7} of {row['of']} positions"
+        window = f", window {row['window']} keep {row['keep']}" if "window" in row else ""
+        bits = f", {row['bits']}-bit" if "bits" in row else ""
+        print(f"  layer {row['layer']:>3}  {row['kind']:<22} {held}{window}{bits}  {row['bytes']:,} bytes")
+    return 0
+
+
+def export(args: Args) -> int:
+    path = open_store(args).export(args.cache_id, args.file)
+    print(f"exported {args.cache_id} to {path}")
+    return 0
+
+
+def delete(args: Args) -> int:
+    open_store(args).delete(args.cache_id)
+    print(f"deleted {args.cache_id}")
+    return 0
+
+
+def verify(args: Args) -> int:
+    """Check every chunk; damaged entries go to quarantine. Exit status 1 when any was damaged."""
+    from kvmesh.errors import IntegrityError
+
+    store = open_store(args)
+    if args.all == bool(args.cache_id):
+        raise KvmeshError("give a cache id, or --all")
+    ids = [e.cache_id for e in store.entries()] if args.all else [args.cache_id]
+    damaged = 0
+    for cache_id in ids:
+        try:
+            store.verify(cache_id)
+            print(f"{cache_id}  ok")
+        except IntegrityError as e:
+            damaged += 1
+            print(f"{cache_id}  DAMAGED, quarantined: {e}")
+    print(f"{len(ids)} checked, {damaged} damaged", file=sys.stderr)
+    return 1 if damaged else 0
+
+
+def import_file(args: Args) -> int:
+    manifest = open_store(args).import_file(args.file)
+    print(f"imported {manifest.cache_id} ({manifest.prefix.num_tokens} tokens)")
+    return 0
+
+
+def import_mlx(args: Args) -> int:
+    from kvmesh.files.mlx_prompt_cache import import_prompt_cache
+    from kvmesh.model.loaded import load_tokenizer
+    from kvmesh.model.prompt import cache_prompt_tokens
+
+    text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    tokenizer, fp = load_tokenizer(args.model)
+    manifest = import_prompt_cache(open_store(args), args.file, fp, cache_prompt_tokens(tokenizer, text))
+    print(f"imported {manifest.cache_id} ({manifest.prefix.num_tokens} tokens)")
+    return 0
+
+
+def export_mlx(args: Args) -> int:
+    from kvmesh.files.mlx_prompt_cache import export_prompt_cache
+
+    path = export_prompt_cache(open_store(args), args.cache_id, args.file, args.model)
+    print(f"exported {args.cache_id} to {path} for mlx_lm.generate --prompt-cache-file")
+    return 0
+
+
+def wp30_tokens(args: Args) -> tuple[list[int], Any]:
+    """The prompt's tokens and the model's fingerprint, for a wp30 file (no weights are loaded)."""
+    from kvmesh.model.loaded import load_tokenizer
+    from kvmesh.model.prompt import prompt_tokens
+
+    texts = prompt_texts(args)
+    tokenizer, fp = load_tokenizer(args.model)
+    return prompt_tokens(tokenizer, *texts, chat=args.chat), fp
+
+
+def import_wp30(args: Args) -> int:
+    from kvmesh.files.wp30 import import_wp30
+
+    tokens, fp = wp30_tokens(args)
+    imported = import_wp30(open_store(args), args.path, fp, tokens)
+    manifest = imported.manifest
+    print(f"imported {manifest.cache_id} ({manifest.prefix.num_tokens} tokens, {manifest.compression.method})")
+    if imported.verified:
+        print(f"  verified: schema, geometry, prefix tokens, every layer, {', '.join(imported.verified)}")
+    if imported.unchecked:
+        print(
+            f"  not checked: {', '.join(imported.unchecked)} (wp30's own model hashes, which kvmesh cannot "
+            "recompute: make sure the file was made with this model)"
+        )
+    return 0
+
+
+def export_wp30(args: Args) -> int:
+    from kvmesh.files.wp30 import export_wp30
+
+    tokens, fp = wp30_tokens(args)
+    path = export_wp30(open_store(args), args.cache_id, args.path, tokens, fp, args.compression)
+    print(f"exported {args.cache_id} to {path} (wp30-cache-2, compression {args.compression})")
+    return 0
+
+
+def add_commands(commands: Commands) -> None:
+    parent = commands.add_parser(
+        "cache",
+        help="list, check, delete, export and import caches in the local store",
+        description="The local store's caches, and files of other tools (mlx-lm, wp30) in and out of it.",
+    )
+    store_option(parent)
+    cache = parent.add_subparsers(title="cache commands", metavar="COMMAND", required=True)
+    cache_id_help = "the cache's id (as `kvmesh cache list` prints it)"
+
+    sub = command(cache, "list", listing, "list stored caches")
+    sub.add_argument("--json", action="store_true", help="print JSON")
+
+    sub = command(cache, "show", show, "what a stored cache holds, layer by layer")
+    sub.add_argument("cache_id", help=cache_id_help)
+    sub.add_argument("--json", action="store_true", help="print the manifest and layer report as JSON")
+
+    sub = command(cache, "export", export, "write a stored cache to one file")
+    sub.add_argument("cache_id", help=cache_id_help)
+    sub.add_argument("file", help="the file to write (`kvmesh cache import` reads it)")
+
+    sub = command(cache, "delete", delete, "remove a cache from the store")
+    sub.add_argument("cache_id", help=cache_id_help)
+
+    sub = command(cache, "verify", verify, "check every chunk of a cache (or --all); damaged ones are quarantined")
+    sub.add_argument("cache_id", nargs="?", help=cache_id_help)
+    sub.add_argument("--all", action="store_true", help="every cache in the store")
+
+    sub = command(cache, "import", import_file, "import a file written by `cache export`")
+    sub.add_argument("file", help="the file `kvmesh cache export` wrote")
+
+    sub = command(
+        cache,
+        "import-mlx",
+        import_mlx,
+        "import an mlx-lm prompt-cache file (from mlx_lm.cache_prompt)",
+        description="mlx-lm files do not record their prompt: give the same prompt and model.",
+    )
+    sub.add_argument("file", help="the .safetensors file mlx_lm.cache_prompt wrote")
+    sub.add_argument("--model", required=True, help="the model directory the cache was made with")
+    source = sub.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt given to mlx_lm.cache_prompt")
+    source.add_argument("--prompt-file", help="a file holding that prompt")
+
+    sub = command(cache, "export-mlx", export_mlx, "write a stored cache as an mlx-lm prompt-cache file")
+    sub.add_argument("cache_id", help=cache_id_help)
+    sub.add_argument("file", help="the .safetensors file to write")
+    sub.add_argument("--model", required=True, help="model path or hub id recorded for mlx_lm.generate")
+
+    sub = command(
+        cache,
+        "import-wp30",
+        import_wp30,
+        "import a wp30-cache-2 file (plain, gzip or zstd)",
+        description="wp30 files hold only a hash of their prompt: give the model and the same prompt "
+        "(--file and/or --prompt, --chat as when it was made). Schema, geometry, prompt and every layer "
+        "are checked before anything is stored.",
+    )
+    sub.add_argument("path", help="the wp30 file")
+    prompt_options(sub)
+
+    sub = command(
+        cache,
+        "export-wp30",
+        export_wp30,
+        "write a stored cache as a wp30-cache-2 file",
+        description="The file records a hash of the prompt's tokens: give the model and the prompt the cache holds.",
+    )
+    sub.add_argument("cache_id", help=cache_id_help)
+    sub.add_argument("path", help="the file to write")
+    prompt_options(sub)
+    sub.add_argument(
+        "--compression", choices=["none", "gzip", "zstd"], default="none", help="compress the whole file (default none)"
+    )

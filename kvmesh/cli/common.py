@@ -1,0 +1,144 @@
+"""What the commands share: their common options, the store and credentials they open, progress.
+
+Nothing here imports MLX or loads a model at import time: `kvmesh --version`, `status` and `peers`
+stay fast.
+"""
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvmesh import paths
+from kvmesh.errors import KvmeshError
+
+Args = argparse.Namespace
+# The `add_subparsers()` object commands are added to.
+Commands = Any
+Handler = Callable[[Args], int]
+
+
+def command(
+    commands: Commands, name: str, handler: Handler, help: str, *, description: str = ""
+) -> argparse.ArgumentParser:
+    """A subcommand that runs `handler(args)`; its description is its help unless given."""
+    sub = commands.add_parser(name, help=help, description=description or help)
+    sub.set_defaults(func=handler)
+    return sub
+
+
+def group(commands: Commands, name: str, help: str, description: str) -> Commands:
+    """A command of subcommands (`kvmesh cache list`)."""
+    parser = commands.add_parser(name, help=help, description=description)
+    return parser.add_subparsers(title=f"{name} commands", metavar="COMMAND", required=True)
+
+
+def read_text(path: str) -> str:
+    """A text file's contents; one that is unreadable, empty or not UTF-8 text is a clear error."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise KvmeshError(f"{path}: cannot read: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise KvmeshError(
+            f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}): give a text file"
+        ) from None
+    if not text.strip():
+        raise KvmeshError(f"{path}: the file is empty: there is nothing to prefill")
+    return text
+
+
+def positive_int(value: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
+    return number
+
+
+def data_dir(args: Args) -> Path:
+    return Path(args.data_dir) if args.data_dir else paths.data_dir()
+
+
+def store_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", default=None, help="store directory (default: the daemon's, or <data dir>/store)")
+
+
+def open_store(args: Args) -> Any:
+    """--store, else the running daemon's store, else <data dir>/store; with the configured budget.
+
+    The budget is the daemon's setting (config file, KVMESH_STORE_BUDGET), so every writer of a
+    store, the daemon and each command alike, keeps to the same one.
+    """
+    from kvmesh.daemon.config import load_config
+    from kvmesh.daemon.control import read_state
+    from kvmesh.store import CacheStore
+
+    budget = load_config(overrides={"data_dir": args.data_dir}).store_budget
+    if getattr(args, "store", None):
+        return CacheStore(args.store, max_bytes=budget)
+    try:
+        root = Path(read_state(data_dir(args), check_alive=False).store)
+    except KvmeshError:  # no daemon, or an unreadable state file: the data dir's own store
+        root = paths.store_dir(data_dir(args))
+    return CacheStore(root, max_bytes=budget)
+
+
+def mesh_credentials(args: Args) -> Any:
+    """This node's mesh credentials (renewed if due), if it has joined a mesh: for commands that dial peers."""
+    from kvmesh.net.credentials import renew_if_due
+    from kvmesh.net.node_id import node_id
+
+    return renew_if_due(data_dir(args), node_id(data_dir(args)))
+
+
+def prompt_options(parser: argparse.ArgumentParser) -> None:
+    """A model and the prompt given to it: a file's text, then a prompt's."""
+    parser.add_argument("model", help="model directory or Hugging Face repo id")
+    parser.add_argument("--file", help="a text file: its tokens come first (the shared prefix)")
+    parser.add_argument("--prompt", help="text after the file (or the whole prompt)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap file and prompt in one user message of the "
+        "model's chat template (as mlx_lm.cache_prompt does for its caches)",
+    )
+
+
+def prompt_texts(args: Args) -> tuple[str, str]:
+    """(file text, prompt text) of `prompt_options`, checked before any model is loaded."""
+    if not args.file and not args.prompt:
+        raise KvmeshError("give a --file, a --prompt, or both")
+    return (read_text(args.file) if args.file else ""), (args.prompt or "")
+
+
+def max_kl_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-kl",
+        type=float,
+        help="quality floor: refuse lossy caches whose producer measured a loss above this (nats/token on "
+        "the context's tail; see `kvmesh cache show`) or did not measure one; lossless caches always pass",
+    )
+
+
+def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int], None]]:
+    """A rich progress bar on stderr (quiet when stderr is not a terminal) and its update function."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    amount = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
+    bar = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        amount,
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+    task = bar.add_task(description, total=None)
+    return bar, lambda done, total: bar.update(task, completed=done, total=total)

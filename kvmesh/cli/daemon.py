@@ -1,0 +1,137 @@
+"""`kvmesh daemon` and what asks it: `status`, `peers`; `service` installs it as a login service."""
+
+import json
+import sys
+from pathlib import Path
+
+from kvmesh.cli.common import Args, Commands, command, data_dir, store_option
+from kvmesh.daemon.config import DaemonConfig
+from kvmesh.net.policy import Policy
+from kvmesh.settings import add_flags, from_flags
+
+# Given by the options every command shares (--data-dir, --store), not by flags of their own.
+SHARED_SETTINGS = ("data_dir", "store")
+
+
+def daemon_config(args: Args) -> DaemonConfig:
+    """The config file (--config, or the default one), then KVMESH_* variables, then the flags."""
+    from kvmesh.daemon.config import load_config
+
+    overrides = {
+        "data_dir": args.data_dir,
+        "store": args.store,
+        **from_flags(DaemonConfig, args, skip=SHARED_SETTINGS),
+        **from_flags(Policy, args),
+    }
+    return load_config(Path(args.config) if args.config else None, overrides=overrides)
+
+
+def daemon(args: Args) -> int:
+    from kvmesh.daemon.logs import setup_logging
+    from kvmesh.daemon.process import Daemon
+    from kvmesh.serve.options import load_serve_options
+
+    config = daemon_config(args)
+    setup_logging(config.log_format, config.log_level)
+    config_file = Path(args.config) if args.config else None
+    serve_command = None
+    if load_serve_options(config_file, env={}).model:  # the daemon runs `kvmesh serve` beside itself
+        serve_command = [sys.executable, "-m", "kvmesh", "--data-dir", str(config.data_dir), "serve"]
+        serve_command += ["--config", str(config_file)] if config_file else []
+    Daemon(config, serve_command).run(grace=config.grace)
+    return 0
+
+
+def status(args: Args) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from kvmesh.daemon.control import control_status
+
+    status = control_status(data_dir(args))
+    if args.json:
+        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True), indent=2))
+        return 0
+    info = status.info
+    print(f"node {info.node_id} (kvmesh {info.version}) on {', '.join(status.listen)}")
+    print(f"store: {info.store.entries} caches, {info.store.bytes:,} bytes")
+    print(f"peers: {sum(p.healthy for p in status.peers)} live of {len(status.peers)} known")
+    t = info.transfers
+    print(
+        f"fetches served: {t.fetches_completed} done, {t.fetches_rejected} rejected, {t.fetches_failed} failed; "
+        f"{t.transfers_active} active (cap {t.transfers_cap})"
+    )
+    return 0
+
+
+def source_name(source: int) -> str:
+    """PEER_SOURCE_MDNS -> mdns."""
+    from kvmesh.v1 import control_pb2 as cpb
+
+    return cpb.PeerSource.Name(source).removeprefix("PEER_SOURCE_").lower()
+
+
+def peers(args: Args) -> int:
+    from kvmesh.daemon.control import control_status
+
+    known = [p for p in control_status(data_dir(args)).peers if args.all or p.healthy]
+    if args.json:
+        rows = [
+            {
+                "node_id": p.node_id,
+                "addresses": list(p.addresses),
+                "source": source_name(p.source),
+                "healthy": p.healthy,
+                "version": p.version,
+            }
+            for p in known
+        ]
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not known:
+        print("no live peers" if not args.all else "no peers known")
+    for p in known:
+        state = "live" if p.healthy else f"lost ({p.failures} failed checks)"
+        print(f"{p.node_id}  {', '.join(p.addresses)}  {source_name(p.source)}  {state}")
+    return 0
+
+
+def service(args: Args) -> int:
+    from kvmesh.daemon.service_files import service_file
+
+    platform = args.platform or ("macos" if sys.platform == "darwin" else "linux")
+    default_path, content, enable = service_file(platform)
+    if args.print:
+        sys.stdout.write(content.decode())
+        return 0
+    path = Path(args.output) if args.output else default_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    print(f"wrote {path}; turn it on with: {enable}")
+    return 0
+
+
+def add_commands(commands: Commands) -> None:
+    sub = command(
+        commands,
+        "daemon",
+        daemon,
+        "run the daemon: serve the store, advertise, find peers",
+        description="Settings come from --config (default: the platform config dir's config.toml), "
+        "then KVMESH_<SETTING> variables, then these flags.",
+    )
+    sub.add_argument("--config", help="TOML file with the settings below (names with _ or -)")
+    store_option(sub)
+    add_flags(sub, DaemonConfig, skip=SHARED_SETTINGS)
+    add_flags(sub, Policy)
+
+    sub = command(commands, "status", status, "show what the local daemon is doing")
+    sub.add_argument("--json", action="store_true", help="print JSON")
+
+    sub = command(commands, "peers", peers, "list the peers the local daemon knows")
+    sub.add_argument("--all", action="store_true", help="also peers that stopped answering")
+    sub.add_argument("--json", action="store_true", help="print JSON")
+
+    sub = command(commands, "service", service, "write a launchd (macOS) or systemd (Linux) service for the daemon")
+    sub.add_argument("--platform", choices=["macos", "linux"], help="default: this machine's")
+    sub.add_argument("--output", help="where to write it (default: the per-user location)")
+    sub.add_argument("--print", action="store_true", help="print it instead of writing it")

@@ -1,0 +1,288 @@
+"""The commands that run a model or move a cache: `prefill`, `fetch`, `publish`, `generate`."""
+
+import json
+import sys
+from typing import Any
+
+from kvmesh.cli.common import (
+    Args,
+    Commands,
+    command,
+    data_dir,
+    max_kl_option,
+    mesh_credentials,
+    open_store,
+    positive_int,
+    progress_bar,
+    prompt_options,
+    prompt_texts,
+    store_option,
+)
+from kvmesh.errors import KvmeshError
+from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
+
+
+def prefill(args: Args) -> int:
+    import time
+
+    from kvmesh.caches.defaults import DEFAULT_COMPRESSION
+    from kvmesh.caches.prefill import prefill
+    from kvmesh.caches.presses import make_press
+    from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
+    from kvmesh.codec.encode import EncodeOptions, encode_cache
+    from kvmesh.model.loaded import load_model
+    from kvmesh.model.prompt import prompt_tokens
+
+    texts = prompt_texts(args)
+    config = {
+        k: v for k, v in {"ratio": args.ratio, "budget": args.budget, "kv_bits": args.kv_bits}.items() if v is not None
+    }
+    if args.compress and (args.method or config):
+        raise KvmeshError("--compress chooses the method itself: give it alone, or --method with its options")
+    method, defaults = DEFAULT_COMPRESSION if args.compress else (args.method or "full", {})
+    press = make_press(method, {**defaults, **config})
+    store = open_store(args)
+    loaded = load_model(args.model)
+    fp = loaded.fingerprint
+    tokens = prompt_tokens(loaded.tokenizer, *texts, chat=args.chat)
+    # Known before the work: a store whose disk cannot take the cache (counted uncompressed).
+    itemsize = 4 if fp.dtype == "float32" else 2
+    if problem := store.lacks_space(2 * fp.num_layers * fp.num_kv_heads * fp.head_dim * itemsize * len(tokens)):
+        raise KvmeshError(f"not prefilling: {problem}")
+    bar, update = progress_bar("prefill", "tokens")
+    start = time.perf_counter()
+    with bar:
+        cached = prefill(loaded.model, tokens, press, progress=update)
+    elapsed = time.perf_counter() - start
+    options = EncodeOptions(codec=args.codec)
+    manifest = store.add(*encode_cache(cached.cache, fp, tokens, press, options, tail_kl=cached.tail_kl))
+    result = {
+        "cache_id": manifest.cache_id,
+        "tokens": len(tokens),
+        "prefill_s": round(elapsed, 3),
+        "dense_bytes": cached.dense_nbytes,
+        "bytes": cached.nbytes,
+        "stored_bytes": manifest.encoding.encoded_bytes,
+        "tail_kl": cached.tail_kl,
+    }
+    if press.lossy and not any(isinstance(c, (SparseKVCache, SparseQuantizedKVCache)) for c in cached.cache):
+        print(
+            f"note: {press.method} changed nothing: it compresses full-attention layers only, and this model "
+            "has none outside sliding windows, recurrent state or CacheLists (`kvmesh cache show` lists them)",
+            file=sys.stderr,
+        )
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        loss = "" if cached.tail_kl is None else f"; measured loss {cached.tail_kl:.4f} nats/token on its tail"
+        print(
+            f"stored {manifest.cache_id}: {len(tokens)} tokens prefilled in {elapsed:.2f} s, "
+            f"{cached.dense_nbytes:,} -> {cached.nbytes:,} bytes ({press.method}), "
+            f"{manifest.encoding.encoded_bytes:,} on disk{loss}"
+        )
+    return 0
+
+
+def prefill_arguments(parser: Any) -> None:
+    from kvmesh.caches.defaults import DEFAULT_COMPRESSION
+
+    prompt_options(parser)
+    store_option(parser)
+    parser.add_argument(
+        "--method", help="compression method: full (the default), quantize, streaming_llm, snapkv, knorm, kvzip"
+    )
+    method, options = DEFAULT_COMPRESSION
+    parser.add_argument(
+        "--compress",
+        action="store_true",
+        help=f"compress with the measured default ({', '.join([method, *(f'{k} {v}' for k, v in options.items())])};"
+        " see README)",
+    )
+    parser.add_argument("--ratio", type=float, help="fraction of tokens to evict")
+    parser.add_argument("--budget", type=int, help="tokens to keep per layer")
+    parser.add_argument("--kv-bits", type=int, help="quantize what is kept to 2-8 bits")
+    parser.add_argument(
+        "--codec", default="zstd", choices=["zstd", "none"], help="wire and disk encoding (default zstd)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def fetch(args: Args) -> int:
+    from kvmesh.codec.compat import ReceiverProfile
+    from kvmesh.model.fingerprint import fingerprint
+    from kvmesh.net.client import PeerClient
+
+    profile = ReceiverProfile(fingerprint(args.model), max_kl=args.max_kl)
+    bar, update = progress_bar("fetch", "bytes")
+    with bar, PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
+        fetched = client.fetch(args.cache_id, profile, num_tokens=args.tokens, store=open_store(args), progress=update)
+    print(
+        f"fetched {fetched.manifest.cache_id} from {args.peer}: {fetched.manifest.prefix.num_tokens} tokens, "
+        f"{fetched.wire_bytes:,} bytes in {fetched.seconds:.2f} s"
+    )
+    return 0
+
+
+def fetch_arguments(parser: Any) -> None:
+    parser.add_argument("cache_id", help="the cache's id on the peer")
+    parser.add_argument("--peer", required=True, help="host:port of the peer")
+    parser.add_argument("--model", required=True, help="the local model the cache must fit")
+    parser.add_argument("--tokens", type=int, default=0, help="only a block-aligned prefix of this many tokens")
+    max_kl_option(parser)
+    store_option(parser)
+
+
+def publish(args: Args) -> int:
+    from kvmesh.net.client import PeerClient
+
+    store = open_store(args)
+    with PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
+        stored_as = client.publish(store, args.cache_id)
+    manifest = store.manifest(args.cache_id)
+    print(
+        f"published {args.cache_id} to {args.peer} ({manifest.prefix.num_tokens} tokens, "
+        f"{manifest.encoding.encoded_bytes:,} bytes); stored there as {stored_as}"
+    )
+    return 0
+
+
+def publish_arguments(parser: Any) -> None:
+    parser.add_argument("cache_id", help="the cache's id in the local store (`kvmesh cache list`)")
+    parser.add_argument("peer", help="host:port of the peer to give it to")
+    store_option(parser)
+
+
+def mesh_peers(args: Args) -> list[str]:
+    """--peer addresses, else the live peers of the local daemon, if one runs."""
+    from kvmesh.daemon.control import live_peer_addresses
+
+    if args.peer:
+        return list(args.peer)
+    if args.no_mesh:
+        return []
+    return live_peer_addresses(data_dir(args))
+
+
+def generate(args: Args) -> int:
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from kvmesh.fetch_or_prefill import Rates
+    from kvmesh.generation import generate
+    from kvmesh.model.loaded import load_model
+    from kvmesh.model.prompt import prompt_tokens
+
+    texts = prompt_texts(args)
+    loaded = load_model(args.model)
+    tokenizer = loaded.tokenizer
+    tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    bar, update = progress_bar("fetch", "bytes")
+    with bar:
+        result = generate(
+            loaded.model,
+            loaded.fingerprint,
+            tokens,
+            open_store(args),
+            mesh_peers(args),
+            args.max_tokens,
+            update,
+            credentials=mesh_credentials(args),
+            sampler=make_sampler(temp=args.temp, top_p=args.top_p),
+            stop_tokens=set(tokenizer.eos_token_ids),
+            max_kl=args.max_kl,
+            rates=None if args.fetch == "always" else Rates(data_dir(args)),
+        )
+    text = tokenizer.decode(result.tokens)
+    source = result.source
+    saving = result.estimated_saving_s
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "tokens": result.tokens,
+                    "prefix_from": source.where,
+                    "prefix_tokens": source.tokens,
+                    "prompt_tokens": result.prompt_tokens,
+                    "fetch_s": round(source.seconds, 4),
+                    "wire_bytes": source.wire_bytes,
+                    "prefill_s": round(result.prefill_s, 4),
+                    "generate_s": round(result.generate_s, 4),
+                    "estimated_saving_s": None if saving is None else round(saving, 3),
+                    "skipped": source.skipped,
+                    "choices": source.choices,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print(text)
+    print(file=sys.stderr)
+    if source.tokens:
+        print(
+            f"prefix: {source.tokens} of {result.prompt_tokens} tokens from {source.where} "
+            f"({source.wire_bytes:,} bytes on the wire, {source.seconds:.2f} s)",
+            file=sys.stderr,
+        )
+    else:
+        print(f"prefix: none cached; all {result.prompt_tokens} tokens prefilled here", file=sys.stderr)
+    print(
+        f"prefill of the remaining {result.prompt_tokens - source.tokens} tokens: {result.prefill_s:.2f} s; "
+        f"{len(result.tokens)} tokens generated in {result.generate_s:.2f} s",
+        file=sys.stderr,
+    )
+    if saving is not None:
+        print(f"estimated time saved against prefilling the cached tokens here: {saving:.2f} s", file=sys.stderr)
+    for reason in source.skipped:
+        print(f"skipped: {reason}", file=sys.stderr)
+    if args.explain:
+        for choice in source.choices or ["no peer had a longer cached prefix: nothing to choose"]:
+            print(f"choice: {choice}", file=sys.stderr)
+    return 0
+
+
+def generate_arguments(parser: Any) -> None:
+    prompt_options(parser)
+    store_option(parser)
+    parser.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1)")
+    parser.add_argument("--seed", type=int, help="random seed, for repeatable sampling")
+    parser.add_argument("--peer", action="append", help="host:port of a peer to ask (repeat)")
+    parser.add_argument("--no-mesh", action="store_true", help="only the local store")
+    parser.add_argument("--fetch", choices=FETCH_MODES, default="auto", help=FETCH_HELP + " (default auto)")
+    parser.add_argument(
+        "--explain", action="store_true", help="say, for each peer's cache, why it was fetched or prefilled instead"
+    )
+    max_kl_option(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def add_commands(commands: Commands) -> None:
+    prefill_arguments(
+        command(commands, "prefill", prefill, "prefill a prompt with a local model and store its (compressed) cache")
+    )
+    fetch_arguments(command(commands, "fetch", fetch, "fetch a cache from a peer into the local store"))
+    publish_arguments(
+        command(
+            commands,
+            "publish",
+            publish,
+            "give a cache of the local store to a peer",
+            description="The peer sees the manifest first and may refuse it (its policy: --read-only, "
+            "--publisher, --max-publish-bytes, the models it shares) before any layer byte is sent.",
+        )
+    )
+    generate_arguments(
+        command(
+            commands,
+            "generate",
+            generate,
+            "generate, reusing the longest cached prefix on the mesh",
+            description="The local store is asked first, then peers (--peer, or the local daemon's); a peer's "
+            "cache is fetched when that is expected to beat prefilling it here (--fetch, --explain). Only the "
+            "tokens after the cached prefix are prefilled.",
+        )
+    )

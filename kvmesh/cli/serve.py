@@ -1,0 +1,70 @@
+"""`kvmesh serve`: the OpenAI API over a local model, with the mesh as its prompt cache.
+
+Its settings are `ServeOptions`' fields: the flags below, the config file's [serve] table and their
+help all come from there.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from kvmesh.cli.common import Args, Commands, command, data_dir, mesh_credentials, open_store, store_option
+from kvmesh.serve.options import ServeOptions
+from kvmesh.settings import add_flags, from_flags
+
+
+def serve_options(args: Args) -> ServeOptions:
+    """The config file's [serve] table, then $KVMESH_API_KEY, then the flags."""
+    from kvmesh.serve.options import load_serve_options
+
+    overrides = {**from_flags(ServeOptions, args, skip=("model",)), "model": args.model}
+    return load_serve_options(Path(args.config) if args.config else None, overrides=overrides)
+
+
+def serve(args: Args) -> int:
+    from kvmesh.errors import KvmeshError
+    from kvmesh.fetch_or_prefill import Rates
+    from kvmesh.model.loaded import load_model
+    from kvmesh.serve.server import check_exposure, serve
+
+    options = serve_options(args)
+    if not options.model:
+        raise KvmeshError("give a model (kvmesh serve MODEL), or set `model` in the config's [serve] table")
+    check_exposure(options.host, options.api_key)  # before the model loads
+    store = None if args.no_store else open_store(args)
+    loaded = load_model(options.model)
+    peers: Any
+    if options.peers or args.no_mesh:
+        peers = [] if args.no_mesh else list(options.peers)
+    else:
+        from kvmesh.daemon.control import live_peer_addresses
+
+        peers = lambda: live_peer_addresses(data_dir(args))  # noqa: E731 (asked again for each request)
+    serve(
+        options,
+        loaded,
+        store=store,
+        peers=peers,
+        credentials=mesh_credentials(args),
+        announce=lambda line: print(line, flush=True),
+        rates=None if args.no_mesh else Rates(data_dir(args)),
+    )
+    return 0
+
+
+def add_commands(commands: Commands) -> None:
+    sub = command(
+        commands,
+        "serve",
+        serve,
+        "serve the OpenAI API (chat and text completions) with the mesh as prompt cache",
+        description="Requests are served one at a time. Their prompt cache is memory, then the local store, "
+        "then the mesh's peers (--peer, or the local daemon's); after each request its cache goes back to "
+        "memory and, when long enough, to the store, where peers find it. Settings come from the config "
+        "file's [serve] table, then these flags.",
+    )
+    sub.add_argument("model", nargs="?", help="model directory or Hugging Face repo id (default: [serve] model)")
+    sub.add_argument("--config", help="TOML file whose [serve] table gives defaults (default: the daemon's)")
+    add_flags(sub, ServeOptions, skip=("model",))
+    sub.add_argument("--no-mesh", action="store_true", help="only memory and the local store")
+    sub.add_argument("--no-store", action="store_true", help="only memory and the mesh; keep nothing on disk")
+    store_option(sub)

@@ -1,0 +1,62 @@
+"""`kvmesh serve`'s settings, declared once: the config file's [serve] table, the flags, their help.
+
+Needs no MLX: the daemon's command reads the table to learn whether to run a server beside itself.
+"""
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvmesh.daemon.config import read_file
+from kvmesh.errors import ConfigError
+from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
+from kvmesh.settings import check_choices, convert, from_table, setting, settings_of
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str = setting("", help="model directory or Hugging Face repo id")
+    host: str = setting("127.0.0.1", help="address to serve on (any but loopback needs an API key)", metavar="ADDRESS")
+    port: int = setting(8080, help="port (0: any free port)")
+    # On loopback a key is optional; any other address needs one (the API runs a model, reads prompts).
+    api_key: str = setting("", help="require this bearer key (default $KVMESH_API_KEY)", metavar="KEY")
+    peers: tuple[str, ...] = setting(
+        (), help="host:port of a peer to ask (default: the local daemon's live peers)", flag="--peer", metavar="ADDRESS"
+    )
+    memory_bytes: int = setting(2 << 30, help="bytes of live caches kept in memory, least recently used out")
+    min_store_tokens: int = setting(512, help="caches of at least this many tokens also go to the store")
+    max_tokens: int = setting(512, help="max_tokens of a request that gives none")
+    # Shorter than the daemon's: a request waits on it, a person on the request.
+    idle_timeout: float = setting(
+        10.0, help="seconds a peer's transfer may stall before the request prefills", metavar="SECONDS"
+    )
+    compress: bool = setting(False, help="keep caches in the store compressed with the measured default (8-bit)")
+    fetch: str = setting("auto", help=FETCH_HELP, choices=FETCH_MODES)
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "min_store_tokens", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
+        check_choices(self)
+
+
+def load_serve_options(
+    file: Path | None = None, *, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> ServeOptions:
+    """The config file's [serve] table (of `file`, or the default config file if it exists), then
+    $KVMESH_API_KEY, then overrides (flags: None is a flag not given)."""
+    env = os.environ if env is None else env
+    path, data = read_file(file)
+    table = data.get("serve", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [serve] must be a table")
+    values = from_table(ServeOptions, table, f"{path} [serve]")
+    if env.get("KVMESH_API_KEY"):
+        values["api_key"] = env["KVMESH_API_KEY"]
+    known = settings_of(ServeOptions)
+    for name, value in (overrides or {}).items():
+        if value is not None and name in known:
+            values[name] = convert(ServeOptions, name, value, f"--{name.replace('_', '-')}")
+    return replace(ServeOptions(), **values)
