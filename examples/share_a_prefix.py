@@ -45,7 +45,7 @@ def main() -> int:
             with kvmesh.PeerClient(address) as peer:
                 best = peer.lookup(fp.model_id, prompt[:-1])[0]
                 profile = kvmesh.ReceiverProfile(fp, prompt=prompt)
-                fetched = peer.fetch(best.candidate.cache_id, profile, num_tokens=best.tokens)
+                fetched = kvmesh.fetch_cache(peer, best.candidate.cache_id, profile, num_tokens=best.tokens)
             n = fetched.manifest.prefix.num_tokens
             tokens = [t for t, _ in kvmesh.generate_from_cache(model, fetched.cache, prompt[n:], max_tokens=12)]
             print(f"B fetched {n} tokens' cache ({fetched.wire_bytes:,} bytes) in {fetched.seconds:.3f} s")

@@ -9,7 +9,7 @@ The library's face, everything a Python user needs in one namespace::
     store = kvmesh.CacheStore()                              # the local store
     store.add(*kvmesh.encode_cache(cached.cache, fp, tokens, press))
     with kvmesh.PeerClient("192.168.1.20:7077") as peer:     # a peer's caches
-        ...
+        fetched = kvmesh.fetch_cache(peer, cache_id, kvmesh.ReceiverProfile(fp, prompt=tokens), store=store)
     result = kvmesh.generate(model, fp, prompt, store, peers=[...])  # the mesh's longest prefix
 
 Names are imported on first use, so `import kvmesh` (and the `kvmesh` command) loads no MLX until
@@ -42,7 +42,8 @@ _EXPORTS = {
     "CacheStore": "kvmesh.store.cache_store",
     "PeerClient": "kvmesh.net.client",
     "start_server": "kvmesh.net.server",
-    "Fetched": "kvmesh.net.client",
+    "Fetched": "kvmesh.generation",
+    "fetch_cache": "kvmesh.generation",
     "generate": "kvmesh.generation",
     "find_prefix": "kvmesh.generation",
     "load_prefix": "kvmesh.generation",
@@ -81,6 +82,7 @@ __all__ = [
     "check_manifest",
     "decode_chunks",
     "encode_cache",
+    "fetch_cache",
     "find_prefix",
     "fingerprint",
     "generate",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:
     from kvmesh.codec.compat import ReceiverProfile, check_manifest
     from kvmesh.codec.decode import decode_chunks
     from kvmesh.codec.encode import EncodeOptions, encode_cache
+    from kvmesh.codec.manifest import layer_report
     from kvmesh.errors import (
         CacheRejected,
         IntegrityError,
@@ -120,10 +123,11 @@ if TYPE_CHECKING:
         PeerError,
         Rejection,
         StoreError,
+        UnsupportedCacheError,
     )
-    from kvmesh.generation import Generation, find_prefix, generate, load_prefix
+    from kvmesh.generation import Fetched, Generation, fetch_cache, find_prefix, generate, load_prefix
     from kvmesh.model.fingerprint import ModelFingerprint, fingerprint
     from kvmesh.model.testmodels import make_test_model
-    from kvmesh.net.client import Fetched, PeerClient
+    from kvmesh.net.client import PeerClient
     from kvmesh.net.server import start_server
     from kvmesh.store.cache_store import CacheStore

@@ -22,9 +22,9 @@ from kvmesh.caches.prefill import generate_from_cache, prefill
 from kvmesh.caches.presses import make_press
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import encode_cache
-from kvmesh.daemon.control import DaemonProcess, control_status, start_daemon
+from kvmesh.daemon.control import DaemonProcess, control_status, live_peer_addresses, start_daemon
 from kvmesh.errors import CacheRejected, KvmeshError, PeerError
-from kvmesh.generation import generate
+from kvmesh.generation import fetch_cache, generate
 from kvmesh.model.fingerprint import FileHashCache, fingerprint
 from kvmesh.model.testmodels import make_test_model
 from kvmesh.net.client import PeerClient
@@ -115,9 +115,15 @@ def run_demo(steps: int = 24) -> int:
             reference = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=steps)]
             reference_s = time.perf_counter() - start
 
-            peers_of_b = [p.addresses[0] for p in control_status(root / "B").peers if p.healthy]
+            peers_of_b = live_peer_addresses(root / "B")
             result = generate(
-                model, fp, prompt, CacheStore(store_dir(root / "B")), peers_of_b, steps, credentials=member["B"]
+                model,
+                fp,
+                prompt,
+                CacheStore(store_dir(root / "B")),
+                peers=peers_of_b,
+                max_tokens=steps,
+                credentials=member["B"],
             )
             source = result.source
             console.print(
@@ -145,7 +151,7 @@ def run_demo(steps: int = 24) -> int:
             with PeerClient(daemons["A"].address, credentials=member["B"]) as a:
                 sent_before = a.info().transfers.chunk_bytes_sent
                 try:
-                    a.fetch(source.cache_id, ReceiverProfile(other_fp, prompt=prompt))
+                    fetch_cache(a, source.cache_id, ReceiverProfile(other_fp, prompt=prompt))
                     rejected = None
                 except CacheRejected as e:
                     rejected = e.rejection
@@ -161,8 +167,8 @@ def run_demo(steps: int = 24) -> int:
 
             [entry] = CacheStore(store_dir(root / "C")).entries()
             with PeerClient(daemons["C"].address, credentials=member["B"]) as c:
-                compressed = c.fetch(entry.cache_id, ReceiverProfile(fp, prompt=prompt))
-            tokens = [t for t, _ in generate_from_cache(model, compressed.cache, question, steps)]
+                compressed = fetch_cache(c, entry.cache_id, ReceiverProfile(fp, prompt=prompt))
+            tokens = [t for t, _ in generate_from_cache(model, compressed.cache, question, max_tokens=steps)]
             agree = sum(x == y for x, y in zip(tokens, reference))
             check("C's compressed cache arrives and generates", len(tokens) == steps)
 

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh import paths
+
 log = logging.getLogger(__name__)
 # Connecting, the lookup and the manifest's round trip on a LAN: what a fetch costs before its bytes.
 FETCH_SETUP_S = 0.01
@@ -31,7 +33,6 @@ PREFILL_SAMPLES = 16
 # A probe moves this share of the cache it is for, within these bounds (the server allows 8 MiB).
 PROBE_SHARE = 4
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 256 << 10, 4 << 20
-RATES_FILE = "rates.json"
 
 # How a command or server takes peers' caches: "auto" weighs each fetch against a local prefill.
 FETCH_MODES = ("auto", "always")
@@ -105,6 +106,7 @@ def choose(
     wire_bytes: int,
     bytes_per_s: float,
     prefill: PrefillModel,
+    *,
     context: int = 0,
     where: str = "the peer",
     measured: str = "",
@@ -143,7 +145,7 @@ class Rates:
     """
 
     def __init__(self, data_dir: Path | str):
-        self.path = Path(data_dir) / RATES_FILE
+        self.path = paths.rates_file(data_dir)
         self.links: dict[str, dict] = {}
         # model id -> [[tokens, context, seconds], ...], the latest last
         self.prefill: dict[str, list] = {}
@@ -181,7 +183,7 @@ class Rates:
         self.links[address] = {"bytes_per_s": blend(old, rate), "transfers": entry.get("transfers", 0) + 1}
         self._save()
 
-    def record_prefill(self, model_id: str, tokens: int, seconds: float, context: int = 0) -> None:
+    def record_prefill(self, model_id: str, tokens: int, seconds: float, *, context: int = 0) -> None:
         """This machine prefilled `tokens` of the model `model_id`, after `context` cached ones, in `seconds`."""
         if tokens < MIN_TIMED_TOKENS or seconds <= 0:
             return
@@ -208,7 +210,7 @@ class Rates:
             self.links, self.prefill = {}, {}
 
     def _save(self) -> None:
-        tmp = self.path.with_name(f".{RATES_FILE}.{os.getpid()}.part")
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.part")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({"links": self.links, "prefill": self.prefill}, indent=1))

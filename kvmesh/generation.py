@@ -1,14 +1,15 @@
 """Generation that uses the mesh: find the longest cached prefix, fetch it, prefill only the rest.
 
 The local store is asked first, then every peer (by block hashes of the prompt; the prompt itself
-never leaves). A fetched cache is kept in the local store, so the next request finds it here.
+never leaves). A fetched cache is decoded here as it arrives and kept in the local store in the
+same pass (`fetch_cache`), so the next request finds it here.
 """
 
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,17 +20,19 @@ from kvmesh.codec.arrays import Layer
 from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.compat import ReceiverProfile, quality_problem
 from kvmesh.codec.cut import cut_prefix
-from kvmesh.codec.decode import decode_chunks
-from kvmesh.errors import CacheRejected, IntegrityError, PeerError, StoreError
+from kvmesh.codec.decode import CacheDecoder, decode_chunks
+from kvmesh.errors import CacheRejected, IntegrityError, PeerError, Rejection, StoreError
 from kvmesh.fetch_or_prefill import Choice, Rates, choose, probe_bytes
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient, Progress
 from kvmesh.net.credentials import MeshCredentials
-from kvmesh.net.transport import IDLE_TIMEOUT
+from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.store import CacheStore
+from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1.service_pb2 import Candidate
 
 log = logging.getLogger(__name__)
+LOCAL_STORE = "local store"
 
 
 @dataclass
@@ -67,14 +70,84 @@ class Generation:
         return self.source.tokens * self.prefill_s / fed - self.source.seconds
 
 
+@dataclass
+class Fetched:
+    """A fetched cache, ready to generate from, and what getting it cost."""
+
+    manifest: pb.CacheManifest
+    cache: list[Layer]
+    seconds: float
+    wire_bytes: int
+    # Whether it was also kept in the local store.
+    kept: bool = False
+
+
+def fetch_cache(
+    client: PeerClient,
+    cache_id: str,
+    profile: ReceiverProfile,
+    *,
+    num_tokens: int = 0,
+    store: CacheStore | None = None,
+    keep: bool = True,
+    progress: Progress | None = None,
+    idle_timeout: float = TIMEOUTS.stream_idle,
+    deadline: float | None = None,
+) -> Fetched:
+    """Fetch a cache (or a block-aligned prefix of a dense one, `num_tokens`) from the peer of
+    `client`, decoded as it arrives into MLX caches; with a `store`, kept there in the same pass.
+
+    With `keep=False`, it is kept only if the store can hold it (its budget, its free disk), else
+    the fetch goes on without it. A peer that sends nothing for `idle_timeout` seconds, or a transfer
+    longer than `deadline`, is abandoned (`PeerClient.fetch`).
+
+    Raises CacheRejected when the manifest does not fit `profile` or the store (no chunk is sent
+    then), PeerError when the peer fails or stalls, IntegrityError when what arrives is damaged. Each
+    chunk is checked as it is decoded, before the store writes it, and the digest before the entry
+    is complete, so a failure of any kind leaves nothing in the store.
+    """
+    start = time.perf_counter()
+    fetch = client.fetch(
+        cache_id, profile, num_tokens=num_tokens, progress=progress, idle_timeout=idle_timeout, deadline=deadline
+    )
+    with fetch:
+        manifest = fetch.manifest
+        if store is not None and (problem := store.cannot_hold(manifest)):
+            if keep:
+                fetch.refuse(Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}"))
+            store = None  # decode it all the same, without keeping it
+        decoder = CacheDecoder(manifest)
+        decoded = decoder.feed_iter(fetch.chunks())
+        if store is not None:
+            manifest = store.add(manifest, decoded)
+        else:
+            for _ in decoded:
+                pass
+        cache = decoder.finish()
+    return Fetched(manifest, cache, time.perf_counter() - start, fetch.wire_bytes, kept=store is not None)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A cache serving `tokens` of the prompt: the local store's entry `cache_id`, or a peer's
+    candidate (`peer`: the client reaching it, and the candidate)."""
+
+    tokens: int
+    # The local store wins ties, then a cache that kept every position, then the smaller.
+    tie: tuple
+    cache_id: str
+    peer: tuple[PeerClient, Candidate] | None = None
+
+
 def find_prefix(
     model_fp: ModelFingerprint,
     tokens: Sequence[int],
     store: CacheStore | None,
-    peers: Sequence[str],
+    *,
+    peers: Sequence[str] = (),
     progress: Progress | None = None,
     credentials: MeshCredentials | None = None,
-    idle_timeout: float = IDLE_TIMEOUT,
+    idle_timeout: float = TIMEOUTS.stream_idle,
     min_tokens: int = 0,
     max_kl: float | None = None,
     rates: Rates | None = None,
@@ -91,99 +164,112 @@ def find_prefix(
 
     With `rates` (kvmesh.fetch_or_prefill), a peer's cache is fetched only when that is expected to
     be faster than prefilling the tokens it adds here; each fetch's rate is kept for next time.
-    Without them, every peer's cache is fetched.
+    Without them, every peer's cache is fetched. Each peer is reached over one channel for the
+    whole request: its lookup, probe and fetch.
     """
     wanted = list(tokens[:-1])
     start = time.perf_counter()
     skipped: list[str] = []
-    # (tokens served, tie-breaker, where, what): the local store wins ties, then a cache that kept
-    # every position, then the smaller.
-    sources: list[tuple[int, tuple, str, Any]] = []
-    if store is not None and (local := store.lookup(model_fp.model_id, wanted)):
-        sources.append((local.tokens, (0,), "local store", local))
-    for address in peers:
-        try:
-            with PeerClient(address, timeout=min(5.0, idle_timeout), credentials=credentials) as client:
+    choices: list[str] = []
+
+    def source(where: str, n: int = 0, wire_bytes: int = 0, cache_id: str = "") -> PrefixSource:
+        return PrefixSource(
+            where,
+            tokens=n,
+            seconds=time.perf_counter() - start,
+            wire_bytes=wire_bytes,
+            cache_id=cache_id,
+            skipped=skipped,
+            choices=choices,
+        )
+
+    with ExitStack() as clients:
+        sources: list[_Source] = []
+        if store is not None and (local := store.lookup(model_fp.model_id, wanted)):
+            sources.append(_Source(local.tokens, (0,), local.entry.cache_id))
+        for address in peers:
+            client = clients.enter_context(
+                PeerClient(address, timeout=min(TIMEOUTS.lookup, idle_timeout), credentials=credentials)
+            )
+            try:
                 for m in client.lookup(model_fp.model_id, wanted):
                     tie = (1, m.candidate.method != "full", m.candidate.stored_bytes)
-                    sources.append((m.tokens, tie, address, m))
-        except PeerError as e:
-            skipped.append(str(e))
-    sources = sorted((s for s in sources if s[0] > min_tokens), key=lambda s: (-s[0], s[1]))
+                    sources.append(_Source(m.tokens, tie, m.candidate.cache_id, (client, m.candidate)))
+            except PeerError as e:
+                skipped.append(str(e))
+        sources = sorted((s for s in sources if s.tokens > min_tokens), key=lambda s: (-s.tokens, s.tie))
 
-    profile = ReceiverProfile(model_fp, prompt=list(tokens), max_kl=max_kl)
-    choices: list[str] = []
-    for n, _, where, found in sources:
-        try:
-            if where == "local store":
-                assert store is not None
-                cache = load_prefix(store, found.entry.cache_id, n, max_kl)
-                return cache, PrefixSource(
-                    where, n, time.perf_counter() - start, 0, found.entry.cache_id, skipped, choices
-                )
-            candidate = found.candidate
-            if rates is not None:
-                # What fetching saves: prefilling the tokens beyond what is held or found here.
-                held = max([min_tokens] + [s[0] for s in sources if s[2] == "local store" and s[0] < n])
-                choice = fetch_or_prefill(
-                    rates, model_fp.model_id, where, candidate, n - held, held, credentials, idle_timeout
-                )
-                choices.append(str(choice))
-                if not choice.fetch:
-                    continue
-            with PeerClient(where, credentials=credentials) as client:
-                fetched = client.fetch(
+        profile = ReceiverProfile(model_fp, prompt=list(tokens), max_kl=max_kl)
+        for s in sources:
+            try:
+                if s.peer is None:
+                    assert store is not None
+                    cache = load_prefix(store, s.cache_id, s.tokens, max_kl=max_kl)
+                    return cache, source(LOCAL_STORE, s.tokens, cache_id=s.cache_id)
+                client, candidate = s.peer
+                if rates is not None:
+                    # What fetching saves: prefilling the tokens beyond what is held or found here.
+                    held = max([min_tokens] + [o.tokens for o in sources if o.peer is None and o.tokens < s.tokens])
+                    choice = fetch_or_prefill(
+                        rates,
+                        model_fp.model_id,
+                        client,
+                        candidate,
+                        tokens=s.tokens - held,
+                        held=held,
+                        timeout=idle_timeout,
+                    )
+                    choices.append(str(choice))
+                    if not choice.fetch:
+                        continue
+                fetched = fetch_cache(
+                    client,
                     candidate.cache_id,
                     profile,
-                    num_tokens=n if n < candidate.num_tokens else 0,
+                    num_tokens=s.tokens if s.tokens < candidate.num_tokens else 0,
                     store=store,
                     progress=progress,
                     idle_timeout=idle_timeout,
                     keep=False,
                 )
-            if rates is not None:
-                rates.record_transfer(where, fetched.wire_bytes, fetched.seconds)
-            return fetched.cache, PrefixSource(
-                f"peer {where}",
-                n,
-                time.perf_counter() - start,
-                fetched.wire_bytes,
-                fetched.manifest.cache_id,
-                skipped,
-                choices,
-            )
-        except (PeerError, IntegrityError, CacheRejected, StoreError) as e:
-            reason = str(e) if where != "local store" else f"local store: {e}"
-            log.warning("%s", reason)
-            skipped.append(reason)
-    return None, PrefixSource("none", 0, time.perf_counter() - start, skipped=skipped, choices=choices)
+                if rates is not None:
+                    rates.record_transfer(client.address, fetched.wire_bytes, fetched.seconds)
+                return fetched.cache, source(
+                    f"peer {client.address}", s.tokens, fetched.wire_bytes, fetched.manifest.cache_id
+                )
+            except (PeerError, IntegrityError, CacheRejected, StoreError) as e:
+                reason = str(e) if s.peer is not None else f"{LOCAL_STORE}: {e}"
+                log.warning("%s", reason)
+                skipped.append(reason)
+    return None, source("none")
 
 
 def fetch_or_prefill(
     rates: Rates,
     model_id: str,
-    address: str,
+    client: PeerClient,
     candidate: Candidate,
+    *,
     tokens: int,
     held: int,
-    credentials: MeshCredentials | None = None,
-    timeout: float = IDLE_TIMEOUT,
+    timeout: float = TIMEOUTS.stream_idle,
 ) -> Choice:
-    """Whether fetching the `tokens` that `candidate` at `address` adds to the `held` ones beats
-    prefilling them here.
+    """Whether fetching the `tokens` that `candidate` at the peer of `client` adds to the `held`
+    ones beats prefilling them here.
 
-    The link rate is the one measured on earlier transfers from that peer, else a short probe's;
-    without timed prefills of the model (`calibrate`), fetching is the choice.
+    The link rate is the one measured on earlier transfers from that peer, else a short probe's
+    (within `timeout` seconds); without timed prefills of the model (`calibrate`), fetching is the
+    choice.
     """
+    address = client.address
     wire = candidate.stored_bytes * tokens // max(1, candidate.num_tokens)
     prefill = rates.prefill_model(model_id)
     if prefill is None:
         return Choice(True, 0.0, 0.0, f"{tokens:,} cached tokens at {address}: no prefill timed here: fetch")
     if (link_rate := rates.link_rate(address)) is None:
-        with PeerClient(address, timeout=timeout, credentials=credentials) as client:
-            link_rate = client.probe(probe_bytes(wire))
+        link_rate = client.probe(probe_bytes(wire), timeout=timeout)
         rates.record_probe(address, link_rate)
-    return choose(tokens, wire, link_rate, prefill, held, address, rates.link_source(address))
+    return choose(tokens, wire, link_rate, prefill, context=held, where=address, measured=rates.link_source(address))
 
 
 def calibrate(model: nn.Module, model_fp: ModelFingerprint, rates: Rates) -> None:
@@ -193,7 +279,7 @@ def calibrate(model: nn.Module, model_fp: ModelFingerprint, rates: Rates) -> Non
             rates.record_prefill(model_fp.model_id, tokens, seconds)
 
 
-def load_prefix(store: CacheStore, cache_id: str, num_tokens: int, max_kl: float | None = None) -> list[Layer]:
+def load_prefix(store: CacheStore, cache_id: str, num_tokens: int, *, max_kl: float | None = None) -> list[Layer]:
     """The first `num_tokens` of a stored cache, decoded (a dense cache's shorter prefix is cut as read);
     CacheRejected when it is lossy beyond the quality floor `max_kl`."""
     manifest = store.manifest(cache_id)
@@ -211,12 +297,13 @@ def generate(
     model_fp: ModelFingerprint,
     tokens: Sequence[int],
     store: CacheStore,
+    *,
     peers: Sequence[str] = (),
     max_tokens: int = 64,
     progress: Progress | None = None,
     on_token: Callable[[int], None] | None = None,
     credentials: MeshCredentials | None = None,
-    idle_timeout: float = IDLE_TIMEOUT,
+    idle_timeout: float = TIMEOUTS.stream_idle,
     sampler: Callable[[mx.array], mx.array] = greedy,
     stop_tokens: Collection[int] = (),
     max_kl: float | None = None,
@@ -231,12 +318,21 @@ def generate(
     if rates is not None and peers:
         calibrate(model, model_fp, rates)
     cache, source = find_prefix(
-        model_fp, tokens, store, peers, progress, credentials, idle_timeout, max_kl=max_kl, rates=rates
+        model_fp,
+        tokens,
+        store,
+        peers=peers,
+        progress=progress,
+        credentials=credentials,
+        idle_timeout=idle_timeout,
+        max_kl=max_kl,
+        rates=rates,
     )
     suffix = list(tokens[source.tokens :])
     start = time.perf_counter()
     out, first_at = [], None
-    for token, _ in generate_from_cache(model, cache or make_prompt_cache(model), suffix, max_tokens, sampler):
+    prompt_cache = cache or make_prompt_cache(model)
+    for token, _ in generate_from_cache(model, prompt_cache, suffix, max_tokens=max_tokens, sampler=sampler):
         if first_at is None:
             first_at = time.perf_counter()
         if token in stop_tokens:
@@ -246,5 +342,5 @@ def generate(
             on_token(token)
     end = time.perf_counter()
     if rates is not None:
-        rates.record_prefill(model_fp.model_id, len(suffix), (first_at or end) - start, source.tokens)
+        rates.record_prefill(model_fp.model_id, len(suffix), (first_at or end) - start, context=source.tokens)
     return Generation(out, source, len(tokens), (first_at or end) - start, end - (first_at or end))

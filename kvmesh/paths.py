@@ -1,4 +1,5 @@
-"""Where kvmesh keeps things by default, in one place: data, config, store, caches, daemon state.
+"""Where kvmesh keeps things by default, in one place: data, config, store, caches, daemon state,
+the daemon's log, the measured rates, the remembered file hashes.
 
 Every default can be moved: the data directory by `--data-dir` or `$KVMESH_DATA_DIR`, the file-hash
 cache by `$KVMESH_CACHE_DIR`, the config file by `--config`, the store by `--store`.
@@ -29,6 +30,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVMESH_CACHE_DIR") or platformdirs.user_cache_dir(APP))
 
 
+def hash_cache_file() -> Path:
+    """The weight-file hashes remembered by path, size and mtime (kvmesh.model.fingerprint)."""
+    return cache_dir() / "file-hashes.sqlite3"
+
+
 def store_dir(data: Path | str | None = None) -> Path:
     """The store of a data directory (by default, the default one's)."""
     return Path(data if data is not None else data_dir()) / "store"
@@ -45,6 +51,16 @@ def state_file(data: Path | str) -> Path:
 
 def node_id_file(data: Path | str) -> Path:
     return Path(data) / NODE_ID_FILE
+
+
+def daemon_log(data: Path | str) -> Path:
+    """Where a daemon started for the CLI, the demo or the tests writes its output."""
+    return Path(data) / "daemon.log"
+
+
+def rates_file(data: Path | str) -> Path:
+    """The link and prefill rates this machine measured (kvmesh.fetch_or_prefill.Rates)."""
+    return Path(data) / "rates.json"
 
 
 def lock_file(data: Path | str) -> Path:

@@ -23,21 +23,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from realmodel import blas_name, fast_blas, smollm2_dir
+from support.real_model import blas_name, fast_blas, smollm2_dir
 
 fast_blas()
 
 import mlx_lm  # noqa: E402
-import netlab  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from kvmesh.caches.prefill import prefill  # noqa: E402
 from kvmesh.codec.encode import EncodeOptions, encode_cache  # noqa: E402
-from kvmesh.daemon.control import start_daemon  # noqa: E402
 from kvmesh.model.fingerprint import fingerprint  # noqa: E402
+from kvmesh.paths import rates_file  # noqa: E402
 from kvmesh.store import CacheStore  # noqa: E402
+from support import namespaces  # noqa: E402
+from support.daemons import start_daemon  # noqa: E402
 
 PORT = 7479
 TOLERANCE = 1.10
@@ -50,7 +50,7 @@ import mlx_lm
 from kvmesh.caches.prefill import run_prompt
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.fetch_or_prefill import Rates
-from kvmesh.generation import calibrate, fetch_or_prefill
+from kvmesh.generation import calibrate, fetch_cache, fetch_or_prefill
 from kvmesh.model.fingerprint import fingerprint
 from kvmesh.net.client import PeerClient
 from kvmesh.net.credentials import load_credentials
@@ -66,10 +66,10 @@ for n in json.loads(sys.argv[6]):
     tokens = document[:n]
     with PeerClient(address, credentials=credentials) as client:
         [match] = [m for m in client.lookup(fp.model_id, tokens + [0]) if m.candidate.num_tokens == n]
-    choice = fetch_or_prefill(rates, fp.model_id, address, match.candidate, n, 0, credentials)
+        choice = fetch_or_prefill(rates, fp.model_id, client, match.candidate, tokens=n, held=0)
     start = time.perf_counter()
     with PeerClient(address, credentials=credentials) as client:
-        fetched = client.fetch(match.candidate.cache_id, ReceiverProfile(fp, prompt=tokens + [0]))
+        fetched = fetch_cache(client, match.candidate.cache_id, ReceiverProfile(fp, prompt=tokens + [0]))
     mx.eval([t for layer in fetched.cache for t in layer.state])
     fetch_s = time.perf_counter() - start
     rates.record_transfer(address, fetched.wire_bytes, fetch_s)
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[15, 30, 60, 120, 1000], help="link rates, Mbit/s")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024], help="prefix tokens")
     args = parser.parse_args()
-    if why := netlab.missing():
+    if why := namespaces.missing():
         sys.exit(f"bench_choice: {why}")
 
     model_dir = smollm2_dir()
@@ -112,12 +112,11 @@ def main() -> None:
             store.add(*encode_cache(prefill(model, tokens).cache, fp, tokens, options=EncodeOptions(codec="none")))
         (root / "tokens.json").write_text(json.dumps(document))
         server_dir, client_dir = root / "server", root / "client"
-        netlab.make_mesh(server_dir, client_dir)
-        with netlab.Link(f"kvc{os.getpid() % 100000}") as link:
+        namespaces.make_mesh(server_dir, client_dir)
+        with namespaces.Link(f"kvc{os.getpid() % 100000}") as link:
             daemon = start_daemon(
                 server_dir,
-                ["--store", str(store.root), "--interface", netlab.SERVER_IP, "--port", str(PORT), "--no-discovery"],
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                *("--store", store.root, "--interface", namespaces.SERVER_IP, "--port", PORT, "--no-discovery"),
                 command=link.in_server(),
             )
             try:
@@ -127,9 +126,9 @@ def main() -> None:
                     # A new peer on this link: the machine's timed prefills stay, the link history does not.
                     peer_rates = root / f"rates-{i}"
                     peer_rates.mkdir()
-                    if (rates_dir / "rates.json").exists():
-                        kept = json.loads((rates_dir / "rates.json").read_text())
-                        (peer_rates / "rates.json").write_text(json.dumps({"links": {}, "prefill": kept["prefill"]}))
+                    if rates_file(rates_dir).exists():
+                        kept = json.loads(rates_file(rates_dir).read_text())
+                        rates_file(peer_rates).write_text(json.dumps({"links": {}, "prefill": kept["prefill"]}))
                     out = subprocess.run(
                         [
                             *link.in_client(),
@@ -137,7 +136,7 @@ def main() -> None:
                             "-c",
                             CHILD,
                             str(model_dir),
-                            f"{netlab.SERVER_IP}:{PORT}",
+                            f"{namespaces.SERVER_IP}:{PORT}",
                             str(client_dir),
                             str(peer_rates),
                             str(root / "tokens.json"),

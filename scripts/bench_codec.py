@@ -3,8 +3,9 @@
 
     scripts/dev run python scripts/bench_codec.py [--tokens 2048] [--repeat 3]
 
-The first run builds the model and prefills (minutes on a 2-core Linux box); the fp16 cache is
-kept in --work-dir, so later runs measure the codec alone. Figures are medians of --repeat runs.
+The first run builds the model and prefills (tests/support/bench_caches.py; minutes on a 2-core Linux
+box); the fp16 cache is kept in --work-dir, so later runs measure the codec alone. Figures are medians
+of --repeat runs.
 """
 
 import argparse
@@ -19,21 +20,16 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import mlx_lm
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from rich.console import Console
 from rich.table import Table
 
-from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import Press
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import EncodeOptions, build_manifest, encode_cache, encode_chunks
 from kvmesh.codec.prefix import PrefixKey
-from kvmesh.model.fingerprint import fingerprint
-from kvmesh.model.testmodels import make_test_model
-from kvmesh.paths import cache_dir
 from kvmesh.store import CacheStore
+from support.bench_caches import default_work_dir, prepared_cache
 
 SETTINGS = [("none", 0, False), ("zstd", 1, False), ("zstd", 1, True), ("zstd", 3, True)]
 
@@ -59,41 +55,6 @@ print(json.dumps({"grown": status("VmHWM:") - before, "mlx_peak": mx.get_peak_me
 """
 
 
-def prepared_cache(work: Path, tokens: int):
-    """(cache, fingerprint, token ids): prefilled once, then read back from work/."""
-    model_dir, cache_file = work / "small", work / f"small-{tokens}.safetensors"
-    if not model_dir.exists():
-        make_test_model(model_dir, "small")
-    fp = fingerprint(model_dir)
-    ids = [(i * 7919) % 2000 + 4 for i in range(tokens)]
-    if not cache_file.exists():
-        model, _ = mlx_lm.load(str(model_dir))
-        start = time.perf_counter()
-        cache = prefill(model, ids, progress=lambda d, n: print(f"\rprefill {d}/{n}", end="", flush=True)).cache
-        print(f"\rprefilled {tokens} tokens in {time.perf_counter() - start:.0f} s")
-        save_prompt_cache(str(cache_file), cache)
-    return load_prompt_cache(str(cache_file)), fp, ids
-
-
-def add_cache_arguments(parser: argparse.ArgumentParser, mb: int) -> None:
-    """--mb, --tokens and --work-dir: the tiled cache of the transfer benchmarks."""
-    parser.add_argument("--mb", type=int, default=mb, help="approximate fp16 cache size")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens prefilled before tiling")
-    parser.add_argument("--work-dir", type=Path, default=cache_dir() / "bench")
-
-
-def tiled_cache(args: argparse.Namespace):
-    """(cache, fingerprint, token ids): the prepared cache repeated along the tokens to about --mb MB."""
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    cache, fp, ids = prepared_cache(args.work_dir, args.tokens)
-    copies = max(1, round(args.mb * 1e6 / sum(c.nbytes for c in cache)))
-    tiled = [
-        SparseKVCache.from_arrays(*(mx.concatenate([t] * copies, 2) for t in (c.keys, c.values)), c.offset * copies)
-        for c in cache
-    ]
-    return tiled, fp, ids * copies
-
-
 def timed(fn, repeat: int):
     """(median seconds, the last result) of `repeat` calls."""
     times = []
@@ -109,7 +70,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=1 << 20)
-    parser.add_argument("--work-dir", type=Path, default=cache_dir() / "bench")
+    parser.add_argument("--work-dir", type=Path, default=default_work_dir())
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
@@ -135,7 +96,7 @@ def codec_table(cache, fp, prefix, args, note: str):
     for codec, level, shuffle in SETTINGS:
         for threads in (1, 2):
             options = EncodeOptions(codec, level, shuffle, args.chunk_size)
-            manifest = build_manifest(cache, fp, prefix, Press(), options)
+            manifest = build_manifest(cache, fp, prefix, Press(), options=options)
             encode_s, chunks = timed(lambda m=manifest, t=threads: list(encode_chunks(cache, m, t)), args.repeat)
             decode_s, _ = timed(lambda m=manifest, c=chunks, t=threads: decode_chunks(m, c, threads=t), args.repeat)
             encoded = manifest.encoding.encoded_bytes
@@ -156,7 +117,9 @@ def decode_peak_memory(cache, fp, prefix, chunk_size: int):
         print("decode peak memory: measured on Linux only (it reads /proc)")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        manifest = CacheStore(tmp).add(*encode_cache(cache, fp, prefix, Press(), EncodeOptions(chunk_size=chunk_size)))
+        manifest = CacheStore(tmp).add(
+            *encode_cache(cache, fp, prefix, Press(), options=EncodeOptions(chunk_size=chunk_size))
+        )
         out = subprocess.run(
             [sys.executable, "-c", PEAK_MEMORY_CHILD, tmp, manifest.cache_id],
             capture_output=True,

@@ -3,13 +3,14 @@
 
     sudo scripts/dev run python scripts/bench_link.py [--mb 128] [--repeat 3]
 
-Two network namespaces joined by a veth pair (scripts/netlab.py); the server's side is limited with
-`tbf` to 1 Gbit/s (1 GbE) and 10 Gbit/s (10 GbE), then left unshaped; the daemon serves over mutual
-TLS there, as on a LAN. A last row set runs over loopback (plaintext, as a daemon serves its own
-machine). The cache is real KV of the `small` preset (Llama-3.2-1B geometry, from
-scripts/bench_codec.py's work dir) tiled to about --mb megabytes, stored four ways: fp16 raw (none),
-fp16 zstd, bf16 byte-shuffled zstd, and 8-bit quantized. Each figure is the median of --repeat
-fetches in a client process in the other namespace, after one warm-up fetch.
+Two network namespaces joined by a veth pair (tests/support/namespaces.py); the server's side is
+limited with `tbf` to 1 Gbit/s (1 GbE) and 10 Gbit/s (10 GbE), then left unshaped; the daemon serves
+over mutual TLS there, as on a LAN. A last row set runs over loopback (plaintext, as a daemon serves
+its own machine). The cache is real KV of the `small` preset (Llama-3.2-1B geometry, from
+tests/support/bench_caches.py, in scripts/bench_codec.py's work dir) tiled to about --mb megabytes,
+stored four ways: fp16 raw (none), fp16 zstd, bf16 byte-shuffled zstd, and 8-bit quantized. Each
+figure is the median of --repeat fetches in a client process in the other namespace, after one
+warm-up fetch.
 """
 
 import argparse
@@ -29,12 +30,10 @@ from rich.table import Table
 from kvmesh.caches.presses import Press, make_press
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.encode import EncodeOptions, encode_cache
-from kvmesh.daemon.control import start_daemon
 from kvmesh.store import CacheStore
-
-sys.path.insert(0, str(Path(__file__).parent))
-import netlab
-from bench_codec import add_cache_arguments, tiled_cache
+from support import namespaces
+from support.bench_caches import add_cache_arguments, tiled_cache
+from support.daemons import start_daemon
 
 PORT = 7478
 
@@ -45,6 +44,7 @@ import mlx.core as mx
 from kvmesh.allocator import tune_allocator
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.model.fingerprint import ModelFingerprint
+from kvmesh.generation import fetch_cache
 from kvmesh.net.client import PeerClient
 from kvmesh.net.credentials import load_credentials
 from kvmesh.v1 import model_pb2
@@ -58,7 +58,7 @@ with PeerClient(address, credentials=credentials) as client:
     client.info()  # connect first: time the transfer, not the handshake
     for i in range(int(repeat) + 1):
         start = time.perf_counter()
-        fetched = client.fetch(cache_id, ReceiverProfile(fp))
+        fetched = fetch_cache(client, cache_id, ReceiverProfile(fp))
         mx.eval([t for layer in fetched.cache for t in layer.state])
         if i:  # the first is a warm-up
             seconds.append(time.perf_counter() - start)
@@ -91,7 +91,7 @@ def store_codecs(store: CacheStore, cache: list, fp, tokens: list[int]) -> list[
     ]
     stored = []
     for name, layers, model, press, options in ways:
-        m = store.add(*encode_cache(layers, model, tokens, press, options))
+        m = store.add(*encode_cache(layers, model, tokens, press, options=options))
         raw = sum(c.nbytes for c in cache)  # what the receiver gets back, in the model's fp16
         stored.append(
             Stored(name, m.cache_id, model.to_proto().SerializeToString().hex(), raw, m.encoding.encoded_bytes)
@@ -116,7 +116,7 @@ def main() -> None:
     add_cache_arguments(parser, mb=128)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    if why := netlab.missing():
+    if why := namespaces.missing():
         sys.exit(f"bench_link: {why}")
     tiled, fp, tokens = tiled_cache(args)
     links = [("1 Gbit/s (tbf)", 1e9), ("10 Gbit/s (tbf)", 10e9), ("veth, unshaped", None), ("loopback", None)]
@@ -134,14 +134,11 @@ def main() -> None:
         stored = store_codecs(store, tiled, fp, tokens)
         del tiled
         server_dir, client_dir = root / "server", root / "client"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        netlab.make_mesh(server_dir, client_dir)
-        with netlab.Link(f"kvb{os.getpid() % 100000}") as link:
-            common = ["--store", str(store.root), "--port", str(PORT), "--no-discovery", "--log-level", "warning"]
-            remote = start_daemon(
-                server_dir, ["--interface", netlab.SERVER_IP, *common], env=env, command=link.in_server()
-            )
-            local = start_daemon(root / "loopback", ["--interface", "127.0.0.1", *common], env=env)
+        namespaces.make_mesh(server_dir, client_dir)
+        with namespaces.Link(f"kvb{os.getpid() % 100000}") as link:
+            common = ["--store", store.root, "--port", PORT, "--no-discovery", "--log-level", "warning"]
+            remote = start_daemon(server_dir, "--interface", namespaces.SERVER_IP, *common, command=link.in_server())
+            local = start_daemon(root / "loopback", "--interface", "127.0.0.1", *common)
             try:
                 for name, rate in links:
                     loopback = name == "loopback"
@@ -150,7 +147,7 @@ def main() -> None:
                     for entry in stored:
                         seconds = fetch_seconds(
                             () if loopback else link.in_client(),
-                            local.address if loopback else f"{netlab.SERVER_IP}:{PORT}",
+                            local.address if loopback else f"{namespaces.SERVER_IP}:{PORT}",
                             "-" if loopback else str(client_dir),
                             entry,
                             args.repeat,

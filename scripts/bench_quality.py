@@ -2,7 +2,7 @@
 """How much each compression method costs in answers, on a real model (SmolLM2-135M-Instruct).
 
 The query-agnostic setting of the mesh: each cache is made from a context alone, compressed once,
-and probed afterwards with what nobody knew when it was compressed:
+and probed afterwards with what nobody knew when it was compressed (tests/support/quality_probes.py):
 
 - teacher-forced continuation of the text past the context: KL to the full cache (nats/token),
   top-1 agreement with it, perplexity of the true text;
@@ -23,60 +23,28 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from realmodel import blas_name, fast_blas, smollm2_dir
+from support.real_model import blas_name, fast_blas, smollm2_dir
 
 fast_blas()
-
-from importlib import resources  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
 from kvmesh.caches.attention import reconstruction_scores  # noqa: E402
 from kvmesh.caches.prefill import run_prompt  # noqa: E402
 from kvmesh.caches.presses import make_press  # noqa: E402
-from kvmesh.caches.sparse import SparseQuantizedKVCache  # noqa: E402
 from kvmesh.model.prompt import prompt_tokens  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
-# (thing, value): "The {thing} is {value}." placed in the context, "What is the {thing}?" asked after.
-FACTS = [
-    ("code of the blue locker", "4817"),
-    ("name of the ship's cat", "Pepper"),
-    ("city where the archive is kept", "Valparaiso"),
-    ("colour of the third door", "orange"),
-    ("password for the garden shed", "marigold"),
-]
-DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
-QUESTIONS = {
-    "declaration": [
-        ("Which three unalienable rights does the text name?", "liberty"),
-        ("Which king does the text accuse?", "britain"),
-        ("From whom do governments derive their just powers, according to the text?", "consent"),
-    ],
-    "notes": [
-        ("What began to sing just as the rain started?", "kettle"),
-        ("What is the store of keys and values called?", "cache"),
-    ],
-}
-CONTINUATION = 96  # tokens of true text teacher-forced after the context
-
-
-def load_texts() -> dict[str, str]:
-    return {
-        "declaration": (HERE / "data" / "declaration.txt").read_text(),
-        "notes": resources.files("kvmesh").joinpath("data/corpus.txt").read_text(),
-    }
-
-
-def with_facts(text: str) -> str:
-    """The text with one fact per depth, each placed at a paragraph or sentence boundary."""
-    sentences = text.replace("\n\n", "\n\n ").split(". ")
-    out = list(sentences)
-    for (thing, value), depth in sorted(zip(FACTS, DEPTHS, strict=True), key=lambda f: -f[1]):
-        at = round(depth * (len(sentences) - 1))
-        out.insert(at + (1 if depth == 1.0 else 0), f"The {thing} is {value}")
-    return ". ".join(out)
+from support.quality_probes import (  # noqa: E402
+    CONTINUATION,
+    FACTS,
+    QUESTIONS,
+    after,
+    continuation_logprobs,
+    fp16_bytes,
+    greedy,
+    load_texts,
+    value_nll,
+    with_facts,
+)
 
 
 def presses(quick: bool) -> list[tuple[str, dict]]:
@@ -89,58 +57,6 @@ def presses(quick: bool) -> list[tuple[str, dict]]:
     if not quick:
         grid.append(("snapkv", {"ratio": 0.5, "kv_bits": 8}))
     return grid
-
-
-def fp16_bytes(cache) -> int:
-    """Bytes of the cache were its floats fp16 (the model runs in fp32 here; a Mac runs fp16)."""
-    total = 0
-    for layer in cache:
-        keys, values = layer.keys_and_values()
-        if isinstance(layer, SparseQuantizedKVCache):
-            for packed, scales, biases in (keys, values):
-                total += packed.nbytes + (scales.nbytes + biases.nbytes) // scales.itemsize * 2
-        else:
-            total += (keys.nbytes + values.nbytes) // keys.itemsize * 2
-    return total
-
-
-def after(tokenizer, context_text: str, question: str) -> list[int]:
-    """The tokens a question adds after the cached context (chat template: the user turn ends, the
-    assistant's begins)."""
-    context = prompt_tokens(tokenizer, context_text, "", chat=True)
-    return prompt_tokens(tokenizer, context_text, "\n\n" + question, chat=True)[len(context) :]
-
-
-def greedy(model, cache, tokens: list[int], n: int, stop: int) -> list[int]:
-    """Up to n greedy tokens (ending at `stop`) after feeding `tokens`; the cache is trimmed back after."""
-    logits = model(mx.array(tokens)[None], cache=cache)[0, -1]
-    out: list[int] = []
-    while len(out) < n and (token := int(mx.argmax(logits).item())) != stop:
-        out.append(token)
-        logits = model(mx.array([token])[None], cache=cache)[0, -1]
-    trim(cache, len(tokens) + len(out))
-    return out
-
-
-def continuation_logprobs(model, cache, tokens: list[int]) -> mx.array:
-    logits = model(mx.array(tokens)[None], cache=cache)[0].astype(mx.float32)
-    mx.eval(logits)
-    trim(cache, len(tokens))
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def value_nll(model, cache, question: list[int], value: list[int]) -> float:
-    """Mean negative log-probability of the value's tokens after the question (teacher-forced)."""
-    logprobs = continuation_logprobs(model, cache, question + value)
-    picked = mx.take_along_axis(logprobs[len(question) - 1 : -1], mx.array(value)[:, None], axis=-1)
-    return -picked.mean().item()
-
-
-def trim(cache, n: int) -> None:
-    """Take back the n tokens a probe fed (full-attention caches, sparse or not, trim exactly)."""
-    for layer in cache:
-        if layer.trim(n) != n:
-            raise RuntimeError("a probe could not be taken back")
 
 
 def main() -> None:

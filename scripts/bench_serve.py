@@ -14,7 +14,6 @@ loopback only.
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,47 +26,24 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.caches.prefill import generate_from_cache, prefill
-from kvmesh.daemon.control import DaemonProcess, start_daemon
+from kvmesh.daemon.control import DaemonProcess
 from kvmesh.model.testmodels import make_test_model
-
-
-def start_server(root: Path, name: str, model: Path, args: list[str]) -> tuple[openai.OpenAI, subprocess.Popen]:
-    command = [
-        sys.executable,
-        "-m",
-        "kvmesh",
-        "--data-dir",
-        str(root / name),
-        "serve",
-        str(model),
-        "--port",
-        "0",
-        "--min-store-tokens",
-        "256",
-        *args,
-    ]
-    with open(root / f"{name}.serve.log", "w") as log:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
-    line = process.stdout.readline() if process.stdout else ""
-    if not line.startswith("kvmesh serve: "):
-        raise SystemExit(f"server {name} did not start; see {root / name}.serve.log")
-    return openai.OpenAI(base_url=line.split(" at ")[1].split()[0], api_key="unused", max_retries=0), process
+from support.daemons import ServerProcess, loopback_daemon, start_server
 
 
 def run(root: Path, model: Path, share: bool, conversations: int, turns: int, system: str) -> list[dict]:
     daemons: list[DaemonProcess] = []
-    processes = []
+    processes: list[ServerProcess] = []
     try:
         for name in ("a", "b"):
-            daemons.append(start_daemon(root / name, ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"]))
+            daemons.append(loopback_daemon(root / name))
         servers = {}
         for i, name in enumerate(("a", "b")):
             peer = daemons[1 - i].address
-            client, process = start_server(
-                root, name, model, ["--peer", peer] if share else ["--no-mesh", "--no-store"]
-            )
-            servers[name] = client
-            processes.append(process)
+            mesh = ["--peer", peer] if share else ["--no-mesh", "--no-store"]
+            server = start_server(root / name, model, "--min-store-tokens", 256, *mesh, log=root / f"{name}.serve.log")
+            servers[name] = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+            processes.append(server)
         rows = []
         for c in range(conversations):
             messages = [{"role": "system", "content": system}]
@@ -107,9 +83,8 @@ def run(root: Path, model: Path, share: bool, conversations: int, turns: int, sy
                 messages.append({"role": "assistant", "content": "".join(text)})
         return rows
     finally:
-        for process in processes:
-            process.terminate()
-            process.wait(timeout=30)
+        for server in processes:
+            server.stop()
         for daemon in daemons:
             daemon.stop()
 

@@ -3,10 +3,11 @@
 
     scripts/dev run python scripts/bench_transfer.py [--mb 256] [--repeat 3]
 
-The cache is real KV of the `small` preset (from scripts/bench_codec.py's work dir, prefilled on
-first use), tiled along the tokens to about --mb megabytes. A `kvmesh daemon` process serves it (loopback, no TLS);
-fetches run in fresh client processes so their peak memory is their own. The raw TCP transfer
-moves the same stored bytes between two processes in the same run, as the ceiling to compare with.
+The cache is real KV of the `small` preset (tests/support/bench_caches.py: in scripts/bench_codec.py's
+work dir, prefilled on first use), tiled along the tokens to about --mb megabytes. A `kvmesh daemon`
+process serves it (loopback, no TLS); fetches run in fresh client processes so their peak memory is
+their own. The raw TCP transfer moves the same stored bytes between two processes in the same run,
+as the ceiling to compare with.
 """
 
 import argparse
@@ -25,11 +26,9 @@ from rich.table import Table
 
 from kvmesh.caches.presses import Press
 from kvmesh.codec.encode import EncodeOptions, encode_cache
-from kvmesh.daemon.control import start_daemon
 from kvmesh.store import CacheStore
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_codec import add_cache_arguments, tiled_cache
+from support.bench_caches import add_cache_arguments, tiled_cache
+from support.daemons import loopback_daemon
 
 FETCH_CHILD = """
 import json, sys, time, dataclasses
@@ -37,6 +36,7 @@ import mlx.core as mx
 from kvmesh.allocator import tune_allocator
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.errors import CacheRejected
+from kvmesh.generation import fetch_cache
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient
 from kvmesh.v1 import model_pb2
@@ -59,7 +59,7 @@ client.info()  # connect first: time the transfer, not the TCP handshake
 def fetch():
     start = time.perf_counter()
     try:
-        fetched = client.fetch(cache_id, ReceiverProfile(fp))
+        fetched = fetch_cache(client, cache_id, ReceiverProfile(fp))
         mx.eval([c.keys for c in fetched.cache])
         return time.perf_counter() - start, "fetched"
     except CacheRejected as e:
@@ -176,24 +176,11 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         store = CacheStore(Path(tmp) / "store")
         manifests = {
-            codec: store.add(*encode_cache(tiled, fp, tokens, Press(), EncodeOptions(codec=codec)))
+            codec: store.add(*encode_cache(tiled, fp, tokens, Press(), options=EncodeOptions(codec=codec)))
             for codec in ("none", "zstd")
         }
         del tiled
-        server = start_daemon(
-            Path(tmp) / "daemon",
-            [
-                "--store",
-                str(store.root),
-                "--interface",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--no-discovery",
-                "--log-level",
-                "warning",
-            ],
-        )
+        server = loopback_daemon(Path(tmp) / "daemon", "--store", store.root, "--log-level", "warning")
         address = server.address
         try:
             for (codec, manifest), tuned in itertools.product(manifests.items(), (False, True)):

@@ -14,9 +14,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import kvmesh
+from support.processes import KVMESH
 
 PROBE = """
 import importlib, json, sys, time
@@ -46,13 +46,12 @@ def main() -> None:
             f"{name:<34} {len(r['loaded']) - 1:>21} {'yes' if r['mlx'] else '-':>4} "
             f"{'yes' if r['mlx_lm'] else '-':>6} {r['seconds']:>8.2f}"
         )
-    kvmesh_command = str(Path(sys.executable).with_name("kvmesh"))
     with tempfile.TemporaryDirectory() as tmp:
         for args in (["--version"], ["--data-dir", tmp, "status"]):
             times = []
             for _ in range(5):
                 start = time.perf_counter()
-                subprocess.run([kvmesh_command, *args], capture_output=True)
+                subprocess.run([KVMESH, *args], capture_output=True)
                 times.append(time.perf_counter() - start)
             shown = " ".join(a if a != tmp else "DIR" for a in args)
             print(f"kvmesh {shown}: median {statistics.median(times):.3f} s of 5 runs")

@@ -25,30 +25,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import mlx_lm
-from mlx_lm.generate import generate_step
 
-from kvmesh.caches.prefill import generate_from_cache, prefill
+from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import encode_cache
-from kvmesh.daemon.control import DaemonProcess, start_daemon
+from kvmesh.daemon.control import DaemonProcess
 from kvmesh.errors import KvmeshError
-from kvmesh.generation import generate
+from kvmesh.generation import fetch_cache, generate
 from kvmesh.model.fingerprint import fingerprint
 from kvmesh.model.testmodels import make_test_model
 from kvmesh.net.client import PeerClient
 from kvmesh.store import CacheStore
+from support.daemons import start_daemon
+from support.processes import rss
+from support.references import greedy_tokens, tokens_after
 
 BUDGET = 6 << 20
 MAX_RSS = 1 << 30
-
-
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 class Node:
@@ -78,7 +72,7 @@ class Node:
         ]
         for peer in peers:
             args += ["--peer", peer]
-        self.daemon = start_daemon(self.data, args, log=self.log)
+        self.daemon = start_daemon(self.data, *args, log=self.log)
         self.stopped = False
 
     @property
@@ -111,7 +105,7 @@ def main() -> int:
     corpus = tokenizer.encode((Path(__file__).parent.parent / "kvmesh" / "data" / "corpus.txt").read_text())
     documents = [corpus[i * 100 : i * 100 + n] for i, n in enumerate((200, 260, 300, 384, 420))]
     prompts = [doc + corpus[-20:-10] for doc in documents]
-    references = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=4)] for p in prompts]
+    references = [greedy_tokens(model, p, 4) for p in prompts]
     caches = [prefill(model, doc).cache for doc in documents]
 
     disk = root / "disk"
@@ -188,14 +182,15 @@ def main() -> int:
                     with PeerClient(target.address, timeout=5.0) as client:
                         matches = client.lookup(fp.model_id, prompts[i][:-1])
                         if action == "fetch" and matches:
-                            fetched = client.fetch(
+                            fetched = fetch_cache(
+                                client,
                                 matches[0].candidate.cache_id,
                                 ReceiverProfile(fp, prompt=prompts[i]),
                                 num_tokens=matches[0].tokens,
                                 idle_timeout=5.0,
                             )
                             suffix = prompts[i][fetched.manifest.prefix.num_tokens :]
-                            tokens = [t for t, _ in generate_from_cache(model, fetched.cache, suffix, 4)]
+                            tokens = tokens_after(model, fetched.cache, suffix, 4)
                             if tokens != references[i]:
                                 failures["wrong tokens after a fetch"] += 1
                         elif action == "publish":
@@ -207,7 +202,7 @@ def main() -> int:
                 elif action == "generate":
                     i = rng.randrange(len(prompts))
                     peers = [n.address for n in nodes]  # stopped ones too: they must cost only the timeout
-                    result = generate(model, fp, prompts[i], client_store, peers, max_tokens=4, idle_timeout=3.0)
+                    result = generate(model, fp, prompts[i], client_store, peers=peers, max_tokens=4, idle_timeout=3.0)
                     if result.tokens != references[i]:
                         failures["wrong tokens from generate"] += 1
                     operations[f"generate from {result.source.where.split(' ')[0]}"] += 1
@@ -219,7 +214,7 @@ def main() -> int:
                 if n.daemon is not None and n.daemon.process.poll() is not None and not n.stopped:
                     failures["a daemon died on its own"] += 1
                     n.start([a for a in addresses if a != n.address], port=int(n.address.rsplit(":", 1)[1]))
-                if n.daemon is not None and rss(n.daemon.process.pid) > MAX_RSS:
+                if n.daemon is not None and rss(n.daemon.process.pid, missing=0) > MAX_RSS:
                     failures["daemon memory over 1 GiB"] += 1
                 if CacheStore(n.store_dir, max_bytes=BUDGET).total_bytes() > BUDGET:
                     failures["a store over its budget"] += 1

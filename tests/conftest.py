@@ -1,13 +1,49 @@
-"""Shared fixtures: offline models built once per session, an isolated hash cache, daemons."""
+"""Shared fixtures: offline models built once per session, an isolated hash cache, daemons; and the
+tiers: a test that starts processes is `slow` (see pyproject.toml), and the fast tier starts none."""
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from helpers import ENV
+from support.daemons import Daemons
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+# Fixtures that start processes (the last two are test_serve's and test_security's): a test that uses
+# one, itself or through another fixture, is slow.
+PROCESS_FIXTURES = {"daemons", "serve", "http_server", "daemon_a"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+# What a test starts on purpose: Python (a child script, the example, mlx-lm's command), the kvmesh
+# command (the CLI, a daemon, a server, the demo) and `ip` (namespaces). Libraries that probe the
+# system as they load (ctypes runs ldconfig) do not count.
+STARTED_ON_PURPOSE = ("python", "kvmesh", "ip")
+
+
+@pytest.fixture(autouse=True)
+def fast_tests_start_no_process(request, monkeypatch):
+    """The fast tier (`-m "not slow"`) starts no process: a test not marked slow that starts one of
+    STARTED_ON_PURPOSE fails, so the marks stay true."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    start = subprocess.Popen._execute_child
+
+    def refuse(self, args, *rest, **options):
+        program = Path(os.fsdecode(args if isinstance(args, (str, bytes, os.PathLike)) else args[0])).name
+        if program.startswith(STARTED_ON_PURPOSE):
+            raise AssertionError(f"{request.node.nodeid} starts {program} but is not marked slow: {args!r}")
+        return start(self, args, *rest, **options)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
 
 
 @pytest.fixture(autouse=True)
@@ -92,26 +128,26 @@ def tiny_in(tiny_dir):
 
 
 @pytest.fixture
-def serve():
+def daemons():
+    """A support.daemons.Daemons: `daemons.start(data_dir, *args)` starts a loopback daemon (no mDNS
+    unless discovery=True); every one is stopped at the end of the test."""
+    started = Daemons()
+    yield started
+    started.stop_all()
+
+
+@pytest.fixture
+def serve(daemons):
     """serve(store_root, *args) -> address: a real daemon process serving that store on 127.0.0.1.
 
     No discovery (tests of discovery start their own daemons). Its data dir is <store_root>.data,
     its log <store_root>.log. Every process started is stopped at the end of the test.
     """
-    from kvmesh.daemon.control import start_daemon
 
     def start(store_root, *args) -> str:
-        daemon = start_daemon(
-            f"{store_root}.data",
-            ["--interface", "127.0.0.1", "--port", "0", "--store", str(store_root), "--no-discovery", *args],
-            log=f"{store_root}.log",
-            env=ENV,
-        )
+        daemon = daemons.start(f"{store_root}.data", "--store", store_root, *args, log=f"{store_root}.log")
         start.processes[daemon.address] = daemon.process
-        start.daemons.append(daemon)
         return daemon.address
 
-    start.processes, start.daemons = {}, []
-    yield start
-    for daemon in start.daemons:
-        daemon.stop()
+    start.processes = {}
+    return start

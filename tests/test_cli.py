@@ -1,8 +1,13 @@
 import json
 
-from helpers import cli as run
-from helpers import mlx_lm_cli
+import pytest
+
 from kvmesh import __version__
+from support.processes import cli as run
+from support.processes import mlx_lm_cli
+from support.references import greedy_tokens
+
+pytestmark = pytest.mark.slow  # every test runs the kvmesh command
 
 
 def test_version():
@@ -98,9 +103,6 @@ def test_prompt_and_model_mistakes_are_reported_before_any_model_loads(tmp_path)
 
 
 def test_a_cache_from_mlx_lm_cache_prompt_serves_generate_chat(tiny, tiny_dir, tmp_path):
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
     document = "Rivers run to the sea, and the sea does not fill. Mountains stand where they stood."
     (tmp_path / "doc.txt").write_text(document)
     made = mlx_lm_cli(
@@ -133,4 +135,4 @@ def test_a_cache_from_mlx_lm_cache_prompt_serves_generate_chat(tiny, tiny_dir, t
     assert tokenizer.decode(cached) + full[len(tokenizer.decode(cached)) :] == full
     tokens = cached + tokenizer.encode(full[len(tokenizer.decode(cached)) :], add_special_tokens=False)
     assert out["prompt_tokens"] == len(tokens)
-    assert out["tokens"] == [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=6)]
+    assert out["tokens"] == greedy_tokens(model, tokens, 6)

@@ -8,37 +8,33 @@ import threading
 import time
 from importlib import resources
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
-from helpers import ENV, cli
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.daemon.config import DaemonConfig, load_config
-from kvmesh.daemon.control import start_daemon
 from kvmesh.errors import KvmeshError
+from kvmesh.generation import fetch_cache
 from kvmesh.net.client import PeerClient
 from kvmesh.store import CacheStore
-
-pytestmark = pytest.mark.slow
+from support.processes import cli
+from support.references import greedy_tokens
 
 
 def kvmesh(data_dir, *args, check=True):
     return cli(*args, data_dir=data_dir, check=check)
 
 
-class Daemons:
-    """Daemon processes of one test, each in its own data dir, stopped at the end."""
+class Nodes:
+    """Named daemons of one test on 127.0.0.1, with mDNS unless told otherwise, each in its own data
+    dir under `root`; the `daemons` fixture stops them at the end."""
 
-    def __init__(self, root):
-        self.root, self.processes = root, {}
+    def __init__(self, root, daemons):
+        self.root, self.daemons, self.processes = root, daemons, {}
 
     def start(self, name, *args) -> str:
-        daemon = start_daemon(
-            self.root / name, ["--interface", "127.0.0.1", "--port", "0", *args], log=self.root / f"{name}.log", env=ENV
-        )
+        daemon = self.daemons.start(self.root / name, *args, discovery=True, log=self.root / f"{name}.log")
         self.processes[name] = daemon.process
         return daemon.address
 
@@ -53,29 +49,20 @@ class Daemons:
             time.sleep(0.2)
         return peers
 
-    def stop_all(self):
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            process.wait(timeout=30)
-
 
 @pytest.fixture
-def daemons(tmp_path):
-    d = Daemons(tmp_path)
-    yield d
-    d.stop_all()
+def nodes(tmp_path, daemons):
+    return Nodes(tmp_path, daemons)
 
 
 def node_id(data_dir) -> str:
     return (data_dir / "node-id").read_text().strip()
 
 
-def test_daemons_find_each_other_and_generate_uses_a_peers_cache(daemons, tiny, tiny_dir, tmp_path):
-    address_a = daemons.start("A")
-    daemons.start("B")
-    peers = daemons.wait_for_peers("B", lambda p: len(p) == 1)
+def test_daemons_find_each_other_and_generate_uses_a_peers_cache(nodes, tiny, tiny_dir, tmp_path):
+    address_a = nodes.start("A")
+    nodes.start("B")
+    peers = nodes.wait_for_peers("B", lambda p: len(p) == 1)
     assert peers[0]["node_id"] == node_id(tmp_path / "A") and peers[0]["addresses"] == [address_a]
     assert peers[0]["source"] == "mdns"
 
@@ -95,7 +82,7 @@ def test_daemons_find_each_other_and_generate_uses_a_peers_cache(daemons, tiny, 
     tokens = tokenizer.encode(document.read_text()) + tokenizer.encode(
         " What does this test check?", add_special_tokens=False
     )
-    reference = [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=12)]
+    reference = greedy_tokens(model, tokens, 12)
     assert out["tokens"] == reference
 
     # B kept what it fetched: the same request is now served from its own store.
@@ -103,45 +90,45 @@ def test_daemons_find_each_other_and_generate_uses_a_peers_cache(daemons, tiny, 
     assert again["prefix_from"] == "local store" and again["tokens"] == reference
 
 
-def test_a_killed_peer_is_dropped_within_seconds(daemons, tmp_path):
-    daemons.start("A")
-    daemons.start("B")
-    daemons.wait_for_peers("B", lambda p: len(p) == 1)
+def test_a_killed_peer_is_dropped_within_seconds(nodes, tmp_path):
+    nodes.start("A")
+    nodes.start("B")
+    nodes.wait_for_peers("B", lambda p: len(p) == 1)
     killed_at = time.monotonic()
-    daemons.processes["A"].send_signal(signal.SIGKILL)
-    daemons.processes["A"].wait()
-    daemons.wait_for_peers("B", lambda p: p == [], seconds=10)
+    nodes.processes["A"].send_signal(signal.SIGKILL)
+    nodes.processes["A"].wait()
+    nodes.wait_for_peers("B", lambda p: p == [], seconds=10)
     assert time.monotonic() - killed_at < 10
-    [lost] = daemons.peers("B", all=True)
+    [lost] = nodes.peers("B", all=True)
     assert lost["node_id"] == node_id(tmp_path / "A") and not lost["healthy"]
 
 
-def test_a_stopped_peer_says_goodbye(daemons, tmp_path):
-    daemons.start("A")
-    daemons.start("B")
-    daemons.wait_for_peers("B", lambda p: len(p) == 1)
-    daemons.processes["A"].terminate()
-    assert daemons.processes["A"].wait(timeout=30) == 0
-    daemons.wait_for_peers("B", lambda p: p == [], seconds=10)
+def test_a_stopped_peer_says_goodbye(nodes, tmp_path):
+    nodes.start("A")
+    nodes.start("B")
+    nodes.wait_for_peers("B", lambda p: len(p) == 1)
+    nodes.processes["A"].terminate()
+    assert nodes.processes["A"].wait(timeout=30) == 0
+    nodes.wait_for_peers("B", lambda p: p == [], seconds=10)
     # A goodbye removes the peer entirely, not just from the live list.
-    assert daemons.peers("B", all=True) == []
+    assert nodes.peers("B", all=True) == []
 
 
-def test_static_peers_work_without_discovery(daemons, tmp_path):
-    address_a = daemons.start("A", "--no-discovery")
-    daemons.start("B", "--no-discovery", "--peer", address_a)
-    [peer] = daemons.wait_for_peers("B", lambda p: len(p) == 1 and p[0]["healthy"])
+def test_static_peers_work_without_discovery(nodes, tmp_path):
+    address_a = nodes.start("A", "--no-discovery")
+    nodes.start("B", "--no-discovery", "--peer", address_a)
+    [peer] = nodes.wait_for_peers("B", lambda p: len(p) == 1 and p[0]["healthy"])
     assert peer["addresses"] == [address_a] and peer["source"] == "static"
 
 
-def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_node(daemons, tiny_fp, tiny, tmp_path):
+def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_node(nodes, tiny_fp, tiny, tmp_path):
     cache = prefill(tiny[0], [i % 400 + 4 for i in range(3000)]).cache
     tokens = [i % 400 + 4 for i in range(3000)]
     options = EncodeOptions(codec="none", chunk_size=16 << 10)
     manifest = CacheStore(tmp_path / "A" / "store").add(*encode_cache(cache, tiny_fp, tokens, options=options))
-    address = daemons.start("A", "--no-discovery")
+    address = nodes.start("A", "--no-discovery")
     node = node_id(tmp_path / "A")
-    process = daemons.processes["A"]
+    process = nodes.processes["A"]
     signalled = threading.Event()
 
     def sigterm_once(received, total):
@@ -150,19 +137,20 @@ def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_nod
             signalled.set()
 
     with PeerClient(address) as client:
-        fetched = client.fetch(manifest.cache_id, ReceiverProfile(tiny_fp, prompt=tokens), progress=sigterm_once)
+        fetched = fetch_cache(client, manifest.cache_id, ReceiverProfile(tiny_fp, prompt=tokens), progress=sigterm_once)
     assert signalled.is_set() and fetched.manifest.cache_id == manifest.cache_id
     assert process.wait(timeout=30) == 0
     assert not (tmp_path / "A" / "daemon.json").exists()
     log = (tmp_path / "A.log").read_text()
     assert "shutting down" in log and "stopped" in log
 
-    daemons.start("A", "--no-discovery")
+    nodes.start("A", "--no-discovery")
     assert node_id(tmp_path / "A") == node
     status = json.loads(kvmesh(tmp_path / "A", "status", "--json").stdout)
     assert status["info"]["node_id"] == node and status["info"]["store"]["entries"] == 1
 
 
+@pytest.mark.slow
 def test_cli_without_a_daemon_says_so(tmp_path):
     result = kvmesh(tmp_path / "none", "peers", check=False)
     assert result.returncode == 1
@@ -199,24 +187,36 @@ def test_bad_config_is_a_clear_error(tmp_path, text, message):
         load_config(config, env={})
 
 
+@pytest.mark.slow
 def test_service_files(tmp_path):
     plist = plistlib.loads(kvmesh(tmp_path, "service", "--platform", "macos", "--print").stdout.encode())
     assert plist["Label"] == "dev.kvmesh.daemon"
-    assert plist["ProgramArguments"] == [sys.executable, "-m", "kvmesh", "daemon", "--log-format", "json"]
+    # The data dir the user chose is the one the service runs on.
+    daemon = [sys.executable, "-m", "kvmesh", "--data-dir", str(tmp_path), "daemon", "--log-format", "json"]
+    assert plist["ProgramArguments"] == daemon
     assert plist["RunAtLoad"] is True and plist["KeepAlive"] == {"SuccessfulExit": False}
+    # launchd's default of 256 descriptors is too few for a daemon with many peers.
+    assert plist["SoftResourceLimits"] == plist["HardResourceLimits"] == {"NumberOfFiles": 4096}
     unit = tmp_path / "kvmesh.service"
     out = kvmesh(tmp_path, "service", "--platform", "linux", "--output", str(unit)).stdout
     assert "systemctl --user" in out
     text = unit.read_text()
-    assert f"ExecStart={sys.executable} -m kvmesh daemon --log-format json" in text and "Restart=on-failure" in text
+    assert f"ExecStart={' '.join(daemon)}\n" in text and "Restart=on-failure" in text and "LimitNOFILE=4096" in text
 
 
-def test_the_advert_carries_ids_only(daemons, tmp_path):
+def test_a_service_written_without_a_data_dir_uses_the_platform_one():
+    from kvmesh.daemon.service_files import service_file
+
+    _, content, _ = service_file("linux")
+    assert f"ExecStart={sys.executable} -m kvmesh daemon --log-format json\n" in content.decode()
+
+
+def test_the_advert_carries_ids_only(nodes, tmp_path):
     from zeroconf import Zeroconf
 
     from kvmesh.net.discovery import SERVICE_TYPE
 
-    address = daemons.start("A")
+    address = nodes.start("A")
     zc = Zeroconf(interfaces=["127.0.0.1"])
     try:
         info = zc.get_service_info(SERVICE_TYPE, f"{node_id(tmp_path / 'A')}.{SERVICE_TYPE}", timeout=5000)

@@ -6,8 +6,7 @@ from importlib import resources
 
 import pytest
 
-from helpers import cli, put
-from kvmesh.caches.prefill import generate_from_cache, prefill
+from kvmesh.caches.prefill import prefill
 from kvmesh.fetch_or_prefill import (
     FETCH_SETUP_S,
     PREFILL_SAMPLES,
@@ -21,6 +20,9 @@ from kvmesh.net.client import PeerClient
 from kvmesh.net.server import MAX_PROBE_BYTES
 from kvmesh.store import CacheStore
 from kvmesh.v1 import service_pb2 as spb
+from support.processes import cli
+from support.references import tokens_after
+from support.stores import put
 
 MB = 1 << 20
 
@@ -101,17 +103,16 @@ def peer_with_a_cache(tiny, tiny_fp, serve, tmp_path):
     return serve(tmp_path / "a"), text, prompt
 
 
-@pytest.mark.slow
 def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_cache, tmp_path):
     model, _ = tiny
     address, _, prompt = peer_with_a_cache
-    expected = [t for t, _ in generate_from_cache(model, prefill(model, prompt[:-1]).cache, prompt[-1:], 6)]
+    expected = tokens_after(model, prefill(model, prompt[:-1]).cache, prompt[-1:], 6)
 
     # A machine that prefills 10 tokens a second: fetching wins, the link is probed first.
     slow = Rates(tmp_path / "slow")
     slow.record_prefill(tiny_fp.model_id, 128, 12.8)
     slow.record_prefill(tiny_fp.model_id, 512, 51.2)
-    fetched = generate(model, tiny_fp, prompt, CacheStore(tmp_path / "b"), [address], 6, rates=slow)
+    fetched = generate(model, tiny_fp, prompt, CacheStore(tmp_path / "b"), peers=[address], max_tokens=6, rates=slow)
     assert fetched.source.where == f"peer {address}" and fetched.source.tokens == 384
     assert fetched.tokens == expected
     [choice] = fetched.source.choices
@@ -123,7 +124,7 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
     fast = Rates(tmp_path / "fast")
     fast.record_prefill(tiny_fp.model_id, 128, 128e-7)
     fast.record_prefill(tiny_fp.model_id, 512, 512e-7)
-    recomputed = generate(model, tiny_fp, prompt, CacheStore(tmp_path / "c"), [address], 6, rates=fast)
+    recomputed = generate(model, tiny_fp, prompt, CacheStore(tmp_path / "c"), peers=[address], max_tokens=6, rates=fast)
     assert recomputed.source.where == "none" and recomputed.source.wire_bytes == 0
     assert recomputed.tokens == expected
     assert recomputed.source.choices[0].endswith(": prefill")
@@ -131,11 +132,10 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
 
     # A machine that never timed this model times two prefills first.
     fresh = Rates(tmp_path / "fresh")
-    generate(model, tiny_fp, prompt, CacheStore(tmp_path / "d"), [address], 2, rates=fresh)
+    generate(model, tiny_fp, prompt, CacheStore(tmp_path / "d"), peers=[address], max_tokens=2, rates=fresh)
     assert [m for m, _, _ in fresh.prefill[tiny_fp.model_id][:2]] == [128, 512]
 
 
-@pytest.mark.slow
 def test_the_cli_explains_its_choice(tiny_fp, tiny_dir, peer_with_a_cache, tmp_path):
     address, text, _ = peer_with_a_cache
     rates = Rates(tmp_path / "b")
@@ -149,7 +149,6 @@ def test_the_cli_explains_its_choice(tiny_fp, tiny_dir, peer_with_a_cache, tmp_p
     assert forced["prefix_from"] == f"peer {address}" and forced["choices"] == []
 
 
-@pytest.mark.slow
 def test_a_probe_measures_the_link_within_its_cap(tmp_path, serve):
     address = serve(tmp_path / "a")
     with PeerClient(address) as client:

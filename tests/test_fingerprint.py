@@ -4,10 +4,10 @@ import shutil
 
 import pytest
 
-from helpers import cli
 from kvmesh.errors import ModelDirError
 from kvmesh.model.fingerprint import FileHashCache, ModelFingerprint, fingerprint
 from kvmesh.model.testmodels import make_test_model
+from support.processes import cli
 
 
 @pytest.fixture
@@ -155,11 +155,13 @@ def test_broken_config(model_dir):
         fingerprint(model_dir)
 
 
+@pytest.mark.slow
 def test_cli_info(tiny_dir):
     out = cli("model", "info", tiny_dir, "--json").stdout
     assert json.loads(out) == fingerprint(tiny_dir).to_dict()
 
 
+@pytest.mark.slow
 def test_cli_error_names_path_and_exits_non_zero(model_dir):
     (model_dir / "tokenizer.json").unlink()
     result = cli("model", "info", model_dir, check=False)

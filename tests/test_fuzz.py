@@ -70,7 +70,9 @@ def sample(kind: str, codec: str):
     if kind == "quantized":
         press = make_press("quantize", {"kv_bits": 4})
         cache = [c.to_quantized(64, 4) for c in cache]
-    manifest, chunks = encode_cache(cache, FP, list(range(300)), press, EncodeOptions(codec=codec, chunk_size=8192))
+    manifest, chunks = encode_cache(
+        cache, FP, list(range(300)), press, options=EncodeOptions(codec=codec, chunk_size=8192)
+    )
     return cache, manifest, list(chunks)
 
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import grpc
 import mlx.core as mx
@@ -17,23 +16,23 @@ import pytest
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.caches.prefill import generate_from_cache, prefill
+from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import Press, make_press
 from kvmesh.caches.sparse import SparseKVCache
-from kvmesh.codec.arrays import layer_tensors
 from kvmesh.codec.chunks import FRAME_HEADER
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.codec.manifest import content_id
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError
-from kvmesh.net.client import PeerClient, fetch_from_any
+from kvmesh.generation import fetch_cache
+from kvmesh.net.client import PeerClient
 from kvmesh.net.policy import Policy
 from kvmesh.store import CacheStore
 from kvmesh.store.entry_file import FOOTER, MAGIC, RECORD_HEADER
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.versions import PROTOCOL_VERSION
-
-pytestmark = pytest.mark.slow
+from support.references import assert_same_generation, same_tensors, steps_after
+from support.waiting import wait_for
 
 KINDS = {
     "dense": ("full", {}),
@@ -59,7 +58,7 @@ def producer(tiny, prompt_ids, fp, tmp_path_factory):
         cache = prefill(tiny[0], prompt_ids[:250], press).cache
         for codec in ("none", "zstd"):
             options = EncodeOptions(codec=codec, chunk_size=16384)
-            made[kind, codec] = (store.add(*encode_cache(cache, fp, prompt_ids[:250], press, options)), cache)
+            made[kind, codec] = (store.add(*encode_cache(cache, fp, prompt_ids[:250], press, options=options)), cache)
     return root, made
 
 
@@ -74,16 +73,12 @@ def big(fp, tmp_path_factory):
     ]
     tokens = [i % 500 for i in range(n)]
     options = EncodeOptions(codec="none", chunk_size=64 << 10)
-    manifest = CacheStore(root).add(*encode_cache(cache, fp, tokens, Press(), options))
+    manifest = CacheStore(root).add(*encode_cache(cache, fp, tokens, Press(), options=options))
     return root, manifest, tokens
 
 
 def copy_store(root, tmp_path, name):
     return shutil.copytree(root, tmp_path / name)
-
-
-def generation(model, cache, suffix):
-    return [(t, lp) for t, lp in generate_from_cache(model, copy.deepcopy(cache), suffix, 5)]
 
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
@@ -94,14 +89,13 @@ def test_fetched_caches_generate_like_the_producer(tiny, prompt_ids, fp, produce
     address = serve(copy_store(root, tmp_path, "served"))
     client_store = CacheStore(tmp_path / "client")
     with PeerClient(address) as client:
-        fetched = client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids), store=client_store)
+        fetched = fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids), store=client_store)
     assert fetched.manifest.cache_id == manifest.cache_id
     assert [e.cache_id for e in client_store.entries()] == [manifest.cache_id]
     suffix = prompt_ids[250:256]
-    want, got = generation(tiny[0], cache, suffix), generation(tiny[0], fetched.cache, suffix)
-    assert [t for t, _ in got] == [t for t, _ in want]
-    for (_, a), (_, b) in zip(got, want):
-        assert mx.array_equal(a, b).item()  # both codecs are lossless
+    want = steps_after(tiny[0], copy.deepcopy(cache), suffix, 5)
+    got = steps_after(tiny[0], copy.deepcopy(fetched.cache), suffix, 5)
+    assert_same_generation(got, want)  # both codecs are lossless
 
 
 def test_lookup_and_a_block_aligned_prefix_of_a_dense_cache(tiny, prompt_ids, fp, producer, serve, tmp_path):
@@ -119,18 +113,14 @@ def test_lookup_and_a_block_aligned_prefix_of_a_dense_cache(tiny, prompt_ids, fp
         assert {m.tokens for m in matches} == {128}
         assert client.lookup(fp.model_id, prompt_ids)[0].tokens == 250
         dense_id = made["dense", "zstd"][0].cache_id
-        fetched = client.fetch(dense_id, ReceiverProfile(fp, prompt=prompt), num_tokens=128)
-        again = client.fetch(dense_id, ReceiverProfile(fp, prompt=prompt), num_tokens=128)
+        fetched = fetch_cache(client, dense_id, ReceiverProfile(fp, prompt=prompt), num_tokens=128)
+        again = fetch_cache(client, dense_id, ReceiverProfile(fp, prompt=prompt), num_tokens=128)
     assert fetched.manifest.cache_id == again.manifest.cache_id != dense_id
     # The prefix was cut as it streamed: the serving store holds nothing new.
     assert sorted(p.name for p in (served / "entries").iterdir()) == stored_before
     assert [(c.offset, c.n_kept) for c in fetched.cache] == [(128, 128)] * fp.num_layers
     fresh = prefill(tiny[0], prompt_ids[:128]).cache
-    assert all(
-        mx.array_equal(a, b).item()
-        for x, y in zip(fresh, fetched.cache)
-        for a, b in zip(layer_tensors(x), layer_tensors(y))
-    )
+    assert same_tensors(fresh, fetched.cache)
 
 
 def tampered_entry(root, cache_id, change) -> str:
@@ -186,7 +176,7 @@ def test_an_incompatible_cache_is_rejected_before_any_chunk(
     client_store = CacheStore(tmp_path / "client")
     with PeerClient(address) as client:
         with pytest.raises(CacheRejected) as e:
-            client.fetch(cache_id, profile, store=client_store)
+            fetch_cache(client, cache_id, profile, store=client_store)
         assert e.value.rejection.reason_name == reason
         assert str(e.value).startswith(f"cache rejected ({reason}: ")
         stats = client.info().transfers
@@ -206,7 +196,7 @@ def test_a_peer_never_serves_an_entry_it_cannot_vouch_for(prompt_ids, fp, produc
     assert list((served / "quarantine").iterdir()) and not (served / "entries" / f"{cache_id}.kvc").exists()
     with PeerClient(serve(served)) as client:
         with pytest.raises(PeerError, match="not_found"):
-            client.fetch(cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+            fetch_cache(client, cache_id, ReceiverProfile(fp, prompt=prompt_ids))
         assert client.info().transfers.chunk_bytes_sent == 0
 
 
@@ -227,12 +217,13 @@ def test_a_peer_killed_mid_stream_then_another_peer_serves(fp, big, serve, tmp_p
     profile = ReceiverProfile(fp, prompt=tokens)
     with PeerClient(first) as client:
         with pytest.raises(PeerError) as e:
-            client.fetch(manifest.cache_id, profile, store=client_store, progress=kill_first)
+            fetch_cache(client, manifest.cache_id, profile, store=client_store, progress=kill_first)
     assert e.value.address == first
     assert client_store.entries() == [] and list(client_store.incoming_dir.iterdir()) == []
 
-    address, fetched = fetch_from_any([first, second], manifest.cache_id, profile, store=client_store)
-    assert address == second and fetched.manifest.cache_id == manifest.cache_id
+    with PeerClient(second) as client:
+        fetched = fetch_cache(client, manifest.cache_id, profile, store=client_store)
+    assert fetched.manifest.cache_id == manifest.cache_id
     assert [e.cache_id for e in client_store.entries()] == [manifest.cache_id]
 
 
@@ -260,21 +251,13 @@ def test_a_corrupted_chunk_is_refused_and_the_server_serves_on(prompt_ids, fp, p
     profile = ReceiverProfile(fp, prompt=prompt_ids)
     with PeerClient(address) as client:
         with pytest.raises(IntegrityError, match="chunk 3 is corrupt"):
-            client.fetch(bad.cache_id, profile, store=client_store)
+            fetch_cache(client, bad.cache_id, profile, store=client_store)
         assert client_store.entries() == []
-        assert client.fetch(good.cache_id, profile, store=client_store).manifest.cache_id == good.cache_id
+        assert fetch_cache(client, good.cache_id, profile, store=client_store).manifest.cache_id == good.cache_id
 
 
 class Stop(Exception):
     pass
-
-
-def wait_for(condition, seconds=10.0):
-    """Poll a peer's state (no event crosses the process boundary) until `condition` holds."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the peer"
-        time.sleep(0.05)
 
 
 def test_a_client_cancel_ends_the_transfer_on_both_sides(fp, big, serve, tmp_path):
@@ -288,14 +271,17 @@ def test_a_client_cancel_ends_the_transfer_on_both_sides(fp, big, serve, tmp_pat
 
     with PeerClient(address) as client:
         with pytest.raises(Stop):
-            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=tokens), store=client_store, progress=cancel)
-        wait_for(lambda: client.info().transfers.transfers_active == 0)
+            fetch_cache(
+                client, manifest.cache_id, ReceiverProfile(fp, prompt=tokens), store=client_store, progress=cancel
+            )
+        wait_for(lambda: client.info().transfers.transfers_active == 0, what="the peer to end the transfer")
         stats = client.info().transfers
         assert stats.fetches_failed == 1 and stats.chunk_bytes_sent < manifest.encoding.encoded_bytes
         assert client_store.entries() == [] and list(client_store.incoming_dir.iterdir()) == []
         # The server serves the next request as usual.
         assert (
-            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=tokens)).manifest.cache_id == manifest.cache_id
+            fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=tokens)).manifest.cache_id
+            == manifest.cache_id
         )
 
 
@@ -307,7 +293,7 @@ def test_concurrent_fetches_all_succeed_within_the_cap(fp, big, serve, tmp_path)
     def fetch():
         try:
             with PeerClient(address) as client:
-                results.append(client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=tokens)).wire_bytes)
+                results.append(fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=tokens)).wire_bytes)
         except KvmeshError as e:
             errors.append(e)
 
@@ -329,11 +315,11 @@ def test_publish_then_fetch_back(tiny, prompt_ids, fp, producer, serve, tmp_path
     with PeerClient(address) as client:
         assert client.publish(CacheStore(root), manifest.cache_id) == manifest.cache_id
         assert client.info().store.entries == 1
-        fetched = client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+        fetched = fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
     assert [(c.offset, c.n_kept, c.bits) for c in fetched.cache] == [(250, 96, 4)] * fp.num_layers
 
 
-def test_a_peer_that_takes_no_publishes_says_so(producer, serve, tmp_path):
+def test_a_peer_that_takes_no_publishes_says_so(producer, tmp_path):
     root, made = producer
     from kvmesh.net.server import start_server
 
@@ -411,7 +397,7 @@ def test_a_quality_floor_is_honoured_before_any_chunk(tiny, prompt_ids, fp, serv
 
     def fetch(client, manifest, max_kl):
         profile = ReceiverProfile(fp, prompt=prompt_ids, max_kl=max_kl)
-        return client.fetch(manifest.cache_id, profile, store=CacheStore(tmp_path / "received"))
+        return fetch_cache(client, manifest.cache_id, profile, store=CacheStore(tmp_path / "received"))
 
     with PeerClient(serve(tmp_path / "served")) as client:
         for manifest, floor, why in [

@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 
 import kvmesh
-from helpers import ENV, cli
+from support.processes import ENV, cli
 
 ROOT = Path(__file__).resolve().parent.parent
 # Everything below the CLI that handles no arrays: the daemon imports only these.
 MLX_FREE = [
     "kvmesh",
     "kvmesh.cli",
+    "kvmesh.settings",
+    "kvmesh.serve.options",
     "kvmesh.errors",
     "kvmesh.paths",
     "kvmesh.versions",
@@ -31,8 +33,10 @@ MLX_FREE = [
     "kvmesh.codec.cut",
     "kvmesh.store",
     "kvmesh.store.entry_file",
+    "kvmesh.net.timeouts",
     "kvmesh.net.transport",
     "kvmesh.net.messages",
+    "kvmesh.net.client",
     "kvmesh.net.credentials",
     "kvmesh.net.node_id",
     "kvmesh.net.policy",
@@ -57,11 +61,13 @@ def loaded_by(*modules: str) -> set[str]:
     return set(json.loads(out.stdout))
 
 
+@pytest.mark.slow
 def test_the_network_store_and_daemon_load_no_mlx():
     loaded = loaded_by(*MLX_FREE)
     assert not {m for m in loaded if m.startswith(("mlx", "mlx_lm"))}, "an MLX-free module imported MLX"
 
 
+@pytest.mark.slow
 def test_the_store_only_stores():
     """No encoding, decoding, press or fingerprint construction below or beside the store."""
     loaded = loaded_by("kvmesh.store")
@@ -72,6 +78,7 @@ def test_the_store_only_stores():
         assert not {m for m in imported if m and m.startswith(("kvmesh.caches", "kvmesh.model", "kvmesh.net"))}, path
 
 
+@pytest.mark.slow
 def test_version_loads_neither_mlx_nor_a_model():
     assert cli("--version").stdout.strip() == f"kvmesh {kvmesh.__version__}"
     assert "mlx.core" not in loaded_by("kvmesh.cli")

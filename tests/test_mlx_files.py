@@ -4,24 +4,25 @@ import subprocess
 import sys
 import textwrap
 
-import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from helpers import load, mlx_lm_cli, put
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import sparse_from_dense
-from kvmesh.codec.arrays import layer_tensors
 from kvmesh.errors import KvmeshError
 from kvmesh.files.mlx_prompt_cache import export_prompt_cache, import_prompt_cache
-from kvmesh.model.prompt import cache_prompt_tokens
 from kvmesh.model.fingerprint import fingerprint
+from kvmesh.model.prompt import cache_prompt_tokens
 from kvmesh.store import CacheStore
+from support.processes import mlx_lm_cli
+from support.references import same_tensors
+from support.stores import load, put
 
 PROMPT = "The kettle on the stove began to sing just as the rain started."
 
 
+@pytest.mark.slow
 def test_import_a_file_made_by_mlx_lm_cache_prompt(tiny, tiny_dir, tmp_path):
     path = tmp_path / "prompt.safetensors"
     made = mlx_lm_cli("cache_prompt", "--model", str(tiny_dir), "--prompt", PROMPT, "--prompt-cache-file", str(path))
@@ -32,8 +33,7 @@ def test_import_a_file_made_by_mlx_lm_cache_prompt(tiny, tiny_dir, tmp_path):
     assert manifest.prefix.num_tokens == len(tokens) and manifest.compression.method == "full"
     _, stored = load(store, manifest.cache_id)
     original = [sparse_from_dense(c) for c in load_prompt_cache(str(path))]
-    for a, b in zip(stored, original):
-        assert all(mx.array_equal(x, y).item() for x, y in zip(layer_tensors(a), layer_tensors(b)))
+    assert same_tensors(stored, original)
     assert store.lookup(manifest.model.model_id, tokens + [5, 6]).tokens == len(tokens)
 
 
@@ -61,6 +61,7 @@ PLAIN_MLX_LM_LOAD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("press", [("full", {}), ("quantize", {"kv_bits": 8})], ids=["float", "8bit"])
 def test_export_for_mlx_lm_generate(tiny, tiny_dir, tmp_path, press):
     tokens = cache_prompt_tokens(tiny[1], PROMPT)

@@ -25,9 +25,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from helpers import ENV, cli, mlx_lm_cli, put
 from kvmesh.caches.kinds import check_supported
-from kvmesh.caches.prefill import generate_from_cache, prefill, run_prompt
+from kvmesh.caches.prefill import prefill, run_prompt
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.chunks import parse_frame
@@ -38,12 +37,16 @@ from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.manifest import layer_report
 from kvmesh.errors import CacheRejected, UnsupportedCacheError
 from kvmesh.files.mlx_prompt_cache import export_prompt_cache, import_prompt_cache
-from kvmesh.model.prompt import cache_prompt_tokens
+from kvmesh.generation import fetch_cache
 from kvmesh.model.fingerprint import fingerprint
+from kvmesh.model.prompt import cache_prompt_tokens
 from kvmesh.net.client import PeerClient
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import model_pb2
+from support.processes import ENV, cli, mlx_lm_cli
+from support.references import logprobs_after, same_arrays, tokens_after
+from support.stores import put
 
 FAMILIES = ["tiny-gemma3", "tiny-qwen3.5", "tiny-lfm2", "tiny-falcon-h1", "tiny-llama4"]
 # What mlx-lm's make_cache gives each family, layer by layer.
@@ -75,21 +78,11 @@ def family(request, tmp_path_factory):
     return request.param, model, tokenizer, fingerprint(path), path
 
 
-def logprobs_after(model, cache, suffix, n=6):
-    """Logprobs of n greedy steps after `suffix`; the cache is changed in place."""
-    return [lp for _, lp in generate_from_cache(model, cache, suffix, n)]
-
-
-def same(a, b):
-    return len(a) == len(b) and all(mx.array_equal(x, y).item() for x, y in zip(a, b))
-
-
 def test_the_presets_have_the_layouts_of_their_families(family):
     preset, model, *_ = family
     assert [type(c) for c in make_prompt_cache(model)] == LAYOUTS[preset]
 
 
-@pytest.mark.slow
 def test_fetched_from_a_daemon_it_generates_exactly_as_a_local_prefill(family, prompt_ids, serve, tmp_path):
     preset, model, _, fp, _ = family
     prefix, suffix = prompt_ids[:256], prompt_ids[256:]
@@ -98,21 +91,22 @@ def test_fetched_from_a_daemon_it_generates_exactly_as_a_local_prefill(family, p
     address = serve(tmp_path / "producer")
 
     with PeerClient(address) as client:
-        fetched = client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+        fetched = fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
         # Only the exact prefix is on offer: a shorter one is refused with a typed reason.
         assert [m.tokens for m in client.lookup(fp.model_id, prompt_ids)] == [256]
         assert client.lookup(fp.model_id, prompt_ids[:200]) == []
         with pytest.raises(CacheRejected) as refused:
-            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids), num_tokens=128)
+            fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids), num_tokens=128)
         assert refused.value.rejection.reason == pb.REJECT_REASON_PREFIX
         assert "exact prefix of 256 tokens" in str(refused.value)
 
     expected = [SparseKVCache if cls is KVCache else cls for cls in LAYOUTS[preset]]
     assert [type(c) for c in fetched.cache] == expected
     local, _, _ = run_prompt(model, prefix)
-    assert same(logprobs_after(model, fetched.cache, suffix), logprobs_after(model, local, suffix))
+    assert same_arrays(logprobs_after(model, fetched.cache, suffix, 6), logprobs_after(model, local, suffix, 6))
 
 
+@pytest.mark.slow  # `kvmesh cache show`
 @pytest.mark.parametrize(
     "method, config", [("snapkv", {"ratio": 0.5, "window": 16, "kv_bits": 8}), ("streaming_llm", {"budget": 64})]
 )
@@ -149,7 +143,7 @@ def test_presses_touch_only_full_attention_and_say_what_each_layer_kept(family, 
         for cls in LAYOUTS[preset]
     ]
     assert [type(c) for c in cache] == expected
-    tokens = [t for t, _ in generate_from_cache(model, cache, prompt_ids[256:260], 4)]
+    tokens = tokens_after(model, cache, prompt_ids[256:260], 4)
     assert len(tokens) == 4
 
     shown = cli("cache", "--store", tmp_path / "store", "show", manifest.cache_id).stdout
@@ -263,15 +257,15 @@ def test_mlx_lm_files_of_each_family_go_in_and_out(family, tmp_path):
     manifest = import_prompt_cache(store, made, fp, tokens)
     stored = decode_chunks(store.manifest(manifest.cache_id), store.chunks(manifest.cache_id))
     suffix = tokenizer.encode(" and then", add_special_tokens=False)
-    expected = logprobs_after(model, load_prompt_cache(str(made)), suffix)
-    assert same(logprobs_after(model, stored, suffix), expected)
+    expected = logprobs_after(model, load_prompt_cache(str(made)), suffix, 6)
+    assert same_arrays(logprobs_after(model, stored, suffix, 6), expected)
 
     out = export_prompt_cache(store, manifest.cache_id, tmp_path / "out.safetensors", str(path))
     loaded = subprocess.run(
         [sys.executable, "-c", PLAIN_MLX_LM_LOAD, str(out)], capture_output=True, text=True, check=True, env=ENV
     )
     assert loaded.stdout.split() == [cls.__name__ for cls in LAYOUTS[preset]]
-    assert same(logprobs_after(model, load_prompt_cache(str(out)), suffix), expected)
+    assert same_arrays(logprobs_after(model, load_prompt_cache(str(out)), suffix, 6), expected)
 
 
 def test_the_servers_prompt_cache_keeps_and_finds_caches_of_each_family(family, prompt_ids, tmp_path):
@@ -293,9 +287,7 @@ def test_the_servers_prompt_cache_keeps_and_finds_caches_of_each_family(family, 
     hit = other.fetch(tokens + [5, 6])
     assert (hit.where, hit.tokens) == ("local store", len(tokens))
     assert other.fetch(tokens[:150] + [5, 6]).where == "none"
-    assert [t for t, _ in generate_from_cache(model, hit.cache, [5, 6], 4)] == [
-        t for t, _ in generate_from_cache(model, cache, [5, 6], 4)
-    ]
+    assert tokens_after(model, hit.cache, [5, 6], 4) == tokens_after(model, cache, [5, 6], 4)
 
 
 @pytest.mark.slow

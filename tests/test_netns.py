@@ -4,79 +4,51 @@ Needs root and iproute2; skipped otherwise. Every name carries this run's prefix
 removes exactly what the test made, also when it fails. Nothing touches the host's own network.
 """
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
 from importlib import resources
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
-from helpers import ENV, cli
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.encode import encode_cache
-from kvmesh.daemon.control import DaemonProcess, start_daemon
+from kvmesh.daemon.control import DaemonProcess
 from kvmesh.store import CacheStore
+from support import namespaces
+from support.daemons import start_daemon
+from support.processes import cli
+from support.references import greedy_tokens
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces"
-    ),
-]
+MISSING = namespaces.missing("ip")  # the bridge needs no tc
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
 PORT = 7077
 
 
-def ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+class Lan(namespaces.Bridge):
+    """The bridge's hosts as kvmesh nodes, each with its data dir under `root`."""
 
-
-class Lan:
     def __init__(self, root, prefix: str, size: int):
-        self.root, self.hub = root, f"{prefix}-hub"
-        self.nodes = {i: f"{prefix}-n{i}" for i in range(1, size + 1)}
+        super().__init__(prefix, size)
+        self.root = root
         self.daemons: dict[int, DaemonProcess] = {}
 
-    def address(self, i: int) -> str:
-        return f"10.77.0.{i}"
-
-    def up(self):
-        ip("netns", "add", self.hub)
-        ip("-n", self.hub, "link", "set", "lo", "up")
-        ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        ip("-n", self.hub, "link", "set", "br0", "type", "bridge", "mcast_snooping", "0")
-        ip("-n", self.hub, "link", "set", "br0", "up")
-        for i, ns in self.nodes.items():
-            ip("netns", "add", ns)
-            ip("-n", ns, "link", "set", "lo", "up")
-            ip("link", "add", f"veth{i}", "netns", self.hub, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("-n", self.hub, "link", "set", f"veth{i}", "master", "br0", "up")
-            ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-
-    def down(self):
-        for ns in [*self.nodes.values(), self.hub]:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
     def kvmesh(self, i: int, *args, check=True) -> subprocess.CompletedProcess:
-        return cli(*args, data_dir=self.root / f"n{i}", check=check, prefix=("ip", "netns", "exec", self.nodes[i]))
+        return cli(*args, data_dir=self.root / f"n{i}", check=check, prefix=self.in_node(i))
 
     def start(self, i: int):
         daemon = start_daemon(
             self.root / f"n{i}",
-            ["--interface", self.address(i), "--port", str(PORT), "--health-interval", "0.5"],
+            "--interface",
+            self.address(i),
+            "--port",
+            PORT,
+            "--health-interval",
+            "0.5",
             log=self.root / f"n{i}.log",
-            env=ENV,
-            command=("ip", "netns", "exec", self.nodes[i]),
+            command=self.in_node(i),
         )
         assert daemon.state.mode == "mutual TLS", f"daemon n{i} did not start as a mesh member; see {daemon.log}"
         self.daemons[i] = daemon
@@ -95,12 +67,8 @@ class Lan:
 
 @pytest.fixture
 def lan(tmp_path):
-    network = Lan(tmp_path, f"kvm{os.getpid() % 100000}", 3)
-    try:
-        network.up()
+    with Lan(tmp_path, f"kvm{os.getpid() % 100000}", 3) as network:
         yield network
-    finally:
-        network.down()
 
 
 def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tiny_fp, tmp_path):
@@ -139,7 +107,7 @@ def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tin
     )
     assert out["prefix_from"] == f"peer {lan.address(1)}:{PORT}" and out["prefix_tokens"] == len(doc_tokens)
     prompt = doc_tokens + tokenizer.encode(" Why?", add_special_tokens=False)
-    assert out["tokens"] == [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=8)]
+    assert out["tokens"] == greedy_tokens(model, prompt, 8)
 
     # A crash: n3's daemon is SIGKILLed; n1 drops it within seconds.
     lan.daemons[3].process.send_signal(signal.SIGKILL)
@@ -148,7 +116,7 @@ def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tin
     assert dropped_in < 10
 
     # A partition: n2's link goes down at the bridge; n1 drops it, then sees it again after repair.
-    ip("-n", lan.hub, "link", "set", "veth2", "down")
+    namespaces.ip("-n", lan.hub, "link", "set", "veth2", "down")
     lan.wait_until(1, lambda peers: f"{lan.address(2)}:{PORT}" not in peers, seconds=15)
-    ip("-n", lan.hub, "link", "set", "veth2", "up")
+    namespaces.ip("-n", lan.hub, "link", "set", "veth2", "up")
     lan.wait_until(1, lambda peers: f"{lan.address(2)}:{PORT}" in peers, seconds=15)

@@ -8,18 +8,17 @@ from concurrent import futures
 import grpc
 import pytest
 
-from helpers import put
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.errors import CacheRejected
+from kvmesh.generation import fetch_cache
 from kvmesh.net.client import PeerClient
 from kvmesh.net.transport import SERVICE_NAME, as_bytes, serialize
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.v1 import service_pb2_grpc
-
-pytestmark = pytest.mark.slow
+from support.stores import put
 
 
 @pytest.fixture
@@ -85,7 +84,7 @@ def test_a_peer_of_the_old_framing_is_refused_before_any_chunk(tiny_fp, prompt_i
     try:
         with PeerClient(old.address) as client:
             with pytest.raises(CacheRejected) as refused:
-                client.fetch(manifest.cache_id, ReceiverProfile(tiny_fp, prompt=prompt_ids))
+                fetch_cache(client, manifest.cache_id, ReceiverProfile(tiny_fp, prompt=prompt_ids))
             assert refused.value.rejection.reason == pb.REJECT_REASON_VERSION
             assert "speaks protocol 2 or older" in str(refused.value) and "update kvmesh" in str(refused.value)
             decision = old.decisions.get(timeout=10)

@@ -7,13 +7,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from helpers import cli
 from kvmesh.caches.prefill import prefill, run_prompt
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.quality import QUALITY_TOKENS
 from kvmesh.errors import KvmeshError
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
+from support.processes import cli
 
 
 def test_tail_kl_is_the_kl_of_re_reading_the_prompts_tail(tiny, prompt_ids):
@@ -34,6 +34,7 @@ def test_tail_kl_is_the_kl_of_re_reading_the_prompts_tail(tiny, prompt_ids):
     assert prefill(model, prompt_ids).tail_kl is None  # lossless: nothing to measure
 
 
+@pytest.mark.slow
 def test_prefill_compress_uses_the_measured_default_and_ships_its_loss(tiny_dir, tmp_path):
     store = tmp_path / "store"
     out = json.loads(
@@ -72,8 +73,8 @@ def test_the_local_store_is_held_to_the_quality_floor(tiny, tiny_fp, prompt_ids,
     pressed = prefill(tiny[0], prompt_ids[:256], press)
     store = CacheStore(tmp_path / "store")
     store.add(*encode_cache(pressed.cache, tiny_fp, prompt_ids[:256], press, tail_kl=pressed.tail_kl))
-    cache, source = find_prefix(tiny_fp, prompt_ids, store, [], max_kl=pressed.tail_kl / 2)
+    cache, source = find_prefix(tiny_fp, prompt_ids, store, max_kl=pressed.tail_kl / 2)
     assert cache is None and source.where == "none"
     assert len(source.skipped) == 1 and "quality" in source.skipped[0]
-    cache, source = find_prefix(tiny_fp, prompt_ids, store, [], max_kl=pressed.tail_kl * 2)
+    cache, source = find_prefix(tiny_fp, prompt_ids, store, max_kl=pressed.tail_kl * 2)
     assert cache is not None and (source.where, source.tokens) == ("local store", 256)

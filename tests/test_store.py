@@ -6,17 +6,16 @@ import subprocess
 import sys
 import textwrap
 
-import mlx.core as mx
 import pytest
 
-from helpers import load, put
-from kvmesh.caches.prefill import generate_from_cache, prefill
+from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
-from kvmesh.codec.arrays import layer_tensors
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
 from kvmesh.generation import load_prefix
 from kvmesh.store import CacheStore, entry_file
 from kvmesh.v1 import cache_pb2 as pb
+from support.references import same_tensors, tokens_after
+from support.stores import load, put
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +31,6 @@ def dense500(tiny, long_ids):
 @pytest.fixture
 def store(tmp_path):
     return CacheStore(tmp_path / "store")
-
-
-def same_tensors(a, b) -> bool:
-    return all(mx.array_equal(s, t).item() for x, y in zip(a, b) for s, t in zip(layer_tensors(x), layer_tensors(y)))
 
 
 def put_dense500(store, dense500, fp, long_ids, **options):
@@ -93,9 +88,7 @@ def test_a_dense_entry_serves_a_block_aligned_shorter_prefix_cut_as_read(store, 
     fresh = prefill(tiny[0], long_ids[:384]).cache
     assert same_tensors(cache, fresh)
     suffix = long_ids[384:390]
-    assert [t for t, _ in generate_from_cache(tiny[0], cache, suffix, 4)] == [
-        t for t, _ in generate_from_cache(tiny[0], fresh, suffix, 4)
-    ]
+    assert tokens_after(tiny[0], cache, suffix, 4) == tokens_after(tiny[0], fresh, suffix, 4)
     # Cut as it is read: the store holds only the original.
     assert [e.cache_id for e in store.entries()] == [manifest.cache_id]
 
@@ -150,9 +143,10 @@ def test_bad_input_leaves_nothing_in_the_store(tmp_path, store, dense500, fp, lo
     source = CacheStore(tmp_path / "source")
     manifest = put_dense500(source, dense500, fp, long_ids)
     chunks = corrupt(list(source.chunks(manifest.cache_id)), how)
-    trailer = bytes(16) if how == "digest" else None
+    if how == "digest":
+        manifest.encoding.payload_digest = bytes(16)
     with pytest.raises(IntegrityError):
-        store.receive(manifest, chunks, trailer)
+        store.receive(manifest, chunks)
     assert store.entries() == []
     assert list(store.entries_dir.iterdir()) == [] and list(store.incoming_dir.iterdir()) == []
 
@@ -269,6 +263,7 @@ WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_write_leaves_the_store_consistent(store, tmp_path, tiny, dense500, fp, long_ids):
     kept = put(store, prefill(tiny[0], long_ids[:200]).cache, fp, long_ids[:200])
     source = CacheStore(tmp_path / "source")
@@ -312,6 +307,7 @@ FULL_DISK_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_a_clear_error_and_leaves_nothing(store, tmp_path, dense500, fp, long_ids):
     source = CacheStore(tmp_path / "source")
     exported = source.export(put_dense500(source, dense500, fp, long_ids).cache_id, tmp_path / "c.kvc")
@@ -326,6 +322,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(store, tmp_path, dense5
     assert store.entries() == [] and list(store.incoming_dir.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_opening_the_store_leaves_a_live_writers_file_alone(store, tmp_path, dense500, fp, long_ids):
     """The CLI opens the store while the daemon writes to it: recovery must not take that write."""
     source = CacheStore(tmp_path / "source")

@@ -72,7 +72,7 @@ def record_queries(model: nn.Module, cache: list) -> Iterator[dict]:
 
 
 def reconstruction_scores(
-    model: nn.Module, cache: list, tokens: list[int], step_size: int = 512, observed: dict | None = None
+    model: nn.Module, cache: list, tokens: list[int], *, step_size: int = 512, observed: dict | None = None
 ) -> dict:
     """{layer: (kv_heads, n) scores} of the n cached positions of each full-attention layer: the most
     attention any query of a second, teacher-forced pass over the same tokens (the model repeating

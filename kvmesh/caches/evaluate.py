@@ -34,7 +34,7 @@ class PressResult:
 
 
 def compare_presses(
-    model: nn.Module, prefix: list[int], suffix: list[int], presses: list[Press], steps: int = 16
+    model: nn.Module, prefix: list[int], suffix: list[int], presses: list[Press], *, steps: int = 16
 ) -> list[PressResult]:
     """Prefill `prefix` with each press, continue with `suffix`, compare against the first press.
 
@@ -48,7 +48,7 @@ def compare_presses(
         # Positions kept per pressed (full-attention) layer; windows and recurrent state are not pressed.
         pressed = [c.n_kept for c in cached.cache if isinstance(c, (SparseKVCache, SparseQuantizedKVCache))]
         kept = sum(pressed) // max(1, len(pressed))
-        tokens = [t for t, _ in generate_from_cache(model, cached.cache, suffix, steps)]
+        tokens = [t for t, _ in generate_from_cache(model, cached.cache, suffix, max_tokens=steps)]
         baseline = results[0].tokens if results else tokens
         results.append(
             PressResult(

@@ -1,6 +1,6 @@
 """The mlx-lm cache kinds kvmesh shares besides full attention, and how each is captured exactly.
 
-A model's cache list mixes kinds (shared/docs/mlx-cache-kinds.md has the measured facts):
+A model's cache list mixes kinds, each captured as follows:
 
 - full attention (`KVCache`): made sparse (`kvmesh.caches.sparse`); presses evict and quantize here.
 - sliding window (`RotatingKVCache`): shared as the window holds it, never pressed (mlx-lm cannot

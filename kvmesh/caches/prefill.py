@@ -2,9 +2,9 @@
 
 The last prompt token needs care. mlx-lm generation always feeds at least one token, and after
 eviction the cache cannot be trimmed back to re-feed the last prompt token. So `prefill` processes
-the whole prompt and keeps the logits of its last position: the first generated token comes from
-those, and generation continues from the cache with that token. A consumer that holds a cache of a
-prefix feeds only its suffix instead (`generate_from_cache`).
+the whole prompt and keeps the logits of its last position (`Prefilled.logits`): the first token
+after the prompt is sampled from those, and generation continues from the cache with that token. A
+consumer that holds a cache of a prefix feeds only its suffix instead (`generate_from_cache`).
 """
 
 import time
@@ -42,6 +42,7 @@ class Prefilled:
 def run_prompt(
     model: nn.Module,
     tokens,
+    *,
     observe_last: int = 0,
     step_size: int = 512,
     progress: ProgressFn | None = None,
@@ -76,14 +77,17 @@ def prefill(
     model: nn.Module,
     tokens,
     press: Press | None = None,
+    *,
     step_size: int = 512,
     progress: ProgressFn | None = None,
 ) -> Prefilled:
     """Run `tokens` through `model` into a fresh cache, then compress it with `press`."""
     press = press or Press()
-    cache, logits, observed = run_prompt(model, tokens, press.needs_queries, step_size, progress)
+    cache, logits, observed = run_prompt(
+        model, tokens, observe_last=press.needs_queries, step_size=step_size, progress=progress
+    )
     if press.needs_reconstruction:
-        observed = reconstruction_scores(model, cache, list(tokens), step_size, observed)
+        observed = reconstruction_scores(model, cache, list(tokens), step_size=step_size, observed=observed)
     pressed = press.apply(cache, observed)
     return Prefilled(
         cache=pressed,
@@ -99,29 +103,8 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
-def generate_from_prefill(
-    model: nn.Module, prefilled: Prefilled, max_tokens: int, sampler=greedy
-) -> Iterator[tuple[int, mx.array]]:
-    """Continue a prompt that `prefill` processed entirely: yields (token, logprobs).
-
-    The cache is updated in place, as mlx-lm's generation does.
-    """
-    logprobs = prefilled.logits - mx.logsumexp(prefilled.logits, keepdims=True)
-    first = sampler(logprobs).item()
-    yield first, logprobs
-    if max_tokens > 1:
-        for token, logprobs in generate_step(
-            mx.array([first]),
-            model,
-            prompt_cache=prefilled.cache,
-            max_tokens=max_tokens - 1,
-            sampler=sampler,
-        ):
-            yield int(token), logprobs
-
-
 def generate_from_cache(
-    model: nn.Module, cache: list, suffix, max_tokens: int, sampler=greedy
+    model: nn.Module, cache: list, suffix, *, max_tokens: int, sampler=greedy
 ) -> Iterator[tuple[int, mx.array]]:
     """Continue a prompt whose prefix is in `cache` by feeding only `suffix`: yields (token, logprobs)."""
     suffix = mx.array(suffix)

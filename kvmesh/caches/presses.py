@@ -40,6 +40,10 @@ class Press:
             raise PressConfigError(f"{self.method}: ratio must be in [0, 1), got {self.ratio}")
         if self.budget is not None and self.budget < 1:
             raise PressConfigError(f"{self.method}: budget must be at least 1, got {self.budget}")
+        if self.ratio and self.budget is not None:
+            raise PressConfigError(
+                f"{self.method}: give ratio (a share of positions to evict) or budget (positions to keep), not both"
+            )
         if type(self) is Press and (self.ratio or self.budget is not None):
             raise PressConfigError(
                 "full keeps every position: ratio and budget need a method that evicts (kvzip, snapkv, streaming_llm)"

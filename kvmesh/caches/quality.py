@@ -17,7 +17,7 @@ from kvmesh.caches.kinds import fork
 QUALITY_TOKENS = 32
 
 
-def tail_kl(model: nn.Module, dense: list, pressed: list, tokens: Sequence[int], n: int = QUALITY_TOKENS) -> float:
+def tail_kl(model: nn.Module, dense: list, pressed: list, tokens: Sequence[int], *, n: int = QUALITY_TOKENS) -> float:
     """KL (nats/token) of the model's predictions given `pressed` from those given `dense` while it
     re-reads the last `n` of `tokens`; both caches are left as they were (forks are fed)."""
     probe = mx.array(list(tokens[-n:]))[None]

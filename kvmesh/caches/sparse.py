@@ -2,8 +2,9 @@
 
 After token eviction a layer stores `n_kept` key/value positions while the model has processed
 `offset` tokens. mlx-lm uses one counter for both (`KVCache.offset` is the write index AND the RoPE
-position of the next token), and each naive workaround is silently wrong (see
-shared/docs/mlx-caches.md). These classes keep the two counters apart:
+position of the next token), and each naive workaround is silently wrong: an `offset` lowered to the
+kept count gives the next tokens the wrong RoPE positions, and one left at the tokens processed has
+attention read (and the mask admit) slots that hold no key. These classes keep the two counters apart:
 
 - `offset`: logical tokens processed. Models read it for RoPE, so new tokens get their true
   positions; the kept keys were stored post-RoPE and keep theirs.

@@ -11,6 +11,7 @@ import sqlite3
 import sys
 
 from kvmesh.cli import cache, daemon, demo, mesh, model, run, serve
+from kvmesh.cli.common import data_dir_option
 from kvmesh.errors import KvmeshError
 from kvmesh.versions import __version__
 
@@ -23,9 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Share LLM KV caches between Apple-silicon Macs on one network.",
     )
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
-    parser.add_argument(
-        "--data-dir", default=None, help="daemon data directory (default: the platform data dir, or $KVMESH_DATA_DIR)"
-    )
+    data_dir_option(parser)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for module in COMMAND_MODULES:
         module.add_commands(commands)

@@ -11,13 +11,13 @@ from typing import Any
 from kvmesh.cli.common import (
     Args,
     Commands,
-    command,
     open_store,
     prompt_options,
     prompt_texts,
     read_text,
     store_option,
 )
+from kvmesh.cli.common import command as make_command
 from kvmesh.errors import KvmeshError
 
 
@@ -176,6 +176,12 @@ def add_commands(commands: Commands) -> None:
     )
     store_option(parent)
     cache = parent.add_subparsers(title="cache commands", metavar="COMMAND", required=True)
+
+    def command(*args: Any, **kwargs: Any) -> Any:  # each takes --store after its name too
+        sub = make_command(*args, **kwargs)
+        store_option(sub, after_command=True)
+        return sub
+
     cache_id_help = "the cache's id (as `kvmesh cache list` prints it)"
 
     sub = command(cache, "list", listing, "list stored caches")

@@ -24,7 +24,18 @@ def command(
     """A subcommand that runs `handler(args)`; its description is its help unless given."""
     sub = commands.add_parser(name, help=help, description=description or help)
     sub.set_defaults(func=handler)
+    data_dir_option(sub, after_command=True)
     return sub
+
+
+def data_dir_option(parser: argparse.ArgumentParser, *, after_command: bool = False) -> None:
+    """--data-dir, given before the command or after it (`kvmesh status --data-dir X`); the one
+    after sets the value only when given (SUPPRESS), so it never hides the one before."""
+    parser.add_argument(
+        "--data-dir",
+        default=argparse.SUPPRESS if after_command else None,
+        help="daemon data directory (default: the platform data dir, or $KVMESH_DATA_DIR)",
+    )
 
 
 def group(commands: Commands, name: str, help: str, description: str) -> Commands:
@@ -59,12 +70,35 @@ def positive_int(value: str) -> int:
     return number
 
 
+def bounded(low: float, high: float | None, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number in [low, high] (or (low, high] with `low_open`; no upper bound
+    when `high` is None)."""
+
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+        too_low = number <= low if low_open else number < low
+        if too_low or (high is not None and number > high) or number != number:
+            interval = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+            raise argparse.ArgumentTypeError(f"must be in {interval}, not {value}")
+        return number
+
+    return parse
+
+
 def data_dir(args: Args) -> Path:
     return Path(args.data_dir) if args.data_dir else paths.data_dir()
 
 
-def store_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", default=None, help="store directory (default: the daemon's, or <data dir>/store)")
+def store_option(parser: argparse.ArgumentParser, *, after_command: bool = False) -> None:
+    """--store; `after_command` as for --data-dir (a group's subcommands: `kvmesh cache list --store X`)."""
+    parser.add_argument(
+        "--store",
+        default=argparse.SUPPRESS if after_command else None,
+        help="store directory (default: the daemon's, or <data dir>/store)",
+    )
 
 
 def open_store(args: Args) -> Any:

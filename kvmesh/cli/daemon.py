@@ -99,7 +99,7 @@ def service(args: Args) -> int:
     from kvmesh.daemon.service_files import service_file
 
     platform = args.platform or ("macos" if sys.platform == "darwin" else "linux")
-    default_path, content, enable = service_file(platform)
+    default_path, content, enable = service_file(platform, data_dir=Path(args.data_dir) if args.data_dir else None)
     if args.print:
         sys.stdout.write(content.decode())
         return 0

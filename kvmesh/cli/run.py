@@ -7,6 +7,7 @@ from typing import Any
 from kvmesh.cli.common import (
     Args,
     Commands,
+    bounded,
     command,
     data_dir,
     max_kl_option,
@@ -55,7 +56,7 @@ def prefill(args: Args) -> int:
         cached = prefill(loaded.model, tokens, press, progress=update)
     elapsed = time.perf_counter() - start
     options = EncodeOptions(codec=args.codec)
-    manifest = store.add(*encode_cache(cached.cache, fp, tokens, press, options, tail_kl=cached.tail_kl))
+    manifest = store.add(*encode_cache(cached.cache, fp, tokens, press, options=options, tail_kl=cached.tail_kl))
     result = {
         "cache_id": manifest.cache_id,
         "tokens": len(tokens),
@@ -85,6 +86,7 @@ def prefill(args: Args) -> int:
 
 def prefill_arguments(parser: Any) -> None:
     from kvmesh.caches.defaults import DEFAULT_COMPRESSION
+    from kvmesh.caches.presses import QUANT_BITS
 
     prompt_options(parser)
     store_option(parser)
@@ -100,7 +102,9 @@ def prefill_arguments(parser: Any) -> None:
     )
     parser.add_argument("--ratio", type=float, help="fraction of tokens to evict")
     parser.add_argument("--budget", type=int, help="tokens to keep per layer")
-    parser.add_argument("--kv-bits", type=int, help="quantize what is kept to 2-8 bits")
+    parser.add_argument(
+        "--kv-bits", type=int, choices=QUANT_BITS, help="quantize what is kept to this many bits per value"
+    )
     parser.add_argument(
         "--codec", default="zstd", choices=["zstd", "none"], help="wire and disk encoding (default zstd)"
     )
@@ -109,18 +113,33 @@ def prefill_arguments(parser: Any) -> None:
 
 def fetch(args: Args) -> int:
     from kvmesh.codec.compat import ReceiverProfile
+    from kvmesh.generation import fetch_cache
     from kvmesh.model.fingerprint import fingerprint
     from kvmesh.net.client import PeerClient
 
+    store = open_store(args)
+    if not args.tokens and (held := held_entry(store, args.cache_id)):
+        print(f"{args.cache_id} is already in the local store ({held.num_tokens} tokens): nothing fetched")
+        return 0
     profile = ReceiverProfile(fingerprint(args.model), max_kl=args.max_kl)
     bar, update = progress_bar("fetch", "bytes")
     with bar, PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
-        fetched = client.fetch(args.cache_id, profile, num_tokens=args.tokens, store=open_store(args), progress=update)
+        fetched = fetch_cache(client, args.cache_id, profile, num_tokens=args.tokens, store=store, progress=update)
     print(
         f"fetched {fetched.manifest.cache_id} from {args.peer}: {fetched.manifest.prefix.num_tokens} tokens, "
         f"{fetched.wire_bytes:,} bytes in {fetched.seconds:.2f} s"
     )
     return 0
+
+
+def held_entry(store: Any, cache_id: str) -> Any:
+    """The store's entry of that id, or None."""
+    from kvmesh.errors import NotFoundError
+
+    try:
+        return store.entry(cache_id)
+    except NotFoundError:
+        return None
 
 
 def fetch_arguments(parser: Any) -> None:
@@ -185,9 +204,9 @@ def generate(args: Args) -> int:
             loaded.fingerprint,
             tokens,
             open_store(args),
-            mesh_peers(args),
-            args.max_tokens,
-            update,
+            peers=mesh_peers(args),
+            max_tokens=args.max_tokens,
+            progress=update,
             credentials=mesh_credentials(args),
             sampler=make_sampler(temp=args.temp, top_p=args.top_p),
             stop_tokens=set(tokenizer.eos_token_ids),
@@ -247,8 +266,15 @@ def generate_arguments(parser: Any) -> None:
     prompt_options(parser)
     store_option(parser)
     parser.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1)")
+    parser.add_argument(
+        "--temp", type=bounded(0.0, None), default=0.0, help="sampling temperature, 0 or more (default 0: greedy)"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=bounded(0.0, 1.0, low_open=True),
+        default=1.0,
+        help="nucleus sampling threshold, in (0, 1] (default 1)",
+    )
     parser.add_argument("--seed", type=int, help="random seed, for repeatable sampling")
     parser.add_argument("--peer", action="append", help="host:port of a peer to ask (repeat)")
     parser.add_argument("--no-mesh", action="store_true", help="only the local store")

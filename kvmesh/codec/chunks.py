@@ -144,21 +144,19 @@ class ChunkChecker:
         self.specs = tensor_specs(manifest)
         self.sums: list[tuple[int, int]] = []
 
-    def check(self, chunk: Chunk) -> Raw:
-        """The chunk's raw bytes, once it proved to be the next chunk, intact."""
-        raw = self.decode(chunk)
-        self.accept(chunk)
-        return raw
+    def verified(self, chunks: Iterable[Chunk], threads: int = 1) -> Iterator[Chunk]:
+        """Each chunk once it proved to be the next one, intact (decompressed on `threads` threads,
+        results in order); after the last, `finish`: a consumer that reaches the end got the whole
+        payload the manifest describes, so a store writing them keeps nothing that fails."""
 
-    def check_all(self, chunks: Iterable[Chunk], threads: int = 1) -> Iterator[tuple[Chunk, Raw]]:
-        """`check` over a stream, decompressing on `threads` threads; results stay in order."""
+        def decode(c: Chunk) -> Chunk:
+            self.decode(c)
+            return c
 
-        def decode(c: Chunk) -> tuple[Chunk, Raw]:
-            return c, self.decode(c)
-
-        for chunk, raw in ordered_map(decode, chunks, threads):
+        for chunk in ordered_map(decode, chunks, threads):
             self.accept(chunk)
-            yield chunk, raw
+            yield chunk
+        self.finish()
 
     def decode(self, chunk: Chunk) -> Raw:
         """Check one chunk against its slot in the plan, then decode it and verify its checksum.
@@ -209,10 +207,10 @@ class ChunkChecker:
             return unshuffle(raw, ITEMSIZE[dtype])
         return raw
 
-    def finish(self, trailer_digest: bytes | None = None) -> None:
+    def finish(self) -> None:
+        """Every chunk arrived, and their digest is the manifest's."""
         if len(self.sums) != len(self.plan):
             raise IntegrityError(f"truncated: {len(self.sums)} of {len(self.plan)} chunks arrived")
-        digest = payload_digest(self.sums)
-        for expected in (self.manifest.encoding.payload_digest, trailer_digest):
-            if expected and digest != expected:
-                raise IntegrityError("the payload digest does not match: the payload is not the one described")
+        expected = self.manifest.encoding.payload_digest
+        if expected and payload_digest(self.sums) != expected:
+            raise IntegrityError("the payload digest does not match: the payload is not the one described")

@@ -56,19 +56,19 @@ class CacheDecoder:
             self.buffers[tensor], self.views[tensor] = buffer, uint_view(buffer)[0]
         return buffer
 
-    def feed(self, chunk: Chunk) -> None:
-        self._write(self._allocate(chunk), self.checker.check(chunk))
-
     def feed_all(self, chunks: Iterable[Chunk], threads: int = DECODE_THREADS) -> None:
         for _ in self.feed_iter(chunks, threads):
             pass
 
     def feed_iter(self, chunks: Iterable[Chunk], threads: int = DECODE_THREADS) -> Iterator[Chunk]:
-        """Feed chunks, yielding each in order once it is written.
+        """Feed chunks, yielding each in order once it is checked and written; after the last, check
+        that the payload is complete and its digest the manifest's.
 
         Each chunk is checked against its slot, decoded and written into its own rows on one of
         `threads` threads while the caller brings the next; only the order check runs here, so a
         chunk out of place never lands outside its announced rows and still fails the transfer.
+        What this yields may go to a store as it comes (`store.add(manifest, decoder.feed_iter(...))`):
+        a bad chunk or digest raises before the store's write completes, so nothing is kept.
         """
 
         def decode(chunk: Chunk) -> Chunk:
@@ -78,6 +78,7 @@ class CacheDecoder:
         for chunk in ordered_map(decode, map(self._allocate, chunks), threads):
             self.checker.accept(chunk)
             yield chunk
+        self.checker.finish()
 
     def _write(self, chunk: Chunk, raw: Raw) -> None:
         slot = self.checker.plan[chunk.index]
@@ -85,9 +86,9 @@ class CacheDecoder:
         assert view is not None, "a chunk is decoded only once its buffer is made"
         write_rows(view, self.layouts[slot.tensor], slot.byte_offset // slot.row_bytes, raw)
 
-    def finish(self, trailer_digest: bytes | None = None) -> list[Layer]:
+    def finish(self) -> list[Layer]:
         """Check the payload is complete and intact, then hand over the caches."""
-        self.checker.finish(trailer_digest)
+        self.checker.finish()
         # Tensors of no bytes had no chunk to make theirs.
         buffers = [self._buffer(i) for i in range(len(self.buffers))]
         tensors = iter(zip(self.checker.specs, buffers, strict=True))
@@ -118,16 +119,11 @@ def rebuild_layer(layer: pb.LayerSpec, arrays: list[mx.array]) -> Layer:
     return SparseKVCache.from_arrays(arrays[0], arrays[1], layer.offset)
 
 
-def decode_chunks(
-    manifest: pb.CacheManifest,
-    chunks: Iterable[Chunk],
-    trailer_digest: bytes | None = None,
-    threads: int = DECODE_THREADS,
-) -> list[Layer]:
+def decode_chunks(manifest: pb.CacheManifest, chunks: Iterable[Chunk], *, threads: int = DECODE_THREADS) -> list[Layer]:
     """The caches a manifest and its chunks describe, every chunk and the digest verified.
 
     With a store: `decode_chunks(store.manifest(cache_id), store.chunks(cache_id))`.
     """
     decoder = CacheDecoder(manifest)
     decoder.feed_all(chunks, threads)
-    return decoder.finish(trailer_digest)
+    return decoder.finish()

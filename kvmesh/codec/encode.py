@@ -99,6 +99,7 @@ def build_manifest(
     model: ModelFingerprint,
     prefix: PrefixKey,
     press: Press,
+    *,
     options: EncodeOptions | None = None,
     node_id: str = "",
     tail_kl: float | None = None,
@@ -196,6 +197,7 @@ def encode_cache(
     model: ModelFingerprint,
     tokens: Sequence[int] | PrefixKey,
     press: Press | None = None,
+    *,
     options: EncodeOptions | None = None,
     node_id: str = "",
     tail_kl: float | None = None,
@@ -204,5 +206,5 @@ def encode_cache(
     `tail_kl`, when measured), encoded."""
     options = options or EncodeOptions()
     prefix = tokens if isinstance(tokens, PrefixKey) else PrefixKey.of(tokens)
-    manifest = build_manifest(cache, model, prefix, press or Press(), options, node_id, tail_kl)
+    manifest = build_manifest(cache, model, prefix, press or Press(), options=options, node_id=node_id, tail_kl=tail_kl)
     return Encoded(manifest, encode_chunks(cache, manifest, options.threads))

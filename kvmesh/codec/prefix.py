@@ -6,6 +6,9 @@ block i's hash covers every token up to the end of block i, and the prefix hash 
 chain over the last partial block. So a peer can say "I hold your prompt's first k blocks" while
 the prompt never leaves the requester, and the first k blocks of a cache carry their own prefix
 hash (its block hash k - 1) without anyone knowing the tokens.
+
+Which cache serves which prefix of a prompt is decided here too, for the store's lookups, a peer's
+answers and the requester's checks of them alike.
 """
 
 import hashlib
@@ -42,6 +45,27 @@ def block_hashes(tokens: Sequence[int], block_size: int = BLOCK_SIZE) -> list[by
 def prefix_sha256(tokens: Sequence[int], block_size: int = BLOCK_SIZE) -> bytes:
     """The chained hash (32 bytes) of the whole prefix."""
     return _chain(tokens, block_size)[1]
+
+
+def shared_tokens(blocks: int, num_tokens: int) -> int:
+    """The tokens of a cache of `num_tokens` covered by its first `blocks` blocks."""
+    return min(blocks * BLOCK_SIZE, num_tokens)
+
+
+def may_serve(num_tokens: int, cuttable: bool, blocks: int) -> bool:
+    """Whether a cache whose first `blocks` blocks match a prompt's may serve some of it, as known from
+    block hashes alone: every complete block matches (it may be exactly a prefix of the prompt, which
+    `tokens_served` tells where the prompt is), or it evicted nothing (`cuttable`) and shares a block."""
+    return blocks >= num_tokens // BLOCK_SIZE or (cuttable and blocks > 0)
+
+
+def tokens_served(tokens: Sequence[int], num_tokens: int, sha256: bytes, cuttable: bool, shared: int) -> int:
+    """How many of the prompt's `tokens` a cache serves: all its `num_tokens` when it is exactly a
+    prefix of them (its prefix hash `sha256` says), else, when it evicted nothing (`cuttable`), the
+    `shared` tokens of its leading blocks that match (a shorter prefix is cut from it); 0 when none."""
+    if num_tokens <= len(tokens) and prefix_sha256(tokens[:num_tokens]) == sha256:
+        return num_tokens
+    return shared if cuttable else 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 from kvmesh import paths
 from kvmesh.errors import ConfigError
 from kvmesh.net.policy import Policy
+from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.settings import check_choices, convert, from_environment, from_table, setting, settings_of
 from kvmesh.store.budget import AUTO_BUDGET
 
@@ -58,7 +59,9 @@ class DaemonConfig:
     log_level: str = setting(
         "info", help="the least severe level logged", choices=("debug", "info", "warning", "error")
     )
-    grace: float = setting(10.0, help="seconds transfers in flight get to finish at shutdown", metavar="SECONDS")
+    grace: float = setting(
+        TIMEOUTS.shutdown_grace, help="seconds transfers in flight get to finish at shutdown", metavar="SECONDS"
+    )
     policy: Policy = field(default_factory=Policy)
 
     def __post_init__(self) -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 import grpc
 
 from kvmesh.errors import DaemonNotRunning, KvmeshError
-from kvmesh.paths import state_file
+from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.paths import daemon_log, state_file
 from kvmesh.v1 import control_pb2 as cpb
 from kvmesh.v1 import control_pb2_grpc
 
@@ -69,7 +70,7 @@ def read_state(data_dir: Path | str, check_alive: bool = True) -> DaemonState:
     return state
 
 
-def control_status(data_dir: Path | str, timeout: float = 5.0) -> cpb.StatusResponse:
+def control_status(data_dir: Path | str, timeout: float = TIMEOUTS.control) -> cpb.StatusResponse:
     """What the local daemon is doing and whom it sees, from its Control service."""
     state = read_state(data_dir)
     with grpc.insecure_channel(state.control) as channel:
@@ -99,7 +100,7 @@ class DaemonProcess:
     def address(self) -> str:
         return self.state.address
 
-    def stop(self, timeout: float = 30.0) -> int:
+    def stop(self, timeout: float = TIMEOUTS.daemon_stop) -> int:
         """SIGTERM (a graceful stop), then wait for the exit status."""
         if self.process.poll() is None:
             self.process.terminate()
@@ -109,9 +110,10 @@ class DaemonProcess:
 def start_daemon(
     data_dir: Path | str,
     args: Sequence[str] = (),
+    *,
     log: Path | str | None = None,
     env: Mapping[str, str] | None = None,
-    timeout: float = 60.0,
+    timeout: float = TIMEOUTS.daemon_start,
     command: Sequence[str] = (),
 ) -> DaemonProcess:
     """`kvmesh --data-dir DATA_DIR daemon ARGS` in a new process, returned once it serves.
@@ -122,7 +124,7 @@ def start_daemon(
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    log = Path(log) if log else data_dir / "daemon.log"
+    log = Path(log) if log else daemon_log(data_dir)
     path = state_file(data_dir)
     before = path.read_bytes() if path.exists() else None
     argv = [*command, sys.executable, "-m", "kvmesh", "--data-dir", str(data_dir), "daemon", *map(str, args)]

@@ -24,7 +24,8 @@ from kvmesh.net.credentials import renew_if_due
 from kvmesh.net.discovery import Discovery, HealthChecker, Peer, PeerTable, routable_addresses
 from kvmesh.net.node_id import node_id
 from kvmesh.net.server import RunningServer, start_server
-from kvmesh.net.transport import GRPC_OPTIONS
+from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.net.transport import GRPC_OPTIONS, host_port
 from kvmesh.paths import lock_file, state_file
 from kvmesh.store import CacheStore
 from kvmesh.v1 import control_pb2 as cpb
@@ -111,8 +112,8 @@ class Daemon:
             self.server = start_server(
                 self.store,
                 self.node_id,
-                [_host_port(ip, config.port) for ip in interfaces],
-                config.max_transfers,
+                [host_port(ip, config.port) for ip in interfaces],
+                max_transfers=config.max_transfers,
                 policy=config.policy,
                 credentials=self.credentials.server_credentials() if self.credentials else None,
             )
@@ -120,7 +121,7 @@ class Daemon:
             if holder := port_holder(e.port):
                 raise ListenError(f"{e}: port {e.port} is held by {holder}", e.port) from None
             raise
-        self.listen = [_host_port(ip, self.server.port) for ip in interfaces]
+        self.listen = [host_port(ip, self.server.port) for ip in interfaces]
 
         self.control = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
         control_pb2_grpc.add_ControlServicer_to_server(ControlService(self, self.server), self.control)
@@ -134,13 +135,18 @@ class Daemon:
                 self.node_id, self.server.port, interfaces, self.peers, tls=self.credentials is not None
             )
             self.discovery.start()
-        self.health = HealthChecker(self.peers, config.health_interval, credentials=self.credentials)
+        self.health = HealthChecker(self.peers, interval=config.health_interval, credentials=self.credentials)
         self.health.start()
 
         write_state(
             data_dir,
             DaemonState(
-                os.getpid(), self.node_id, f"127.0.0.1:{control_port}", self.listen, str(self.store.root), self.mode
+                os.getpid(),
+                self.node_id,
+                host_port("127.0.0.1", control_port),
+                self.listen,
+                str(self.store.root),
+                self.mode,
             ),
         )
         if self.serve_command:
@@ -155,7 +161,7 @@ class Daemon:
             control_port,
         )
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = TIMEOUTS.shutdown_grace) -> None:
         """Goodbye to the mesh first, then let transfers in flight finish for `grace` seconds."""
         if self.lock is None:
             return  # never took the data directory: its state file is another daemon's
@@ -180,7 +186,7 @@ class Daemon:
         if self.server:
             log.info("stopped")
 
-    def run(self, grace: float = 10.0) -> None:
+    def run(self, grace: float = TIMEOUTS.shutdown_grace) -> None:
         """Start, serve until SIGTERM or SIGINT, then stop gracefully."""
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -193,10 +199,6 @@ class Daemon:
             pass
         log.info("shutting down")
         self.stop(grace)
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def take_data_dir(data_dir: Path) -> TextIO:

@@ -28,6 +28,7 @@ def import_prompt_cache(
     path: Path | str,
     model: ModelFingerprint,
     tokens: Sequence[int],
+    *,
     options: EncodeOptions | None = None,
 ) -> pb.CacheManifest:
     """Store an mlx-lm prompt-cache file made by `model` from `tokens`."""
@@ -41,7 +42,7 @@ def import_prompt_cache(
     if cached_tokens(cache) != len(tokens):
         raise KvmeshError(f"{path}: the cache holds {cached_tokens(cache)} tokens, the prompt has {len(tokens)}")
     layers = [snapshot(c) for c in cache]  # full attention made sparse, the other kinds as they are
-    return store.add(*encode_cache(layers, model, tokens, press_shown_by(layers), options or EncodeOptions()))
+    return store.add(*encode_cache(layers, model, tokens, press_shown_by(layers), options=options or EncodeOptions()))
 
 
 def export_prompt_cache(store: CacheStore, cache_id: str, path: Path | str, model_path: str) -> Path:

@@ -132,7 +132,7 @@ class FileHashCache:
     """sha256 of files, remembered by (absolute path, size, mtime) like `make` remembers builds."""
 
     def __init__(self, db_path: Path | str | None = None):
-        self.db_path = Path(db_path) if db_path else paths.cache_dir() / "file-hashes.sqlite3"
+        self.db_path = Path(db_path) if db_path else paths.hash_cache_file()
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as db:
             db.execute(

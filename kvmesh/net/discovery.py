@@ -13,7 +13,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -22,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zeroconf import DNSQuestionType, IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 from kvmesh.net.credentials import MeshCredentials
-from kvmesh.net.transport import SERVICE_NAME, open_channel
+from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.net.transport import SERVICE_NAME, host_port, open_channel
 from kvmesh.versions import PROTOCOL_VERSION, __version__
 
 SERVICE_TYPE = "_kvmesh._tcp.local."
@@ -42,29 +43,27 @@ class Peer:
 
 
 class PeerTable:
-    """Known peers; `live()` are those that answered their last health checks."""
+    """Known peers, each marked healthy while it answers its health checks."""
 
     def __init__(self):
         self._peers: dict[str, Peer] = {}
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
 
     def upsert(self, peer: Peer) -> None:
-        with self._changed:
+        with self._lock:
             old = self._peers.get(peer.node_id)
             self._peers[peer.node_id] = peer
             if old is None or old.addresses != peer.addresses:
                 log.info("peer %s at %s (%s)", peer.node_id, ", ".join(peer.addresses), peer.source)
-            self._changed.notify_all()
 
     def remove(self, node_id: str, why: str) -> None:
-        with self._changed:
+        with self._lock:
             if self._peers.pop(node_id, None):
                 log.info("peer %s removed: %s", node_id, why)
-                self._changed.notify_all()
 
     def checked(self, node_id: str, ok: bool, drop_after: int) -> None:
         """Record a health check; the peer leaves the live set after `drop_after` failures in a row."""
-        with self._changed:
+        with self._lock:
             peer = self._peers.get(node_id)
             if peer is None:
                 return
@@ -78,20 +77,10 @@ class PeerTable:
                 if peer.healthy and not updated.healthy:
                     log.warning("peer %s dropped: %d health checks failed", node_id, failures)
             self._peers[node_id] = updated
-            if updated.healthy != peer.healthy:
-                self._changed.notify_all()
 
     def all(self) -> list[Peer]:
-        with self._changed:
+        with self._lock:
             return sorted(self._peers.values(), key=lambda p: p.node_id)
-
-    def live(self) -> list[Peer]:
-        return [p for p in self.all() if p.healthy]
-
-    def wait_for(self, predicate: Callable[[list[Peer]], bool], timeout: float) -> bool:
-        """Block until `predicate(live peers)` holds (woken by every change), or the timeout."""
-        with self._changed:
-            return self._changed.wait_for(lambda: predicate([p for p in self._peers.values() if p.healthy]), timeout)
 
 
 def routable_addresses(interfaces: Sequence[str] | None) -> list[str]:
@@ -122,22 +111,22 @@ def dial_address(address: str, port: int) -> str | None:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return None
-    if ip.version == 4:
-        return f"{host}:{port}"
-    if ip.is_link_local:
+    if ip.version == 6 and ip.is_link_local:
         if not scope:
             return None
         if scope.isdigit():
             with contextlib.suppress(OSError):
                 scope = socket.if_indextoname(int(scope))
-        return f"[{host}%{scope}]:{port}"
-    return f"[{host}]:{port}"
+        return host_port(f"{host}%{scope}", port)
+    return host_port(host, port)
 
 
 class Discovery:
     """Advertise this node and keep a PeerTable of the others found by mDNS."""
 
-    def __init__(self, node_id: str, port: int, interfaces: Sequence[str] | None, table: PeerTable, tls: bool = False):
+    def __init__(
+        self, node_id: str, port: int, interfaces: Sequence[str] | None, table: PeerTable, *, tls: bool = False
+    ):
         self.node_id, self.port, self.table, self.tls = node_id, port, table, tls
         self.interfaces = list(interfaces) if interfaces else None
         self.zeroconf: Zeroconf | None = None
@@ -177,7 +166,7 @@ class Discovery:
         if state_change is ServiceStateChange.Removed:
             self.table.remove(node_id, "said goodbye")
             return
-        info = zeroconf.get_service_info(service_type, name, timeout=3000)
+        info = zeroconf.get_service_info(service_type, name, timeout=int(TIMEOUTS.mdns_resolve * 1000))
         if info is None or info.port is None:
             return
         props = {k.decode(): (v or b"").decode() for k, v in info.properties.items()}
@@ -218,6 +207,7 @@ class HealthChecker:
     def __init__(
         self,
         table: PeerTable,
+        *,
         interval: float = 1.0,
         drop_after: int = 2,
         forget_after: float = 600.0,

@@ -1,8 +1,9 @@
-"""Converters between kvmesh's Python types and the peer service's messages: profiles, decisions."""
+"""Converters between kvmesh's Python types and the peer service's messages: profiles, decisions,
+trailers."""
 
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.manifest import CODEC_NAMES, CODECS
-from kvmesh.errors import Rejection
+from kvmesh.errors import IntegrityError, Rejection
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
@@ -55,3 +56,21 @@ def older_protocol(version: int, who: str) -> Rejection | None:
         f"{who} speaks protocol {version or '2 or older'} (chunks as protobuf messages), this peer "
         f"{PROTOCOL_VERSION} (chunks as raw frames): update kvmesh on the older machine",
     )
+
+
+def trailer(manifest: pb.CacheManifest) -> spb.Trailer:
+    """What a sender states after a transfer's last chunk (Fetch and Publish alike)."""
+    return spb.Trailer(payload_digest=manifest.encoding.payload_digest, chunk_count=manifest.encoding.chunk_count)
+
+
+def check_trailer(message: spb.FetchResponse | spb.PublishRequest, manifest: pb.CacheManifest) -> None:
+    """The message after a transfer's announced chunks must be a trailer stating the manifest's digest
+    and count, else IntegrityError: the sender sent other than it announced. (The receiver's own
+    digest of what arrived is checked against the manifest as the chunks are.)"""
+    kind = message.WhichOneof("msg")
+    if kind != "trailer":
+        raise IntegrityError(f"{kind or 'nothing'} where the trailer was due (more chunks than announced?)")
+    if message.trailer.payload_digest != manifest.encoding.payload_digest:
+        raise IntegrityError("the trailer's digest differs from the manifest's")
+    if message.trailer.chunk_count != manifest.encoding.chunk_count:
+        raise IntegrityError("the trailer's chunk count differs from the manifest's")

@@ -4,6 +4,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.settings import setting
 
 
@@ -30,8 +31,9 @@ class Policy:
         50.0, help="calls per second allowed per peer", flag="--peer-rate", metavar="CALLS"
     )
     peer_transfers: int = setting(2, help="transfers one peer may run at once")
+    # Timeouts.peer_stream_idle says why it is what it is.
     idle_timeout: float = setting(
-        30.0,
+        TIMEOUTS.peer_stream_idle,
         help="seconds a peer's stream may wait for its next message (a decision, a chunk) before it is cut",
         metavar="SECONDS",
     )

@@ -28,11 +28,12 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.codec.chunks import FRAME_HEADER, Chunk, parse_frame
 from kvmesh.codec.compat import check_manifest, validate_manifest
 from kvmesh.codec.cut import can_cut, cut_prefix
-from kvmesh.codec.prefix import BLOCK_SIZE
+from kvmesh.codec.prefix import BLOCK_SIZE, may_serve, shared_tokens
 from kvmesh.errors import IntegrityError, ListenError, NotFoundError, Rejection, StoreError
-from kvmesh.net.messages import accept, older_protocol, profile_from_proto, reject
+from kvmesh.net.messages import accept, check_trailer, older_protocol, profile_from_proto, reject, trailer
 from kvmesh.net.policy import PeerLimits, Policy
-from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME, as_bytes, serialize
+from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME, as_bytes, host_port, serialize
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
@@ -143,6 +144,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         self,
         store: CacheStore,
         node_id: str,
+        *,
         max_transfers: int = 4,
         policy: Policy | None = None,
         max_waiting: int | None = None,
@@ -212,15 +214,14 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         matched = self.store.blocks_matched(request.model_id, list(request.block_hashes))
         for e in self.store.entries(request.model_id):
             blocks = matched.get(e.cache_id, 0)
-            # An entry whose every complete block matches may hold exactly the requester's prefix
-            # (the requester checks prefix_sha256); one that evicted nothing serves its matched blocks.
-            if blocks < e.num_tokens // BLOCK_SIZE and not (e.cuttable and blocks):
+            # The requester, who holds the prompt, tells how much of it each candidate serves.
+            if not may_serve(e.num_tokens, e.cuttable, blocks):
                 continue
             response.candidates.add(
                 cache_id=e.cache_id,
                 num_tokens=e.num_tokens,
                 prefix_sha256=e.prefix_sha256,
-                matched_tokens=min(blocks * BLOCK_SIZE, e.num_tokens),
+                matched_tokens=shared_tokens(blocks, e.num_tokens),
                 cuttable=e.cuttable,
                 method=e.method,
                 raw_bytes=e.raw_bytes,
@@ -273,12 +274,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 raise
             # Counted before the trailer goes: the receiver may ask for Info as soon as it has it.
             self.counters.add("fetches_completed")
-            yield spb.FetchResponse(
-                trailer=spb.Trailer(
-                    payload_digest=manifest.encoding.payload_digest,
-                    chunk_count=manifest.encoding.chunk_count,
-                )
-            )
+            yield spb.FetchResponse(trailer=trailer(manifest))
 
     def Probe(self, request: spb.ProbeRequest, context) -> Iterator[bytes]:
         """`request.bytes` zero bytes (at most MAX_PROBE_BYTES), in 1 MiB messages: a link measurement."""
@@ -354,13 +350,10 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 for i in range(manifest.encoding.chunk_count):
                     yield parse_frame(incoming("chunk"), f"chunk {i}")
                 try:
-                    trailer = spb.PublishRequest.FromString(incoming("trailer"))
+                    last = spb.PublishRequest.FromString(incoming("trailer"))
                 except DecodeError:
                     raise IntegrityError("more chunks than the manifest announced, or no trailer") from None
-                if trailer.WhichOneof("msg") != "trailer":
-                    raise IntegrityError(f"{trailer.WhichOneof('msg')} where the trailer was due")
-                if trailer.trailer.payload_digest != manifest.encoding.payload_digest:
-                    raise IntegrityError("the trailer's digest differs from the manifest's")
+                check_trailer(last, manifest)
 
             try:
                 stored = self.store.receive(manifest, chunks())
@@ -430,7 +423,8 @@ class RunningServer:
     port: int
     health: health.HealthServicer
 
-    def stop(self, grace: float | None = 5.0) -> None:
+    def stop(self, grace: float | None = TIMEOUTS.shutdown_grace) -> None:
+        """Stop serving; calls in flight get `grace` seconds to finish."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
 
@@ -439,6 +433,7 @@ def start_server(
     store: CacheStore,
     node_id: str,
     addresses: str | list[str] = "127.0.0.1:0",
+    *,
     max_transfers: int = 4,
     policy: Policy | None = None,
     credentials: grpc.ServerCredentials | None = None,
@@ -454,7 +449,11 @@ def start_server(
     )
     # Transfers, running or waiting, leave RESERVED_WORKERS threads to health checks, Info and Lookup.
     service = KvMeshService(
-        store, node_id, max_transfers, policy, max_waiting=workers - max_transfers - RESERVED_WORKERS
+        store,
+        node_id,
+        max_transfers=max_transfers,
+        policy=policy,
+        max_waiting=workers - max_transfers - RESERVED_WORKERS,
     )
     add_service(service, server)
     health_servicer = health.HealthServicer()
@@ -465,7 +464,7 @@ def start_server(
     port = 0
     for address in [addresses] if isinstance(addresses, str) else addresses:
         host, wanted = address.rsplit(":", 1)
-        target = f"{host}:{port or wanted}"
+        target = host_port(host, port or wanted)
         if (port or int(wanted)) and (problem := bind_problem(host.strip("[]"), port or int(wanted))):
             raise ListenError(f"cannot listen on {target}: {problem}", port or int(wanted))
         try:

@@ -9,34 +9,33 @@ from google.protobuf.message import Message
 
 from kvmesh.codec.limits import MAX_CHUNK_SIZE, max_encoded_length
 from kvmesh.net.credentials import SERVER_NAME, MeshCredentials
+from kvmesh.net.timeouts import TIMEOUTS
 
 SERVICE_NAME = "kvmesh.v1.KvMesh"
-CONTROL_SERVICE_NAME = "kvmesh.v1.Control"
 # The largest message either side accepts: one chunk of the largest allowed size, plus framing.
 MAX_MESSAGE_BYTES = max_encoded_length(MAX_CHUNK_SIZE) + (1 << 20)
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # HTTP/2 pings every 10 s during a call: a peer that went to sleep (its TCP stack may still
-    # answer) is found within 15 s even when no message is due. Peers accept pings that often.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    # Keepalive pings (Timeouts.keepalive); peers accept them as often as every keepalive_ack.
+    ("grpc.keepalive_time_ms", int(TIMEOUTS.keepalive * 1000)),
+    ("grpc.keepalive_timeout_ms", int(TIMEOUTS.keepalive_ack * 1000)),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(TIMEOUTS.keepalive_ack * 1000)),
     ("grpc.http2.max_ping_strikes", 0),
 ]
-# Transfers: a stream that brings no message for this long is cut (a frozen or sleeping peer), and
-# a whole transfer may take this long plus its bytes at MIN_TRANSFER_RATE.
-IDLE_TIMEOUT = 10.0
-TRANSFER_GRACE = 30.0
-MIN_TRANSFER_RATE = 1 << 20
 SERVER_OPTIONS = [
     *GRPC_OPTIONS,
-    # A peer that opens a connection and never finishes the TLS handshake is dropped after this.
-    ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.server_handshake_timeout_ms", int(TIMEOUTS.handshake * 1000)),
     # gRPC sets SO_REUSEPORT by default: a second daemon would bind the same port and take half
     # the clients. One server per port.
     ("grpc.so_reuseport", 0),
 ]
+
+
+def host_port(host: str, port: int | str) -> str:
+    """The `host:port` that gRPC dials and serves: an IPv6 address in brackets (`[fe80::1%en0]:7077`)."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def open_channel(address: str, credentials: MeshCredentials | None = None) -> grpc.Channel:

@@ -132,7 +132,7 @@ class Engine:
                     self.prompt_cache.model_fp.model_id,
                     response.prompt_tokens,
                     response.prompt_tokens / response.prompt_tps if response.prompt_tps else 0.0,
-                    hit.tokens,
+                    context=hit.tokens,
                 )
             generated.append(response.token)
             text += response.text

@@ -12,6 +12,7 @@ from typing import Any
 from kvmesh.daemon.config import read_file
 from kvmesh.errors import ConfigError
 from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
+from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.settings import check_choices, convert, from_table, setting, settings_of
 
 
@@ -28,9 +29,9 @@ class ServeOptions:
     memory_bytes: int = setting(2 << 30, help="bytes of live caches kept in memory, least recently used out")
     min_store_tokens: int = setting(512, help="caches of at least this many tokens also go to the store")
     max_tokens: int = setting(512, help="max_tokens of a request that gives none")
-    # Shorter than the daemon's: a request waits on it, a person on the request.
+    # Timeouts.stream_idle says why (shorter than the daemon's: a request waits on it).
     idle_timeout: float = setting(
-        10.0, help="seconds a peer's transfer may stall before the request prefills", metavar="SECONDS"
+        TIMEOUTS.stream_idle, help="seconds a peer's transfer may stall before the request prefills", metavar="SECONDS"
     )
     compress: bool = setting(False, help="keep caches in the store compressed with the measured default (8-bit)")
     fetch: str = setting("auto", help=FETCH_HELP, choices=FETCH_MODES)

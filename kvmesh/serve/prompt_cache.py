@@ -31,6 +31,7 @@ from kvmesh.fetch_or_prefill import Rates
 from kvmesh.generation import find_prefix
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.store import CacheStore
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,11 @@ class MeshPromptCache:
         model_fp: ModelFingerprint,
         store: CacheStore | None,
         peers: Sequence[str] | Callable[[], list[str]] = (),
+        *,
         credentials: MeshCredentials | None = None,
         max_bytes: int = 2 << 30,
         min_store_tokens: int = 512,
-        idle_timeout: float = 10.0,
+        idle_timeout: float = TIMEOUTS.stream_idle,
         rates: Rates | None = None,
     ):
         """`peers` is a list of addresses, or a function returning the live ones (the local daemon's).
@@ -116,7 +118,7 @@ class MeshPromptCache:
                 self.model_fp,
                 tokens,
                 self.store,
-                self.peers(),
+                peers=self.peers(),
                 credentials=self.credentials,
                 idle_timeout=self.idle_timeout,
                 min_tokens=best,
@@ -127,10 +129,10 @@ class MeshPromptCache:
                     found,
                     source.tokens,
                     source.where,
-                    source.wire_bytes,
-                    source.seconds,
-                    source.skipped,
-                    source.choices,
+                    wire_bytes=source.wire_bytes,
+                    seconds=source.seconds,
+                    skipped=source.skipped,
+                    choices=source.choices,
                 )
             skipped, choices = source.skipped, source.choices
         if best_key is None:

@@ -15,6 +15,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import Rates
 from kvmesh.model.loaded import LoadedModel
 from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.transport import host_port
 from kvmesh.serve.app import ServedModel, make_app
 from kvmesh.serve.engine import Engine
 from kvmesh.serve.options import ServeOptions
@@ -62,11 +63,11 @@ def serve(
         fp,
         store,
         peers,
-        credentials,
-        options.memory_bytes,
-        options.min_store_tokens,
-        options.idle_timeout,
-        rates if options.fetch == "auto" else None,
+        credentials=credentials,
+        max_bytes=options.memory_bytes,
+        min_store_tokens=options.min_store_tokens,
+        idle_timeout=options.idle_timeout,
+        rates=rates if options.fetch == "auto" else None,
     )
     if options.compress:
         prompt_cache.compress_with(make_press(*DEFAULT_COMPRESSION), model)
@@ -85,10 +86,9 @@ def serve(
         sock.bind((options.host, options.port))
     except OSError as e:
         sock.close()
-        raise KvmeshError(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}") from None
-    port = sock.getsockname()[1]
-    host = f"[{options.host}]" if ":" in options.host else options.host
-    announce(f"kvmesh serve: {name} at http://{host}:{port}/v1 (model id {fp.model_id})")
+        raise KvmeshError(f"cannot listen on {host_port(options.host, options.port)}: {e.strerror or e}") from None
+    address = host_port(options.host, sock.getsockname()[1])
+    announce(f"kvmesh serve: {name} at http://{address}/v1 (model id {fp.model_id})")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     try:
         server.run(sockets=[sock])

@@ -30,13 +30,12 @@ from contextlib import closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
 
 from kvmesh import paths
 from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, parse_frame
 from kvmesh.codec.compat import validate_manifest
 from kvmesh.codec.manifest import content_id, cuttable
-from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, prefix_sha256
+from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, may_serve, shared_tokens, tokens_served
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
 from kvmesh.store import entry_file
 from kvmesh.store.budget import AUTO_BUDGET, resolve_budget
@@ -46,14 +45,6 @@ log = logging.getLogger(__name__)
 # Raised whenever the index's tables change; an index of another version is rebuilt from the files.
 INDEX_VERSION = 3
 INDEX = "index.sqlite3"
-
-
-class ChunkDecoder(Protocol):
-    """What `receive` needs of a decoder (kvmesh.codec.decode.CacheDecoder) to decode as it stores."""
-
-    checker: ChunkChecker
-
-    def feed_iter(self, chunks: Iterable[Chunk]) -> Iterator[Chunk]: ...
 
 
 @dataclass(frozen=True)
@@ -125,7 +116,7 @@ class CacheStore:
     no limit. Every writer keeps to it, least-recently used entries going first.
     """
 
-    def __init__(self, root: Path | str | None = None, max_bytes: int | None = AUTO_BUDGET):
+    def __init__(self, root: Path | str | None = None, *, max_bytes: int | None = AUTO_BUDGET):
         self.root = Path(root) if root else paths.store_dir()
         self.entries_dir = self.root / "entries"
         self.incoming_dir = self.root / "incoming"
@@ -304,23 +295,19 @@ class CacheStore:
     # Writing
 
     def add(self, manifest: pb.CacheManifest, chunks: Iterable[Chunk]) -> pb.CacheManifest:
-        """Store a cache this process encoded: `store.add(*kvmesh.codec.encode.encode_cache(...))`.
+        """Store a cache whose chunks this process made or checked: `store.add(*encode_cache(...))`,
+        or a fetched cache as its decoder checks it (`kvmesh.codec.decode.CacheDecoder.feed_iter`).
 
         The chunks are written as they come; the manifest, completed by the encoder once the last
-        chunk is out, gets its id and goes last. Returns it.
+        chunk is out, gets its id and goes last. Returns it. Whatever `chunks` raises (a chunk or
+        digest that fails its decoder's checks) leaves nothing in the store.
         """
         return self._write(manifest, chunks)
 
-    def receive(
-        self,
-        manifest: pb.CacheManifest,
-        chunks: Iterable[Chunk],
-        trailer_digest: bytes | None = None,
-        decoder: ChunkDecoder | None = None,
-    ) -> pb.CacheManifest:
-        """Store a cache that arrives as chunks (from a peer or a file), checking every one.
+    def receive(self, manifest: pb.CacheManifest, chunks: Iterable[Chunk]) -> pb.CacheManifest:
+        """Store a cache that arrives as chunks nobody here checked (a peer's publish, a file),
+        checking every one and the digest.
 
-        With a `decoder`, each chunk is also decoded into it (one pass for fetch-and-keep).
         A bad chunk raises IntegrityError and leaves nothing in the store; a cache the budget
         cannot hold raises StoreError before any chunk is read.
         """
@@ -328,17 +315,7 @@ class CacheStore:
             raise IntegrityError(f"malformed manifest: {rejection.message}")
         if problem := self.cannot_hold(manifest):
             raise StoreError(problem)
-        checker = decoder.checker if decoder else ChunkChecker(manifest)
-
-        def checked() -> Iterator[Chunk]:
-            if decoder:
-                yield from decoder.feed_iter(chunks)
-            else:
-                for chunk, _ in checker.check_all(chunks, threads=DECODE_THREADS):
-                    yield chunk
-            checker.finish(trailer_digest)
-
-        return self._write(manifest, checked())
+        return self._write(manifest, ChunkChecker(manifest).verified(chunks, threads=DECODE_THREADS))
 
     def cannot_hold(self, manifest: pb.CacheManifest) -> str | None:
         """Why this store cannot take the cache (its budget, its free disk), known from the manifest alone."""
@@ -494,11 +471,9 @@ class CacheStore:
         A damaged entry is quarantined and raises IntegrityError.
         """
         manifest = self.manifest(cache_id)
-        checker = ChunkChecker(manifest)
         try:
-            for _ in checker.check_all(self.chunks(cache_id), threads=DECODE_THREADS):
+            for _ in ChunkChecker(manifest).verified(self.chunks(cache_id), threads=DECODE_THREADS):
                 pass
-            checker.finish()
         except IntegrityError as e:
             self._quarantine(self._path(cache_id), str(e))
             raise
@@ -519,17 +494,19 @@ class CacheStore:
         """The entry serving the longest prefix of `tokens` for this model, if any.
 
         An entry serves its exact prefix; one that evicted nothing also serves any block-aligned
-        shorter prefix of itself (cut by `kvmesh.codec.cut`).
+        shorter prefix of itself (cut by `kvmesh.codec.cut`): `kvmesh.codec.prefix.tokens_served`.
+        On a tie, the entry of exactly that prefix wins (nothing to cut).
         """
         best: PrefixMatch | None = None
         hashes = block_hashes(tokens, BLOCK_SIZE)
         shared = self.blocks_matched(model_id, hashes)
         for e in self.entries(model_id):
-            usable = 0
-            if e.num_tokens <= len(tokens) and prefix_sha256(tokens[: e.num_tokens]) == e.prefix_sha256:
-                usable = e.num_tokens
-            elif e.cuttable:
-                usable = min(shared.get(e.cache_id, 0) * BLOCK_SIZE, e.num_tokens)
+            blocks = shared.get(e.cache_id, 0)
+            if not may_serve(e.num_tokens, e.cuttable, blocks):
+                continue
+            usable = tokens_served(
+                tokens, e.num_tokens, e.prefix_sha256, e.cuttable, shared_tokens(blocks, e.num_tokens)
+            )
             if usable and (best is None or usable > best.tokens or (usable == best.tokens and e.num_tokens == usable)):
                 best = PrefixMatch(e, usable)
         return best

@@ -1,4 +1,4 @@
-"""What several test modules share that is not a fixture: running the `kvmesh` command."""
+"""Running the `kvmesh` command as a user runs it, and mlx-lm's own command line."""
 
 import os
 import subprocess
@@ -26,16 +26,12 @@ def mlx_lm_cli(*args) -> subprocess.CompletedProcess:
     )
 
 
-def put(store, cache, fp, tokens, press=None, **options):
-    """Encode a sparse cache into a store (EncodeOptions from keywords); returns its manifest."""
-    from kvmesh.codec.encode import EncodeOptions, encode_cache
-
-    return store.add(*encode_cache(cache, fp, tokens, press, EncodeOptions(**options)))
-
-
-def load(store, cache_id):
-    """(manifest, decoded sparse cache) of a stored entry."""
-    from kvmesh.codec.decode import decode_chunks
-
-    manifest = store.manifest(cache_id)
-    return manifest, decode_chunks(manifest, store.chunks(cache_id))
+def rss(pid: int, missing: int | None = None) -> int:
+    """The resident memory of a process in bytes, from /proc (Linux). A process without one (a zombie)
+    raises AssertionError, unless `missing` is given: then that is returned."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    if missing is None:
+        raise AssertionError(f"process {pid} has no VmRSS")
+    return missing

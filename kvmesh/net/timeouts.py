@@ -1,0 +1,56 @@
+"""Every time limit of kvmesh's calls, streams and daemons, in one place, each with why it is what it is.
+
+gRPC has no per-message timeout and a sleeping Mac's TCP stack may keep a connection open for
+minutes, so each limit here is what keeps one stalled party from holding another: a request from
+waiting on a peer that went away, a transfer slot from a peer that stopped reading. Needs nothing
+but the standard library: every layer from the network up reads it.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds (and the one rate) the network and the daemon allow; `TIMEOUTS` holds the defaults."""
+
+    # A unary call to a peer (Info, Lookup, Probe): a LAN peer answers in milliseconds, and a busy
+    # one still keeps threads for these (kvmesh.net.server RESERVED_WORKERS): after this, it is gone.
+    call: float = 10.0
+    # A lookup on the way to a prompt's first token: a person waits on it, and a peer that slow
+    # would cost more than the prefill its cache could save.
+    lookup: float = 5.0
+    # A receiver's stream that brings no message for this long is cut (a frozen or sleeping peer);
+    # the request then goes on without that peer. Short: a request, and a person, wait on it.
+    stream_idle: float = 10.0
+    # A sender's stream that brings no message (a decision, a chunk) for this long is cut, so a peer
+    # that stopped reading frees its transfer slot (the daemon's policy, `idle_timeout`). Longer
+    # than the receiver's: a receiver may take its time to decide (its store, its disk) and decode.
+    peer_stream_idle: float = 30.0
+    # A whole transfer may take this long plus its bytes at `min_transfer_rate` (bytes per second):
+    # generous for setting up and for a slow link, yet a crawling transfer ends.
+    transfer_grace: float = 30.0
+    min_transfer_rate: int = 1 << 20
+    # HTTP/2 pings this often during a call, and a ping unanswered this long cuts it: a peer that
+    # went to sleep (its TCP stack may still answer) is found within 15 s even when no message is due.
+    keepalive: float = 10.0
+    keepalive_ack: float = 5.0
+    # A peer that opens a connection and never finishes the TLS handshake is dropped after this.
+    handshake: float = 10.0
+    # Resolving an mDNS advert's addresses: multicast answers come within a second on a LAN; a
+    # peer that does not answer by then is heard again at its next advert.
+    mdns_resolve: float = 3.0
+    # A call to the local daemon's Control service on loopback: it answers at once or is stuck.
+    control: float = 5.0
+    # Transfers in flight get this long to finish when a daemon or server stops.
+    shutdown_grace: float = 10.0
+    # A new daemon serves within seconds; a loaded machine (imports, key generation) may take tens.
+    daemon_start: float = 60.0
+    # A stopping daemon says goodbye to the mesh and lets transfers finish (`shutdown_grace`) first.
+    daemon_stop: float = 30.0
+
+    def transfer_deadline(self, encoded_bytes: int) -> float:
+        """Seconds a transfer of `encoded_bytes` may take in all."""
+        return self.transfer_grace + encoded_bytes / self.min_transfer_rate
+
+
+TIMEOUTS = Timeouts()

@@ -1,0 +1,107 @@
+"""What a compressed cache is probed with on the real model (scripts/bench_quality.py and
+scripts/bench_transform.py): texts with facts placed at depths, questions about them, teacher-forced
+continuations, and greedy answers, each probe taken back from the cache after it ran.
+
+The query-agnostic setting of the mesh: a cache is made from a context alone and probed afterwards
+with what nobody knew when it was compressed.
+"""
+
+from importlib import resources
+from pathlib import Path
+
+import mlx.core as mx
+
+from kvmesh.caches.sparse import SparseQuantizedKVCache
+from kvmesh.model.prompt import prompt_tokens
+
+DECLARATION = Path(__file__).resolve().parents[2] / "scripts" / "data" / "declaration.txt"
+# (thing, value): "The {thing} is {value}." placed in the context, "What is the {thing}?" asked after.
+FACTS = [
+    ("code of the blue locker", "4817"),
+    ("name of the ship's cat", "Pepper"),
+    ("city where the archive is kept", "Valparaiso"),
+    ("colour of the third door", "orange"),
+    ("password for the garden shed", "marigold"),
+]
+DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+QUESTIONS = {
+    "declaration": [
+        ("Which three unalienable rights does the text name?", "liberty"),
+        ("Which king does the text accuse?", "britain"),
+        ("From whom do governments derive their just powers, according to the text?", "consent"),
+    ],
+    "notes": [
+        ("What began to sing just as the rain started?", "kettle"),
+        ("What is the store of keys and values called?", "cache"),
+    ],
+}
+CONTINUATION = 96  # tokens of true text teacher-forced after the context
+
+
+def load_texts() -> dict[str, str]:
+    return {
+        "declaration": DECLARATION.read_text(),
+        "notes": resources.files("kvmesh").joinpath("data/corpus.txt").read_text(),
+    }
+
+
+def with_facts(text: str) -> str:
+    """The text with one fact per depth, each placed at a paragraph or sentence boundary."""
+    sentences = text.replace("\n\n", "\n\n ").split(". ")
+    out = list(sentences)
+    for (thing, value), depth in sorted(zip(FACTS, DEPTHS, strict=True), key=lambda f: -f[1]):
+        at = round(depth * (len(sentences) - 1))
+        out.insert(at + (1 if depth == 1.0 else 0), f"The {thing} is {value}")
+    return ". ".join(out)
+
+
+def fp16_bytes(cache) -> int:
+    """Bytes of the cache were its floats fp16 (the model runs in fp32 here; a Mac runs fp16)."""
+    total = 0
+    for layer in cache:
+        keys, values = layer.keys_and_values()
+        if isinstance(layer, SparseQuantizedKVCache):
+            for packed, scales, biases in (keys, values):
+                total += packed.nbytes + (scales.nbytes + biases.nbytes) // scales.itemsize * 2
+        else:
+            total += (keys.nbytes + values.nbytes) // keys.itemsize * 2
+    return total
+
+
+def after(tokenizer, context_text: str, question: str) -> list[int]:
+    """The tokens a question adds after the cached context (chat template: the user turn ends, the
+    assistant's begins)."""
+    context = prompt_tokens(tokenizer, context_text, "", chat=True)
+    return prompt_tokens(tokenizer, context_text, "\n\n" + question, chat=True)[len(context) :]
+
+
+def greedy(model, cache, tokens: list[int], n: int, stop: int) -> list[int]:
+    """Up to n greedy tokens (ending at `stop`) after feeding `tokens`; the cache is trimmed back after."""
+    logits = model(mx.array(tokens)[None], cache=cache)[0, -1]
+    out: list[int] = []
+    while len(out) < n and (token := int(mx.argmax(logits).item())) != stop:
+        out.append(token)
+        logits = model(mx.array([token])[None], cache=cache)[0, -1]
+    trim(cache, len(tokens) + len(out))
+    return out
+
+
+def continuation_logprobs(model, cache, tokens: list[int]) -> mx.array:
+    logits = model(mx.array(tokens)[None], cache=cache)[0].astype(mx.float32)
+    mx.eval(logits)
+    trim(cache, len(tokens))
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def value_nll(model, cache, question: list[int], value: list[int]) -> float:
+    """Mean negative log-probability of the value's tokens after the question (teacher-forced)."""
+    logprobs = continuation_logprobs(model, cache, question + value)
+    picked = mx.take_along_axis(logprobs[len(question) - 1 : -1], mx.array(value)[:, None], axis=-1)
+    return -picked.mean().item()
+
+
+def trim(cache, n: int) -> None:
+    """Take back the n tokens a probe fed (full-attention caches, sparse or not, trim exactly)."""
+    for layer in cache:
+        if layer.trim(n) != n:
+            raise RuntimeError("a probe could not be taken back")

@@ -1,0 +1,71 @@
+"""What a person types wrong is refused by the parser in one line, before any model loads."""
+
+import pytest
+
+from kvmesh.caches.presses import make_press
+from kvmesh.cli import build_parser
+from kvmesh.errors import PressConfigError
+
+
+def refusal(capsys, *argv):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(list(argv))
+    assert exited.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temp", "-1"], "argument --temp: must be in [0, inf), not -1"),
+        (["--temp", "nan"], "argument --temp: must be in [0, inf), not nan"),
+        (["--top-p", "0"], "argument --top-p: must be in (0, 1], not 0"),
+        (["--top-p", "1.5"], "argument --top-p: must be in (0, 1], not 1.5"),
+        (["--max-tokens", "0"], "argument --max-tokens: must be at least 1, not 0"),
+    ],
+)
+def test_generate_refuses_sampling_settings_that_make_no_sense(capsys, argv, message):
+    assert refusal(capsys, "generate", "m", "--prompt", "p", *argv) == f"kvmesh generate: error: {message}"
+
+
+def test_kv_bits_offers_the_widths_there_are(capsys):
+    line = refusal(capsys, "prefill", "m", "--prompt", "p", "--kv-bits", "7")
+    assert line == "kvmesh prefill: error: argument --kv-bits: invalid choice: 7 (choose from 2, 3, 4, 5, 6, 8)"
+
+
+def test_a_ratio_and_a_budget_together_are_refused():
+    with pytest.raises(PressConfigError, match=r"snapkv: give ratio .* or budget .*, not both"):
+        make_press("snapkv", {"ratio": 0.5, "budget": 64})
+
+
+def test_every_group_and_positional_has_help():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0]
+    for name, sub in commands.choices.items():
+        assert sub.description, f"kvmesh {name} has no description"
+        groups = [a for a in sub._actions if a.choices and isinstance(a.choices, dict)]
+        subs = [(f"{name} {n}", p) for g in groups for n, p in g.choices.items()] or [(name, sub)]
+        for full, parser_ in subs:
+            for action in parser_._actions:
+                if not action.option_strings and not isinstance(action.choices, dict):
+                    assert action.help, f"kvmesh {full}: positional {action.dest} has no help"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--data-dir", "D", "cache", "--store", "S", "list"],
+        ["cache", "list", "--data-dir", "D", "--store", "S"],
+        ["--data-dir", "D", "cache", "list", "--store", "S"],
+        ["cache", "--store", "S", "list", "--data-dir", "D"],
+    ],
+)
+def test_data_dir_and_store_go_before_or_after_the_command(argv):
+    args = build_parser().parse_args(argv)
+    assert (args.data_dir, args.store) == ("D", "S")
+
+
+def test_without_them_each_command_sees_none():
+    args = build_parser().parse_args(["cache", "list"])
+    assert (args.data_dir, args.store) == (None, None)
+    assert build_parser().parse_args(["status"]).data_dir is None

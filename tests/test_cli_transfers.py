@@ -1,0 +1,65 @@
+"""`kvmesh publish` and `kvmesh fetch` as a user runs them: a cache of the local store given to a real
+daemon; a fetch of what the store already holds."""
+
+import json
+
+import pytest
+
+from kvmesh.store import CacheStore
+from support.daemons import loopback_daemon
+from support.processes import cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def stored(tiny_dir, tmp_path):
+    """(store dir, cache id) of a cache `kvmesh prefill` made."""
+    local = tmp_path / "local"
+    made = cli("prefill", tiny_dir, "--prompt", "The river runs to the sea. " * 20, "--store", local, "--json")
+    return local, json.loads(made.stdout)["cache_id"]
+
+
+def test_publish_gives_the_cache_to_the_peer_byte_for_byte(stored, tmp_path):
+    local, cache_id = stored
+    daemon = loopback_daemon(tmp_path / "peer.data", "--store", tmp_path / "peer")
+    try:
+        result = cli("publish", cache_id, daemon.address, "--store", local, data_dir=tmp_path / "me", check=False)
+        assert result.returncode == 0, result.stderr
+        out = result.stdout
+    finally:
+        daemon.stop()
+    assert out.startswith(f"published {cache_id} to {daemon.address} (") and out.endswith(
+        f"stored there as {cache_id}\n"
+    )
+    theirs, ours = CacheStore(tmp_path / "peer"), CacheStore(local)
+    theirs.verify(cache_id)
+    assert theirs.manifest(cache_id) == ours.manifest(cache_id)
+    assert list(theirs.chunk_records(cache_id)) == list(ours.chunk_records(cache_id))
+
+
+def test_a_read_only_peer_refuses_in_one_line_and_stores_nothing(stored, tmp_path):
+    local, cache_id = stored
+    daemon = loopback_daemon(tmp_path / "peer.data", "--store", tmp_path / "peer", "--read-only")
+    try:
+        result = cli("publish", cache_id, daemon.address, "--store", local, data_dir=tmp_path / "me", check=False)
+    finally:
+        daemon.stop()
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("kvmesh: error: ") and "does not accept publishes" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert CacheStore(tmp_path / "peer").entries() == []
+
+
+def test_an_unknown_cache_is_a_clear_error_before_dialling(tmp_path):
+    result = cli("publish", "0" * 32, "127.0.0.1:9", "--store", tmp_path / "empty", check=False)
+    assert result.returncode == 1 and result.stderr.startswith("kvmesh: error: ") and "0" * 32 in result.stderr
+
+
+def test_fetching_a_cache_the_store_holds_says_so_and_dials_no_one(stored, tiny_dir):
+    local, cache_id = stored
+    # Port 9 (discard) has no listener here: a dial would fail.
+    result = cli("fetch", cache_id, "--peer", "127.0.0.1:9", "--model", tiny_dir, "--store", local)
+    assert (
+        result.stdout.startswith(f"{cache_id} is already in the local store (") and "nothing fetched" in result.stdout
+    )
