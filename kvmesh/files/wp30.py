@@ -1,6 +1,6 @@
 """`wp30-cache-2` files (the single-file format kvmesh grew from) in and out of the store.
 
-The layout is in shared/docs/wp30-format.md: one safetensors file, maybe gzip- or zstd-compressed
+The layout: one safetensors file, maybe gzip- or zstd-compressed
 as a whole, with a JSON manifest and per-layer list in its metadata and arrays `L{i}.k`/`L{i}.v`
 (or `L{i}.k0..k2`/`L{i}.v0..v2` when quantized). The file holds only a hash of its prompt's
 tokens, so importing (and exporting) needs the prompt.
@@ -10,6 +10,12 @@ the geometry, the prefix's token hash, and each layer's shapes, dtypes and count
 arrays really present. Its model-identity hashes were computed by that project's model inspector,
 which kvmesh cannot repeat: one equal to kvmesh's hash of the same thing is verified, any other is
 reported as not checked (`Wp30Import.unchecked`), never silently passed.
+
+Dtypes are spelled as the format's writer spelled them, `str(array.dtype)`, which MLX renders with
+its module prefix: `"mlx.core.float32"`, and `"mlx.core.uint32"` for packed quantized data (a
+quantized layer's `dtypes` lists its (packed, scales, biases) triple). Imports read those and bare
+names (`"float32"`, which kvmesh's exports once wrote, with all six arrays' dtypes); exports write
+the format's own spelling, which its loader compares with `str(array.dtype)`.
 """
 
 import gzip
@@ -42,6 +48,8 @@ GZIP_MAGIC, ZSTD_MAGIC = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
 COMPRESSIONS = ("none", "gzip", "zstd")
 QUANTIZED_CLASSES = ("QuantizedKVCache", "SparseQuantizedKVCache")
 DENSE_CLASSES = ("KVCache", "SparseKVCache")
+# `str(mx.float32)` is "mlx.core.float32": the format's dtype strings carry MLX's module prefix.
+DTYPE_PREFIX = "mlx.core."
 # What the format says of positions and masks, written on export.
 POSITIONS = "keys are stored post-RoPE at their original positions; logical_offset is the count of tokens processed"
 MASK_SEMANTICS = "retained positions are fully visible to new tokens; new tokens are causal among themselves"
@@ -162,8 +170,21 @@ def import_wp30(
     if unused := set(arrays) - {name for i in range(len(cache)) for name in _array_names(i, cache[i])}:
         raise refuse(f"arrays no layer describes: {', '.join(sorted(unused))}")
     press = _press(manifest, cache)
-    result.manifest = store.add(*encode_cache(cache, model, tokens, press, options or EncodeOptions()))
+    result.manifest = store.add(*encode_cache(cache, model, tokens, press, options=options or EncodeOptions()))
     return result
+
+
+def _bare_dtype(spelled: Any) -> Any:
+    """A manifest's dtype string, `"mlx.core.float32"` (the format's own spelling) or `"float32"`, as
+    the bare name kvmesh compares; anything else is returned as it is, to be refused."""
+    if isinstance(spelled, str) and spelled.startswith(DTYPE_PREFIX):
+        return spelled[len(DTYPE_PREFIX) :]
+    return spelled
+
+
+def _spelled_dtype(dtype: mx.Dtype) -> str:
+    """A dtype as the format writes it, `str(array.dtype)`: `mlx.core.float32`."""
+    return DTYPE_PREFIX + mlx_dtype_name(dtype)
 
 
 def _array_names(i: int, layer: SparseKVCache | SparseQuantizedKVCache) -> list[str]:
@@ -204,14 +225,16 @@ def _layer(refuse, i: int, meta: Any, described: Any, arrays: dict, model: Model
         expected_dtypes = ["uint32", model.dtype, model.dtype] * 2
         if described.get("k_shapes") != shapes[:3] or described.get("v_shapes") != shapes[3:]:
             raise refuse(f"layer {i}: k_shapes/v_shapes do not match the arrays {shapes}")
-        if described.get("dtypes") not in (dtypes, dtypes[:3]):
-            raise refuse(f"layer {i}: dtypes {described.get('dtypes')!r} do not match the arrays {dtypes}")
+        # The format lists the dtypes of one (packed, scales, biases) triple; kvmesh once wrote all six.
+        theirs = described.get("dtypes")
+        if not isinstance(theirs, list) or [_bare_dtype(d) for d in theirs] not in (dtypes, dtypes[:3]):
+            raise refuse(f"layer {i}: dtypes {theirs!r} do not match the arrays {dtypes[:3]}")
     else:
         widths = [model.head_dim] * 2
         expected_dtypes = [model.dtype] * 2
         if [described.get("k_shape"), described.get("v_shape")] != shapes:
             raise refuse(f"layer {i}: k_shape/v_shape do not match the arrays {shapes}")
-        if described.get("dtype") != dtypes[0]:
+        if _bare_dtype(described.get("dtype")) != dtypes[0]:
             raise refuse(f"layer {i}: dtype {described.get('dtype')!r}, the arrays are {dtypes[0]}")
     expected_shapes = [[1, model.num_kv_heads, n_kept, w] for w in widths]
     if shapes != expected_shapes or dtypes != expected_dtypes:
@@ -270,13 +293,13 @@ def export_wp30(
             about.update(
                 k_shapes=[list(a.shape) for a in keys],
                 v_shapes=[list(a.shape) for a in values],
-                dtypes=[mlx_dtype_name(a.dtype) for a in (*keys, *values)],
+                dtypes=[_spelled_dtype(a.dtype) for a in keys],
                 bits=layer.bits,
                 group_size=layer.group_size,
             )
         else:
             arrays[f"L{i}.k"], arrays[f"L{i}.v"] = keys, values
-            about.update(k_shape=list(keys.shape), v_shape=list(values.shape), dtype=mlx_dtype_name(keys.dtype))
+            about.update(k_shape=list(keys.shape), v_shape=list(values.shape), dtype=_spelled_dtype(keys.dtype))
         about.update(stored_positions=layer.n_kept, logical_offset=layer.offset)
         layers.append(entry)
         described.append(about)
@@ -306,7 +329,8 @@ def export_wp30(
         "method_id": manifest.compression.method,
         "compression_config": _config_dict(manifest.compression.config),
         "layers": described,
-        "dtype": dtype_name(manifest.dtype),
+        # Not the format's: kvmesh's own record of the model's dtype, spelled as the format spells dtypes.
+        "dtype": DTYPE_PREFIX + dtype_name(manifest.dtype),
     }
     metadata = {"wp30_manifest": json.dumps(wp30, separators=(",", ":")), "wp30_layers": json.dumps(layers)}
     path = Path(path)
