@@ -1,0 +1,259 @@
+"""A per-model PCA basis for the transform codec: per layer, one for keys (RoPE removed), one for values.
+
+Each basis spans the heads of a layer jointly: a row is one token's `kv_heads * head_dim` numbers (the
+heads concatenated), so the correlation between heads is used too. It is fitted once per model from
+calibration caches of ordinary text (`fit_basis`) and travels as bytes with a sha256 content id: peers
+cannot recompute it bit for bit (BLAS sums in other orders), so a receiver checks the bytes against
+the id the sender names (`Basis.from_bytes(data, digest)`).
+
+The bytes are a safetensors file (readable by `mx.load` or `safetensors`), written here with sorted
+names and a canonical JSON header so the same basis always gives the same bytes:
+`layers.{i}.{k|v}.mean` (float32, F), `.components` (float16 by default, (F, F): row j is component
+j, in order of decreasing calibration variance), `.rms` (float32, F: the calibration RMS of each
+component's coefficient); the metadata holds each layer's rotary settings and how it was fitted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvmesh.codec.rotary import Rotary, remove_rope
+
+FORMAT = "kvmesh-transform-basis/1"
+_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+class BasisError(ValueError):
+    """Basis bytes that do not match their id, or cannot be read, or do not fit a cache."""
+
+
+@dataclass
+class TensorBasis:
+    """The PCA of one tensor kind (keys or values) of one layer: x ≈ mean + coefficients @ components."""
+
+    mean: np.ndarray  # (F,) float32
+    components: np.ndarray  # (F, F) float16/float32, row j = component j
+    rms: np.ndarray  # (F,) float32, decreasing
+    _synthesis: np.ndarray | None = field(default=None, repr=False)
+    _analysis: np.ndarray | None = field(default=None, repr=False)
+    _mx: dict[str, mx.array] = field(default_factory=dict, repr=False)
+
+    @property
+    def features(self) -> int:
+        return int(self.mean.shape[0])
+
+    @property
+    def scale(self) -> float:
+        """The calibration RMS per feature (all components together): the unit coefficients are coded in."""
+        return float(np.sqrt(np.mean(self.rms.astype(np.float64) ** 2))) or 1.0
+
+    def synthesis(self) -> np.ndarray:
+        """(F, F) float32: coefficients -> centred rows (what the decoder multiplies by)."""
+        if self._synthesis is None:
+            self._synthesis = np.ascontiguousarray(self.components.astype(np.float32))
+        return self._synthesis
+
+    def analysis(self) -> np.ndarray:
+        """(F, F) float32: centred rows -> coefficients, the exact inverse of the stored (rounded)
+        components, so that coding with no quantization reconstructs the input to float rounding."""
+        if self._analysis is None:
+            self._analysis = np.ascontiguousarray(np.linalg.inv(self.components.astype(np.float64)).astype(np.float32))
+        return self._analysis
+
+    def on_mlx(self, which: str) -> mx.array:
+        """`mean`, `synthesis` or `analysis` as an MLX float32 array (kept for the next call)."""
+        if which not in self._mx:
+            source = {"mean": lambda: self.mean, "synthesis": self.synthesis, "analysis": self.analysis}[which]()
+            self._mx[which] = mx.array(np.asarray(source, dtype=np.float32))
+        return self._mx[which]
+
+    def project(self, rows: np.ndarray) -> np.ndarray:
+        """(N, F) rows -> (N, F) coefficients."""
+        return (np.asarray(rows, dtype=np.float32) - self.mean) @ self.analysis()
+
+    def reconstruct(self, coefficients: np.ndarray) -> np.ndarray:
+        """(N, n) coefficients of the first n components -> (N, F) rows."""
+        n = coefficients.shape[1]
+        return np.asarray(coefficients, dtype=np.float32) @ self.synthesis()[:n] + self.mean
+
+
+def fit_tensor_basis(rows: np.ndarray | None = None, *, moments: tuple | None = None, dtype=np.float16) -> TensorBasis:
+    """The PCA of (N, F) rows, or of accumulated `moments` (count, sum (F,), sum of outer products (F, F))."""
+    if moments is None:
+        assert rows is not None
+        r = np.asarray(rows, dtype=np.float64)
+        moments = (r.shape[0], r.sum(axis=0), r.T @ r)
+    count, total, outer = moments
+    if count < 2:
+        raise BasisError("a basis needs at least two calibration rows")
+    mean = total / count
+    cov = outer / count - np.outer(mean, mean)
+    cov = (cov + cov.T) / 2
+    eigvals, eigvecs = np.linalg.eigh(cov)
+    order = np.argsort(eigvals)[::-1]
+    eigvals, eigvecs = np.clip(eigvals[order], 0.0, None), eigvecs[:, order]
+    # A deterministic sign: each component's largest entry positive.
+    signs = np.sign(eigvecs[np.argmax(np.abs(eigvecs), axis=0), np.arange(eigvecs.shape[1])])
+    eigvecs = eigvecs * np.where(signs == 0, 1.0, signs)
+    return TensorBasis(
+        mean=mean.astype(np.float32),
+        components=np.ascontiguousarray(eigvecs.T.astype(dtype)),
+        rms=np.sqrt(eigvals).astype(np.float32),
+    )
+
+
+def _rows(x: Any) -> np.ndarray:
+    """(B, H, T, D) -> (B*T, H*D): one row per token, heads concatenated."""
+    a = np.asarray(x, dtype=np.float32)
+    b, h, t, d = a.shape
+    return a.transpose(0, 2, 1, 3).reshape(b * t, h * d)
+
+
+@dataclass
+class Basis:
+    """Per layer, the key and value bases, and the rotary settings the keys were un-rotated with."""
+
+    keys: list[TensorBasis]
+    values: list[TensorBasis]
+    rotaries: list[Rotary]
+    info: dict[str, Any] = field(default_factory=dict)
+    _bytes: bytes | None = field(default=None, repr=False)
+    _digest: str | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def to_bytes(self) -> bytes:
+        """The basis as deterministic safetensors bytes."""
+        if self._bytes is None:
+            tensors: dict[str, np.ndarray] = {}
+            for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+                for kind, tb in (("k", k), ("v", v)):
+                    tensors[f"layers.{i}.{kind}.mean"] = tb.mean
+                    tensors[f"layers.{i}.{kind}.components"] = tb.components
+                    tensors[f"layers.{i}.{kind}.rms"] = tb.rms
+            meta = {
+                "format": FORMAT,
+                "rotaries": json.dumps([r.to_dict() for r in self.rotaries], sort_keys=True, separators=(",", ":")),
+                "info": json.dumps(self.info, sort_keys=True, separators=(",", ":")),
+            }
+            self._bytes = _safetensors_bytes(tensors, meta)
+        return self._bytes
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the bytes, hex: the basis's content id."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.to_bytes()).hexdigest()
+        return self._digest
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.to_bytes())
+
+    @classmethod
+    def from_bytes(cls, data: bytes, digest: str) -> Basis:
+        """The basis of `data`, refused unless its sha256 is `digest` (hex)."""
+        got = hashlib.sha256(data).hexdigest()
+        if got != digest.lower():
+            raise BasisError(f"basis bytes do not match their id: sha256 {got[:16]}..., expected {digest[:16]}...")
+        tensors, meta = _read_safetensors(data)
+        if meta.get("format") != FORMAT:
+            raise BasisError(f"not a transform basis (format {meta.get('format')!r}, want {FORMAT!r})")
+        rotaries = [Rotary.from_dict(r) for r in json.loads(meta["rotaries"])]
+        keys: list[TensorBasis] = []
+        values: list[TensorBasis] = []
+        for i in range(len(rotaries)):
+            for kind, out in (("k", keys), ("v", values)):
+                p = f"layers.{i}.{kind}."
+                try:
+                    out.append(TensorBasis(tensors[p + "mean"], tensors[p + "components"], tensors[p + "rms"]))
+                except KeyError as e:
+                    raise BasisError(f"basis lacks tensor {e.args[0]}") from None
+        return cls(keys, values, rotaries, json.loads(meta.get("info", "{}")), _bytes=bytes(data))
+
+
+LayerKV = tuple[Any, Any, Any]  # (keys (B, H, T, D), values (B, H, T, D), positions (T,) | (H, T) | (B, H, T))
+
+
+def fit_basis(
+    calibration: Iterable[Sequence[LayerKV]],
+    rotaries: Sequence[Rotary],
+    skip: int = 4,
+    dtype=np.float16,
+    info: dict[str, Any] | None = None,
+) -> Basis:
+    """Fit the per-layer key and value bases from calibration caches.
+
+    `calibration` yields caches, each a sequence of per-layer (keys, values, positions); keys are
+    un-rotated with `rotaries` first. The first `skip` rows of each cache (the attention sinks, which
+    the codec sends raw) are left out of the fit.
+    """
+    n_layers = len(rotaries)
+    acc: list[list[Any]] = [[None, None] for _ in range(n_layers)]
+    caches = 0
+    for cache in calibration:
+        caches += 1
+        if len(cache) != n_layers:
+            raise BasisError(f"a calibration cache of {len(cache)} layers for {n_layers} rotaries")
+        for i, (k, v, pos) in enumerate(cache):
+            keys = mx.array(np.asarray(k, dtype=np.float32)) if not isinstance(k, mx.array) else k.astype(mx.float32)
+            pos_np = np.asarray(pos)
+            keys = remove_rope(keys, pos_np, rotaries[i])
+            for j, x in enumerate((keys, v)):
+                rows = _rows(x[:, :, skip:, :]).astype(np.float64)
+                m = (rows.shape[0], rows.sum(axis=0), rows.T @ rows)
+                if acc[i][j] is None:
+                    acc[i][j] = list(m)
+                else:
+                    acc[i][j][0] += m[0]
+                    acc[i][j][1] = acc[i][j][1] + m[1]
+                    acc[i][j][2] = acc[i][j][2] + m[2]
+    if caches == 0:
+        raise BasisError("no calibration caches")
+    keys_b = [fit_tensor_basis(moments=tuple(a[0]), dtype=dtype) for a in acc]
+    values_b = [fit_tensor_basis(moments=tuple(a[1]), dtype=dtype) for a in acc]
+    meta = {"caches": caches, "skip": skip, **(info or {})}
+    return Basis(keys_b, values_b, list(rotaries), meta)
+
+
+def _safetensors_bytes(tensors: dict[str, np.ndarray], meta: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": dict(sorted(meta.items()))}
+    offset = 0
+    blobs = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        raw = a.tobytes()
+        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        blobs.append(raw)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + b"".join(blobs)
+
+
+def _read_safetensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    try:
+        (n,) = struct.unpack_from("<Q", data, 0)
+        header = json.loads(bytes(data[8 : 8 + n]))
+        meta = header.pop("__metadata__", {})
+        body = memoryview(data)[8 + n :]
+        out = {}
+        for name, spec in header.items():
+            start, end = spec["data_offsets"]
+            dt = np.dtype(_DTYPES[spec["dtype"]]).newbyteorder("<")
+            out[name] = np.frombuffer(body[start:end], dtype=dt).reshape(spec["shape"]).astype(dt.newbyteorder("="))
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise BasisError(f"unreadable basis bytes: {e}") from None
+    return out, meta

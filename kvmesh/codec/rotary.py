@@ -1,0 +1,219 @@
+"""Rotary position embedding (RoPE) of a model's keys: taken off before a transform codec, put back after.
+
+A cached key is `rope(k_proj(x), position)`. Its rotation depends on the position, so keys of one head
+at different positions do not share a basis; without it they do (the transform codec's PCA works on
+keys with RoPE removed). Removal is `mx.fast.rope` with the angle negated (scale -> -scale), the very
+kernel the model used, so removal then re-application is exact to float rounding (a few 1e-7).
+
+Positions are given per stored row: a sparse cache keeps positions that need not be contiguous, and a
+press may keep different ones per head. Contiguous positions take the model's own call (one offset);
+otherwise `mx.fast.rope` gets one offset per batch entry, every row becoming its own batch entry
+`(N, 1, 1, head_dim)` with offset = its position: the same arithmetic as the model's call there.
+
+The codec itself rotates in NumPy (`rotate`) with cos/sin tables read off the kernel
+(`rotation_table`: the kernel applied to unit pairs), computed once per set of positions for all
+layers: the same angles as the model's, without a kernel call per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+
+class RotaryError(ValueError):
+    """A model's RoPE this module cannot invert exactly, or positions of the wrong shape."""
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """The rotary settings of one attention layer: what `mx.fast.rope` is called with.
+
+    `base` or `freqs` (periods per rotated pair, mlx-lm's `_freqs`) is set, never both.
+    """
+
+    dims: int
+    traditional: bool
+    base: float | None = 10000.0
+    scale: float = 1.0
+    freqs: tuple[float, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dims": self.dims,
+            "traditional": self.traditional,
+            "base": self.base,
+            "scale": self.scale,
+            "freqs": list(self.freqs) if self.freqs is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Rotary:
+        freqs = d.get("freqs")
+        return cls(
+            dims=int(d["dims"]),
+            traditional=bool(d["traditional"]),
+            base=None if d.get("base") is None else float(d["base"]),
+            scale=float(d.get("scale", 1.0)),
+            freqs=None if freqs is None else tuple(float(f) for f in freqs),
+        )
+
+    def inverse_frequencies(self) -> np.ndarray:
+        """(dims/2,) angles per position of each rotated pair, as float64 (for references and checks)."""
+        if self.freqs is not None:
+            return self.scale / np.asarray(self.freqs, dtype=np.float64)
+        assert self.base is not None
+        return self.scale * float(self.base) ** (-np.arange(0, self.dims, 2, dtype=np.float64) / self.dims)
+
+
+def rotary_of(rope: Any) -> Rotary:
+    """The settings of an mlx-lm RoPE module (`layer.self_attn.rope`).
+
+    Supported: `nn.RoPE` (default and linear scaling) and modules that rotate with `_freqs` without
+    rescaling the vectors (Llama3RoPE, ProportionalRoPE). Others (YaRN's and LongRoPE's magnitude
+    scaling, dynamic NTK's length-dependent base) are refused: their rotation is not a function of the
+    position alone, or not a pure rotation.
+    """
+    kind = type(rope).__name__
+    if kind in ("YarnRoPE", "SuScaledRoPE", "DynamicNTKScalingRoPE"):
+        raise RotaryError(f"{kind} is not supported by the transform codec (its rotation is not position-only)")
+    dims = getattr(rope, "dims", None)
+    traditional = getattr(rope, "traditional", None)
+    if dims is None or traditional is None:
+        raise RotaryError(f"{kind}: no dims/traditional attributes, not an mlx-lm RoPE module")
+    freqs = getattr(rope, "_freqs", None)
+    if freqs is not None:
+        values = np.asarray(freqs, dtype=np.float32).astype(np.float64)
+        return Rotary(int(dims), bool(traditional), None, float(getattr(rope, "scale", 1.0)), tuple(values.tolist()))
+    base = getattr(rope, "base", None)
+    if base is None:
+        raise RotaryError(f"{kind}: neither base nor _freqs")
+    return Rotary(int(dims), bool(traditional), float(base), float(getattr(rope, "scale", 1.0)))
+
+
+def _layers(model: Any) -> list:
+    for owner in (model, getattr(model, "model", None), getattr(getattr(model, "model", None), "model", None)):
+        layers = getattr(owner, "layers", None)
+        if layers is not None:
+            return list(layers)
+    raise RotaryError(f"{type(model).__name__}: no layers found")
+
+
+def model_rotaries(model: Any) -> list[Rotary]:
+    """Per layer, the rotary settings of an mlx-lm model's attention (`layers[i].self_attn.rope`)."""
+    out = []
+    for i, layer in enumerate(_layers(model)):
+        attn = getattr(layer, "self_attn", None)
+        rope = getattr(attn, "rope", None)
+        if rope is None:
+            raise RotaryError(f"layer {i}: no self_attn.rope (not a RoPE attention layer)")
+        out.append(rotary_of(rope))
+    return out
+
+
+def _positions(positions: Any, shape: tuple[int, ...]) -> mx.array:
+    """Positions as one int32 per row of x (B, H, T, D), flattened in (B, H, T) order."""
+    b, h, t, _ = shape
+    pos = mx.array(np.asarray(positions, dtype=np.int32)) if not isinstance(positions, mx.array) else positions
+    pos = pos.astype(mx.int32)
+    if pos.ndim == 1:
+        if pos.shape[0] != t:
+            raise RotaryError(f"{pos.shape[0]} positions for {t} rows")
+        pos = mx.broadcast_to(pos[None, None], (b, h, t))
+    elif pos.ndim == 2:
+        if tuple(pos.shape) != (h, t):
+            raise RotaryError(f"positions of shape {tuple(pos.shape)} for {h} heads of {t} rows")
+        pos = mx.broadcast_to(pos[None], (b, h, t))
+    elif pos.ndim != 3 or tuple(pos.shape) != (b, h, t):
+        raise RotaryError(f"positions of shape {tuple(pos.shape)} for keys of shape {shape}")
+    return pos.reshape(-1)
+
+
+def apply_rope(x: mx.array, positions: Any, rotary: Rotary, inverse: bool = False) -> mx.array:
+    """x (B, H, T, D) rotated as the model rotates a key at `positions` ((T,), (H, T) or (B, H, T));
+    `inverse` takes that rotation off. Returns x's dtype and shape."""
+    if x.ndim != 4:
+        raise RotaryError(f"keys of shape {tuple(x.shape)}: want (batch, heads, tokens, head_dim)")
+    shape = tuple(x.shape)
+    if shape[2] == 0:
+        return x
+    scale = -rotary.scale if inverse else rotary.scale
+    freqs = None if rotary.freqs is None else mx.array(np.asarray(rotary.freqs, dtype=np.float32))
+    start = contiguous_start(positions, shape)
+
+    def rope(a: mx.array, offset: int | mx.array) -> mx.array:
+        return mx.fast.rope(
+            a,
+            rotary.dims,
+            traditional=rotary.traditional,
+            base=rotary.base if freqs is None else None,
+            scale=scale,
+            offset=offset,
+            freqs=freqs,
+        )
+
+    if start is not None:  # the model's own call: one offset for the whole block
+        return rope(x, start)
+    # One batch entry per row, each with its own offset.
+    return rope(x.reshape(-1, 1, 1, shape[3]), _positions(positions, shape)).reshape(shape)
+
+
+def contiguous_start(positions: Any, shape: tuple[int, ...]) -> int | None:
+    """p0 when every head's positions are p0, p0 + 1, ..., p0 + T - 1; else None."""
+    if isinstance(positions, mx.array):
+        return None
+    pos = np.asarray(positions)
+    t = shape[2]
+    if pos.ndim == 0 or pos.ndim > 3 or pos.shape != tuple(shape[3 - pos.ndim : 3]):
+        return None  # (T,), (H, T) or (B, H, T) only; _positions says what is wrong
+    start = int(pos.reshape(-1)[0])
+    return start if bool((pos == start + np.arange(t)).all()) else None
+
+
+def remove_rope(x: mx.array, positions: Any, rotary: Rotary) -> mx.array:
+    """Keys (B, H, T, D) with the model's rotation at `positions` taken off."""
+    return apply_rope(x, positions, rotary, inverse=True)
+
+
+def rotation_table(rotary: Rotary, positions: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin), each (P, dims/2) float32, of the angles `mx.fast.rope` uses at these positions (P,).
+
+    Taken from the kernel itself (it rotates unit pairs), so a rotation applied with them in NumPy
+    (`rotate`) matches the model's own to float rounding. One call per distinct set of positions
+    serves every layer with the same rotary settings.
+    """
+    pos = np.asarray(positions, dtype=np.int32).reshape(-1)
+    half = rotary.dims // 2
+    unit = np.zeros((1, rotary.dims), dtype=np.float32)
+    if rotary.traditional:
+        unit[0, 0::2] = 1.0
+    else:
+        unit[0, :half] = 1.0
+    if pos.size == 0:
+        return np.zeros((0, half), np.float32), np.zeros((0, half), np.float32)
+    x = mx.broadcast_to(mx.array(unit), (pos.size, rotary.dims)).reshape(1, pos.size, 1, rotary.dims)
+    out = np.asarray(apply_rope(x, pos.reshape(1, -1, 1), rotary).reshape(pos.size, rotary.dims))
+    if rotary.traditional:
+        return np.ascontiguousarray(out[:, 0::2]), np.ascontiguousarray(out[:, 1::2])
+    return np.ascontiguousarray(out[:, :half]), np.ascontiguousarray(out[:, half:])
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary: Rotary, inverse: bool = False) -> np.ndarray:
+    """x (..., head_dim) float32 rotated by the angles of (cos, sin) (broadcastable to x[..., :dims/2]);
+    `inverse` rotates back. A new array; dims beyond `rotary.dims` pass through."""
+    dims, half = rotary.dims, rotary.dims // 2
+    if inverse:
+        sin = -sin
+    out = np.array(x, dtype=np.float32, copy=True, order="C")
+    if rotary.traditional:
+        a, b = x[..., 0:dims:2], x[..., 1:dims:2]
+        out[..., 0:dims:2] = a * cos - b * sin
+        out[..., 1:dims:2] = a * sin + b * cos
+    else:
+        a, b = x[..., :half], x[..., half:dims]
+        out[..., :half] = a * cos - b * sin
+        out[..., half:dims] = a * sin + b * cos
+    return out

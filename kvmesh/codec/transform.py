@@ -1,0 +1,521 @@
+"""A transform codec for full-attention KV layers: a cache a fraction of its size on the wire.
+
+Per layer and tensor (keys, values), rows are tokens with the layer's heads concatenated
+(`kv_heads * head_dim` numbers). Keys lose their RoPE first (`kvmesh.codec.rotary`), so that one
+basis fits every position. Then:
+
+1. the first `sinks` rows (attention sinks: outliers that take much of the attention) and an optional
+   recent window of `recent` rows travel raw, as float16;
+2. the other rows are centred and projected on the model's per-layer PCA basis
+   (`kvmesh.codec.basis`), and the coefficients divided by the tensor's calibration RMS (of all its
+   components together, so one step means the same relative error in every layer; dividing each
+   component by its own RMS would give every component the same bits);
+3. one global quantization step (`step`, in those units) rounds every coefficient. A uniform step
+   across components is reverse water-filling: a component whose calibration RMS is below what the
+   step leaves as noise (step / sqrt(12)) is not sent at all (zero bits); the others get about
+   log2(rms * sqrt(12) / step) bits each (`bit_allocation`), so bits go where the variance is;
+4. per tensor, the components are cut into runs whose allocations round up to the same whole
+   number of bits; each run's integers are zigzagged and packed four (codes < 4) or two (< 16) to a
+   byte, or one a byte with 255 escaping to a separate uint32 array, component-major, and each run
+   is zstd-compressed on its own (level 1: zstd's matches only cost here; its Huffman coding of
+   the packed bytes is what compresses). Each run also carries the mean offset of its nonzero
+   values within their bins, which the decoder adds (a centroid reconstruction: less error, no bits).
+
+`encode_layers(..., ratio=r)` searches the step (secant steps inside a bisected bracket) until the
+bytes are 1/r of the fp16 cache's. `key_factor` makes the keys' step that much coarser than the
+values' (2 measured best on SmolLM2 at 4-8x).
+`decode_layers` gives float16 arrays in mlx-lm's KVCache layout (batch, kv_heads, tokens, head_dim),
+keys with RoPE re-applied at their positions. Everything is vectorized (NumPy, MLX); no Python loop
+runs per value, only per layer.
+
+The blob: `MAGIC`, a little-endian u32 header length, a canonical JSON header (the basis's sha256,
+per layer the shapes, positions, steps and component counts, and the segments' offsets), then the
+segments. The basis itself does not travel with each cache: the receiver needs the one whose id the
+header names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import zstandard
+
+from kvmesh.codec.basis import Basis, BasisError, LayerKV, TensorBasis
+from kvmesh.codec.rotary import Rotary, rotate, rotation_table
+
+MAGIC = b"KVTC\x01"
+ESCAPE = 255
+SQRT12 = math.sqrt(12.0)
+
+
+class TransformCodecError(ValueError):
+    """Bytes this codec cannot decode, or arrays it cannot encode."""
+
+
+def bit_allocation(rms: np.ndarray, step: float) -> np.ndarray:
+    """Bits per component that a uniform quantization step gives (reverse water-filling, high-rate
+    approximation): max(0, log2(rms * sqrt(12) / step)). `rms` and `step` in the same units; a
+    component with zero bits is not sent."""
+    r = np.asarray(rms, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        bits = np.log2(np.maximum(r, 0.0) * SQRT12 / float(step))
+    return np.maximum(bits, 0.0)
+
+
+def kept_components(rms: np.ndarray, step: float) -> int:
+    """How many leading components (rms decreasing) get bits at this step."""
+    return int(np.count_nonzero(bit_allocation(rms, step) > 0))
+
+
+# --- integers <-> bytes -----------------------------------------------------------------------------
+
+
+def pack_integers(q: np.ndarray) -> tuple[bytes, bytes]:
+    """Signed integers -> (one zigzagged byte each, the escaped ones as little-endian uint32)."""
+    flat = np.ascontiguousarray(q, dtype=np.int64).reshape(-1)
+    if flat.size and (flat.max() >= 2**31 or flat.min() < -(2**31)):
+        raise TransformCodecError("a coefficient beyond 32 bits: the step is far too fine")
+    zz = ((flat << 1) ^ (flat >> 63)).astype(np.uint64)
+    big = zz >= ESCAPE
+    plane = np.where(big, ESCAPE, zz).astype(np.uint8)
+    return plane.tobytes(), zz[big].astype("<u4").tobytes()
+
+
+def unpack_integers(plane: bytes, escapes: bytes, count: int) -> np.ndarray:
+    """The inverse of pack_integers: int32 values."""
+    zz = np.frombuffer(plane, dtype=np.uint8)
+    if zz.size != count:
+        raise TransformCodecError(f"a plane of {zz.size} codes where {count} were expected")
+    small = zz.astype(np.int32)
+    out = (small >> 1) ^ -(small & 1)
+    big = zz == ESCAPE
+    esc = np.frombuffer(escapes, dtype="<u4")
+    if esc.size != int(np.count_nonzero(big)):
+        raise TransformCodecError("escape count does not match the plane")
+    e = esc.astype(np.int64)
+    out[big] = ((e >> 1) ^ -(e & 1)).astype(np.int32)
+    return out
+
+
+def _zigzag(q: np.ndarray) -> np.ndarray:
+    flat = np.ascontiguousarray(q, dtype=np.int64).reshape(-1)
+    if flat.size and (flat.max() >= 2**31 or flat.min() < -(2**31)):
+        raise TransformCodecError("a coefficient beyond 32 bits: the step is far too fine")
+    return ((flat << 1) ^ (flat >> 63)).astype(np.uint64)
+
+
+def pack_codes(q: np.ndarray) -> tuple[int, bytes, bytes]:
+    """Signed integers of similar size -> (bits per code, packed codes, escapes).
+
+    Zigzagged codes below 4 go four to a byte, below 16 two to a byte (so that the entropy coder,
+    which codes bytes, sees the joint statistics of several small codes and can spend less than a
+    bit on each); larger ones one byte each, 255 escaping to a uint32 in `escapes`."""
+    zz = _zigzag(q)
+    top = int(zz.max()) if zz.size else 0
+    if top >= 16:
+        plane, esc = pack_integers(q)
+        return 8, plane, esc
+    width = 2 if top < 4 else 4
+    per = 8 // width
+    flat = np.zeros(-(-zz.size // per) * per, dtype=np.uint8)
+    flat[: zz.size] = zz
+    codes = flat.reshape(-1, per)
+    packed = codes[:, 0].copy()
+    for j in range(1, per):
+        packed |= codes[:, j] << np.uint8(width * j)
+    return width, packed.tobytes(), b""
+
+
+def unpack_codes(width: int, plane: bytes, escapes: bytes, count: int) -> np.ndarray:
+    """The inverse of pack_codes: `count` int32 values."""
+    if width == 8:
+        return unpack_integers(plane, escapes, count)
+    per = 8 // width
+    packed = np.frombuffer(plane, dtype=np.uint8)
+    if packed.size != -(-count // per):
+        raise TransformCodecError(f"{packed.size} packed bytes for {count} codes of {width} bits")
+    mask = np.uint8((1 << width) - 1)
+    shifts = (np.arange(per, dtype=np.uint8) * np.uint8(width))[None, :]
+    zz = ((packed[:, None] >> shifts) & mask).reshape(-1)[:count].astype(np.int32)
+    return (zz >> 1) ^ -(zz & 1)
+
+
+def _code_table(width: int) -> np.ndarray:
+    """(256, 8 // width) float32: the signed values each packed byte holds."""
+    per = 8 // width
+    zz = (np.arange(256)[:, None] >> (np.arange(per) * width)) & ((1 << width) - 1)
+    return ((zz >> 1) ^ -(zz & 1)).astype(np.float32)
+
+
+_TABLES = {width: _code_table(width) for width in (2, 4, 8)}
+
+
+def decode_group(width: int, plane: bytes, escapes: bytes, count: int, offset: float, out: np.ndarray) -> None:
+    """Packed codes -> float32 values q + offset * sign(q), written into `out` (count values): one
+    table look-up per byte (the table has the offset folded in)."""
+    per = 8 // width
+    packed = np.frombuffer(plane, dtype=np.uint8)
+    if packed.size != -(-count // per):
+        raise TransformCodecError(f"{packed.size} packed bytes for {count} codes of {width} bits")
+    table = _TABLES[width]
+    if offset:
+        table = table + np.float32(offset) * np.sign(table)
+    flat = out.reshape(-1)
+    if per == 1:
+        np.take(table[:, 0], packed, out=flat)
+        big = packed == ESCAPE
+        esc = np.frombuffer(escapes, dtype="<u4").astype(np.int64)
+        if esc.size != int(np.count_nonzero(big)):
+            raise TransformCodecError("escape count does not match the plane")
+        values = ((esc >> 1) ^ -(esc & 1)).astype(np.float32)
+        flat[big] = values + np.float32(offset) * np.sign(values)
+    elif count % per == 0:
+        np.take(table, packed, axis=0, out=flat.reshape(-1, per))
+    else:
+        flat[...] = table[packed].reshape(-1)[:count]
+
+
+def _centroid_offset(scaled: np.ndarray, q: np.ndarray) -> float:
+    """The mean of |x| - |q| over the nonzero codes, x in units of the step: where a nonzero code's
+    values lie on average within its bin (below its centre for peaked distributions). The decoder
+    reconstructs q + offset * sign(q), which lowers the error at no cost in bits."""
+    nonzero = q != 0
+    count = int(np.count_nonzero(nonzero))
+    if count == 0:
+        return 0.0
+    diff = np.abs(scaled[nonzero]) - np.abs(q[nonzero])
+    return round(float(diff.mean()), 4)
+
+
+def component_groups(rms: np.ndarray, step: float, n: int) -> list[int]:
+    """Sizes of the runs of the first n components (rms decreasing) whose bit allocations round up to
+    the same whole number (capped at 8): each run is packed and entropy-coded on its own."""
+    if n == 0:
+        return []
+    key = np.minimum(np.ceil(bit_allocation(rms[:n], step)), 8)
+    cuts = np.flatnonzero(np.diff(key)) + 1
+    return np.diff(np.concatenate([[0], cuts, [n]])).astype(int).tolist()
+
+
+# --- layout ---------------------------------------------------------------------------------------
+
+
+def _f32(x: Any) -> np.ndarray:
+    if isinstance(x, mx.array):
+        return np.asarray(x.astype(mx.float32))
+    return np.asarray(x, dtype=np.float32)
+
+
+def _positions_bht(positions: Any, b: int, h: int, t: int) -> np.ndarray:
+    pos = np.asarray(positions, dtype=np.int64)
+    if pos.ndim == 1 and pos.shape[0] == t:
+        pos = np.broadcast_to(pos[None, None], (b, h, t))
+    elif pos.ndim == 2 and pos.shape == (h, t):
+        pos = np.broadcast_to(pos[None], (b, h, t))
+    elif pos.shape != (b, h, t):
+        raise TransformCodecError(f"positions of shape {pos.shape} for {b}x{h} heads of {t} rows")
+    return np.ascontiguousarray(pos, dtype=np.int32)
+
+
+def _matmul(a: np.ndarray, b: np.ndarray | mx.array) -> np.ndarray:
+    """a @ b in float32 with MLX's BLAS (Accelerate on a Mac; the fastest here with OpenBLAS)."""
+    return np.asarray(mx.array(a) @ (b if isinstance(b, mx.array) else mx.array(b)))
+
+
+def _tables(rotary: Rotary, pos: np.ndarray, memo: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) of the kernel's angles at positions (B, H, T), shaped to broadcast over token-major
+    blocks (B, T, H, dims/2); one table per distinct (rotary, positions) in a call."""
+    b, h, t = pos.shape
+    same = bool((pos == pos[:1, :1]).all())
+    use = pos[0, 0] if same else pos
+    key = (rotary, same, use.shape, np.ascontiguousarray(use).tobytes())
+    if key not in memo:
+        cos, sin = rotation_table(rotary, use.reshape(-1))
+        half = cos.shape[1]
+        if same:
+            memo[key] = (cos.reshape(1, t, 1, half), sin.reshape(1, t, 1, half))
+        else:
+            memo[key] = tuple(a.reshape(b, h, t, half).transpose(0, 2, 1, 3) for a in (cos, sin))
+    return memo[key]
+
+
+@dataclass
+class _Prepared:
+    """One tensor of one layer, projected once; quantized per trial step."""
+
+    coeffs: np.ndarray  # (N, F) coefficients / tensor scale
+    basis: TensorBasis
+    raw: bytes  # the sink and recent rows, float16, (B, H, rows, D)
+
+
+@dataclass
+class Encoded:
+    data: bytes
+    step: float
+    fp16_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.fp16_bytes / max(1, len(self.data))
+
+
+def _split(x: np.ndarray, sinks: int, recent: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    t = x.shape[2]
+    s = min(sinks, t)
+    r = min(recent, t - s)
+    return x[:, :, :s], x[:, :, s : t - r], x[:, :, t - r :]
+
+
+def _prepare(layers: Sequence[LayerKV], basis: Basis, sinks: int, recent: int) -> tuple[list, list[dict]]:
+    if len(layers) != len(basis):
+        raise BasisError(f"a cache of {len(layers)} layers for a basis of {len(basis)}")
+    prepared, metas = [], []
+    memo: dict = {}
+    for i, (k, v, positions) in enumerate(layers):
+        keys, values = _f32(k), _f32(v)
+        if keys.ndim != 4 or keys.shape != values.shape:
+            raise TransformCodecError(f"layer {i}: keys {keys.shape} and values {values.shape}")
+        b, h, t, d = keys.shape
+        if h * d != basis.keys[i].features:
+            raise BasisError(f"layer {i}: {h} heads of {d} for a basis of {basis.keys[i].features} features")
+        pos = _positions_bht(positions, b, h, t)
+        s = min(sinks, t)
+        r = min(recent, t - s)
+        meta: dict[str, Any] = {"shape": [b, h, t, d], "sinks": s, "recent": r}
+        layer = []
+        for kind, x, tb in (("k", keys, basis.keys[i]), ("v", values, basis.values[i])):
+            head, mid, tail = _split(x, s, r)
+            m = mid.shape[2]
+            if m:
+                block = mid.transpose(0, 2, 1, 3)  # (B, T', H, D): token-major
+                if kind == "k":
+                    cos, sin = _tables(basis.rotaries[i], pos[:, :, s : t - r], memo)
+                    block = rotate(block, cos, sin, basis.rotaries[i], inverse=True)
+                rows = np.ascontiguousarray(block, dtype=np.float32).reshape(b * m, h * d)
+                coeffs = _matmul(rows - tb.mean, tb.on_mlx("analysis")) * np.float32(1.0 / tb.scale)
+            else:
+                coeffs = np.zeros((0, h * d), np.float32)
+            raw = np.concatenate([head, tail], axis=2).astype(np.float16).tobytes()
+            layer.append(_Prepared(coeffs, tb, raw))
+        contiguous = t == 0 or bool((pos == pos.flat[0] + np.arange(t, dtype=np.int32)).all())
+        meta["positions"] = {"start": int(pos.flat[0]) if t else 0} if contiguous else {"shape": list(pos.shape)}
+        prepared.append((layer, pos if not contiguous else None))
+        metas.append(meta)
+    return prepared, metas
+
+
+def _assemble(prepared, metas, basis: Basis, step: float, key_factor: float, level: int) -> bytes:
+    compressor = zstandard.ZstdCompressor(level=level)
+    segments: list[bytes] = []
+    layers_meta = []
+
+    def add(blob: bytes, compress: bool) -> list[int]:
+        segments.append(compressor.compress(blob) if compress else blob)
+        return [len(segments) - 1, int(compress)]
+
+    for (layer, pos), meta in zip(prepared, metas, strict=True):
+        lm = dict(meta)
+        if pos is not None:
+            lm["positions"] = {**meta["positions"], "seg": add(pos.astype("<i4").tobytes(), True)}
+        for kind, p in zip("kv", layer, strict=True):
+            kstep = step * (key_factor if kind == "k" else 1.0)
+            rms = p.basis.rms / p.basis.scale
+            n = kept_components(rms, kstep)
+            scaled = p.coeffs[:, :n].T / np.float32(kstep)  # component-major
+            q = np.rint(scaled)
+            groups, at = [], 0
+            for count in component_groups(rms, kstep, n):
+                width, plane, esc = pack_codes(q[at : at + count])
+                delta = _centroid_offset(scaled[at : at + count], q[at : at + count])
+                groups.append([count, width, add(plane, True), add(esc, True) if esc else None, delta])
+                at += count
+            lm[kind] = {"step": kstep, "n": n, "groups": groups, "raw": add(p.raw, False)}
+        layers_meta.append(lm)
+    offsets, at = [], 0
+    for seg in segments:
+        offsets.append([at, len(seg)])
+        at += len(seg)
+    header = {"basis": basis.digest, "layers": layers_meta, "segments": offsets}
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return MAGIC + struct.pack("<I", len(text)) + text + b"".join(segments)
+
+
+def fp16_nbytes(layers: Sequence[LayerKV]) -> int:
+    """Bytes of the layers' keys and values in float16."""
+    return sum(2 * 2 * int(np.prod(np.shape(k))) for k, _, _ in layers)
+
+
+def encode_layers(
+    layers: Sequence[LayerKV],
+    basis: Basis,
+    step: float | None = None,
+    ratio: float | None = None,
+    sinks: int = 4,
+    recent: int = 0,
+    key_factor: float = 2.0,
+    level: int = 1,
+    tolerance: float = 0.01,
+    max_iter: int = 24,
+) -> Encoded:
+    """Encode per-layer (keys, values, positions) with one global `step`, or with the step that makes
+    the bytes `ratio` times smaller than fp16 (searched to `tolerance`: the largest encoding within
+    the target size, or the coarsest step's if even that exceeds it). The keys' step is `key_factor`
+    times the values'. `sinks` leading and `recent` trailing rows travel raw (float16)."""
+    if (step is None) == (ratio is None):
+        raise TransformCodecError("give either step or ratio")
+    prepared, metas = _prepare(layers, basis, sinks, recent)
+    full = fp16_nbytes(layers)
+    if step is not None:
+        return Encoded(_assemble(prepared, metas, basis, step, key_factor, level), step, full)
+    assert ratio is not None
+    target = full / ratio
+
+    def trial(log_step: float) -> Encoded:
+        s = math.exp(log_step)
+        return Encoded(_assemble(prepared, metas, basis, s, key_factor, level), s, full)
+
+    # Secant steps on (log step, log bytes), kept inside the bracket once there is one.
+    lo: tuple[float, float] | None = None  # a step whose bytes exceed the target
+    hi: tuple[float, float] | None = None  # a step whose bytes fit it
+    best: Encoded | None = None
+    x, limit = math.log(0.3), (math.log(1e-5), math.log(1e3))
+    history: list[tuple[float, float]] = []
+    for _ in range(max_iter):
+        enc = trial(x)
+        y = math.log(len(enc.data))
+        if len(enc.data) <= target:
+            hi = (x, y)
+            if best is None or len(best.data) < len(enc.data):
+                best = enc
+        else:
+            lo = (x, y)
+        if best is not None and len(best.data) >= (1 - tolerance) * target:
+            break
+        goal = math.log(target * (1 - tolerance / 2))
+        if lo is not None and hi is not None:
+            slope = (hi[1] - lo[1]) / (hi[0] - lo[0]) if hi[0] != lo[0] else 0.0
+            guess = lo[0] + (goal - lo[1]) / slope if slope < 0 else (lo[0] + hi[0]) / 2
+            inner = (min(lo[0], hi[0]), max(lo[0], hi[0]))
+            margin = 0.02 * (inner[1] - inner[0])
+            x = min(max(guess, inner[0] + margin), inner[1] - margin)
+        else:
+            # Not bracketed yet: the secant through the last two steps (at first, bytes falling by
+            # ~40% of a log unit per log unit of step), overshooting a little to bracket the target.
+            slope = (y - history[-1][1]) / (x - history[-1][0]) if history and x != history[-1][0] else -0.4
+            slope = min(slope, -0.05)
+            history.append((x, y))
+            x = min(max(x + 1.2 * (goal - y) / slope, limit[0]), limit[1])
+            if (lo is not None and x <= lo[0]) or (hi is not None and x >= hi[0]):
+                break  # the step is at its limit
+    if best is None:  # even the coarsest step is too big (raw rows alone exceed the target)
+        best = trial(limit[1])
+    return best
+
+
+def read_header(data: bytes) -> tuple[dict, memoryview]:
+    """The header of a blob and the segments' bytes."""
+    view = memoryview(data)
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        raise TransformCodecError("not a transform-coded cache (bad magic)")
+    (n,) = struct.unpack_from("<I", view, len(MAGIC))
+    start = len(MAGIC) + 4
+    try:
+        header = json.loads(bytes(view[start : start + n]))
+    except ValueError as e:
+        raise TransformCodecError(f"unreadable header: {e}") from None
+    return header, view[start + n :]
+
+
+def decode_layers(data: bytes, basis: Basis) -> list[tuple[mx.array, mx.array]]:
+    """Per layer, (keys, values) as float16 (B, kv_heads, tokens, head_dim), keys rotated back."""
+    header, body = read_header(data)
+    if header["basis"] != basis.digest:
+        raise BasisError(
+            f"the cache was coded with basis {header['basis'][:16]}..., this basis is {basis.digest[:16]}..."
+        )
+    if len(header["layers"]) != len(basis):
+        raise BasisError(f"a cache of {len(header['layers'])} layers for a basis of {len(basis)}")
+    decompressor = zstandard.ZstdDecompressor()
+    offsets = header["segments"]
+
+    def seg(ref: list[int]) -> bytes:
+        at, length = offsets[ref[0]]
+        blob = body[at : at + length]
+        return decompressor.decompress(blob) if ref[1] else bytes(blob)
+
+    out = []
+    memo: dict = {}
+    for i, lm in enumerate(header["layers"]):
+        b, h, t, d = lm["shape"]
+        s, r = lm["sinks"], lm["recent"]
+        m = t - s - r
+        pm = lm["positions"]
+        if "seg" in pm:
+            pos = np.frombuffer(seg(pm["seg"]), dtype="<i4").reshape(b, h, t)
+        else:
+            pos = np.broadcast_to(np.arange(pm["start"], pm["start"] + t, dtype=np.int32)[None, None], (b, h, t))
+        tensors = []
+        for kind, tb in (("k", basis.keys[i]), ("v", basis.values[i])):
+            km = lm[kind]
+            n = km["n"]
+            raw = np.frombuffer(seg(km["raw"]), dtype=np.float16).reshape(b, h, s + r, d)
+            out_arr = np.empty((b, h, t, d), dtype=np.float16)
+            out_arr[:, :, :s] = raw[:, :, :s]
+            out_arr[:, :, t - r :] = raw[:, :, s:]
+            if m:
+                coded = np.empty((n, b * m), dtype=np.float32)
+                at = 0
+                for count, width, plane_ref, esc_ref, delta in km["groups"]:
+                    esc = seg(esc_ref) if esc_ref is not None else b""
+                    decode_group(width, seg(plane_ref), esc, count * b * m, delta, coded[at : at + count])
+                    at += count
+                if at != n:
+                    raise TransformCodecError(f"layer {i}: groups of {at} components where {n} were sent")
+                if kind == "k":
+                    cos, sin = _tables(basis.rotaries[i], pos[:, :, s : t - r], memo)
+                # One product for all heads, then each head's columns into its (tokens, head_dim) slab.
+                synthesis = tb.synthesis()[:n] * np.float32(km["step"] * tb.scale)
+                if n:
+                    rows = np.asarray(mx.array(coded).T @ mx.array(synthesis) + tb.on_mlx("mean"))
+                else:
+                    rows = np.broadcast_to(tb.mean, (b * m, h * d))
+                for hh in range(h):
+                    block = rows[:, hh * d : (hh + 1) * d].reshape(b, m, d)
+                    if kind == "k":
+                        at_h = min(hh, cos.shape[2] - 1)
+                        block = rotate(block, cos[:, :, at_h], sin[:, :, at_h], basis.rotaries[i])
+                    out_arr[:, hh, s : t - r] = block
+            tensors.append(mx.array(out_arr))
+        mx.eval(tensors)
+        out.append((tensors[0], tensors[1]))
+    return out
+
+
+def layers_of_cache(cache: Sequence[Any], positions: Sequence[Any] | None = None) -> list[LayerKV]:
+    """(keys, values, positions) per layer of an mlx-lm prompt cache (KVCache, or kvmesh's
+    SparseKVCache): positions are 0..n-1 unless given (a sparse cache that evicted must give them)."""
+    out: list[LayerKV] = []
+    for i, layer in enumerate(cache):
+        if hasattr(layer, "keys_and_values"):
+            keys, values = layer.keys_and_values()
+        else:
+            n = layer.offset
+            keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
+        if isinstance(keys, tuple):
+            raise TransformCodecError(f"layer {i}: a quantized cache; the transform codec takes float caches")
+        t = keys.shape[2]
+        if positions is not None:
+            pos = positions[i]
+        elif getattr(layer, "offset", t) != t:
+            raise TransformCodecError(f"layer {i}: {t} rows kept of {layer.offset}: give their positions")
+        else:
+            pos = np.arange(t)
+        out.append((keys, values, pos))
+    return out

@@ -1,0 +1,351 @@
+"""The transform codec (kvmesh.codec.rotary, .basis, .transform) against NumPy references written here."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvmesh.codec.basis import Basis, BasisError, fit_basis, fit_tensor_basis
+from kvmesh.codec.rotary import Rotary, apply_rope, model_rotaries, remove_rope, rotary_of
+from kvmesh.codec.transform import (
+    TransformCodecError,
+    bit_allocation,
+    component_groups,
+    decode_group,
+    decode_layers,
+    encode_layers,
+    kept_components,
+    layers_of_cache,
+    pack_codes,
+    pack_integers,
+    read_header,
+    unpack_codes,
+    unpack_integers,
+)
+
+
+def rope_np(x, positions, dims, base, scale=1.0, traditional=False, inverse=False):
+    """Reference RoPE in float64: x (..., T, D), positions (T,) or broadcastable to x[..., 0]."""
+    x = np.asarray(x, dtype=np.float64)
+    inv = scale * base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+    theta = np.asarray(positions, dtype=np.float64)[..., None] * inv  # (..., T, dims/2)
+    if inverse:
+        theta = -theta
+    cos, sin = np.cos(theta), np.sin(theta)
+    out = x.copy()
+    if traditional:
+        a, b = x[..., 0:dims:2], x[..., 1:dims:2]
+        out[..., 0:dims:2] = a * cos - b * sin
+        out[..., 1:dims:2] = a * sin + b * cos
+    else:
+        half = dims // 2
+        a, b = x[..., :half], x[..., half:dims]
+        out[..., :half] = a * cos - b * sin
+        out[..., half:dims] = a * sin + b * cos
+    return out
+
+
+def sparse_positions(rng, t, span):
+    return np.sort(rng.choice(span, size=t, replace=False)).astype(np.int32)
+
+
+# --- RoPE ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])
+def test_rope_removal_against_numpy(traditional, dims):
+    rng = np.random.default_rng(0)
+    rot = Rotary(dims=dims, traditional=traditional, base=10000.0, scale=1.0)
+    x = rng.standard_normal((1, 2, 40, 64)).astype(np.float32)
+    pos = sparse_positions(rng, 40, 3000)
+    rotated = rope_np(x, pos, dims, 10000.0, traditional=traditional)
+    # apply_rope is the NumPy rotation; remove_rope undoes it (float32 angles: ~1e-4 at position 3000).
+    np.testing.assert_allclose(np.asarray(apply_rope(mx.array(x), pos, rot)), rotated, atol=2e-3)
+    back = np.asarray(remove_rope(mx.array(rotated.astype(np.float32)), pos, rot))
+    np.testing.assert_allclose(back, x, atol=2e-3)
+    # At small positions the match is tight.
+    small = np.arange(40)
+    np.testing.assert_allclose(
+        np.asarray(
+            remove_rope(
+                mx.array(rope_np(x, small, dims, 10000.0, traditional=traditional).astype(np.float32)), small, rot
+            )
+        ),
+        x,
+        atol=2e-5,
+    )
+
+
+def test_rope_round_trip_and_model_kernel():
+    rng = np.random.default_rng(1)
+    rot = Rotary(dims=64, traditional=True, base=100000.0, scale=1.0)
+    x = mx.array(rng.standard_normal((1, 3, 50, 64)).astype(np.float32))
+    # Contiguous positions: exactly what the model's own call computes.
+    model = mx.fast.rope(x, 64, traditional=True, base=100000.0, scale=1.0, offset=7)
+    assert mx.array_equal(apply_rope(x, np.arange(7, 57), rot), model)
+    # Removal then re-application, per-head sparse positions.
+    pos = np.stack([sparse_positions(rng, 50, 5000) for _ in range(3)])
+    back = apply_rope(remove_rope(x, pos, rot), pos, rot)
+    assert float(mx.abs(back - x).max()) < 2e-6
+
+
+def test_rotary_with_freqs_and_scale():
+    """A rope given as periods (mlx-lm's _freqs, as Llama3RoPE) and a linear scale."""
+    rng = np.random.default_rng(2)
+    periods = 10000.0 ** (np.arange(0, 64, 2) / 64)
+    rot = Rotary(dims=64, traditional=False, base=None, scale=0.5, freqs=tuple(periods.tolist()))
+    np.testing.assert_allclose(rot.inverse_frequencies(), 0.5 / periods)
+    x = rng.standard_normal((1, 1, 20, 64)).astype(np.float32)
+    pos = np.arange(100, 120)
+    want = rope_np(x, pos, 64, 10000.0, scale=0.5)
+    np.testing.assert_allclose(np.asarray(apply_rope(mx.array(x), pos, rot)), want, atol=1e-4)
+    assert Rotary.from_dict(rot.to_dict()) == rot
+
+
+def test_rotaries_of_the_tiny_model(tiny):
+    import mlx.nn as nn
+
+    model, _ = tiny
+    rots = model_rotaries(model)
+    assert len(rots) == len(model.layers)
+    assert rots[0] == Rotary(dims=64, traditional=False, base=500000.0, scale=1.0)
+    assert rotary_of(nn.RoPE(32, traditional=True, base=1e4, scale=0.25)) == Rotary(32, True, 1e4, 0.25)
+
+
+# --- basis -----------------------------------------------------------------------------------------
+
+
+def correlated_rows(rng, n, f, decay=0.8, mix_seed=None):
+    """Rows with a decaying spectrum; the same mix_seed, the same distribution."""
+    fixed = np.random.default_rng(mix_seed) if mix_seed is not None else rng
+    rotation, _ = np.linalg.qr(fixed.standard_normal((f, f)))
+    offset = fixed.standard_normal(f)
+    return ((rng.standard_normal((n, f)) * decay ** np.arange(f)) @ rotation + offset).astype(np.float32)
+
+
+def test_pca_basis_inverse_and_reference():
+    rng = np.random.default_rng(3)
+    rows = correlated_rows(rng, 500, 24)
+    tb = fit_tensor_basis(rows, dtype=np.float32)
+    centred = rows.astype(np.float64) - rows.mean(axis=0)
+    singular = np.linalg.svd(centred, compute_uv=False)
+    np.testing.assert_allclose(tb.rms, singular / math.sqrt(len(rows)), rtol=1e-4)
+    np.testing.assert_allclose(tb.components @ tb.components.T, np.eye(24), atol=1e-5)
+    np.testing.assert_allclose(tb.reconstruct(tb.project(rows)), rows, atol=1e-4)
+    # float16 components: the analysis matrix is their exact inverse, so the round trip stays exact.
+    tb16 = fit_tensor_basis(rows)
+    assert tb16.components.dtype == np.float16
+    np.testing.assert_allclose(tb16.reconstruct(tb16.project(rows)), rows, atol=1e-4)
+    # Truncated to the leading components, the error is the discarded variance.
+    coeffs = tb.project(rows)
+    err = rows - tb.reconstruct(coeffs[:, :10])
+    assert np.mean(np.sum(err.astype(np.float64) ** 2, axis=1)) == pytest.approx(np.sum(tb.rms[10:] ** 2.0), rel=1e-3)
+
+
+def random_layers(rng, n_layers=2, h=2, t=60, d=16, positions=None):
+    """Per layer (keys, values, positions): keys are correlated rows rotated by RoPE at their positions."""
+    layers = []
+    pos = np.arange(t) if positions is None else positions
+    for i in range(n_layers):
+        k = correlated_rows(rng, t, h * d, mix_seed=2 * i).reshape(1, t, h, d).transpose(0, 2, 1, 3)
+        k = np.asarray(apply_rope(mx.array(np.ascontiguousarray(k)), pos, Rotary(dims=d, traditional=False)))
+        v = correlated_rows(rng, t, h * d, mix_seed=2 * i + 1).reshape(1, t, h, d).transpose(0, 2, 1, 3)
+        layers.append(
+            (np.ascontiguousarray(k), np.ascontiguousarray(v), np.arange(t) if positions is None else positions)
+        )
+    return layers
+
+
+def small_basis(rng, n_layers=2, h=2, d=16, dtype=np.float16):
+    rots = [Rotary(dims=d, traditional=False, base=10000.0)] * n_layers
+    calibration = [random_layers(rng, n_layers, h, 200, d) for _ in range(2)]
+    return fit_basis(calibration, rots, dtype=dtype, info={"test": True})
+
+
+def test_basis_bytes_digest_and_refusal():
+    basis = small_basis(np.random.default_rng(4))
+    data = basis.to_bytes()
+    assert data == small_basis(np.random.default_rng(4)).to_bytes()  # deterministic
+    loaded = Basis.from_bytes(data, basis.digest)
+    assert loaded.digest == basis.digest and loaded.rotaries == basis.rotaries and loaded.info == basis.info
+    for a, b in zip(loaded.keys + loaded.values, basis.keys + basis.values):
+        assert np.array_equal(a.components, b.components) and np.array_equal(a.mean, b.mean)
+        assert np.array_equal(a.rms, b.rms)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01
+    with pytest.raises(BasisError, match="do not match their id"):
+        Basis.from_bytes(bytes(flipped), basis.digest)
+    # mx.load reads it too (plain safetensors).
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "basis.safetensors"
+        path.write_bytes(data)
+        arrays = mx.load(str(path))
+        assert np.array_equal(np.asarray(arrays["layers.1.v.rms"]), basis.values[1].rms)
+
+
+# --- bit allocation and integers ---------------------------------------------------------------------
+
+
+def test_bit_allocation_hand_case():
+    # step = sqrt(12): bits = log2(rms), zero below rms 1.
+    bits = bit_allocation(np.array([8.0, 2.0, 1.0, 0.1]), math.sqrt(12))
+    np.testing.assert_allclose(bits, [3.0, 1.0, 0.0, 0.0])
+    assert kept_components(np.array([8.0, 2.0, 1.0, 0.1]), math.sqrt(12)) == 2
+    # Halving the step gives every kept component one more bit, and keeps one more component.
+    np.testing.assert_allclose(bit_allocation(np.array([8.0, 2.0, 1.0, 0.1]), math.sqrt(12) / 2), [4.0, 2.0, 1.0, 0.0])
+
+
+def test_integers_round_trip():
+    rng = np.random.default_rng(5)
+    q = np.concatenate([rng.integers(-5, 6, 1000), [0, -127, 127, -128, 128, 40000, -40000, 2**30]])
+    plane, esc = pack_integers(q)
+    assert len(plane) == q.size
+    assert np.array_equal(unpack_integers(plane, esc, q.size), q)
+    with pytest.raises(TransformCodecError):
+        unpack_integers(plane, esc[:-4], q.size)
+
+
+def test_codes_packed_several_per_byte():
+    rng = np.random.default_rng(10)
+    # Zigzagged codes below 4 (values -2..1) go four to a byte, below 16 (-8..7) two, others one.
+    for lo, hi, width in ((-2, 1, 2), (-8, 7, 4), (-300, 300, 8), (0, 0, 2)):
+        q = rng.integers(lo, hi + 1, 1001)
+        got_width, plane, esc = pack_codes(q)
+        assert got_width == width
+        assert len(plane) == math.ceil(1001 / (8 // width))
+        assert np.array_equal(unpack_codes(width, plane, esc, 1001), q)
+        # The decoder's table look-up, with a centroid offset folded in.
+        out = np.empty(1001, np.float32)
+        decode_group(width, plane, esc, 1001, -0.125, out)
+        np.testing.assert_array_equal(out, q - 0.125 * np.sign(q))
+    # Hand-checked: 1, -1, 0, -2 -> zigzag 2, 1, 0, 3 -> 2 | 1 << 2 | 0 << 4 | 3 << 6.
+    assert pack_codes(np.array([1, -1, 0, -2]))[1] == bytes([2 | 1 << 2 | 3 << 6])
+
+
+def test_component_groups_hand_case():
+    # step sqrt(12): bits log2(rms) = 3, 3, 1, 0.58, 0, 0 -> 4 sent, rounded up 3, 3, 1, 1.
+    rms = np.array([8.0, 8.0, 2.0, 1.5, 1.0, 0.1])
+    assert kept_components(rms, math.sqrt(12)) == 4
+    assert component_groups(rms, math.sqrt(12), 4) == [2, 2]
+    assert component_groups(rms, math.sqrt(12), 0) == []
+
+
+# --- encode / decode ------------------------------------------------------------------------------
+
+
+def test_round_trip_error_bounded_by_step():
+    rng = np.random.default_rng(6)
+    basis = small_basis(rng)
+    layers = random_layers(rng, positions=None)
+    step = 0.2
+    enc = encode_layers(layers, basis, step=step, sinks=4, recent=3, key_factor=2.0)
+    decoded = decode_layers(enc.data, basis)
+    assert len(decoded) == 2
+    for (k, v, pos), (dk, dv), i in zip(layers, decoded, range(2)):
+        assert dk.dtype == mx.float16 and dk.shape == k.shape and dv.shape == v.shape
+        # Sinks and the recent window are the float16 originals.
+        for raw, got in ((k, dk), (v, dv)):
+            assert np.array_equal(np.asarray(got[:, :, :4]), raw[:, :, :4].astype(np.float16))
+            assert np.array_equal(np.asarray(got[:, :, -3:]), raw[:, :, -3:].astype(np.float16))
+        rot = basis.rotaries[i]
+        for raw, got, tb, un in (
+            (k, dk, basis.keys[i], True),
+            (v, dv, basis.values[i], False),
+        ):
+            mid, got_mid = raw[:, :, 4:-3], np.asarray(got[:, :, 4:-3].astype(mx.float32))
+            if un:
+                mid = np.asarray(remove_rope(mx.array(mid), pos[4:-3], rot))
+                got_mid = np.asarray(remove_rope(mx.array(got_mid), pos[4:-3], rot))
+            rows = mid.transpose(0, 2, 1, 3).reshape(-1, 32)
+            got_rows = got_mid.transpose(0, 2, 1, 3).reshape(-1, 32)
+            kstep = step * (2.0 if un else 1.0)  # the keys' step is key_factor times the values'
+            n = kept_components(tb.rms / tb.scale, kstep)
+            assert 0 < n < 32
+            c, got_c = tb.project(rows), tb.project(got_rows)
+            # The float16 output's rounding, carried into a coefficient (unit-norm analysis columns).
+            fp16_slack = 2.0**-11 * math.sqrt(32) * np.abs(rows).max() * 1.5
+            assert fp16_slack < 0.25 * kstep * tb.scale
+            # Within half a step of the bin's centre, moved by at most the centroid offset.
+            groups = read_header(enc.data)[0]["layers"][i]["k" if un else "v"]["groups"]
+            offset = max(abs(g[4]) for g in groups)
+            assert offset < 0.5
+            assert np.abs(c[:, :n] - got_c[:, :n]).max() <= kstep * tb.scale * (0.5 + offset) + fp16_slack
+            # Components with no bits are not sent: their coefficient decodes as zero.
+            assert np.abs(got_c[:, n:]).max() <= fp16_slack
+    # Finer steps, smaller errors and more bytes.
+    finer = encode_layers(layers, basis, step=step / 8, sinks=4, recent=3)
+    assert len(finer.data) > len(enc.data)
+
+
+def test_target_ratio_bisection():
+    rng = np.random.default_rng(7)
+    basis = small_basis(rng)
+    layers = random_layers(rng, t=400)
+    enc = encode_layers(layers, basis, ratio=3.0, tolerance=0.02)
+    assert 3.0 <= enc.ratio <= 3.0 / 0.98 + 1e-9
+    assert enc.fp16_bytes == 2 * 2 * 2 * 400 * 32
+
+
+def test_sparse_per_head_positions_and_wrong_basis():
+    rng = np.random.default_rng(8)
+    basis = small_basis(rng)
+    pos = np.stack([sparse_positions(rng, 60, 1000), sparse_positions(rng, 60, 1000)])
+    layers = random_layers(rng, positions=pos)
+    enc = encode_layers(layers, basis, step=0.01)
+    for (k, _, _), (dk, _) in zip(layers, decode_layers(enc.data, basis)):
+        assert float(np.abs(np.asarray(dk.astype(mx.float32)) - k).max()) < 0.05 * np.abs(k).max()
+    other = small_basis(np.random.default_rng(9))
+    with pytest.raises(BasisError, match="coded with basis"):
+        decode_layers(enc.data, other)
+    with pytest.raises(TransformCodecError, match="magic"):
+        decode_layers(b"nope" + enc.data, basis)
+
+
+def test_tiny_model_cache_round_trip(tiny, long_ids):
+    """A real prefill of the tiny model: basis from one part of the text, coded cache of another; the
+    next-token logits from the decoded cache match the original's closely at a fine step."""
+    from mlx_lm.models.cache import KVCache
+
+    from kvmesh.caches.prefill import run_prompt
+
+    model, _ = tiny
+    rots = model_rotaries(model)
+    # Layer 0's keys are a function of the token alone: calibrate on enough distinct tokens.
+    calib, _, _ = run_prompt(model, long_ids[:500])
+    basis = fit_basis([layers_of_cache(calib)], rots)
+    cache, _, _ = run_prompt(model, long_ids[500:650])
+    layers = layers_of_cache(cache)
+    enc = encode_layers(layers, basis, step=0.005)
+    assert enc.ratio > 1.2
+    rebuilt = []
+    for dk, dv in decode_layers(enc.data, basis):
+        c = KVCache()
+        c.update_and_fetch(dk.astype(mx.float32), dv.astype(mx.float32))
+        rebuilt.append(c)
+    probe = mx.array(long_ids[650:660])[None]
+    want = model(probe, cache=cache)[0]
+    got = model(probe, cache=rebuilt)[0]
+    lp_w = want - mx.logsumexp(want, axis=-1, keepdims=True)
+    lp_g = got - mx.logsumexp(got, axis=-1, keepdims=True)
+    kl = (mx.exp(lp_w) * (lp_w - lp_g)).sum(-1).mean().item()
+    assert kl < 1e-3
+
+
+def test_rotary_of_mlx_lm_rope_modules():
+    """Each supported mlx-lm rope module, read by rotary_of, rotates exactly as the module does."""
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    x = mx.random.normal((1, 2, 9, 64), key=mx.random.key(0))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaling["original_max_position_embeddings"] = 8192
+    for config in (None, {"rope_type": "linear", "factor": 4.0}, scaling):
+        rope = initialize_rope(64, 500000.0, False, config, max_position_embeddings=131072)
+        rot = rotary_of(rope)
+        assert mx.allclose(apply_rope(x, np.arange(5, 14), rot), rope(x, offset=5), atol=1e-6)
+    with pytest.raises(ValueError, match="not supported"):
+        rotary_of(initialize_rope(64, 1e4, False, {"rope_type": "yarn", "factor": 4.0}, 4096))
