@@ -1,10 +1,15 @@
 """What a person types wrong is refused by the parser in one line, before any model loads."""
 
+import re
+
 import pytest
 
 from kvmesh.caches.presses import make_press
 from kvmesh.cli import build_parser
-from kvmesh.errors import PressConfigError
+from kvmesh.daemon.config import DaemonConfig
+from kvmesh.errors import ConfigError, PressConfigError
+from kvmesh.net.addresses import peer_address
+from kvmesh.serve.options import ServeOptions
 
 
 def refusal(capsys, *argv):
@@ -69,3 +74,41 @@ def test_without_them_each_command_sees_none():
     args = build_parser().parse_args(["cache", "list"])
     assert (args.data_dir, args.store) == (None, None)
     assert build_parser().parse_args(["status"]).data_dir is None
+
+
+@pytest.mark.parametrize(
+    "given, dialled",
+    [
+        ("localhost", "localhost:7077"),
+        ("192.168.1.20", "192.168.1.20:7077"),
+        ("192.168.1.20:7100", "192.168.1.20:7100"),
+        (" 10.0.0.5:7077 ", "10.0.0.5:7077"),
+        ("fe80::1%en0", "[fe80::1%en0]:7077"),
+        ("[fe80::1%en0]:7100", "[fe80::1%en0]:7100"),
+        ("[::1]", "[::1]:7077"),
+    ],
+)
+def test_a_peer_without_a_port_is_dialled_on_kvmeshs(given, dialled):
+    assert peer_address(given) == dialled
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ("192.168.1.20:http", "the port must be a number in 1..65535"),
+        ("192.168.1.20:70000", "the port must be a number in 1..65535"),
+        (":7077", "give an address, host:port"),
+        ("[::1]7077", "give an address, host:port"),
+        ("my mac:7077", "give an address, host:port"),
+    ],
+)
+def test_a_malformed_peer_says_what_to_give(given, message):
+    with pytest.raises(ConfigError, match=re.escape(f"peer {given!r}: {message}")):
+        peer_address(given)
+
+
+def test_settings_tables_take_peers_as_they_are_dialled_and_interfaces_as_addresses():
+    assert DaemonConfig(peers=("localhost",)).peers == ("localhost:7077",)
+    assert ServeOptions(peers=("127.0.0.1",)).peers == ("127.0.0.1:7077",)
+    with pytest.raises(ConfigError, match="interface 'notanip' is not an IP address: give one of this machine's"):
+        DaemonConfig(interfaces=("notanip",))

@@ -13,8 +13,6 @@ import pytest
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
-from kvmesh.daemon.config import DaemonConfig, load_config
-from kvmesh.errors import KvmeshError
 from kvmesh.generation import fetch_cache
 from kvmesh.net.client import PeerClient
 from kvmesh.store import CacheStore
@@ -158,33 +156,6 @@ def test_cli_without_a_daemon_says_so(tmp_path):
         result.stderr
         == f"kvmesh: error: no kvmesh daemon is running for {tmp_path / 'none'} (start one with `kvmesh daemon`)\n"
     )
-
-
-def test_config_file_then_environment_then_flags(tmp_path):
-    config = tmp_path / "kvmesh.toml"
-    config.write_text('port = 7100\nmax-transfers = 2\ninterfaces = ["10.0.0.5"]\nlog_format = "json"\n')
-    env = {"KVMESH_PORT": "7200", "KVMESH_PEERS": "10.0.0.9:7077, 10.0.0.10:7077"}
-    loaded = load_config(config, env=env, overrides={"max_transfers": 3, "log_format": None})
-    assert loaded.port == 7200 and loaded.max_transfers == 3 and loaded.log_format == "json"
-    assert loaded.interfaces == ("10.0.0.5",) and loaded.peers == ("10.0.0.9:7077", "10.0.0.10:7077")
-    assert load_config(config, env={}).port == 7100
-    assert DaemonConfig().port == 7077
-
-
-@pytest.mark.parametrize(
-    "text, message",
-    [
-        ("prot = 1\n", "unknown setting 'prot'"),
-        ("port = 'many'\n", "bad value 'many' for port"),
-        ("log_format = 'xml'\n", "log_format must be text or json"),
-        ("port = [\n", "cannot read the config"),
-    ],
-)
-def test_bad_config_is_a_clear_error(tmp_path, text, message):
-    config = tmp_path / "kvmesh.toml"
-    config.write_text(text)
-    with pytest.raises(KvmeshError, match=message):
-        load_config(config, env={})
 
 
 @pytest.mark.slow

@@ -75,9 +75,25 @@ def test_a_flag_not_given_leaves_the_file_and_environment_alone(tmp_path, monkey
     assert loaded.port == 7100 and loaded.policy.accept_publish is False and loaded.log_level == "debug"
 
 
+def test_config_file_then_environment_then_flags(tmp_path):
+    config = tmp_path / "kvmesh.toml"
+    config.write_text('port = 7100\nmax-transfers = 2\ninterfaces = ["10.0.0.5"]\nlog_format = "json"\n')
+    env = {"KVMESH_PORT": "7200", "KVMESH_PEERS": "10.0.0.9:7077, 10.0.0.10:7077"}
+    loaded = load_config(config, env=env, overrides={"max_transfers": 3, "log_format": None})
+    assert loaded.port == 7200 and loaded.max_transfers == 3 and loaded.log_format == "json"
+    assert loaded.interfaces == ("10.0.0.5",) and loaded.peers == ("10.0.0.9:7077", "10.0.0.10:7077")
+    assert load_config(config, env={}).port == 7100
+    assert DaemonConfig().port == 7077
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
+        ("prot = 1\n", "unknown setting 'prot'"),
+        ("port = 'many'\n", "bad value 'many' for port"),
+        ("port = '7077'\n", "bad value '7077' for port: expected a whole number"),
+        ("log_format = 'xml'\n", "log_format must be text or json, not 'xml'"),
+        ("port = [\n", "cannot read the config"),
         ("peer_transfers = 'two'\n", "bad value 'two' for peer_transfers"),
         ("log_level = 'loud'\n", "log_level must be debug, info, warning or error, not 'loud'"),
         ("accept_publish = 'maybe'\n", "bad value 'maybe' for accept_publish"),

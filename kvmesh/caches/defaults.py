@@ -1,4 +1,9 @@
-"""Defaults chosen by measurement, as plain data (the CLI reads them without loading MLX)."""
+"""Defaults chosen by measurement, and the quantization widths MLX offers, as plain data: the CLI
+and the manifest checks read them without loading MLX."""
+
+# What `mx.quantize` takes: bits per value, and values per group (each group has a scale and a bias).
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUP_SIZES = (32, 64, 128)
 
 # What "compress" means when no method is named (`kvmesh prefill --compress`, `kvmesh serve
 # --compress`), chosen by scripts/bench_quality.py on SmolLM2-135M-Instruct: 8-bit quantization kept

@@ -16,12 +16,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from kvmesh.caches.attention import window_attention
+from kvmesh.caches.defaults import QUANT_BITS, QUANT_GROUP_SIZES
 from kvmesh.caches.kinds import snapshot
 from kvmesh.caches.sparse import SparseQuantizedKVCache, sparse_from_dense
 from kvmesh.errors import PressConfigError
-
-QUANT_BITS = (2, 3, 4, 5, 6, 8)
-QUANT_GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)

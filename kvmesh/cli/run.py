@@ -85,8 +85,7 @@ def prefill(args: Args) -> int:
 
 
 def prefill_arguments(parser: Any) -> None:
-    from kvmesh.caches.defaults import DEFAULT_COMPRESSION
-    from kvmesh.caches.presses import QUANT_BITS
+    from kvmesh.caches.defaults import DEFAULT_COMPRESSION, QUANT_BITS
 
     prompt_options(parser)
     store_option(parser)

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.caches.defaults import QUANT_BITS, QUANT_GROUP_SIZES
 from kvmesh.codec.limits import DIGEST_BYTES, HASH_BYTES, MAX_BLOCK_SIZE, MAX_CHUNK_SIZE, MAX_LAYERS, MIN_CHUNK_SIZE
 from kvmesh.codec.manifest import (
     CODEC_NAMES,
@@ -120,7 +121,7 @@ def layer_problem(m: pb.CacheManifest, i: int, layer: pb.LayerSpec, in_list: boo
     ):
         return bad(f"a window of {layer.window} (keep {layer.keep}) at offset {layer.offset} holding {layer.n_kept}")
     quantized = layer.kind == pb.CACHE_KIND_SPARSE_QUANTIZED_KV
-    if quantized and (layer.bits not in (2, 3, 4, 5, 6, 8) or layer.group_size not in (32, 64, 128)):
+    if quantized and (layer.bits not in QUANT_BITS or layer.group_size not in QUANT_GROUP_SIZES):
         return bad(f"quantization bits={layer.bits} group_size={layer.group_size}")
     if [t.name for t in layer.tensors] != list(names):
         return bad(f"tensors {[t.name for t in layer.tensors]}, expected {list(names)}")

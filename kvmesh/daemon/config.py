@@ -5,6 +5,7 @@ variables and the flags from the fields). The file holds the policy's settings a
 beside the daemon's own, as one flat list a user reads in one place.
 """
 
+import ipaddress
 import os
 import sys
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from typing import Any
 
 from kvmesh import paths
 from kvmesh.errors import ConfigError
+from kvmesh.net.addresses import DEFAULT_PORT, peer_address
 from kvmesh.net.policy import Policy
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.settings import check_choices, convert, from_environment, from_table, setting, settings_of
@@ -24,7 +26,6 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-DEFAULT_PORT = 7077
 # Tables of the config file that belong to other commands (`kvmesh serve`'s).
 OTHER_TABLES = ("serve",)
 
@@ -66,6 +67,16 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        for address in self.interfaces:
+            try:
+                ipaddress.ip_address(address.split("%")[0])
+            except ValueError:
+                raise ConfigError(
+                    f"interface {address!r} is not an IP address: give one of this machine's, e.g. 192.168.1.10"
+                ) from None
+        # Peers as gRPC dials them: `localhost` is `localhost:7077`. (A frozen dataclass sets its own
+        # fields only this way.)
+        object.__setattr__(self, "peers", tuple(peer_address(p) for p in self.peers))
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, not {self.port}")
         if self.max_transfers < 1:

@@ -20,12 +20,13 @@ import grpc
 from kvmesh.daemon.config import DaemonConfig
 from kvmesh.daemon.control import DaemonState, write_state
 from kvmesh.errors import DaemonAlreadyRunning, ListenError
+from kvmesh.net.addresses import host_port
 from kvmesh.net.credentials import renew_if_due
 from kvmesh.net.discovery import Discovery, HealthChecker, Peer, PeerTable, routable_addresses
 from kvmesh.net.node_id import node_id
 from kvmesh.net.server import RunningServer, start_server
 from kvmesh.net.timeouts import TIMEOUTS
-from kvmesh.net.transport import GRPC_OPTIONS, host_port
+from kvmesh.net.transport import GRPC_OPTIONS
 from kvmesh.paths import lock_file, state_file
 from kvmesh.store import CacheStore
 from kvmesh.v1 import control_pb2 as cpb

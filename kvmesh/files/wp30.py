@@ -32,7 +32,8 @@ from typing import Any, cast
 import mlx.core as mx
 import zstandard
 
-from kvmesh.caches.presses import QUANT_BITS, QUANT_GROUP_SIZES, Press, make_press, press_shown_by
+from kvmesh.caches.defaults import QUANT_BITS, QUANT_GROUP_SIZES
+from kvmesh.caches.presses import Press, make_press, press_shown_by
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.arrays import mlx_dtype_name
 from kvmesh.codec.decode import decode_chunks

@@ -21,6 +21,7 @@ from kvmesh.codec.chunks import FRAME_HEADER, Chunk, parse_frame
 from kvmesh.codec.compat import ReceiverProfile, check_manifest
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, tokens_served
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
+from kvmesh.net.addresses import peer_address
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.messages import (
     accept,
@@ -196,8 +197,8 @@ class PeerClient:
     def __init__(self, address: str, *, timeout: float = TIMEOUTS.call, credentials: MeshCredentials | None = None):
         """A client of the peer at `address`; with mesh `credentials`, over mutual TLS. `timeout`
         bounds each unary call (`info`, `lookup`, `probe`)."""
-        self.address, self.timeout = address, timeout
-        self.channel = open_channel(address, credentials)
+        self.address, self.timeout = peer_address(address), timeout
+        self.channel = open_channel(self.address, credentials)
         self.stub = service_pb2_grpc.KvMeshStub(self.channel)
         # The streams that carry chunk frames (raw bytes) or probe data: read here, not by stubs.
         self._fetch = self.channel.stream_stream(

@@ -21,9 +21,10 @@ import ifaddr
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zeroconf import DNSQuestionType, IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
+from kvmesh.net.addresses import host_port
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
-from kvmesh.net.transport import SERVICE_NAME, host_port, open_channel
+from kvmesh.net.transport import SERVICE_NAME, open_channel
 from kvmesh.versions import PROTOCOL_VERSION, __version__
 
 SERVICE_TYPE = "_kvmesh._tcp.local."

@@ -30,10 +30,11 @@ from kvmesh.codec.compat import check_manifest, validate_manifest
 from kvmesh.codec.cut import can_cut, cut_prefix
 from kvmesh.codec.prefix import BLOCK_SIZE, may_serve, shared_tokens
 from kvmesh.errors import IntegrityError, ListenError, NotFoundError, Rejection, StoreError
+from kvmesh.net.addresses import host_port
 from kvmesh.net.messages import accept, check_trailer, older_protocol, profile_from_proto, reject, trailer
 from kvmesh.net.policy import PeerLimits, Policy
 from kvmesh.net.timeouts import TIMEOUTS
-from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME, as_bytes, host_port, serialize
+from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME, as_bytes, serialize
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb

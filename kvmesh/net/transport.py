@@ -32,12 +32,6 @@ SERVER_OPTIONS = [
 ]
 
 
-def host_port(host: str, port: int | str) -> str:
-    """The `host:port` that gRPC dials and serves: an IPv6 address in brackets (`[fe80::1%en0]:7077`)."""
-    host = host.strip("[]")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def open_channel(address: str, credentials: MeshCredentials | None = None) -> grpc.Channel:
     """A channel to a peer: mutual TLS with mesh credentials (the peer must prove it is a member)."""
     if credentials is None:

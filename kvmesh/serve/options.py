@@ -12,6 +12,7 @@ from typing import Any
 from kvmesh.daemon.config import read_file
 from kvmesh.errors import ConfigError
 from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
+from kvmesh.net.addresses import peer_address
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.settings import check_choices, convert, from_table, setting, settings_of
 
@@ -41,6 +42,7 @@ class ServeOptions:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
         check_choices(self)
+        object.__setattr__(self, "peers", tuple(peer_address(p) for p in self.peers))  # `localhost` dials :7077
 
 
 def load_serve_options(

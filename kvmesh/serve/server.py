@@ -14,8 +14,8 @@ from kvmesh.caches.presses import make_press
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import Rates
 from kvmesh.model.loaded import LoadedModel
+from kvmesh.net.addresses import host_port
 from kvmesh.net.credentials import MeshCredentials
-from kvmesh.net.transport import host_port
 from kvmesh.serve.app import ServedModel, make_app
 from kvmesh.serve.engine import Engine
 from kvmesh.serve.options import ServeOptions
