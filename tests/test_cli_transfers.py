@@ -63,3 +63,11 @@ def test_fetching_a_cache_the_store_holds_says_so_and_dials_no_one(stored, tiny_
     assert (
         result.stdout.startswith(f"{cache_id} is already in the local store (") and "nothing fetched" in result.stdout
     )
+
+
+def test_commands_take_a_unique_start_of_a_cache_id(stored, tmp_path):
+    local, cache_id = stored
+    shown = cli("cache", "show", cache_id[:8], "--store", local).stdout
+    assert shown.startswith(f"cache {cache_id}: ")
+    out = cli("cache", "export", cache_id[:6], tmp_path / "c.kvmesh", "--store", local).stdout
+    assert out == f"exported {cache_id} to {tmp_path / 'c.kvmesh'}\n"

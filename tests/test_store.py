@@ -345,3 +345,23 @@ def test_opening_the_store_leaves_a_live_writers_file_alone(store, tmp_path, den
             writer.kill()
             writer.wait()
     assert [e.num_tokens for e in CacheStore(store.root).entries()] == [500]
+
+
+def test_a_unique_start_of_an_id_names_its_cache(store, tiny, fp, long_ids):
+    # 17 caches: two of them share a first hex digit.
+    ids = [put(store, prefill(tiny[0], long_ids[:n]).cache, fp, long_ids[:n]).cache_id for n in range(20, 37)]
+    for cache_id in ids:
+        shortest = next(cache_id[:k] for k in range(1, 33) if sum(i.startswith(cache_id[:k]) for i in ids) == 1)
+        assert store.resolve(shortest) == store.resolve(shortest.upper()) == store.resolve(cache_id) == cache_id
+    shared = next(c for c in "0123456789abcdef" if sum(i.startswith(c) for i in ids) >= 2)
+    count = sum(i.startswith(shared) for i in ids)
+    with pytest.raises(NotFoundError, match=rf"^{shared} names {count} caches \(.*\): give more of the id$"):
+        store.resolve(shared)
+    unused = next(
+        a + b for a in "0123456789abcdef" for b in "0123456789abcdef" if not any(i.startswith(a + b) for i in ids)
+    )
+    with pytest.raises(NotFoundError, match=rf"^no cache {unused} in the store"):
+        store.resolve(unused)
+    for bad in ("", "../x", "0" * 33):
+        with pytest.raises(NotFoundError, match="ids are hex digits"):
+            store.resolve(bad)

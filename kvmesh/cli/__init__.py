@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvmesh: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`kvmesh cache list | head`): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush is quiet
+        return 141
     except (OSError, sqlite3.Error) as e:  # the machine said no (a full disk, permissions, a broken file)
         print(f"kvmesh: error: {e}", file=sys.stderr)
         return 1

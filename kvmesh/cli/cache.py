@@ -16,6 +16,7 @@ from kvmesh.cli.common import (
     prompt_texts,
     read_text,
     store_option,
+    stored,
 )
 from kvmesh.cli.common import command as make_command
 from kvmesh.errors import KvmeshError
@@ -43,7 +44,8 @@ def show(args: Args) -> int:
 
     from kvmesh.codec.manifest import CODEC_NAMES, layer_report, uncuttable_reason
 
-    manifest = open_store(args).manifest(args.cache_id)
+    store, cache_id = stored(args)
+    manifest = store.manifest(cache_id)
     layers = layer_report(manifest)
     if args.json:
         summary = MessageToDict(manifest, preserving_proto_field_name=True)
@@ -75,14 +77,16 @@ def show(args: Args) -> int:
 
 
 def export(args: Args) -> int:
-    path = open_store(args).export(args.cache_id, args.file)
-    print(f"exported {args.cache_id} to {path}")
+    store, cache_id = stored(args)
+    path = store.export(cache_id, args.file)
+    print(f"exported {cache_id} to {path}")
     return 0
 
 
 def delete(args: Args) -> int:
-    open_store(args).delete(args.cache_id)
-    print(f"deleted {args.cache_id}")
+    store, cache_id = stored(args)
+    store.delete(cache_id)
+    print(f"deleted {cache_id}")
     return 0
 
 
@@ -93,7 +97,7 @@ def verify(args: Args) -> int:
     store = open_store(args)
     if args.all == bool(args.cache_id):
         raise KvmeshError("give a cache id, or --all")
-    ids = [e.cache_id for e in store.entries()] if args.all else [args.cache_id]
+    ids = [e.cache_id for e in store.entries()] if args.all else [store.resolve(args.cache_id)]
     damaged = 0
     for cache_id in ids:
         try:
@@ -127,8 +131,9 @@ def import_mlx(args: Args) -> int:
 def export_mlx(args: Args) -> int:
     from kvmesh.files.mlx_prompt_cache import export_prompt_cache
 
-    path = export_prompt_cache(open_store(args), args.cache_id, args.file, args.model)
-    print(f"exported {args.cache_id} to {path} for mlx_lm.generate --prompt-cache-file")
+    store, cache_id = stored(args)
+    path = export_prompt_cache(store, cache_id, args.file, args.model)
+    print(f"exported {cache_id} to {path} for mlx_lm.generate --prompt-cache-file")
     return 0
 
 
@@ -163,8 +168,9 @@ def export_wp30(args: Args) -> int:
     from kvmesh.files.wp30 import export_wp30
 
     tokens, fp = wp30_tokens(args)
-    path = export_wp30(open_store(args), args.cache_id, args.path, tokens, fp, args.compression)
-    print(f"exported {args.cache_id} to {path} (wp30-cache-2, compression {args.compression})")
+    store, cache_id = stored(args)
+    path = export_wp30(store, cache_id, args.path, tokens, fp, args.compression)
+    print(f"exported {cache_id} to {path} (wp30-cache-2, compression {args.compression})")
     return 0
 
 
@@ -182,7 +188,7 @@ def add_commands(commands: Commands) -> None:
         store_option(sub, after_command=True)
         return sub
 
-    cache_id_help = "the cache's id (as `kvmesh cache list` prints it)"
+    cache_id_help = "the cache's id as `kvmesh cache list` prints it, or enough of its start to name one"
 
     sub = command(cache, "list", listing, "list stored caches")
     sub.add_argument("--json", action="store_true", help="print JSON")

@@ -121,6 +121,12 @@ def open_store(args: Args) -> Any:
     return CacheStore(root, max_bytes=budget)
 
 
+def stored(args: Args) -> tuple[Any, str]:
+    """The store and the full id of the cache `args.cache_id` names there (a unique prefix will do)."""
+    store = open_store(args)
+    return store, store.resolve(args.cache_id)
+
+
 def mesh_credentials(args: Args) -> Any:
     """This node's mesh credentials (renewed if due), if it has joined a mesh: for commands that dial peers."""
     from kvmesh.net.credentials import renew_if_due

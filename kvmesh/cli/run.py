@@ -18,6 +18,7 @@ from kvmesh.cli.common import (
     prompt_options,
     prompt_texts,
     store_option,
+    stored,
 )
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
@@ -153,19 +154,19 @@ def fetch_arguments(parser: Any) -> None:
 def publish(args: Args) -> int:
     from kvmesh.net.client import PeerClient
 
-    store = open_store(args)
+    store, cache_id = stored(args)
     with PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
-        stored_as = client.publish(store, args.cache_id)
-    manifest = store.manifest(args.cache_id)
+        stored_as = client.publish(store, cache_id)
+    manifest = store.manifest(cache_id)
     print(
-        f"published {args.cache_id} to {args.peer} ({manifest.prefix.num_tokens} tokens, "
+        f"published {cache_id} to {client.address} ({manifest.prefix.num_tokens} tokens, "
         f"{manifest.encoding.encoded_bytes:,} bytes); stored there as {stored_as}"
     )
     return 0
 
 
 def publish_arguments(parser: Any) -> None:
-    parser.add_argument("cache_id", help="the cache's id in the local store (`kvmesh cache list`)")
+    parser.add_argument("cache_id", help="the cache's id in the local store (`kvmesh cache list`), or its start")
     parser.add_argument("peer", help="host:port of the peer to give it to")
     store_option(parser)
 

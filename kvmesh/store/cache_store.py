@@ -92,6 +92,11 @@ def _abandoned(path: Path) -> bool:
         return False
 
 
+def _prefix_range(prefix: str) -> tuple[str, str]:
+    """The ids that start with a hex `prefix` lie in [prefix, prefix + "g"): an index range, not a scan."""
+    return prefix, prefix + "g"
+
+
 ENTRY_COLUMNS = (
     "cache_id, model_id, num_tokens, prefix_sha256, method, cuttable, raw_bytes, file_bytes, created_ms, last_used_ms"
 )
@@ -417,6 +422,20 @@ class CacheStore:
         if not found:
             raise NotFoundError(f"no cache {cache_id} in the store")
         return found[0]
+
+    def resolve(self, given: str) -> str:
+        """The id of the one cache whose id starts with `given` (as git takes a commit's prefix): a
+        person types `46f0c5a6`, not 32 digits. None or several matching is a NotFoundError saying so."""
+        prefix = given.strip().lower()
+        if not prefix or not all(c in "0123456789abcdef" for c in prefix) or len(prefix) > 32:
+            raise NotFoundError(f"no cache {given!r} in the store (ids are hex digits: `kvmesh cache list`)")
+        matches = [e.cache_id for e in self._select("WHERE cache_id >= ? AND cache_id < ?", _prefix_range(prefix))]
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            raise NotFoundError(f"no cache {given} in the store (`kvmesh cache list` shows them)")
+        shown = ", ".join(matches[:4]) + (", ..." if len(matches) > 4 else "")
+        raise NotFoundError(f"{given} names {len(matches)} caches ({shown}): give more of the id")
 
     def _select(self, clause: str, args: tuple = ()) -> list[StoredEntry]:
         with self._read() as db:
