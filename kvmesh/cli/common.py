@@ -165,16 +165,36 @@ def max_kl_option(parser: argparse.ArgumentParser) -> None:
 
 
 def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int], None]]:
-    """A rich progress bar on stderr (quiet when stderr is not a terminal) and its update function."""
+    """A rich progress bar on stderr (quiet when stderr is not a terminal) and its update function:
+    how much of how much, in `unit` ("bytes", or a count such as "tokens"), at what rate, and how
+    long is left."""
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.text import Text
+
+    class CountSpeed(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            return Text(f"{task.speed:,.0f} {unit}/s" if task.speed else "", style="progress.data.speed")
 
     console = Console(stderr=True)
-    amount = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
+    amounts = (
+        [DownloadColumn(), TransferSpeedColumn()]
+        if unit == "bytes"
+        else [MofNCompleteColumn(), TextColumn(unit), CountSpeed()]
+    )
     bar = Progress(
         "[progress.description]{task.description}",
         BarColumn(),
-        amount,
+        *amounts,
         TimeRemainingColumn(),
         console=console,
         transient=True,
