@@ -71,6 +71,14 @@ class ListenError(KvmeshError):
         super().__init__(message)
 
 
+class PromptMismatch(KvmeshError):
+    """A cache file holds another number of tokens than the prompt given for it."""
+
+    def __init__(self, message: str, held: int, given: int):
+        super().__init__(message)
+        self.held, self.given = held, given
+
+
 class PeerError(KvmeshError):
     """A peer could not be reached, failed, or went away mid-transfer."""
 

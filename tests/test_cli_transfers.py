@@ -2,6 +2,7 @@
 daemon; a fetch of what the store already holds."""
 
 import json
+import re
 
 import pytest
 
@@ -71,3 +72,17 @@ def test_commands_take_a_unique_start_of_a_cache_id(stored, tmp_path):
     assert shown.startswith(f"cache {cache_id}: ")
     out = cli("cache", "export", cache_id[:6], tmp_path / "c.kvmesh", "--store", local).stdout
     assert out == f"exported {cache_id} to {tmp_path / 'c.kvmesh'}\n"
+
+
+def test_an_mlx_file_exported_from_a_plain_prefill_imports_with_plain(stored, tiny_dir, tmp_path):
+    local, cache_id = stored
+    file = tmp_path / "p.safetensors"
+    cli("cache", "export-mlx", cache_id, file, "--model", tiny_dir, "--store", local)
+    prompt = "The river runs to the sea. " * 20  # what the `stored` fixture prefilled, without --chat
+    other = ["--store", tmp_path / "other"]
+    refused = cli("cache", "import-mlx", file, "--model", tiny_dir, "--prompt", prompt, *other, check=False)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+    held = re.search(r"the cache holds (\d+) tokens", refused.stderr)
+    assert held and refused.stderr.endswith(f"; add --plain: that prompt gives {held[1]}\n")
+    imported = cli("cache", "import-mlx", file, "--model", tiny_dir, "--prompt", prompt, "--plain", *other).stdout
+    assert imported.startswith(f"imported {cache_id} (")

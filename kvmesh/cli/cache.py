@@ -117,13 +117,24 @@ def import_file(args: Args) -> int:
 
 
 def import_mlx(args: Args) -> int:
+    from kvmesh.errors import PromptMismatch
     from kvmesh.files.mlx_prompt_cache import import_prompt_cache
     from kvmesh.model.loaded import load_tokenizer
     from kvmesh.model.prompt import cache_prompt_tokens
 
     text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
     tokenizer, fp = load_tokenizer(args.model)
-    manifest = import_prompt_cache(open_store(args), args.file, fp, cache_prompt_tokens(tokenizer, text))
+
+    def tokens(plain: bool) -> list[int]:
+        return tokenizer.encode(text) if plain else cache_prompt_tokens(tokenizer, text)
+
+    try:
+        manifest = import_prompt_cache(open_store(args), args.file, fp, tokens(args.plain))
+    except PromptMismatch as e:
+        # A file `kvmesh cache export-mlx` wrote from a prefill without --chat holds the plain tokens.
+        if tokenizer.has_chat_template and len(tokens(not args.plain)) == e.held:
+            raise KvmeshError(f"{e}; {'drop' if args.plain else 'add'} --plain: that prompt gives {e.held}") from None
+        raise
     print(f"imported {manifest.cache_id} ({manifest.prefix.num_tokens} tokens)")
     return 0
 
@@ -223,6 +234,12 @@ def add_commands(commands: Commands) -> None:
     source = sub.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt given to mlx_lm.cache_prompt")
     source.add_argument("--prompt-file", help="a file holding that prompt")
+    sub.add_argument(
+        "--plain",
+        action="store_true",
+        help="the prompt's tokens without the chat template: a file `kvmesh cache export-mlx` wrote from a "
+        "prefill without --chat (mlx_lm.cache_prompt applies the template when the model has one)",
+    )
 
     sub = command(cache, "export-mlx", export_mlx, "write a stored cache as an mlx-lm prompt-cache file")
     sub.add_argument("cache_id", help=cache_id_help)

@@ -17,7 +17,7 @@ from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.codec.manifest import leaf_layers
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import KvmeshError, PromptMismatch
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
@@ -40,7 +40,8 @@ def import_prompt_cache(
         raise KvmeshError(f"{path}: {len(cache)} layers, the model has {model.num_layers}")
     check_supported(cache)
     if cached_tokens(cache) != len(tokens):
-        raise KvmeshError(f"{path}: the cache holds {cached_tokens(cache)} tokens, the prompt has {len(tokens)}")
+        held = cached_tokens(cache)
+        raise PromptMismatch(f"{path}: the cache holds {held} tokens, the prompt has {len(tokens)}", held, len(tokens))
     layers = [snapshot(c) for c in cache]  # full attention made sparse, the other kinds as they are
     return store.add(*encode_cache(layers, model, tokens, press_shown_by(layers), options=options or EncodeOptions()))
 
