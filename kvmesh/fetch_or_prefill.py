@@ -120,10 +120,16 @@ def choose(
     reason = (
         f"{tokens:,} cached tokens at {where}: fetching {wire_bytes / 1e6:,.1f} MB at "
         f"{bytes_per_s / 1e6:,.1f} MB/s{f' ({measured})' if measured else ''} takes about {fetch_s:.2f} s, "
-        f"prefilling them here at {prefill.rate(tokens, context):,.0f} tokens/s about {prefill_s:.2f} s: "
+        f"prefilling them here at {figure(prefill.rate(tokens, context))} tokens/s about {prefill_s:.2f} s: "
         + ("fetch" if fetch else "prefill")
     )
     return Choice(fetch, fetch_s, prefill_s, reason)
+
+
+def figure(x: float) -> str:
+    """A rate as people read it: whole numbers from 100 on, else three significant digits (a slow
+    machine's 1.37 tokens/s is not "1")."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def probe_bytes(wire_bytes: int) -> int:

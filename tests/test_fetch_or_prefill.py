@@ -57,6 +57,9 @@ def test_the_choice_takes_the_faster_and_says_why():
     held = choose(2048, wire, 12e6, PrefillModel(0.001, 5e-7), context=6000)
     assert held.prefill_s == pytest.approx(2048 * (0.001 + 5e-7 * (6000 + 1024)))
     assert held.fetch
+    # A slow machine's rate keeps its digits.
+    crawl = choose(2048, wire, 12e6, PrefillModel.at_rate(1.37))
+    assert "prefilling them here at 1.37 tokens/s about 1494.89 s: fetch" in crawl.reason
 
 
 def test_rates_are_kept_in_the_data_dir_and_shared(tmp_path, caplog):
