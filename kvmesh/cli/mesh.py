@@ -56,7 +56,7 @@ def status(args: Args) -> int:
         return 0
     print(f"member of a mesh; node certificate valid to {creds.expires:%Y-%m-%d %H:%M} UTC")
     if renewal_due(creds):
-        print("it is due for renewal: the daemon renews it when it starts, or run `kvmesh mesh renew`")
+        print("it is due for renewal: a running daemon renews it before it ends, or run `kvmesh mesh renew`")
     return 0
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from kvmesh import paths
 from kvmesh.errors import ConfigError
 from kvmesh.net.addresses import DEFAULT_PORT, peer_address
+from kvmesh.net.credentials import NODE_CERT_DAYS, RENEW_BEFORE_DAYS
 from kvmesh.net.policy import Policy
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.settings import check_choices, convert, from_environment, from_table, setting, settings_of
@@ -63,6 +64,12 @@ class DaemonConfig:
     grace: float = setting(
         TIMEOUTS.shutdown_grace, help="seconds transfers in flight get to finish at shutdown", metavar="SECONDS"
     )
+    # Node certificates: how long one this daemon issues itself lasts, and how long before its end it
+    # is renewed (while the daemon runs, too). Fractions of a day are allowed (tests use seconds).
+    certificate_days: float = setting(NODE_CERT_DAYS, help="days a node certificate the daemon issues itself lasts")
+    renew_before_days: float = setting(
+        RENEW_BEFORE_DAYS, help="days before its certificate ends that the running daemon renews it"
+    )
     policy: Policy = field(default_factory=Policy)
 
     def __post_init__(self) -> None:
@@ -77,6 +84,11 @@ class DaemonConfig:
         # Peers as gRPC dials them: `localhost` is `localhost:7077`. (A frozen dataclass sets its own
         # fields only this way.)
         object.__setattr__(self, "peers", tuple(peer_address(p) for p in self.peers))
+        if not 0 < self.renew_before_days < self.certificate_days:
+            raise ConfigError(
+                f"renew_before_days ({self.renew_before_days}) must be above 0 and below certificate_days "
+                f"({self.certificate_days})"
+            )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, not {self.port}")
         if self.max_transfers < 1:

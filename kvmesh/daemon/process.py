@@ -19,9 +19,9 @@ import grpc
 
 from kvmesh.daemon.config import DaemonConfig
 from kvmesh.daemon.control import DaemonState, write_state
-from kvmesh.errors import DaemonAlreadyRunning, ListenError
+from kvmesh.errors import CredentialsError, DaemonAlreadyRunning, ListenError
 from kvmesh.net.addresses import host_port
-from kvmesh.net.credentials import renew_if_due
+from kvmesh.net.credentials import RenewingCredentials, renew_if_due
 from kvmesh.net.discovery import Discovery, HealthChecker, Peer, PeerTable, routable_addresses
 from kvmesh.net.node_id import node_id
 from kvmesh.net.server import RunningServer, start_server
@@ -77,6 +77,7 @@ class Daemon:
         self.health: HealthChecker | None = None
         self.listen: list[str] = []
         self.lock: TextIO | None = None
+        self._stopping = threading.Event()
 
     def start(self) -> None:
         """Take the data directory, open the store, serve, advertise, and write the state file.
@@ -97,7 +98,13 @@ class Daemon:
         self.lock = take_data_dir(data_dir)
         self.node_id = node_id(data_dir)
         self.store = CacheStore(config.store_dir, max_bytes=config.store_budget)
-        self.credentials = renew_if_due(data_dir, self.node_id)
+        days, before = config.certificate_days, config.renew_before_days
+        current = renew_if_due(data_dir, self.node_id, days=days, renew_before_days=before)
+        self.credentials = (
+            RenewingCredentials(data_dir, self.node_id, current, days=days, renew_before_days=before)
+            if current
+            else None
+        )
         interfaces = list(config.interfaces) or routable_addresses(None)
         if self.credentials is None:
             lan = [a for a in interfaces if not ipaddress.ip_address(a).is_loopback]
@@ -138,6 +145,8 @@ class Daemon:
             self.discovery.start()
         self.health = HealthChecker(self.peers, interval=config.health_interval, credentials=self.credentials)
         self.health.start()
+        if self.credentials:
+            threading.Thread(target=self._keep_renewing, args=(self.credentials,), name="renew", daemon=True).start()
 
         write_state(
             data_dir,
@@ -162,10 +171,29 @@ class Daemon:
             control_port,
         )
 
+    def _keep_renewing(self, credentials: RenewingCredentials) -> None:
+        """Renew this node's certificate before it ends, for as long as the daemon runs: checked
+        four times within the renewal margin (at most hourly), so a month of uptime never outlives it."""
+        every = min(3600.0, credentials.renew_before_days * 86400 / 4)
+        while not self._stopping.wait(every):
+            try:
+                if credentials.renew_if_due():
+                    log.info(
+                        "renewed this node's certificate; it now runs to %s",
+                        f"{credentials.expires:%Y-%m-%d %H:%M:%S} UTC",
+                    )
+            except (CredentialsError, OSError) as e:  # the next check tries again; the old one still holds
+                log.warning(
+                    "cannot renew this node's certificate (it runs to %s): %s",
+                    f"{credentials.expires:%Y-%m-%d %H:%M} UTC",
+                    e,
+                )
+
     def stop(self, grace: float = TIMEOUTS.shutdown_grace) -> None:
         """Goodbye to the mesh first, then let transfers in flight finish for `grace` seconds."""
         if self.lock is None:
             return  # never took the data directory: its state file is another daemon's
+        self._stopping.set()
         state_file(self.config.data_dir).unlink(missing_ok=True)
         if self.serve_process:
             self.serve_process.terminate()

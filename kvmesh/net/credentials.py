@@ -14,10 +14,11 @@ import base64
 import datetime
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -25,6 +26,9 @@ from cryptography.x509.oid import NameOID
 
 from kvmesh.errors import CredentialsError
 from kvmesh.paths import mesh_dir
+
+if TYPE_CHECKING:  # gRPC loads when credentials are made, so settings tables can name the defaults here
+    import grpc
 
 # Every node certificate names this host, and clients check for it, whatever address they dial.
 SERVER_NAME = "kvmesh.mesh"
@@ -77,7 +81,7 @@ def issue_node_cert(
     ca_cert_pem: bytes,
     node_id: str,
     not_before: datetime.datetime | None = None,
-    days: int = NODE_CERT_DAYS,
+    days: float = NODE_CERT_DAYS,
 ) -> tuple[bytes, bytes]:
     """(key PEM, certificate PEM) for a node, signed by the mesh CA, usable as server and client."""
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
@@ -113,12 +117,16 @@ class MeshCredentials:
     key_pem: bytes
     cert_pem: bytes
 
-    def server_credentials(self) -> grpc.ServerCredentials:
+    def server_credentials(self) -> "grpc.ServerCredentials":
+        import grpc
+
         return grpc.ssl_server_credentials(
             [(self.key_pem, self.cert_pem)], root_certificates=self.trust_pem, require_client_auth=True
         )
 
-    def channel_credentials(self) -> grpc.ChannelCredentials:
+    def channel_credentials(self) -> "grpc.ChannelCredentials":
+        import grpc
+
         return grpc.ssl_channel_credentials(self.trust_pem, self.key_pem, self.cert_pem)
 
     @property
@@ -174,14 +182,15 @@ def join_mesh(data_dir: Path, node_id: str, bundle: str, replace: bool = False) 
     return renew(data_dir, node_id)
 
 
-def renew(data_dir: Path, node_id: str) -> MeshCredentials:
-    """Issue this node a fresh certificate from the mesh CA (rotation: peers need nothing new)."""
+def renew(data_dir: Path, node_id: str, *, days: float = NODE_CERT_DAYS) -> MeshCredentials:
+    """Issue this node a fresh certificate from the mesh CA, valid `days` (rotation: peers need
+    nothing new)."""
     directory = mesh_dir(data_dir)
     ca_key = (directory / "ca.key").read_bytes()
     trust = (directory / "trust.pem").read_bytes()
     # The CA that signs is the newest in the trust file (the last one).
     signer = x509.load_pem_x509_certificates(trust)[-1].public_bytes(serialization.Encoding.PEM)
-    key, cert = issue_node_cert(ca_key, signer, node_id)
+    key, cert = issue_node_cert(ca_key, signer, node_id, days=days)
     _write_private(directory / "node.key", key)
     (directory / "node.pem").write_bytes(cert)
     return MeshCredentials(trust, key, cert)
@@ -204,16 +213,19 @@ def load_credentials(data_dir: Path) -> MeshCredentials | None:
         ) from e
 
 
-def renewal_due(creds: MeshCredentials | None) -> bool:
-    """True when the node certificate is unreadable or ends within RENEW_BEFORE_DAYS."""
+def renewal_due(creds: MeshCredentials | None, *, renew_before_days: float = RENEW_BEFORE_DAYS) -> bool:
+    """True when the node certificate is unreadable or ends within `renew_before_days`."""
     try:
-        return creds is None or creds.expires - _now() < datetime.timedelta(days=RENEW_BEFORE_DAYS)
+        return creds is None or creds.expires - _now() < datetime.timedelta(days=renew_before_days)
     except ValueError:
         return True
 
 
-def renew_if_due(data_dir: Path, node_id: str) -> MeshCredentials | None:
-    """Load this node's credentials, first renewing a certificate that is missing or ends within a week.
+def renew_if_due(
+    data_dir: Path, node_id: str, *, days: float = NODE_CERT_DAYS, renew_before_days: float = RENEW_BEFORE_DAYS
+) -> MeshCredentials | None:
+    """Load this node's credentials, first renewing a certificate that is missing or ends within
+    `renew_before_days` (a week) with one valid `days` (30).
 
     None if the node has joined no mesh. Renewing needs the CA key, which every member holds.
     """
@@ -224,10 +236,75 @@ def renew_if_due(data_dir: Path, node_id: str) -> MeshCredentials | None:
         creds = load_credentials(data_dir)
     except CredentialsError:
         creds = None
-    if not renewal_due(creds):
+    if not renewal_due(creds, renew_before_days=renew_before_days):
         return creds
     if not (directory / "ca.key").exists():
         raise CredentialsError(
             f"{directory}: the node certificate is missing or ending and no CA key is here to renew it"
         )
-    return renew(data_dir, node_id)
+    return renew(data_dir, node_id, days=days)
+
+
+class Membership(Protocol):
+    """What dialling a peer needs of this node's credentials (MeshCredentials, RenewingCredentials)."""
+
+    def channel_credentials(self) -> "grpc.ChannelCredentials": ...
+
+
+class RenewingCredentials:
+    """This node's credentials in a process that runs for months (the daemon): `renew_if_due`,
+    called now and then, renews the certificate before it ends, and from then on every new TLS
+    handshake, served or dialled, uses the new one; connections already open keep theirs (TLS
+    checks a certificate's dates only at the handshake)."""
+
+    def __init__(
+        self, data_dir: Path, node_id: str, current: MeshCredentials, *, days: float, renew_before_days: float
+    ):
+        self.data_dir, self.node_id = data_dir, node_id
+        self.days, self.renew_before_days = days, renew_before_days
+        self.current = current
+        self._lock = threading.Lock()
+        self._served: bytes | None = None  # the certificate the server last took
+
+    @property
+    def expires(self) -> datetime.datetime:
+        return self.current.expires
+
+    def renew_if_due(self) -> bool:
+        """Renew the certificate if it ends within `renew_before_days`; True when it was."""
+        with self._lock:
+            renewed = renew_if_due(
+                self.data_dir, self.node_id, days=self.days, renew_before_days=self.renew_before_days
+            )
+            if renewed is None or renewed.cert_pem == self.current.cert_pem:
+                return False
+            self.current = renewed
+            return True
+
+    def channel_credentials(self) -> "grpc.ChannelCredentials":
+        return self.current.channel_credentials()
+
+    def server_credentials(self) -> "grpc.ServerCredentials":
+        """Credentials whose certificate gRPC asks for again at each new handshake (`_fetch`)."""
+        import grpc
+
+        self._served = self.current.cert_pem
+        return grpc.dynamic_ssl_server_credentials(
+            _server_configuration(self.current), self._fetch, require_client_authentication=True
+        )
+
+    def _fetch(self) -> Any:
+        """gRPC's certificate fetcher: the renewed certificate once, then None (no change)."""
+        current = self.current
+        if current.cert_pem == self._served:
+            return None
+        self._served = current.cert_pem
+        return _server_configuration(current)
+
+
+def _server_configuration(creds: MeshCredentials) -> Any:
+    import grpc
+
+    return grpc.ssl_server_certificate_configuration(
+        [(creds.key_pem, creds.cert_pem)], root_certificates=creds.trust_pem
+    )

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zeroconf import DNSQuestionType, IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 from kvmesh.net.addresses import host_port
-from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.credentials import Membership
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import SERVICE_NAME, open_channel
 from kvmesh.versions import PROTOCOL_VERSION, __version__
@@ -191,7 +191,7 @@ class Discovery:
             self.zeroconf = None
 
 
-def check_health(address: str, timeout: float, credentials: MeshCredentials | None = None) -> bool:
+def check_health(address: str, timeout: float, credentials: Membership | None = None) -> bool:
     try:
         with open_channel(address, credentials) as channel:
             response = health_pb2_grpc.HealthStub(channel).Check(
@@ -212,7 +212,7 @@ class HealthChecker:
         interval: float = 1.0,
         drop_after: int = 2,
         forget_after: float = 600.0,
-        credentials: MeshCredentials | None = None,
+        credentials: Membership | None = None,
     ):
         self.table, self.interval, self.drop_after, self.forget_after = table, interval, drop_after, forget_after
         self.credentials = credentials

@@ -8,7 +8,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvmesh.codec.limits import MAX_CHUNK_SIZE, max_encoded_length
-from kvmesh.net.credentials import SERVER_NAME, MeshCredentials
+from kvmesh.net.credentials import SERVER_NAME, Membership
 from kvmesh.net.timeouts import TIMEOUTS
 
 SERVICE_NAME = "kvmesh.v1.KvMesh"
@@ -32,7 +32,7 @@ SERVER_OPTIONS = [
 ]
 
 
-def open_channel(address: str, credentials: MeshCredentials | None = None) -> grpc.Channel:
+def open_channel(address: str, credentials: Membership | None = None) -> grpc.Channel:
     """A channel to a peer: mutual TLS with mesh credentials (the peer must prove it is a member)."""
     if credentials is None:
         return grpc.insecure_channel(address, options=GRPC_OPTIONS)
