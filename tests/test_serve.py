@@ -1,5 +1,6 @@
 """`kvmesh serve`: real server processes, the official `openai` client, mlx-lm as the reference."""
 
+import http.client
 import json
 import os
 import signal
@@ -107,6 +108,63 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny_dir, h
         assert json.loads(health.read()) == {"status": "ok"}
     assert [m.id for m in client.models.list()] == ["tiny"]
     assert chat(client, QUESTION, max_tokens=2).usage.completion_tokens == 2
+
+
+def raw_post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    """A POST as a browser, a script or an attacker sends it: any bytes, any headers."""
+    host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request(
+            "POST", "/v1/chat/completions", body, {"Content-Type": "application/json", **(headers or {})}
+        )
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_malformed_fields_get_openai_400s_and_never_a_500(tiny_dir, http_server):
+    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+    url = str(client.base_url)
+    good = {"model": "tiny", "messages": QUESTION, "max_tokens": 2}
+    cases = [
+        ({**good, "model": ["tiny"]}, "model"),
+        ({**good, "seed": -1}, "seed"),
+        ({**good, "seed": 2**70}, "seed"),
+        ({**good, "stream": True, "stream_options": "usage"}, "stream_options"),
+        ({**good, "stream": "yes"}, "stream"),
+    ]
+    for body, param in cases:
+        status, answer = raw_post(url, json.dumps(body).encode())
+        assert status == 400 and answer["error"]["param"] == param, (body, answer)
+    status, answer = raw_post(url, b"[" * 100_000 + b"]" * 100_000)
+    assert (
+        status == 400 and answer["error"]["code"] == "invalid_json" and "nested too deep" in answer["error"]["message"]
+    )
+    assert chat(client, QUESTION, max_tokens=2).usage.completion_tokens == 2  # and it serves on
+
+
+def test_a_body_over_the_limit_is_refused_unread(tiny_dir, http_server):
+    client, process = http_server(tiny_dir, "a", "--no-mesh", "--max-body-bytes", 100_000)
+    url = str(client.base_url)
+    padded = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 200_000}]}
+    status, answer = raw_post(url, json.dumps(padded).encode())
+    assert status == 413 and answer["error"]["code"] == "request_too_large"
+    assert "100,000 bytes" in answer["error"]["message"]
+    assert chat(client, QUESTION, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_loopback_server_answers_only_loopback_hosts_and_origins(tiny_dir, http_server):
+    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+    url = str(client.base_url)
+    body = json.dumps({"model": "tiny", "messages": QUESTION, "max_tokens": 1}).encode()
+    for headers in ({"Host": "attacker.example:8080"}, {"Origin": "http://attacker.example"}):
+        status, answer = raw_post(url, body, headers)
+        assert status == 403 and answer["error"]["code"] == "forbidden", headers
+    for headers in ({"Host": "localhost:8080"}, {"Origin": "http://127.0.0.1:3000"}, {}):
+        status, answer = raw_post(url, body, headers)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 1, headers
 
 
 @pytest.mark.slow

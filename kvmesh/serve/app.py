@@ -59,27 +59,77 @@ def number(body: dict, name: str, kind: type, default: Any, low: float, high: fl
     return kind(value)
 
 
+# Names a loopback server answers to. A web page's request to 127.0.0.1 that arrives under another
+# Host (DNS rebinding) or from another Origin (a page's script) is refused: without an API key the
+# loopback API is open to whatever reaches it, and a browser reaches it for any page it shows.
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+def host_name(value: str) -> str:
+    """`127.0.0.1:8080` -> `127.0.0.1`, `[::1]:8080` -> `[::1]`, `http://localhost:3000` -> `localhost`."""
+    value = value.lower().split("://", 1)[-1].split("/", 1)[0]
+    if value.startswith("["):
+        return value.split("]", 1)[0] + "]"
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
 def make_app(
-    engine: Engine, model: ServedModel, api_key: str | None = None, default_max_tokens: int = 512
+    engine: Engine,
+    model: ServedModel,
+    api_key: str | None = None,
+    default_max_tokens: int = 512,
+    *,
+    max_body_bytes: int = 32 << 20,
+    loopback: bool = True,
 ) -> Starlette:
-    """The ASGI application; requests go to `engine`, one at a time."""
+    """The ASGI application; requests go to `engine`, one at a time. A body over `max_body_bytes`
+    is refused unread; on `loopback`, requests under another Host or from another Origin too."""
     tokenizer = engine.tokenizer
 
     def check(request: Request) -> None:
+        if loopback:
+            host = host_name(request.headers.get("host", ""))
+            origin = request.headers.get("origin")
+            if host not in LOOPBACK_NAMES or (origin is not None and host_name(origin) not in LOOPBACK_NAMES):
+                raise ApiError(
+                    403,
+                    "this server answers loopback requests only (Host and Origin must be 127.0.0.1, localhost "
+                    "or [::1]): serve with --host and --api-key to be reached otherwise",
+                    code="forbidden",
+                )
         if api_key is None:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not secrets.compare_digest(given.encode(), api_key.encode()):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
 
+    async def read_body(request: Request) -> bytes:
+        """The body, refused as soon as it is known to pass `max_body_bytes` (by its Content-Length,
+        or as it arrives), so a huge body is never held."""
+        too_large = ApiError(413, f"the body is over {max_body_bytes:,} bytes", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_large
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > max_body_bytes:
+                raise too_large
+            parts.append(part)
+        return b"".join(parts)
+
     async def body_of(request: Request) -> dict:
         check(request)
+        raw = await read_body(request)
         try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+            message = "nested too deep" if isinstance(e, RecursionError) else str(e)
+            raise ApiError(400, f"the body is not valid JSON: {message}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        if not isinstance(body.get("model"), str):
+            raise ApiError(400, "model must be a string: the served model's name", "model", "invalid_type")
         if body.get("model") not in model.aliases:
             raise ApiError(
                 404,
@@ -109,6 +159,20 @@ def make_app(
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ApiError(400, "seed must be an integer", "seed", "invalid_type")
+        if seed is not None and not 0 <= seed < 1 << 63:  # what MLX's random seed takes
+            raise ApiError(400, f"seed must be between 0 and 2^63-1, not {seed}", "seed", "invalid_value")
+        if not isinstance(body.get("stream", False), bool):
+            raise ApiError(400, "stream must be true or false", "stream", "invalid_type")
+        options = body.get("stream_options")
+        if options is not None and (
+            not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)
+        ):
+            raise ApiError(
+                400,
+                'stream_options must be an object such as {"include_usage": true}',
+                "stream_options",
+                "invalid_type",
+            )
         sampling = Sampling(
             temperature=number(body, "temperature", float, 0.0, 0.0, 2.0),
             top_p=number(body, "top_p", float, 1.0, 0.0, 1.0),

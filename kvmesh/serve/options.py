@@ -34,11 +34,12 @@ class ServeOptions:
     idle_timeout: float = setting(
         TIMEOUTS.stream_idle, help="seconds a peer's transfer may stall before the request prefills", metavar="SECONDS"
     )
+    max_body_bytes: int = setting(32 << 20, help="a request body larger than this is refused (413) unread")
     compress: bool = setting(False, help="keep caches in the store compressed with the measured default (8-bit)")
     fetch: str = setting("auto", help=FETCH_HELP, choices=FETCH_MODES)
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "min_store_tokens", "max_tokens"):
+        for name in ("memory_bytes", "min_store_tokens", "max_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
         check_choices(self)

@@ -25,13 +25,16 @@ from kvmesh.store import CacheStore
 log = logging.getLogger(__name__)
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def check_exposure(host: str, api_key: str | None) -> None:
     """Loopback needs no key; any other address does (the API runs a model and reads prompts)."""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback and not api_key:
+    if not is_loopback(host) and not api_key:
         raise KvmeshError(
             f"serving on {host} needs an API key: give --api-key (or KVMESH_API_KEY), or serve on 127.0.0.1"
         )
@@ -78,7 +81,14 @@ def serve(
         aliases=frozenset({name, model_path, fp.model_id, fp.repo_id} - {""}),
         context_length=context_length(Path(model_path)) if Path(model_path).is_dir() else 1 << 20,
     )
-    app = make_app(engine, served, options.api_key or None, options.max_tokens)
+    app = make_app(
+        engine,
+        served,
+        options.api_key or None,
+        options.max_tokens,
+        max_body_bytes=options.max_body_bytes,
+        loopback=is_loopback(options.host),
+    )
     family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -87,6 +97,7 @@ def serve(
     except OSError as e:
         sock.close()
         raise KvmeshError(f"cannot listen on {host_port(options.host, options.port)}: {e.strerror or e}") from None
+    sock.listen(2048)  # before the URL is announced: a client that reads it can connect at once
     address = host_port(options.host, sock.getsockname()[1])
     announce(f"kvmesh serve: {name} at http://{address}/v1 (model id {fp.model_id})")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
