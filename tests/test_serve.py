@@ -4,6 +4,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -165,6 +166,48 @@ def test_a_loopback_server_answers_only_loopback_hosts_and_origins(tiny_dir, htt
     for headers in ({"Host": "localhost:8080"}, {"Origin": "http://127.0.0.1:3000"}, {}):
         status, answer = raw_post(url, body, headers)
         assert status == 200 and answer["usage"]["completion_tokens"] == 1, headers
+
+
+def open_stream(url: str, body: dict) -> socket.socket:
+    """A streaming request whose response has begun (its status line arrived): the handler is waiting
+    on the job. The caller may read on, or close it as a client that goes away does."""
+    host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    data = json.dumps(body).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    assert sock.recv(64).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def test_clients_that_leave_while_queued_or_waiting_hold_nothing(tiny_dir, http_server):
+    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+    url = str(client.base_url)
+    # One long generation holds the engine; twelve streaming requests queue behind it and leave
+    # (more than the default executor's threads here, which a waiting handler used to hold for good).
+    busy = open_stream(url, {"model": "tiny", "messages": QUESTION, "max_tokens": 3000, "stream": True})
+    server = busy.getpeername()
+    for _ in range(12):
+        open_stream(url, {"model": "tiny", "messages": QUESTION, "max_tokens": 8, "stream": True}).close()
+    busy.close()
+    answer = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    assert chat(answer, QUESTION, max_tokens=2).usage.completion_tokens == 2
+    assert streamed(answer, QUESTION, max_tokens=2)[1].completion_tokens == 2
+
+    # A non-streaming client that leaves mid-generation stops it: the next request is not held behind
+    # its ten times longer generation (each measured against the other on this machine, here and now).
+    start = time.monotonic()
+    assert chat(answer, QUESTION, max_tokens=300).usage.completion_tokens == 300
+    short = time.monotonic() - start
+    waiting = socket.create_connection(server, timeout=60)
+    body = json.dumps({"model": "tiny", "messages": QUESTION, "max_tokens": 3000}).encode()
+    waiting.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
+    waiting.sendall(f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    time.sleep(short / 3)  # let its generation begin
+    waiting.close()
+    start = time.monotonic()
+    assert chat(answer, QUESTION, max_tokens=2).usage.completion_tokens == 2
+    assert time.monotonic() - start < 4 * short, "the next request waited for a generation nobody reads"
 
 
 @pytest.mark.slow

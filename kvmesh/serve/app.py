@@ -7,7 +7,9 @@ matching HTTP status, and never stop the server. `usage` carries `prompt_tokens_
 """
 
 import asyncio
+import contextlib
 import json
+import queue
 import secrets
 import time
 import uuid
@@ -59,6 +61,8 @@ def number(body: dict, name: str, kind: type, default: Any, low: float, high: fl
     return kind(value)
 
 
+# How often a non-streaming request that waits on its job checks that its client is still there.
+DISCONNECT_CHECK_S = 0.5
 # Names a loopback server answers to. A web page's request to 127.0.0.1 that arrives under another
 # Host (DNS rebinding) or from another Origin (a page's script) is refused: without an API key the
 # loopback API is open to whatever reaches it, and a browser reaches it for any page it shows.
@@ -196,18 +200,45 @@ def make_app(
             },
         }
 
-    async def events(job: Job) -> AsyncIterator[Delta | Done]:
+    def start(job: Job) -> asyncio.Event:
+        """Submit `job`; the returned event is set (on this loop) whenever it has news."""
         loop = asyncio.get_running_loop()
+        news = asyncio.Event()
+
+        def notify() -> None:  # on the generation thread
+            loop.call_soon_threadsafe(news.set)
+
+        job.listener = notify
+        engine.submit(job)
+        return news
+
+    async def events(job: Job, news: asyncio.Event, request: Request | None = None) -> AsyncIterator[Delta | Done]:
+        """The job's events as they come. No thread waits on them: a client that leaves while its job
+        is queued or running leaves nothing behind. With `request` (a non-streaming one), a client
+        that went away is noticed within DISCONNECT_CHECK_S too."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while True:
-                event = await loop.run_in_executor(None, job.events.get)
+                if request is not None and loop.time() - checked >= DISCONNECT_CHECK_S:
+                    if await request.is_disconnected():
+                        return
+                    checked = loop.time()
+                try:
+                    event = job.events.get_nowait()
+                except queue.Empty:
+                    news.clear()
+                    if job.events.empty():  # (the engine's next put sets `news` after this clear)
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(news.wait(), DISCONNECT_CHECK_S)
+                    continue
                 if isinstance(event, Exception):
                     raise ApiError(500, f"generation failed: {event}", code="generation_failed")
                 yield event
                 if isinstance(event, Done):
                     return
         finally:
-            job.cancelled.set()  # a client that went away stops its generation
+            job.cancelled.set()  # a client that went away stops its generation, or skips it when queued
 
     async def complete(request: Request, chat: bool) -> Response:
         try:
@@ -230,7 +261,7 @@ def make_app(
                 raise ApiError(503, "the generation thread has stopped; restart the server", code="unavailable")
         except ApiError as e:
             return e.response()
-        engine.submit(job)
+        news = start(job)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -249,7 +280,7 @@ def make_app(
         if not body.get("stream"):
             try:
                 parts, done = [], None
-                async for event in events(job):
+                async for event in events(job, news, request):
                     if isinstance(event, Delta):
                         parts.append(event.text)
                     else:
@@ -285,7 +316,7 @@ def make_app(
                 )
 
             try:
-                async for event in events(job):
+                async for event in events(job, news):
                     if isinstance(event, Delta):
                         yield chunk([choice(event.text, None, delta=True)])
                     else:

@@ -12,6 +12,7 @@ plus stop strings, which are cut from the text and never streamed.
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,11 @@ class Sampling:
 
 @dataclass
 class Job:
-    """One request: its prompt tokens and settings; `events` carries Delta, then Done (or an exception)."""
+    """One request: its prompt tokens and settings; `events` carries Delta, then Done (or an exception).
+
+    `listener`, when set, is called after each event is put: an HTTP handler wakes on it instead of
+    holding a thread blocked on the queue, so a client that leaves (queued or not) holds nothing.
+    """
 
     tokens: list[int]
     max_tokens: int
@@ -44,6 +49,12 @@ class Job:
     stop: list[str] = field(default_factory=list)
     events: "queue.Queue[Delta | Done | Exception]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    listener: Callable[[], None] | None = None
+
+    def put(self, event: "Delta | Done | Exception") -> None:
+        self.events.put(event)
+        if self.listener is not None:
+            self.listener()
 
 
 @dataclass(frozen=True)
@@ -108,7 +119,7 @@ class Engine:
                 self._generate(job)
             except Exception as e:  # reported to this request; the thread serves the next one
                 log.exception("generation failed")
-                job.events.put(e)
+                job.put(e)
 
     def _generate(self, job: Job) -> None:
         hit = self.prompt_cache.fetch(job.tokens)
@@ -143,18 +154,18 @@ class Engine:
                 break
             ready = len(text) - held_back(text, job.stop)
             if ready > sent:
-                job.events.put(Delta(text[sent:ready]))
+                job.put(Delta(text[sent:ready]))
                 sent = ready
             if job.cancelled.is_set():
                 break
         if len(text) > sent:
-            job.events.put(Delta(text[sent:]))
+            job.put(Delta(text[sent:]))
         completion = len(generated) - (1 if generated and generated[-1] in eos else 0)
         # The text is out; the request completes once its cache is kept, so that the next request,
         # here or on any peer, finds it.
         covered = self.prompt_cache.insert(job.tokens + generated, cache)
         self.prompt_cache.persist(covered, cache)
-        job.events.put(
+        job.put(
             Done(
                 finish,
                 len(job.tokens),

@@ -433,7 +433,7 @@ class CacheStore:
         if len(matches) == 1:
             return matches[0]
         if not matches:
-            raise NotFoundError(f"no cache {given} in the store (`kvmesh cache list` shows them)")
+            raise NotFoundError(f"no cache {given} in the store")
         shown = ", ".join(matches[:4]) + (", ..." if len(matches) > 4 else "")
         raise NotFoundError(f"{given} names {len(matches)} caches ({shown}): give more of the id")
 
