@@ -168,10 +168,28 @@ def add_flags(parser: argparse.ArgumentParser, table: type, *, skip: Iterable[st
 
 
 def from_flags(table: type, args: argparse.Namespace, *, skip: Iterable[str] = ()) -> dict[str, Any]:
-    """The settings given on the command line (those `add_flags` added), converted."""
-    values = {}
-    for name, f in settings_of(table).items():
-        given = getattr(args, name, None)
-        if name not in skip and given is not None:
-            values[name] = convert(table, name, given, flag_of(f))
-    return values
+    """The settings given on the command line (those `add_flags` added), as parsed; a table's loader
+    converts them with `from_overrides`."""
+    return {
+        name: getattr(args, name)
+        for name in settings_of(table)
+        if name not in skip and getattr(args, name, None) is not None
+    }
+
+
+def from_overrides(table: type, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings among `overrides` (flags, or a caller's values; None: not given), converted; a
+    bad one is a ConfigError naming its flag."""
+    known = settings_of(table)
+    return {
+        name: convert(table, name, value, flag_of(known[name]))
+        for name, value in overrides.items()
+        if value is not None and name in known
+    }
+
+
+def unknown_names(overrides: Mapping[str, Any], *tables: type) -> None:
+    """A TypeError for an override that names no setting of `tables`: a caller's mistake, never ignored."""
+    known = {name for table in tables for name in settings_of(table)}
+    if unknown := sorted(set(overrides) - known):
+        raise TypeError(f"no such setting: {', '.join(unknown)}")

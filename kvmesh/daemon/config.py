@@ -19,7 +19,15 @@ from kvmesh.net.addresses import DEFAULT_PORT, peer_address
 from kvmesh.net.credentials import NODE_CERT_DAYS, RENEW_BEFORE_DAYS
 from kvmesh.net.policy import Policy
 from kvmesh.net.timeouts import TIMEOUTS
-from kvmesh.settings import check_choices, convert, from_environment, from_table, setting, settings_of
+from kvmesh.settings import (
+    check_choices,
+    from_environment,
+    from_overrides,
+    from_table,
+    setting,
+    settings_of,
+    unknown_names,
+)
 from kvmesh.store.budget import AUTO_BUDGET
 
 if sys.version_info >= (3, 11):
@@ -122,9 +130,8 @@ def load_config(
     policy_values = from_table(Policy, data, str(path), allowed=[*settings_of(DaemonConfig), *OTHER_TABLES])
     daemon_values.update(from_environment(DaemonConfig, env))
     policy_values.update(from_environment(Policy, env))
-    for name, value in (overrides or {}).items():
-        if value is None:
-            continue
-        table, values = (Policy, policy_values) if name in policy_names else (DaemonConfig, daemon_values)
-        values[name] = convert(table, name, value, f"--{name.replace('_', '-')}")
+    overrides = overrides or {}
+    unknown_names(overrides, DaemonConfig, Policy)
+    daemon_values.update(from_overrides(DaemonConfig, overrides))
+    policy_values.update(from_overrides(Policy, overrides))
     return replace(DaemonConfig(), **daemon_values, policy=replace(Policy(), **policy_values))

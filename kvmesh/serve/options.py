@@ -14,7 +14,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
 from kvmesh.net.addresses import peer_address
 from kvmesh.net.timeouts import TIMEOUTS
-from kvmesh.settings import check_choices, convert, from_table, setting, settings_of
+from kvmesh.settings import check_choices, from_overrides, from_table, setting, unknown_names
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,7 @@ def load_serve_options(
     values = from_table(ServeOptions, table, f"{path} [serve]")
     if env.get("KVMESH_API_KEY"):
         values["api_key"] = env["KVMESH_API_KEY"]
-    known = settings_of(ServeOptions)
-    for name, value in (overrides or {}).items():
-        if value is not None and name in known:
-            values[name] = convert(ServeOptions, name, value, f"--{name.replace('_', '-')}")
+    overrides = overrides or {}
+    unknown_names(overrides, ServeOptions)
+    values.update(from_overrides(ServeOptions, overrides))
     return replace(ServeOptions(), **values)
