@@ -17,17 +17,20 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvmesh.caches.prefill import generate_from_cache, greedy, time_prefills
 from kvmesh.codec.arrays import Layer
+from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.chunks import parse_frame
-from kvmesh.codec.compat import ReceiverProfile, quality_problem
+from kvmesh.codec.coded import bases_for, parse_basis
+from kvmesh.codec.compat import ReceiverProfile, basis_problem, quality_problem
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import CacheDecoder, decode_chunks
 from kvmesh.errors import CacheRejected, IntegrityError, PeerError, Rejection, StoreError
 from kvmesh.fetch_or_prefill import Choice, Rates, choose, probe_bytes
 from kvmesh.model.fingerprint import ModelFingerprint
-from kvmesh.net.client import PeerClient, Progress
+from kvmesh.net.client import PeerClient, Progress, Transfer
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import ArtifactStore, artifact_store
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1.service_pb2 import Candidate
 
@@ -112,11 +115,12 @@ def fetch_cache(
     )
     with fetch:
         manifest = fetch.manifest
+        bases = fetch_bases(client, fetch, artifact_store(store.root) if store is not None else None)
         if store is not None and (problem := store.cannot_hold(manifest)):
             if keep:
                 fetch.refuse(Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}"))
             store = None  # decode it all the same, without keeping it
-        decoder = CacheDecoder(manifest)
+        decoder = CacheDecoder(manifest, bases)
         decoded = decoder.feed_iter(fetch.chunks())
         if store is not None:
             manifest = store.add(manifest, decoded)
@@ -125,6 +129,35 @@ def fetch_cache(
                 pass
         cache = decoder.finish()
     return Fetched(manifest, cache, time.perf_counter() - start, fetch.wire_bytes, kept=store is not None)
+
+
+def fetch_bases(client: PeerClient, fetch: Transfer, artifacts: ArtifactStore | None) -> dict[str, Basis]:
+    """The transform bases a fetched manifest names: from `artifacts`, or else from the sender (and
+    kept in `artifacts`), all before the cache is accepted. One that cannot be got, does not match its
+    sha256 or does not fit the manifest refuses the cache (REJECT_REASON_ARTIFACT): no chunk moves."""
+    bases = {}
+    for a in fetch.manifest.artifacts:
+        what = f"the cache is coded with basis {a.sha256[:12]} ({a.nbytes / 1e6:.1f} MB)"
+        try:
+            data = artifacts.get(a.sha256) if artifacts is not None else None
+        except (IntegrityError, StoreError) as e:
+            log.warning("%s", e)
+            data = None
+        try:
+            if data is None:
+                log.info("fetching basis %s (%d bytes) from %s", a.sha256[:12], a.nbytes, client.address)
+                data = client.artifact(a.sha256, a.nbytes)
+                if artifacts is not None:
+                    artifacts.put(data, a.sha256)
+            basis = parse_basis(data, a.sha256)
+        except (PeerError, IntegrityError, BasisError) as e:
+            fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which {client.address} could not give: {e}"))
+        except StoreError as e:
+            fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which cannot be kept here: {e}"))
+        if rejection := basis_problem(fetch.manifest, basis):
+            fetch.refuse(rejection)
+        bases[a.sha256] = basis
+    return bases
 
 
 @dataclass(frozen=True)
@@ -289,7 +322,15 @@ def load_prefix(store: CacheStore, cache_id: str, num_tokens: int, *, max_kl: fl
         records = store.chunk_records(cache_id)
     else:
         manifest, records = cut_prefix(manifest, lambda: store.chunk_records(cache_id), num_tokens)
-    return decode_chunks(manifest, map(parse_frame, records))
+    return decode_chunks(manifest, map(parse_frame, records), bases=stored_bases(store, manifest))
+
+
+def stored_bases(store: CacheStore, manifest: pb.CacheManifest) -> dict[str, Basis]:
+    """The transform bases a stored cache needs, from the store's artefacts (StoreError if missing)."""
+    try:
+        return bases_for(manifest, artifact_store(store.root).get)
+    except BasisError as e:
+        raise StoreError(str(e)) from None
 
 
 def generate(

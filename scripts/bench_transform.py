@@ -182,19 +182,19 @@ def main() -> None:
                 start = time.perf_counter()
                 again = encode_layers(layers, basis, step=enc.step, **opts)
                 encode_s = min(encode_s, time.perf_counter() - start)
-            assert again.data == enc.data
+            assert again.blobs == enc.blobs
             for _ in range(3):
                 start = time.perf_counter()
-                decoded = decode_layers(enc.data, basis)
+                decoded = decode_layers(enc.blobs, basis)
                 decode_s = min(decode_s, time.perf_counter() - start)
             cache = rebuild(decoded)
             _, m = probe(model, tokenizer, cache, rest, probes, reference)
             row = {
                 "text": name,
                 "codec": f"transform {ratio:g}x",
-                "ratio": enc.fp16_bytes / len(enc.data),
+                "ratio": enc.ratio,
                 "step": enc.step,
-                "bytes": len(enc.data),
+                "bytes": enc.nbytes,
                 "encode_gbs": enc.fp16_bytes / encode_s / 1e9,
                 "bisect_s": bisect_s,
                 "decode_gbs": enc.fp16_bytes / decode_s / 1e9,

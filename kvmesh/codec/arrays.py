@@ -6,9 +6,17 @@ from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, Rotating
 
 from kvmesh.caches.kinds import chunked_tensors, state_arrays, window_tensors
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
+from kvmesh.codec.coded import CodedLayer, coded_tensor
+from kvmesh.codec.manifest import token_major
 from kvmesh.v1 import cache_pb2 as pb
 
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
+DTYPES = {
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+    "uint32": mx.uint32,
+    "uint8": mx.uint8,
+}
 UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
 KIND_OF_CLASS: dict[type, pb.CacheKind] = {
     SparseKVCache: pb.CACHE_KIND_SPARSE_KV,
@@ -17,10 +25,11 @@ KIND_OF_CLASS: dict[type, pb.CacheKind] = {
     ArraysCache: pb.CACHE_KIND_ARRAYS,
     ChunkedKVCache: pb.CACHE_KIND_CHUNKED_KV,
     CacheList: pb.CACHE_KIND_LIST,
+    CodedLayer: pb.CACHE_KIND_TRANSFORM_KV,
 }
 # What a shared cache list holds: sparse attention layers, sliding windows, recurrent state, chunked
-# attention, and CacheLists of those.
-Layer = SparseKVCache | SparseQuantizedKVCache | RotatingKVCache | ArraysCache | ChunkedKVCache | CacheList
+# attention, and CacheLists of those; on the way out, transform-coded layers too.
+Layer = SparseKVCache | SparseQuantizedKVCache | RotatingKVCache | ArraysCache | ChunkedKVCache | CacheList | CodedLayer
 
 
 def mlx_dtype_name(dtype: mx.Dtype) -> str:
@@ -46,6 +55,8 @@ def layer_tensors(layer: Layer) -> list[mx.array]:
         return list(chunked_tensors(layer))
     if isinstance(layer, CacheList):
         return [t for part in layer.caches for t in layer_tensors(part)]
+    if isinstance(layer, CodedLayer):
+        return [coded_tensor(layer)]
     keys, values = layer.keys_and_values()
     if isinstance(layer, SparseQuantizedKVCache):
         return [*keys, *values]
@@ -54,7 +65,7 @@ def layer_tensors(layer: Layer) -> list[mx.array]:
 
 def wire_shape(kind: int, t: mx.array) -> list[int]:
     """A tensor's manifest shape: token-major for attention, without the batch axis for arrays."""
-    if kind == pb.CACHE_KIND_ARRAYS:
+    if not token_major(kind):
         return list(t.shape[1:])
     _, heads, n, width = t.shape
     return [n, heads, width]
@@ -62,7 +73,7 @@ def wire_shape(kind: int, t: mx.array) -> list[int]:
 
 def mlx_shape(kind: int, shape: list[int]) -> tuple[int, ...]:
     """The MLX array shape (batch 1) of a tensor with manifest shape `shape`."""
-    if kind == pb.CACHE_KIND_ARRAYS:
+    if not token_major(kind):
         return (1, *shape)
     n, heads, width = shape
     return (1, heads, n, width)

@@ -8,10 +8,21 @@ receiver allocates anything, so a manifest that lies about its shapes is refused
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvmesh.caches.defaults import QUANT_BITS, QUANT_GROUP_SIZES
-from kvmesh.codec.limits import DIGEST_BYTES, HASH_BYTES, MAX_BLOCK_SIZE, MAX_CHUNK_SIZE, MAX_LAYERS, MIN_CHUNK_SIZE
+from kvmesh.codec.limits import (
+    DIGEST_BYTES,
+    HASH_BYTES,
+    MAX_ARTIFACT_BYTES,
+    MAX_ARTIFACTS,
+    MAX_BLOCK_SIZE,
+    MAX_CHUNK_SIZE,
+    MAX_LAYERS,
+    MIN_CHUNK_SIZE,
+)
 from kvmesh.codec.manifest import (
+    BASIS_KIND,
     CODEC_NAMES,
     CODECS,
     ITEMSIZE,
@@ -19,7 +30,10 @@ from kvmesh.codec.manifest import (
     MAX_STATE_ARRAYS,
     TENSOR_NAMES,
     chunk_count,
+    compression_name,
     kind_name,
+    leaf_layers,
+    lossy,
     state_names,
     tensor_dtype,
     tensor_specs,
@@ -30,7 +44,12 @@ from kvmesh.model.fingerprint import ModelFingerprint, dtype_name
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.versions import SCHEMA_VERSION
 
-__all__ = ["CacheRejected", "ReceiverProfile", "Rejection", "check_manifest", "validate_manifest"]
+if TYPE_CHECKING:
+    from kvmesh.codec.basis import Basis as BasisLike
+
+__all__ = ["CacheRejected", "ReceiverProfile", "Rejection", "basis_problem", "check_manifest", "validate_manifest"]
+
+HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -59,7 +78,7 @@ def validate_manifest(m: pb.CacheManifest) -> Rejection | None:
     if not 0 < m.num_layers <= MAX_LAYERS or len(m.layers) != m.num_layers:
         return bad(f"{len(m.layers)} layer specs for num_layers={m.num_layers} (at most {MAX_LAYERS})")
     dtype = dtype_name(m.dtype)
-    if dtype not in ITEMSIZE or dtype == "uint32":
+    if dtype not in ITEMSIZE or dtype in ("uint32", "uint8"):
         return Rejection(pb.REJECT_REASON_DTYPE, f"unsupported cache dtype {dtype}")
     if m.encoding.codec not in CODEC_NAMES:
         return Rejection(pb.REJECT_REASON_CODEC, f"unknown codec {m.encoding.codec}")
@@ -78,6 +97,8 @@ def validate_manifest(m: pb.CacheManifest) -> Rejection | None:
     for i, layer in enumerate(m.layers):
         if rejection := layer_problem(m, i, layer):
             return rejection
+    if rejection := artifacts_problem(m):
+        return rejection
     total = sum(t.nbytes for t in tensor_specs(m))
     if total != m.encoding.raw_bytes:
         return bad(f"tensors hold {total} bytes, the encoding claims {m.encoding.raw_bytes}")
@@ -108,6 +129,10 @@ def layer_problem(m: pb.CacheManifest, i: int, layer: pb.LayerSpec, in_list: boo
         return next((p for p in problems if p), None)
     if layer.kind == pb.CACHE_KIND_ARRAYS:
         return arrays_problem(i, layer, bad)
+    if layer.kind == pb.CACHE_KIND_TRANSFORM_KV:
+        return transform_problem(m, layer, bad)
+    if layer.HasField("transform"):
+        return bad(f"a {kind_name(layer.kind)} layer is not transform coded")
     if layer.kind == pb.CACHE_KIND_CHUNKED_KV and (
         layer.chunk_size < 1 or layer.n_kept != layer.offset - layer.start_position
     ):
@@ -159,20 +184,101 @@ def arrays_problem(i: int, layer: pb.LayerSpec, bad: Callable[[str], Rejection])
     return None
 
 
+def transform_problem(m: pb.CacheManifest, layer: pb.LayerSpec, bad: Callable[[str], Rejection]) -> Rejection | None:
+    """A transform-coded layer: every position kept, the manifest's geometry, one `coded` uint8
+    tensor, sane steps and component counts, a rotary the codec can invert."""
+    t = layer.transform
+    features = t.kv_heads * t.head_dim
+    if layer.n_kept != layer.offset or (t.kv_heads, t.head_dim) != (m.num_kv_heads, m.head_dim):
+        return bad(
+            f"transform coded {layer.n_kept} of {layer.offset} positions, {t.kv_heads}x{t.head_dim} "
+            f"(the cache is {m.num_kv_heads}x{m.head_dim})"
+        )
+    steps_ok = all(math.isfinite(x) and x > 0 for x in (t.key_step, t.value_step))
+    if not steps_ok or t.key_components > features or t.value_components > features:
+        return bad(
+            f"transform steps {t.key_step}/{t.value_step}, components {t.key_components}/"
+            f"{t.value_components} of {features}"
+        )
+    if t.sinks + t.recent > layer.n_kept:
+        return bad(f"{t.sinks} sinks and {t.recent} recent rows of {layer.n_kept}")
+    r = t.rotary
+    if not 0 < r.dims <= t.head_dim or r.dims % 2 or (r.HasField("base") == bool(r.freqs)):
+        return bad(f"rotary of {r.dims} dims (head dim {t.head_dim}) needs a base or its frequencies, not both")
+    if r.freqs and len(r.freqs) != r.dims // 2:
+        return bad(f"{len(r.freqs)} rotary frequencies for {r.dims} dims")
+    if [x.name for x in layer.tensors] != ["coded"] or tensor_dtype(layer.tensors[0]) != "uint8":
+        return bad(f"tensors {[x.name for x in layer.tensors]}, expected one uint8 `coded`")
+    coded = layer.tensors[0]
+    if len(coded.shape) != 1 or coded.shape[0] != coded.nbytes or coded.nbytes < 1:
+        return bad(f"coded: shape {list(coded.shape)} in {coded.nbytes} bytes")
+    return None
+
+
+def artifacts_problem(m: pb.CacheManifest) -> Rejection | None:
+    """Every basis a coded layer names is listed once, with a well-formed sha256 and a bounded size."""
+    listed = {}
+    for a in m.artifacts:
+        if a.kind != BASIS_KIND or len(a.sha256) != 64 or not set(a.sha256) <= HEX:
+            return Rejection(pb.REJECT_REASON_ARTIFACT, f"an artefact of kind {a.kind!r}, id {a.sha256[:70]!r}")
+        if not 0 < a.nbytes <= MAX_ARTIFACT_BYTES:
+            return Rejection(
+                pb.REJECT_REASON_ARTIFACT,
+                f"artefact {a.sha256[:12]} of {a.nbytes:,} bytes (at most {MAX_ARTIFACT_BYTES:,})",
+            )
+        listed[a.sha256] = a
+    if len(m.artifacts) > MAX_ARTIFACTS or len(listed) != len(m.artifacts):
+        return Rejection(
+            pb.REJECT_REASON_MALFORMED, f"{len(m.artifacts)} artefacts listed (at most {MAX_ARTIFACTS}, each once)"
+        )
+    named = {
+        layer.transform.basis_sha256 for _, layer in leaf_layers(m.layers) if layer.kind == pb.CACHE_KIND_TRANSFORM_KV
+    }
+    if named != set(listed):
+        return Rejection(
+            pb.REJECT_REASON_MALFORMED,
+            f"coded layers name bases {sorted(x[:12] for x in named)}, "
+            f"the manifest lists {sorted(x[:12] for x in listed)}",
+        )
+    return None
+
+
+def basis_problem(m: pb.CacheManifest, basis: "BasisLike") -> Rejection | None:
+    """Does `basis` (its bytes checked against their sha256) fit every layer that names it: the
+    layer index, the width, the very rotary settings the manifest states?"""
+
+    def bad(message: str) -> Rejection:
+        return Rejection(pb.REJECT_REASON_ARTIFACT, f"basis {basis.digest[:12]}: {message}")
+
+    for i, layer in leaf_layers(m.layers):
+        t = layer.transform
+        if layer.kind != pb.CACHE_KIND_TRANSFORM_KV or t.basis_sha256 != basis.digest:
+            continue
+        if t.basis_layer >= len(basis):
+            return bad(f"layer {i} is coded with basis layer {t.basis_layer}, the basis has {len(basis)}")
+        if basis.keys[t.basis_layer].features != t.kv_heads * t.head_dim:
+            return bad(f"layer {i}: {basis.keys[t.basis_layer].features} features, the cache {t.kv_heads * t.head_dim}")
+        rotary = basis.rotaries[t.basis_layer]
+        stated = (t.rotary.dims, t.rotary.traditional, t.rotary.base if t.rotary.HasField("base") else None)
+        if (rotary.dims, rotary.traditional, rotary.base) != stated or tuple(t.rotary.freqs) != (rotary.freqs or ()):
+            return bad(f"layer {i}: the basis's rotary settings differ from the manifest's")
+    return None
+
+
 def quality_problem(m: pb.CacheManifest, max_kl: float | None) -> Rejection | None:
     """Is a lossy cache within the receiver's quality floor? Lossless caches always are."""
-    if max_kl is None or m.compression.method == "full":
+    if max_kl is None or not lossy(m):
         return None
     if not m.HasField("quality") or m.quality.metric != "tail_kl":
         return Rejection(
             pb.REJECT_REASON_QUALITY,
-            f"a {m.compression.method} cache whose loss its producer did not measure (this receiver "
+            f"a {compression_name(m)} cache whose loss its producer did not measure (this receiver "
             f"accepts at most {max_kl} nats/token)",
         )
     if not m.quality.value <= max_kl:
         return Rejection(
             pb.REJECT_REASON_QUALITY,
-            f"a {m.compression.method} cache measured at {m.quality.value:.4f} nats/token over its "
+            f"a {compression_name(m)} cache measured at {m.quality.value:.4f} nats/token over its "
             f"context's last {m.quality.tokens} tokens, above this receiver's floor of {max_kl}",
         )
     return None

@@ -8,7 +8,7 @@ The decoder writes each chunk into per-tensor MLX buffers through their zero-cop
 decoding needs about one copy of the cache in memory, never the whole encoded payload.
 """
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -17,8 +17,13 @@ from mlx_lm.models.cache import CacheList
 from kvmesh.caches.kinds import arrays_from_state, chunked_from_arrays, window_from_arrays
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.arrays import DTYPES, UINT_OF_SIZE, Layer, mlx_shape, uint_view, write_rows
+from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, Raw, ordered_map
+from kvmesh.codec.coded import decode_coded
 from kvmesh.codec.manifest import ITEMSIZE, leaf_layers, tensor_dtype, token_major
+from kvmesh.codec.transform import TransformCodecError
+from kvmesh.errors import IntegrityError
+from kvmesh.model.fingerprint import dtype_name
 from kvmesh.v1 import cache_pb2 as pb
 
 
@@ -30,8 +35,10 @@ class CacheDecoder:
     making them while other threads receive slows both, and a fetch cut short never allocates the rest.
     """
 
-    def __init__(self, manifest: pb.CacheManifest):
+    def __init__(self, manifest: pb.CacheManifest, bases: Mapping[str, Basis] | None = None):
+        """`bases`: the transform bases the manifest names (CacheManifest.artifacts), by sha256."""
         self.manifest = manifest
+        self.bases = bases or {}
         self.checker = ChunkChecker(manifest)
         kinds = [layer.kind for _, layer in leaf_layers(manifest.layers) for _ in layer.tensors]
         self.layouts = [token_major(kind) for kind in kinds]
@@ -92,12 +99,23 @@ class CacheDecoder:
         # Tensors of no bytes had no chunk to make theirs.
         buffers = [self._buffer(i) for i in range(len(self.buffers))]
         tensors = iter(zip(self.checker.specs, buffers, strict=True))
+        memo: dict = {}
+        dtype = DTYPES[dtype_name(self.manifest.dtype)]
+
+        def rebuild_leaf(layer: pb.LayerSpec, arrays: list[mx.array]) -> Layer:
+            if layer.kind != pb.CACHE_KIND_TRANSFORM_KV:
+                return rebuild_layer(layer, arrays)
+            try:
+                return decode_coded(layer, np.array(arrays[0], copy=False).tobytes(), self.bases, dtype, memo)
+            except (BasisError, TransformCodecError) as e:
+                # Its bytes matched their digest: the sender coded it wrong, or with another basis.
+                raise IntegrityError(f"a transform-coded layer does not decode: {e}") from None
 
         def rebuild(layer: pb.LayerSpec) -> Layer:
             if layer.kind == pb.CACHE_KIND_LIST:
                 return CacheList(*(rebuild(part) for part in layer.parts))
             arrays = [buf.view(DTYPES[tensor_dtype(spec)]) for spec, buf in (next(tensors) for _ in layer.tensors)]
-            return rebuild_layer(layer, arrays)
+            return rebuild_leaf(layer, arrays)
 
         caches = [rebuild(layer) for layer in self.manifest.layers]
         self.buffers, self.views = [], []
@@ -105,7 +123,8 @@ class CacheDecoder:
 
 
 def rebuild_layer(layer: pb.LayerSpec, arrays: list[mx.array]) -> Layer:
-    """One cache object from its decoded tensors (in manifest order)."""
+    """One cache object from its decoded tensors (in manifest order); transform-coded layers need
+    their basis (CacheDecoder)."""
     if layer.kind == pb.CACHE_KIND_SPARSE_QUANTIZED_KV:
         return SparseQuantizedKVCache.from_arrays(
             tuple(arrays[:3]), tuple(arrays[3:]), layer.offset, layer.group_size, layer.bits
@@ -119,11 +138,17 @@ def rebuild_layer(layer: pb.LayerSpec, arrays: list[mx.array]) -> Layer:
     return SparseKVCache.from_arrays(arrays[0], arrays[1], layer.offset)
 
 
-def decode_chunks(manifest: pb.CacheManifest, chunks: Iterable[Chunk], *, threads: int = DECODE_THREADS) -> list[Layer]:
+def decode_chunks(
+    manifest: pb.CacheManifest,
+    chunks: Iterable[Chunk],
+    *,
+    bases: Mapping[str, Basis] | None = None,
+    threads: int = DECODE_THREADS,
+) -> list[Layer]:
     """The caches a manifest and its chunks describe, every chunk and the digest verified.
 
-    With a store: `decode_chunks(store.manifest(cache_id), store.chunks(cache_id))`.
+    With a store: `decode_chunks(store.manifest(cache_id), store.chunks(cache_id), bases=...)`.
     """
-    decoder = CacheDecoder(manifest)
+    decoder = CacheDecoder(manifest, bases)
     decoder.feed_all(chunks, threads)
     return decoder.finish()

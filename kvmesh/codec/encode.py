@@ -19,6 +19,7 @@ from kvmesh.caches.quality import QUALITY_TOKENS
 from kvmesh.caches.sparse import SparseQuantizedKVCache
 from kvmesh.codec.arrays import Layer, layer_kind, layer_tensors, mlx_dtype_name, rows_of, uint_view, wire_shape
 from kvmesh.codec.chunks import Chunk, compressor, ordered_map, payload_digest, shuffle
+from kvmesh.codec.coded import CodedLayer, coded_artifacts
 from kvmesh.codec.manifest import (
     CODECS,
     ITEMSIZE,
@@ -72,6 +73,16 @@ def layer_spec(layer: Layer, num_tokens: int) -> pb.LayerSpec:
     kind = layer_kind(layer)
     if isinstance(layer, CacheList):
         return pb.LayerSpec(kind=kind, offset=num_tokens, parts=[layer_spec(part, num_tokens) for part in layer.caches])
+    if isinstance(layer, CodedLayer):
+        return pb.LayerSpec(
+            kind=kind,
+            n_kept=layer.n_kept,
+            offset=layer.offset,
+            transform=layer.spec,
+            tensors=[
+                pb.TensorSpec(name="coded", dtype=dtype_to_proto("uint8"), shape=[layer.nbytes], nbytes=layer.nbytes)
+            ],
+        )
     tensors = layer_tensors(layer)
     if isinstance(layer, ArraysCache):
         spec = pb.LayerSpec(kind=kind, n_kept=0, offset=num_tokens)
@@ -113,8 +124,10 @@ def build_manifest(
     leaves = [layer for _, layer in leaf_layers(layers)]
     if offsets := {layer.offset for layer in leaves} - {prefix.num_tokens}:
         raise ValueError(f"the prefix has {prefix.num_tokens} tokens, the cache {sorted(offsets)}")
-    # Attention tensors share the model's dtype; recurrent state keeps its own (often float32).
+    # Attention tensors share the model's dtype (coded layers decode to it); recurrent state keeps its
+    # own (often float32).
     float_dtypes = {tensor_dtype(t) for layer in leaves if token_major(layer.kind) for t in layer.tensors} - {"uint32"}
+    float_dtypes |= {layer.dtype for layer in cache if isinstance(layer, CodedLayer)}
     if len(float_dtypes) != 1:
         raise ValueError(f"a cache's attention layers must have one float dtype, found {sorted(float_dtypes)}")
     dtype = float_dtypes.pop()
@@ -140,6 +153,7 @@ def build_manifest(
         ),
         created_unix_ms=int(time.time() * 1000),
         node_id=node_id,
+        artifacts=coded_artifacts(cache),
     )
     manifest.encoding.chunk_count = chunk_count(manifest)
     if tail_kl is not None:
@@ -174,7 +188,7 @@ def encode_chunks(cache: Sequence[Layer], manifest: pb.CacheManifest, threads: i
         checksum = xxhash.xxh3_64_intdigest(raw_bytes.data)
         if encoding.codec == pb.CODEC_ZSTD:
             dtype = tensor_dtype(specs[slot.tensor])
-            if encoding.byte_shuffle and dtype != "uint32":
+            if encoding.byte_shuffle and ITEMSIZE[dtype] > 1 and dtype != "uint32":
                 raw_bytes = shuffle(raw_bytes, ITEMSIZE[dtype])
             data = compressor(encoding.level).compress(raw_bytes.data)
         else:

@@ -11,6 +11,9 @@ MAX_BLOCK_SIZE = 1 << 16
 # sha256 prefix hashes; the xxh3-128 payload digest.
 HASH_BYTES = 32
 DIGEST_BYTES = 16
+# A per-model artefact (a transform basis): an 8B model's is ~130 MB in float16.
+MAX_ARTIFACT_BYTES = 1 << 30
+MAX_ARTIFACTS = 4
 
 
 def max_encoded_length(raw_length: int) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 from kvmesh.model.fingerprint import dtype_name
 from kvmesh.v1 import cache_pb2 as pb
 
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "uint32": 4}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "uint32": 4, "uint8": 1}
 # The tensors each attention cache kind stores, in manifest order (recurrent layers: `state_names`).
 TENSOR_NAMES: dict[int, tuple[str, ...]] = {
     pb.CACHE_KIND_SPARSE_KV: ("keys", "values"),
@@ -26,11 +26,14 @@ TENSOR_NAMES: dict[int, tuple[str, ...]] = {
     ),
     pb.CACHE_KIND_ROTATING_KV: ("keys", "values"),
     pb.CACHE_KIND_CHUNKED_KV: ("keys", "values"),
+    pb.CACHE_KIND_TRANSFORM_KV: ("coded",),
 }
 # At most this many arrays in one recurrent layer (mlx-lm's models use 1 to 4).
 MAX_STATE_ARRAYS = 8
 # At most this many caches in one composite layer (mlx-lm's models use 2).
 MAX_LIST_PARTS = 4
+# The kind of artefact a transform-coded layer needs (kvmesh.codec.basis).
+BASIS_KIND = "transform-basis"
 CODECS = {"none": pb.CODEC_NONE, "zstd": pb.CODEC_ZSTD}
 CODEC_NAMES = {v: k for k, v in CODECS.items()}
 
@@ -48,8 +51,24 @@ def state_names(n: int) -> list[str]:
 
 
 def token_major(kind: int) -> bool:
-    """Attention layers store positions, token-major; recurrent layers store arrays as they are."""
-    return kind != pb.CACHE_KIND_ARRAYS
+    """Attention layers store positions, token-major; recurrent layers store arrays as they are, and
+    a transform-coded layer its blob (bytes)."""
+    return kind not in (pb.CACHE_KIND_ARRAYS, pb.CACHE_KIND_TRANSFORM_KV)
+
+
+def transform_coded(manifest: pb.CacheManifest) -> bool:
+    """Does any layer travel transform coded?"""
+    return any(layer.kind == pb.CACHE_KIND_TRANSFORM_KV for _, layer in leaf_layers(manifest.layers))
+
+
+def lossy(manifest: pb.CacheManifest) -> bool:
+    """A press that dropped or rounded something, or a transform-coded layer."""
+    return manifest.compression.method != "full" or transform_coded(manifest)
+
+
+def compression_name(manifest: pb.CacheManifest) -> str:
+    """The press, and `+ transform` when layers are transform coded: for people."""
+    return manifest.compression.method + (" + transform" if transform_coded(manifest) else "")
 
 
 def tensor_dtype(t: pb.TensorSpec) -> str:
@@ -126,6 +145,8 @@ def uncuttable_reason(manifest: pb.CacheManifest) -> str | None:
     for i, layer in leaf_layers(manifest.layers):
         if layer.kind == pb.CACHE_KIND_ARRAYS:
             return f"layer {i} is recurrent state, which folds in every token and cannot be cut back"
+        if layer.kind == pb.CACHE_KIND_TRANSFORM_KV:
+            return f"layer {i} is transform coded as a whole"
         if layer.n_kept != layer.offset:
             if layer.kind == pb.CACHE_KIND_ROTATING_KV:
                 return f"layer {i}'s sliding window of {layer.window} has dropped earlier tokens"
@@ -157,9 +178,25 @@ def layer_report(manifest: pb.CacheManifest) -> list[dict[str, Any]]:
             row.update(chunk_size=layer.chunk_size)
         if layer.bits:
             row.update(bits=layer.bits, group_size=layer.group_size)
+        row["codec"] = layer_codec(layer)
         row["bytes"] = sum(t.nbytes for t in layer.tensors)
         report.append(row)
     return report
+
+
+def layer_codec(layer: pb.LayerSpec) -> str:
+    """How a layer's tensors are coded, for people: `fp16`, `8-bit`, or the transform's steps and
+    components (keys / values)."""
+    if layer.kind == pb.CACHE_KIND_TRANSFORM_KV:
+        t = layer.transform
+        features = t.kv_heads * t.head_dim
+        return (
+            f"transform k {t.key_components}/{features} @{t.key_step:.3g}, "
+            f"v {t.value_components}/{features} @{t.value_step:.3g}, {t.sinks} sinks raw"
+        )
+    if layer.bits:
+        return f"{layer.bits}-bit (groups of {layer.group_size})"
+    return ", ".join(sorted({tensor_dtype(t) for t in layer.tensors})) or "-"
 
 
 def press_config_to_proto(config: dict[str, Any]) -> pb.PressConfig:

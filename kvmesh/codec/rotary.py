@@ -17,6 +17,7 @@ layers: the same angles as the model's, without a kernel call per layer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,10 +103,13 @@ def _layers(model: Any) -> list:
     raise RotaryError(f"{type(model).__name__}: no layers found")
 
 
-def model_rotaries(model: Any) -> list[Rotary]:
-    """Per layer, the rotary settings of an mlx-lm model's attention (`layers[i].self_attn.rope`)."""
+def model_rotaries(model: Any, layers: Sequence[int] | None = None) -> list[Rotary]:
+    """Per layer (or per layer of `layers`), the rotary settings of an mlx-lm model's attention
+    (`layers[i].self_attn.rope`)."""
     out = []
-    for i, layer in enumerate(_layers(model)):
+    every = _layers(model)
+    for i in range(len(every)) if layers is None else layers:
+        layer = every[i]
         attn = getattr(layer, "self_attn", None)
         rope = getattr(attn, "rope", None)
         if rope is None:

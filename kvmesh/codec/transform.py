@@ -28,10 +28,10 @@ values' (2 measured best on SmolLM2 at 4-8x).
 keys with RoPE re-applied at their positions. Everything is vectorized (NumPy, MLX); no Python loop
 runs per value, only per layer.
 
-The blob: `MAGIC`, a little-endian u32 header length, a canonical JSON header (the basis's sha256,
-per layer the shapes, positions, steps and component counts, and the segments' offsets), then the
-segments. The basis itself does not travel with each cache: the receiver needs the one whose id the
-header names.
+Each layer is its own blob (so a layer decodes as soon as its bytes arrive): `MAGIC`, a
+little-endian u32 header length, a canonical JSON header (the basis's sha256 and the basis layer, the
+shape, positions, steps and component counts, and the segments' offsets), then the segments. The
+basis itself does not travel with each cache: the receiver needs the one whose id the header names.
 """
 
 from __future__ import annotations
@@ -255,17 +255,6 @@ class _Prepared:
     raw: bytes  # the sink and recent rows, float16, (B, H, rows, D)
 
 
-@dataclass
-class Encoded:
-    data: bytes
-    step: float
-    fp16_bytes: int
-
-    @property
-    def ratio(self) -> float:
-        return self.fp16_bytes / max(1, len(self.data))
-
-
 def _split(x: np.ndarray, sinks: int, recent: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     t = x.shape[2]
     s = min(sinks, t)
@@ -273,31 +262,35 @@ def _split(x: np.ndarray, sinks: int, recent: int) -> tuple[np.ndarray, np.ndarr
     return x[:, :, :s], x[:, :, s : t - r], x[:, :, t - r :]
 
 
-def _prepare(layers: Sequence[LayerKV], basis: Basis, sinks: int, recent: int) -> tuple[list, list[dict]]:
-    if len(layers) != len(basis):
-        raise BasisError(f"a cache of {len(layers)} layers for a basis of {len(basis)}")
+def _prepare(
+    layers: Sequence[LayerKV], basis: Basis, sinks: int, recent: int, basis_layers: Sequence[int]
+) -> tuple[list, list[dict]]:
+    if len(layers) != len(basis_layers):
+        raise BasisError(f"{len(layers)} layers for {len(basis_layers)} basis layers")
+    if any(not 0 <= j < len(basis) for j in basis_layers):
+        raise BasisError(f"basis layers {list(basis_layers)} for a basis of {len(basis)}")
     prepared, metas = [], []
     memo: dict = {}
-    for i, (k, v, positions) in enumerate(layers):
+    for i, ((k, v, positions), j) in enumerate(zip(layers, basis_layers, strict=True)):
         keys, values = _f32(k), _f32(v)
         if keys.ndim != 4 or keys.shape != values.shape:
             raise TransformCodecError(f"layer {i}: keys {keys.shape} and values {values.shape}")
         b, h, t, d = keys.shape
-        if h * d != basis.keys[i].features:
-            raise BasisError(f"layer {i}: {h} heads of {d} for a basis of {basis.keys[i].features} features")
+        if h * d != basis.keys[j].features:
+            raise BasisError(f"layer {i}: {h} heads of {d} for a basis of {basis.keys[j].features} features")
         pos = _positions_bht(positions, b, h, t)
         s = min(sinks, t)
         r = min(recent, t - s)
-        meta: dict[str, Any] = {"shape": [b, h, t, d], "sinks": s, "recent": r}
+        meta: dict[str, Any] = {"layer": j, "shape": [b, h, t, d], "sinks": s, "recent": r}
         layer = []
-        for kind, x, tb in (("k", keys, basis.keys[i]), ("v", values, basis.values[i])):
+        for kind, x, tb in (("k", keys, basis.keys[j]), ("v", values, basis.values[j])):
             head, mid, tail = _split(x, s, r)
             m = mid.shape[2]
             if m:
                 block = mid.transpose(0, 2, 1, 3)  # (B, T', H, D): token-major
                 if kind == "k":
-                    cos, sin = _tables(basis.rotaries[i], pos[:, :, s : t - r], memo)
-                    block = rotate(block, cos, sin, basis.rotaries[i], inverse=True)
+                    cos, sin = _tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
+                    block = rotate(block, cos, sin, basis.rotaries[j], inverse=True)
                 rows = np.ascontiguousarray(block, dtype=np.float32).reshape(b * m, h * d)
                 coeffs = _matmul(rows - tb.mean, tb.on_mlx("analysis")) * np.float32(1.0 / tb.scale)
             else:
@@ -311,40 +304,45 @@ def _prepare(layers: Sequence[LayerKV], basis: Basis, sinks: int, recent: int) -
     return prepared, metas
 
 
-def _assemble(prepared, metas, basis: Basis, step: float, key_factor: float, level: int) -> bytes:
+def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: float, level: int) -> bytes:
+    """One layer's blob: MAGIC, a u32 header length, the canonical JSON header, the segments."""
     compressor = zstandard.ZstdCompressor(level=level)
     segments: list[bytes] = []
-    layers_meta = []
 
     def add(blob: bytes, compress: bool) -> list[int]:
         segments.append(compressor.compress(blob) if compress else blob)
         return [len(segments) - 1, int(compress)]
 
-    for (layer, pos), meta in zip(prepared, metas, strict=True):
-        lm = dict(meta)
-        if pos is not None:
-            lm["positions"] = {**meta["positions"], "seg": add(pos.astype("<i4").tobytes(), True)}
-        for kind, p in zip("kv", layer, strict=True):
-            kstep = step * (key_factor if kind == "k" else 1.0)
-            rms = p.basis.rms / p.basis.scale
-            n = kept_components(rms, kstep)
-            scaled = p.coeffs[:, :n].T / np.float32(kstep)  # component-major
-            q = np.rint(scaled)
-            groups, at = [], 0
-            for count in component_groups(rms, kstep, n):
-                width, plane, esc = pack_codes(q[at : at + count])
-                delta = _centroid_offset(scaled[at : at + count], q[at : at + count])
-                groups.append([count, width, add(plane, True), add(esc, True) if esc else None, delta])
-                at += count
-            lm[kind] = {"step": kstep, "n": n, "groups": groups, "raw": add(p.raw, False)}
-        layers_meta.append(lm)
+    lm = dict(meta)
+    if pos is not None:
+        lm["positions"] = {**meta["positions"], "seg": add(pos.astype("<i4").tobytes(), True)}
+    for kind, p in zip("kv", layer, strict=True):
+        kstep = step * (key_factor if kind == "k" else 1.0)
+        rms = p.basis.rms / p.basis.scale
+        n = kept_components(rms, kstep)
+        scaled = p.coeffs[:, :n].T / np.float32(kstep)  # component-major
+        q = np.rint(scaled)
+        groups, at = [], 0
+        for count in component_groups(rms, kstep, n):
+            width, plane, esc = pack_codes(q[at : at + count])
+            delta = _centroid_offset(scaled[at : at + count], q[at : at + count])
+            groups.append([count, width, add(plane, True), add(esc, True) if esc else None, delta])
+            at += count
+        lm[kind] = {"step": kstep, "n": n, "groups": groups, "raw": add(p.raw, False)}
     offsets, at = [], 0
     for seg in segments:
         offsets.append([at, len(seg)])
         at += len(seg)
-    header = {"basis": basis.digest, "layers": layers_meta, "segments": offsets}
+    header = {"basis": basis.digest, **lm, "segments": offsets}
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     return MAGIC + struct.pack("<I", len(text)) + text + b"".join(segments)
+
+
+def _assemble(prepared, metas, basis: Basis, step: float, key_factor: float, level: int) -> list[bytes]:
+    return [
+        _assemble_layer(layer, pos, meta, basis, step, key_factor, level)
+        for (layer, pos), meta in zip(prepared, metas, strict=True)
+    ]
 
 
 def fp16_nbytes(layers: Sequence[LayerKV]) -> int:
@@ -352,11 +350,30 @@ def fp16_nbytes(layers: Sequence[LayerKV]) -> int:
     return sum(2 * 2 * int(np.prod(np.shape(k))) for k, _, _ in layers)
 
 
+@dataclass
+class Encoded:
+    """Per layer, its blob; coded with one global `step` (the values'; keys' is key_factor times it)."""
+
+    blobs: list[bytes]
+    step: float
+    fp16_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.blobs)
+
+    @property
+    def ratio(self) -> float:
+        return self.fp16_bytes / max(1, self.nbytes)
+
+
 def encode_layers(
     layers: Sequence[LayerKV],
     basis: Basis,
     step: float | None = None,
     ratio: float | None = None,
+    *,
+    basis_layers: Sequence[int] | None = None,
     sinks: int = 4,
     recent: int = 0,
     key_factor: float = 2.0,
@@ -366,11 +383,15 @@ def encode_layers(
 ) -> Encoded:
     """Encode per-layer (keys, values, positions) with one global `step`, or with the step that makes
     the bytes `ratio` times smaller than fp16 (searched to `tolerance`: the largest encoding within
-    the target size, or the coarsest step's if even that exceeds it). The keys' step is `key_factor`
-    times the values'. `sinks` leading and `recent` trailing rows travel raw (float16)."""
+    the target size, or the coarsest step's if even that exceeds it). Layer i is coded with the
+    basis's layer `basis_layers[i]` (default: i). The keys' step is `key_factor` times the values'.
+    `sinks` leading and `recent` trailing rows travel raw (float16)."""
     if (step is None) == (ratio is None):
         raise TransformCodecError("give either step or ratio")
-    prepared, metas = _prepare(layers, basis, sinks, recent)
+    if step is not None and not (math.isfinite(step) and step > 0):
+        raise TransformCodecError(f"the step must be a positive number, not {step}")
+    indices = list(range(len(layers))) if basis_layers is None else list(basis_layers)
+    prepared, metas = _prepare(layers, basis, sinks, recent, indices)
     full = fp16_nbytes(layers)
     if step is not None:
         return Encoded(_assemble(prepared, metas, basis, step, key_factor, level), step, full)
@@ -389,14 +410,14 @@ def encode_layers(
     history: list[tuple[float, float]] = []
     for _ in range(max_iter):
         enc = trial(x)
-        y = math.log(len(enc.data))
-        if len(enc.data) <= target:
+        y = math.log(enc.nbytes)
+        if enc.nbytes <= target:
             hi = (x, y)
-            if best is None or len(best.data) < len(enc.data):
+            if best is None or best.nbytes < enc.nbytes:
                 best = enc
         else:
             lo = (x, y)
-        if best is not None and len(best.data) >= (1 - tolerance) * target:
+        if best is not None and best.nbytes >= (1 - tolerance) * target:
             break
         goal = math.log(target * (1 - tolerance / 2))
         if lo is not None and hi is not None:
@@ -419,29 +440,44 @@ def encode_layers(
     return best
 
 
-def read_header(data: bytes) -> tuple[dict, memoryview]:
-    """The header of a blob and the segments' bytes."""
+def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
+    """The header of a layer's blob and the segments' bytes."""
     view = memoryview(data)
     if bytes(view[: len(MAGIC)]) != MAGIC:
-        raise TransformCodecError("not a transform-coded cache (bad magic)")
-    (n,) = struct.unpack_from("<I", view, len(MAGIC))
-    start = len(MAGIC) + 4
+        raise TransformCodecError("not a transform-coded layer (bad magic)")
     try:
+        (n,) = struct.unpack_from("<I", view, len(MAGIC))
+        start = len(MAGIC) + 4
         header = json.loads(bytes(view[start : start + n]))
-    except ValueError as e:
+    except (struct.error, ValueError) as e:
         raise TransformCodecError(f"unreadable header: {e}") from None
+    if not isinstance(header, dict):
+        raise TransformCodecError("unreadable header: not an object")
     return header, view[start + n :]
 
 
-def decode_layers(data: bytes, basis: Basis) -> list[tuple[mx.array, mx.array]]:
-    """Per layer, (keys, values) as float16 (B, kv_heads, tokens, head_dim), keys rotated back."""
+def decode_layer(data: bytes | memoryview, basis: Basis, memo: dict | None = None) -> tuple[mx.array, mx.array]:
+    """One layer's (keys, values) as float16 (B, kv_heads, tokens, head_dim), keys rotated back.
+
+    Raises TransformCodecError for bytes that do not decode (their digest was checked before: this
+    guards against a sender's bug, not the link), BasisError for a blob of another basis."""
     header, body = read_header(data)
+    try:
+        return _decode_layer(header, body, basis, {} if memo is None else memo)
+    except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
+        if isinstance(e, (TransformCodecError, BasisError)):
+            raise
+        raise TransformCodecError(f"a malformed layer blob: {type(e).__name__}: {e}") from None
+
+
+def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> tuple[mx.array, mx.array]:
     if header["basis"] != basis.digest:
         raise BasisError(
             f"the cache was coded with basis {header['basis'][:16]}..., this basis is {basis.digest[:16]}..."
         )
-    if len(header["layers"]) != len(basis):
-        raise BasisError(f"a cache of {len(header['layers'])} layers for a basis of {len(basis)}")
+    j = header["layer"]
+    if not 0 <= j < len(basis):
+        raise BasisError(f"basis layer {j} of a basis of {len(basis)}")
     decompressor = zstandard.ZstdDecompressor()
     offsets = header["segments"]
 
@@ -450,52 +486,56 @@ def decode_layers(data: bytes, basis: Basis) -> list[tuple[mx.array, mx.array]]:
         blob = body[at : at + length]
         return decompressor.decompress(blob) if ref[1] else bytes(blob)
 
-    out = []
-    memo: dict = {}
-    for i, lm in enumerate(header["layers"]):
-        b, h, t, d = lm["shape"]
-        s, r = lm["sinks"], lm["recent"]
-        m = t - s - r
-        pm = lm["positions"]
-        if "seg" in pm:
-            pos = np.frombuffer(seg(pm["seg"]), dtype="<i4").reshape(b, h, t)
-        else:
-            pos = np.broadcast_to(np.arange(pm["start"], pm["start"] + t, dtype=np.int32)[None, None], (b, h, t))
-        tensors = []
-        for kind, tb in (("k", basis.keys[i]), ("v", basis.values[i])):
-            km = lm[kind]
-            n = km["n"]
-            raw = np.frombuffer(seg(km["raw"]), dtype=np.float16).reshape(b, h, s + r, d)
-            out_arr = np.empty((b, h, t, d), dtype=np.float16)
-            out_arr[:, :, :s] = raw[:, :, :s]
-            out_arr[:, :, t - r :] = raw[:, :, s:]
-            if m:
-                coded = np.empty((n, b * m), dtype=np.float32)
-                at = 0
-                for count, width, plane_ref, esc_ref, delta in km["groups"]:
-                    esc = seg(esc_ref) if esc_ref is not None else b""
-                    decode_group(width, seg(plane_ref), esc, count * b * m, delta, coded[at : at + count])
-                    at += count
-                if at != n:
-                    raise TransformCodecError(f"layer {i}: groups of {at} components where {n} were sent")
+    b, h, t, d = header["shape"]
+    if h * d != basis.keys[j].features:
+        raise BasisError(f"{h} heads of {d} for a basis layer of {basis.keys[j].features} features")
+    s, r = header["sinks"], header["recent"]
+    m = t - s - r
+    pm = header["positions"]
+    if "seg" in pm:
+        pos = np.frombuffer(seg(pm["seg"]), dtype="<i4").reshape(b, h, t)
+    else:
+        pos = np.broadcast_to(np.arange(pm["start"], pm["start"] + t, dtype=np.int32)[None, None], (b, h, t))
+    tensors = []
+    for kind, tb in (("k", basis.keys[j]), ("v", basis.values[j])):
+        km = header[kind]
+        n = km["n"]
+        raw = np.frombuffer(seg(km["raw"]), dtype=np.float16).reshape(b, h, s + r, d)
+        out_arr = np.empty((b, h, t, d), dtype=np.float16)
+        out_arr[:, :, :s] = raw[:, :, :s]
+        out_arr[:, :, t - r :] = raw[:, :, s:]
+        if m:
+            coded = np.empty((n, b * m), dtype=np.float32)
+            at = 0
+            for count, width, plane_ref, esc_ref, delta in km["groups"]:
+                esc = seg(esc_ref) if esc_ref is not None else b""
+                decode_group(width, seg(plane_ref), esc, count * b * m, delta, coded[at : at + count])
+                at += count
+            if at != n:
+                raise TransformCodecError(f"groups of {at} components where {n} were sent")
+            if kind == "k":
+                cos, sin = _tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
+            # One product for all heads, then each head's columns into its (tokens, head_dim) slab.
+            synthesis = tb.synthesis()[:n] * np.float32(km["step"] * tb.scale)
+            if n:
+                rows = np.asarray(mx.array(coded).T @ mx.array(synthesis) + tb.on_mlx("mean"))
+            else:
+                rows = np.broadcast_to(tb.mean, (b * m, h * d))
+            for hh in range(h):
+                block = rows[:, hh * d : (hh + 1) * d].reshape(b, m, d)
                 if kind == "k":
-                    cos, sin = _tables(basis.rotaries[i], pos[:, :, s : t - r], memo)
-                # One product for all heads, then each head's columns into its (tokens, head_dim) slab.
-                synthesis = tb.synthesis()[:n] * np.float32(km["step"] * tb.scale)
-                if n:
-                    rows = np.asarray(mx.array(coded).T @ mx.array(synthesis) + tb.on_mlx("mean"))
-                else:
-                    rows = np.broadcast_to(tb.mean, (b * m, h * d))
-                for hh in range(h):
-                    block = rows[:, hh * d : (hh + 1) * d].reshape(b, m, d)
-                    if kind == "k":
-                        at_h = min(hh, cos.shape[2] - 1)
-                        block = rotate(block, cos[:, :, at_h], sin[:, :, at_h], basis.rotaries[i])
-                    out_arr[:, hh, s : t - r] = block
-            tensors.append(mx.array(out_arr))
-        mx.eval(tensors)
-        out.append((tensors[0], tensors[1]))
-    return out
+                    at_h = min(hh, cos.shape[2] - 1)
+                    block = rotate(block, cos[:, :, at_h], sin[:, :, at_h], basis.rotaries[j])
+                out_arr[:, hh, s : t - r] = block
+        tensors.append(mx.array(out_arr))
+    mx.eval(tensors)
+    return tensors[0], tensors[1]
+
+
+def decode_layers(blobs: Sequence[bytes], basis: Basis) -> list[tuple[mx.array, mx.array]]:
+    """Per layer, (keys, values) as float16 (B, kv_heads, tokens, head_dim), keys rotated back."""
+    memo: dict = {}
+    return [decode_layer(blob, basis, memo) for blob in blobs]
 
 
 def layers_of_cache(cache: Sequence[Any], positions: Sequence[Any] | None = None) -> list[LayerKV]:

@@ -99,7 +99,7 @@ def dtype_name(value: int) -> str:
     return f"unknown({value})"
 
 
-DTYPE_NAMES = ("float16", "bfloat16", "float32", "uint32")
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "uint32", "uint8")
 
 
 def canonical_json(obj) -> bytes:

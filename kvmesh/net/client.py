@@ -210,6 +210,9 @@ class PeerClient:
         self._probe = self.channel.unary_stream(
             method("Probe"), request_serializer=serialize, response_deserializer=as_bytes
         )
+        self._artifact = self.channel.unary_stream(
+            method("Artifact"), request_serializer=serialize, response_deserializer=spb.ArtifactData.FromString
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -337,6 +340,31 @@ class PeerClient:
         finally:
             decided.put(False)
             call.cancel()
+
+    def artifact(self, sha256: str, nbytes: int, *, idle_timeout: float = TIMEOUTS.stream_idle) -> bytes:
+        """The bytes of the artefact `sha256` (announced as `nbytes` long) from this peer; PeerError when
+        it does not hold it, stalls for `idle_timeout`, or sends more than announced. The caller
+        checks the bytes against their sha256 (kvmesh.store.artifacts)."""
+        call = self._artifact(spb.ArtifactRequest(sha256=sha256), timeout=TIMEOUTS.transfer_deadline(nbytes))
+        watchdog = Watchdog(call, idle_timeout, TIMEOUTS.transfer_deadline(nbytes))
+        pieces, received = [], 0
+        try:
+            for message in call:
+                watchdog.alive()
+                received += len(message.data)
+                if received > nbytes:
+                    call.cancel()
+                    raise PeerError(self.address, f"sent more than the {nbytes:,} bytes of artefact {sha256[:12]}")
+                pieces.append(message.data)
+        except grpc.RpcError as e:
+            if watchdog.why:
+                raise PeerError(self.address, watchdog.why) from None
+            raise self._error(e) from None
+        finally:
+            watchdog.stop()
+        if received != nbytes:
+            raise PeerError(self.address, f"sent {received:,} of the {nbytes:,} bytes of artefact {sha256[:12]}")
+        return b"".join(pieces)
 
     def probe(self, nbytes: int = 4 << 20, *, timeout: float | None = None) -> float:
         """The link's rate to this peer in bytes per second, measured by receiving `nbytes` (at

@@ -1,4 +1,4 @@
-"""The gRPC service a daemon serves from its store: Info, Lookup, Fetch, Publish and Probe.
+"""The gRPC service a daemon serves from its store: Info, Lookup, Fetch, Publish, Probe and Artifact.
 
 Fetch is manifest-first: the sender answers an open with the manifest alone and sends no chunk
 until the receiver accepts. Chunks are read from the store file as the frames they travel as, so
@@ -36,6 +36,7 @@ from kvmesh.net.policy import PeerLimits, Policy
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME, as_bytes, serialize
 from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import artifact_store
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.v1 import service_pb2_grpc
@@ -47,6 +48,8 @@ MAX_LOOKUP_BLOCKS = 65536
 # A probe sends at most this much, in messages of PROBE_MESSAGE_BYTES.
 MAX_PROBE_BYTES = 8 << 20
 PROBE_MESSAGE_BYTES = 1 << 20
+# Artefacts travel in pieces of this size.
+ARTIFACT_PIECE_BYTES = 1 << 20
 M = TypeVar("M", bound=Message)
 # Worker threads no transfer may take: health checks, Info and Lookup always find one.
 RESERVED_WORKERS = 4
@@ -151,6 +154,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         max_waiting: int | None = None,
     ):
         self.store = store
+        self.artifacts = artifact_store(store.root)
         self.node_id = node_id
         self.policy = policy or Policy()
         self.limits = PeerLimits(self.policy)
@@ -286,6 +290,23 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             yield self._probe_message if size == PROBE_MESSAGE_BYTES else probe_data(size)
             left -= size
 
+    def Artifact(self, request: spb.ArtifactRequest, context) -> Iterator[bytes]:
+        """A held artefact (a transform basis) in pieces of ARTIFACT_PIECE_BYTES; NOT_FOUND when this
+        peer does not hold it (or its copy turned out damaged, and was removed)."""
+        peer = self._admit(context)
+        with self._transfer(peer, context):
+            try:
+                data = self.artifacts.get(request.sha256)
+            except (IntegrityError, StoreError) as e:
+                log.error("cannot serve artefact %s: %s", request.sha256[:12], e)
+                data = None
+            if data is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"this peer holds no artefact {request.sha256[:16]!r}")
+                return
+            log.info("sending artefact %s (%d bytes) to %s", request.sha256[:12], len(data), peer)
+            for at in range(0, len(data), ARTIFACT_PIECE_BYTES):
+                yield spb.ArtifactData(data=data[at : at + ARTIFACT_PIECE_BYTES]).SerializeToString()
+
     def _open_cache(
         self, opened: spb.FetchOpen, context: grpc.ServicerContext
     ) -> tuple[pb.CacheManifest, Iterator[bytes]] | Rejection:
@@ -333,6 +354,12 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             refusal = reject(Rejection(pb.REJECT_REASON_SIZE_LIMIT, message))
         elif problem := self.store.cannot_hold(manifest):
             refusal = reject(Rejection(pb.REJECT_REASON_SIZE_LIMIT, problem))
+        elif missing := [a for a in manifest.artifacts if not self.artifacts.has(a.sha256)]:
+            message = (
+                f"this peer lacks the basis {missing[0].sha256[:12]} the cache is coded with: it gets one when "
+                "it fetches a cache that needs it, or publish one coded with a basis it holds"
+            )
+            refusal = reject(Rejection(pb.REJECT_REASON_ARTIFACT, message))
         if refusal is not None:
             self.counters.add("publishes_rejected")
             log.info("refused a publish from %s: %s", peer, refusal.message)
@@ -400,6 +427,7 @@ def add_service(service: KvMeshService, server: grpc.Server) -> None:
             service.Publish, as_bytes, spb.PublishResponse.SerializeToString
         ),
         "Probe": grpc.unary_stream_rpc_method_handler(service.Probe, spb.ProbeRequest.FromString, serialize),
+        "Artifact": grpc.unary_stream_rpc_method_handler(service.Artifact, spb.ArtifactRequest.FromString, serialize),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]  # newer than grpc-stubs

@@ -28,6 +28,7 @@ class CacheKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CACHE_KIND_ARRAYS: _ClassVar[CacheKind]
     CACHE_KIND_CHUNKED_KV: _ClassVar[CacheKind]
     CACHE_KIND_LIST: _ClassVar[CacheKind]
+    CACHE_KIND_TRANSFORM_KV: _ClassVar[CacheKind]
 
 class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -47,6 +48,7 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_POLICY: _ClassVar[RejectReason]
     REJECT_REASON_QUALITY: _ClassVar[RejectReason]
     REJECT_REASON_VERSION: _ClassVar[RejectReason]
+    REJECT_REASON_ARTIFACT: _ClassVar[RejectReason]
 CODEC_UNSPECIFIED: Codec
 CODEC_NONE: Codec
 CODEC_ZSTD: Codec
@@ -59,6 +61,7 @@ CACHE_KIND_ROTATING_KV: CacheKind
 CACHE_KIND_ARRAYS: CacheKind
 CACHE_KIND_CHUNKED_KV: CacheKind
 CACHE_KIND_LIST: CacheKind
+CACHE_KIND_TRANSFORM_KV: CacheKind
 REJECT_REASON_UNSPECIFIED: RejectReason
 REJECT_REASON_SCHEMA: RejectReason
 REJECT_REASON_MODEL_CONFIG: RejectReason
@@ -75,6 +78,7 @@ REJECT_REASON_MALFORMED: RejectReason
 REJECT_REASON_POLICY: RejectReason
 REJECT_REASON_QUALITY: RejectReason
 REJECT_REASON_VERSION: RejectReason
+REJECT_REASON_ARTIFACT: RejectReason
 
 class Prefix(_message.Message):
     __slots__ = ("num_tokens", "sha256", "block_size", "block_hashes")
@@ -101,7 +105,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class LayerSpec(_message.Message):
-    __slots__ = ("kind", "n_kept", "offset", "bits", "group_size", "tensors", "window", "keep", "chunk_size", "start_position", "parts")
+    __slots__ = ("kind", "n_kept", "offset", "bits", "group_size", "tensors", "window", "keep", "chunk_size", "start_position", "parts", "transform")
     KIND_FIELD_NUMBER: _ClassVar[int]
     N_KEPT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +117,7 @@ class LayerSpec(_message.Message):
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFORM_FIELD_NUMBER: _ClassVar[int]
     kind: CacheKind
     n_kept: int
     offset: int
@@ -124,7 +129,58 @@ class LayerSpec(_message.Message):
     chunk_size: int
     start_position: int
     parts: _containers.RepeatedCompositeFieldContainer[LayerSpec]
-    def __init__(self, kind: _Optional[_Union[CacheKind, str]] = ..., n_kept: _Optional[int] = ..., offset: _Optional[int] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., window: _Optional[int] = ..., keep: _Optional[int] = ..., chunk_size: _Optional[int] = ..., start_position: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
+    transform: TransformSpec
+    def __init__(self, kind: _Optional[_Union[CacheKind, str]] = ..., n_kept: _Optional[int] = ..., offset: _Optional[int] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., window: _Optional[int] = ..., keep: _Optional[int] = ..., chunk_size: _Optional[int] = ..., start_position: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., transform: _Optional[_Union[TransformSpec, _Mapping]] = ...) -> None: ...
+
+class Rotary(_message.Message):
+    __slots__ = ("dims", "traditional", "base", "scale", "freqs")
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    TRADITIONAL_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    FREQS_FIELD_NUMBER: _ClassVar[int]
+    dims: int
+    traditional: bool
+    base: float
+    scale: float
+    freqs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, dims: _Optional[int] = ..., traditional: _Optional[bool] = ..., base: _Optional[float] = ..., scale: _Optional[float] = ..., freqs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TransformSpec(_message.Message):
+    __slots__ = ("basis_sha256", "basis_layer", "kv_heads", "head_dim", "sinks", "recent", "key_step", "value_step", "key_components", "value_components", "rotary")
+    BASIS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    BASIS_LAYER_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    SINKS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    KEY_STEP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_STEP_FIELD_NUMBER: _ClassVar[int]
+    KEY_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    ROTARY_FIELD_NUMBER: _ClassVar[int]
+    basis_sha256: str
+    basis_layer: int
+    kv_heads: int
+    head_dim: int
+    sinks: int
+    recent: int
+    key_step: float
+    value_step: float
+    key_components: int
+    value_components: int
+    rotary: Rotary
+    def __init__(self, basis_sha256: _Optional[str] = ..., basis_layer: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., sinks: _Optional[int] = ..., recent: _Optional[int] = ..., key_step: _Optional[float] = ..., value_step: _Optional[float] = ..., key_components: _Optional[int] = ..., value_components: _Optional[int] = ..., rotary: _Optional[_Union[Rotary, _Mapping]] = ...) -> None: ...
+
+class Artifact(_message.Message):
+    __slots__ = ("kind", "sha256", "nbytes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    sha256: str
+    nbytes: int
+    def __init__(self, kind: _Optional[str] = ..., sha256: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class PressConfig(_message.Message):
     __slots__ = ("ratio", "budget", "kv_bits", "kv_group_size", "sinks", "window", "kernel")
@@ -185,7 +241,7 @@ class Encoding(_message.Message):
     def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., level: _Optional[int] = ..., byte_shuffle: _Optional[bool] = ..., chunk_size: _Optional[int] = ..., chunk_count: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., payload_digest: _Optional[bytes] = ...) -> None: ...
 
 class CacheManifest(_message.Message):
-    __slots__ = ("schema_version", "cache_id", "model", "prefix", "num_layers", "num_kv_heads", "head_dim", "dtype", "layers", "compression", "encoding", "created_unix_ms", "node_id", "quality")
+    __slots__ = ("schema_version", "cache_id", "model", "prefix", "num_layers", "num_kv_heads", "head_dim", "dtype", "layers", "compression", "encoding", "created_unix_ms", "node_id", "quality", "artifacts")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +256,7 @@ class CacheManifest(_message.Message):
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     cache_id: str
     model: _model_pb2.ModelFingerprint
@@ -214,7 +271,8 @@ class CacheManifest(_message.Message):
     created_unix_ms: int
     node_id: str
     quality: Quality
-    def __init__(self, schema_version: _Optional[int] = ..., cache_id: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., prefix: _Optional[_Union[Prefix, _Mapping]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., quality: _Optional[_Union[Quality, _Mapping]] = ...) -> None: ...
+    artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
+    def __init__(self, schema_version: _Optional[int] = ..., cache_id: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., prefix: _Optional[_Union[Prefix, _Mapping]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., quality: _Optional[_Union[Quality, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "tensor", "byte_offset", "raw_length", "checksum", "data")

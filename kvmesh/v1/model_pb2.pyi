@@ -12,11 +12,13 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_UINT32: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT32: DType
 DTYPE_UINT32: DType
+DTYPE_UINT8: DType
 
 class ModelFingerprint(_message.Message):
     __slots__ = ("model_id", "model_type", "config_sha256", "weights_sha256", "tokenizer_sha256", "chat_template_sha256", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "rope_theta", "rope_scaling_json", "sliding_window", "repo_id", "revision", "mlx_version", "mlx_lm_version")

@@ -59,6 +59,11 @@ class KvMeshStub:
                 request_serializer=kvmesh_dot_v1_dot_service__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_service__pb2.ProbeData.FromString,
                 _registered_method=True)
+        self.Artifact = channel.unary_stream(
+                '/kvmesh.v1.KvMesh/Artifact',
+                request_serializer=kvmesh_dot_v1_dot_service__pb2.ArtifactRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_service__pb2.ArtifactData.FromString,
+                _registered_method=True)
 
 
 class KvMeshServicer:
@@ -107,6 +112,15 @@ class KvMeshServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Artifact(self, request, context):
+        """The bytes of a per-model artefact this peer holds (a transform basis, by its sha256), in pieces
+        of at most 1 MiB: a receiver fetches it once, before it accepts the first cache that names it.
+        NOT_FOUND when the peer does not hold it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvMeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +148,11 @@ def add_KvMeshServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=kvmesh_dot_v1_dot_service__pb2.ProbeRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_service__pb2.ProbeData.SerializeToString,
+            ),
+            'Artifact': grpc.unary_stream_rpc_method_handler(
+                    servicer.Artifact,
+                    request_deserializer=kvmesh_dot_v1_dot_service__pb2.ArtifactRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_service__pb2.ArtifactData.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +290,33 @@ class KvMesh:
             '/kvmesh.v1.KvMesh/Probe',
             kvmesh_dot_v1_dot_service__pb2.ProbeRequest.SerializeToString,
             kvmesh_dot_v1_dot_service__pb2.ProbeData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Artifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.KvMesh/Artifact',
+            kvmesh_dot_v1_dot_service__pb2.ArtifactRequest.SerializeToString,
+            kvmesh_dot_v1_dot_service__pb2.ArtifactData.FromString,
             options,
             channel_credentials,
             insecure,

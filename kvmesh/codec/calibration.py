@@ -1,0 +1,100 @@
+"""Fitting a model's transform basis (kvmesh.codec.basis) from text, on the Mac that codes its caches.
+
+The basis is the principal axes of the model's keys (RoPE removed) and values in each full-attention
+layer, so it must be fitted on the model's own caches of ordinary text: `fit_model_basis` prefills a
+few texts (each cut to `tokens_per_text` tokens, in the model's chat template as shared prompts are)
+and fits the basis from those caches. The default texts are Python's own help topics
+(`pydoc_data.topics`): they ship with every Python, mix English prose with code, and are none of the
+texts kvmesh's quality benchmark probes. On SmolLM2-135M four texts of 1,024 tokens take ~3 s to
+prefill here and the fit well under a second (scripts/bench_quality.py prints both).
+"""
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import KVCache
+
+from kvmesh.caches.prefill import run_prompt
+from kvmesh.codec.basis import Basis, fit_basis
+from kvmesh.codec.rotary import model_rotaries
+from kvmesh.codec.transform import layers_of_cache
+from kvmesh.errors import KvmeshError
+from kvmesh.model.prompt import cache_prompt_tokens
+
+TOKENS_PER_TEXT = 1024
+# Which help topics make each default text (a few thousand words each).
+DEFAULT_TOPICS = (
+    ("class", "exceptions", "execmodel", "naming"),
+    ("assignment", "compound", "import"),
+    ("types", "datamodel"),
+    ("formatstrings", "specialnames", "string-methods"),
+)
+
+# progress(texts done, texts in all)
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    basis: Basis
+    tokens: int
+    prefill_s: float
+    fit_s: float
+
+
+def default_texts() -> dict[str, str]:
+    """Python's help topics, grouped into a few texts."""
+    from pydoc_data.topics import topics
+
+    return {
+        "python help: " + ", ".join(group): "\n\n".join(topics[k] for k in group if k in topics)
+        for group in DEFAULT_TOPICS
+    }
+
+
+def full_attention_layers(cache: list) -> list[int]:
+    """The layers of a fresh prompt cache that are plain full attention (what the codec codes)."""
+    return [i for i, c in enumerate(cache) if type(c) is KVCache]
+
+
+def fit_model_basis(
+    model: Any,
+    tokenizer: Any,
+    texts: Mapping[str, str] | None = None,
+    *,
+    tokens_per_text: int = TOKENS_PER_TEXT,
+    info: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> Calibrated:
+    """The model's basis, fitted on its caches of `texts` (default: `default_texts()`)."""
+    texts = dict(texts or default_texts())
+    if not texts:
+        raise KvmeshError("no calibration text given")
+    calibration = []
+    layers: list[int] | None = None
+    total = 0
+    start = time.perf_counter()
+    for done, text in enumerate(texts.values()):
+        tokens = cache_prompt_tokens(tokenizer, text)[:tokens_per_text]
+        if len(tokens) < 16:
+            raise KvmeshError(f"a calibration text of {len(tokens)} tokens is too short (give at least a page)")
+        cache, _, _ = run_prompt(model, tokens)
+        layers = full_attention_layers(cache) if layers is None else layers
+        if not layers:
+            raise KvmeshError("this model has no full-attention layers: the transform codec has nothing to code")
+        calibration.append(layers_of_cache([cache[i] for i in layers]))
+        total += len(tokens)
+        if progress:
+            progress(done + 1, len(texts))
+    prefill_s = time.perf_counter() - start
+    assert layers is not None
+    start = time.perf_counter()
+    basis = fit_basis(
+        calibration,
+        model_rotaries(model, layers),
+        info={**(info or {}), "layers": layers, "texts": sorted(texts), "tokens": total},
+    )
+    basis.to_bytes()
+    return Calibrated(basis, total, prefill_s, time.perf_counter() - start)

@@ -1,0 +1,191 @@
+"""Transform-coded layers in a cache list: how the transform codec (kvmesh.codec.transform) meets
+the manifest, the wire and the store.
+
+`transform_code(cache, coding)` replaces each full-attention layer that kept every position (a float
+`SparseKVCache`) by a `CodedLayer`: that layer's blob, which travels as one uint8 tensor `coded` of a
+CACHE_KIND_TRANSFORM_KV layer. Sliding windows, recurrent state, quantized and evicted layers are
+left as they are and travel as before. A receiver turns a coded layer back into a `SparseKVCache` of
+the cache's dtype (`decode_coded`), with the basis the manifest names (CacheManifest.artifacts).
+
+Transform coding runs after a press, on what it left: a press that evicts positions leaves layers
+this codec cannot take (it needs each kept key's position to take RoPE off, and sparse caches do not
+record them), so those stay as the press made them.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from kvmesh.caches.sparse import SparseKVCache
+from kvmesh.codec.basis import Basis, BasisError
+from kvmesh.codec.manifest import BASIS_KIND
+from kvmesh.codec.rotary import Rotary
+from kvmesh.codec.transform import decode_layer, encode_layers, read_header
+from kvmesh.v1 import cache_pb2 as pb
+
+
+@dataclass(frozen=True)
+class TransformCoding:
+    """How to transform code a cache: the model's basis, the quantization step (in units of each
+    tensor's calibration RMS; the keys' is `key_factor` times it) and the rows kept raw."""
+
+    basis: Basis
+    step: float
+    sinks: int = 4
+    recent: int = 0
+    key_factor: float = 2.0
+
+
+@dataclass(frozen=True)
+class CodedLayer:
+    """One full-attention layer, transform coded: its blob, what the manifest says of it, the dtype
+    it decodes to and the basis it needs."""
+
+    blob: bytes
+    spec: pb.TransformSpec
+    offset: int
+    dtype: str
+    basis: Basis = field(repr=False, compare=False)
+
+    @property
+    def n_kept(self) -> int:
+        return self.offset
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blob)
+
+
+def rotary_to_proto(r: Rotary) -> pb.Rotary:
+    message = pb.Rotary(dims=r.dims, traditional=r.traditional, scale=r.scale, freqs=list(r.freqs or ()))
+    if r.base is not None:
+        message.base = r.base
+    return message
+
+
+def rotary_from_proto(m: pb.Rotary) -> Rotary:
+    return Rotary(
+        dims=m.dims,
+        traditional=m.traditional,
+        base=m.base if m.HasField("base") else None,
+        scale=m.scale,
+        freqs=tuple(m.freqs) if m.freqs else None,
+    )
+
+
+def basis_layer_of(basis: Basis, layer: int) -> int:
+    """Which of the basis's layers codes model layer `layer` (the basis records the model layers it
+    was fitted on: only full-attention ones)."""
+    layers = basis.info.get("layers", list(range(len(basis))))
+    if layer not in layers:
+        raise BasisError(f"the basis has no layer for model layer {layer} (it covers {layers})")
+    return int(layers.index(layer))
+
+
+def codable(layer: object) -> bool:
+    """A float full-attention layer that kept every position of its prefix."""
+    return type(layer) is SparseKVCache and layer.keys is not None and layer.n_kept == layer.offset
+
+
+def transform_code(cache: Sequence, coding: TransformCoding) -> list:
+    """The cache with every codable layer replaced by its CodedLayer (one step for all of them)."""
+    at = [i for i, layer in enumerate(cache) if codable(layer)]
+    if not at:
+        return list(cache)
+    layers = []
+    for i in at:
+        keys, values = cache[i].keys_and_values()
+        layers.append((keys, values, np.arange(keys.shape[2])))
+    basis_layers = [basis_layer_of(coding.basis, i) for i in at]
+    encoded = encode_layers(
+        layers,
+        coding.basis,
+        step=coding.step,
+        basis_layers=basis_layers,
+        sinks=coding.sinks,
+        recent=coding.recent,
+        key_factor=coding.key_factor,
+    )
+    out = list(cache)
+    for i, j, blob in zip(at, basis_layers, encoded.blobs, strict=True):
+        header, _ = read_header(blob)
+        _, heads, _, head_dim = header["shape"]
+        spec = pb.TransformSpec(
+            basis_sha256=coding.basis.digest,
+            basis_layer=j,
+            kv_heads=heads,
+            head_dim=head_dim,
+            sinks=header["sinks"],
+            recent=header["recent"],
+            key_step=header["k"]["step"],
+            value_step=header["v"]["step"],
+            key_components=header["k"]["n"],
+            value_components=header["v"]["n"],
+            rotary=rotary_to_proto(coding.basis.rotaries[j]),
+        )
+        out[i] = CodedLayer(blob, spec, cache[i].offset, str(cache[i].keys.dtype).rsplit(".", 1)[-1], coding.basis)
+    return out
+
+
+def coded_artifacts(cache: Sequence) -> list[pb.Artifact]:
+    """The artefacts a cache list's coded layers need (each basis once)."""
+    seen: dict[str, pb.Artifact] = {}
+    for layer in cache:
+        if isinstance(layer, CodedLayer):
+            digest = layer.basis.digest
+            seen.setdefault(digest, pb.Artifact(kind=BASIS_KIND, sha256=digest, nbytes=layer.basis.nbytes))
+    return list(seen.values())
+
+
+def decode_coded(
+    spec: pb.LayerSpec, blob: bytes | memoryview, bases: Mapping[str, Basis], dtype: mx.Dtype, memo: dict | None = None
+) -> SparseKVCache:
+    """A CACHE_KIND_TRANSFORM_KV layer back into a SparseKVCache of `dtype`."""
+    basis = bases.get(spec.transform.basis_sha256)
+    if basis is None:
+        raise BasisError(f"no basis {spec.transform.basis_sha256[:16]}... to decode this cache with")
+    keys, values = decode_layer(blob, basis, memo)
+    return SparseKVCache.from_arrays(keys.astype(dtype), values.astype(dtype), spec.offset)
+
+
+def decoded(cache: Sequence, bases: Mapping[str, Basis], dtype: mx.Dtype) -> list:
+    """A cache list with its CodedLayers decoded (what a receiver will hold): for measuring a coded
+    cache's loss where it was made."""
+    memo: dict = {}
+    out = []
+    for layer in cache:
+        if isinstance(layer, CodedLayer):
+            spec = pb.LayerSpec(kind=pb.CACHE_KIND_TRANSFORM_KV, offset=layer.offset, transform=layer.spec)
+            layer = decode_coded(spec, layer.blob, bases, dtype, memo)
+        out.append(layer)
+    return out
+
+
+def coded_tensor(layer: CodedLayer) -> mx.array:
+    """The blob as the layer's one tensor, (1, bytes) uint8."""
+    return mx.array(np.frombuffer(layer.blob, dtype=np.uint8))[None]
+
+
+@lru_cache(maxsize=8)
+def parse_basis(data: bytes, sha256: str) -> Basis:
+    """A basis from its bytes, checked against its id; parsed once per process (bases are
+    content-addressed, so the same id is always the same basis)."""
+    return Basis.from_bytes(data, sha256)
+
+
+def bases_for(manifest: pb.CacheManifest, get: Callable[[str], bytes | None]) -> dict[str, Basis]:
+    """The bases a manifest names, by sha256, their bytes read with `get` (e.g. an ArtifactStore's);
+    BasisError when one is missing or damaged."""
+    out = {}
+    for a in manifest.artifacts:
+        data = get(a.sha256)
+        if data is None:
+            raise BasisError(
+                f"the cache needs transform basis {a.sha256[:12]}, which is not here: fetch the cache "
+                "from a peer (its basis comes with it)"
+            )
+        out[a.sha256] = parse_basis(data, a.sha256)
+    return out

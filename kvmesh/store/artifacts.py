@@ -1,0 +1,109 @@
+"""Per-model artefacts beside the cache store: transform bases, kept by their sha256.
+
+A transform-coded cache names the basis it was coded with (CacheManifest.artifacts); a receiver
+fetches that basis once from the peer that sent the cache and keeps it here, so every later cache of
+that model decodes at once. Files are content-addressed (`artifacts/<sha256>`), checked against their
+name when written and when read, and written atomically (a temporary file in the same directory,
+then a rename), so a damaged or half-written file is never used. Each model's own basis, the one this
+Mac codes its caches with, is named by `artifacts/models/<model id>` (its sha256).
+
+Artefacts are small next to caches (4.5 MB for SmolLM2-135M, ~130 MB for an 8B model) and shared by
+all of a model's caches, so the store's budget and eviction leave them alone.
+"""
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from kvmesh.errors import IntegrityError, StoreError
+
+HEX = frozenset("0123456789abcdef")
+
+
+def _check_id(digest: str) -> str:
+    if len(digest) != 64 or not set(digest) <= HEX:
+        raise StoreError(f"not an artefact id (64 hex digits): {digest[:70]!r}")
+    return digest
+
+
+class ArtifactStore:
+    """The artefacts under `root` (the store's `artifacts/` directory)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.models_dir = self.root / "models"
+
+    def path(self, digest: str) -> Path:
+        return self.root / _check_id(digest)
+
+    def has(self, digest: str) -> bool:
+        return self.path(digest).is_file()
+
+    def get(self, digest: str) -> bytes | None:
+        """The artefact's bytes, None when it is not here; IntegrityError when its file is damaged
+        (it is removed, so the next fetch brings a good copy)."""
+        path = self.path(digest)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read artefact {digest[:12]} at {path}: {e.strerror or e}") from e
+        if hashlib.sha256(data).hexdigest() != digest:
+            path.unlink(missing_ok=True)
+            raise IntegrityError(f"artefact {digest[:12]} at {path} was damaged; removed it (fetch it again)")
+        return data
+
+    def put(self, data: bytes, digest: str) -> Path:
+        """Keep `data`, refused (IntegrityError) unless its sha256 is `digest`."""
+        path = self.path(digest)
+        got = hashlib.sha256(data).hexdigest()
+        if got != digest:
+            raise IntegrityError(f"artefact bytes do not match their id: sha256 {got[:12]}, expected {digest[:12]}")
+        if path.is_file():
+            return path
+        _write_atomic(path, data)
+        return path
+
+    def model_basis(self, model_id: str) -> str | None:
+        """The sha256 of the basis this Mac codes `model_id`'s caches with, if it has one."""
+        try:
+            digest = (self.models_dir / model_id).read_text().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read {self.models_dir / model_id}: {e.strerror or e}") from e
+        return digest if self.has(digest) else None
+
+    def set_model_basis(self, model_id: str, digest: str) -> None:
+        """Make `digest` (held here) the basis `model_id`'s caches are coded with."""
+        if not self.has(digest):
+            raise StoreError(f"artefact {digest[:12]} is not in {self.root}")
+        if not model_id or "/" in model_id or model_id.startswith("."):
+            raise StoreError(f"not a model id: {model_id!r}")
+        _write_atomic(self.models_dir / model_id, (digest + "\n").encode())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write through a temporary file in the destination's own directory (so the rename never
+    crosses filesystems), synced, then renamed into place."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".incoming-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise StoreError(f"cannot write {path}: {e.strerror or e}") from e
+
+
+def artifact_store(store_root: Path) -> ArtifactStore:
+    """The artefacts of the store at `store_root`."""
+    return ArtifactStore(Path(store_root) / "artifacts")

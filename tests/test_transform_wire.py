@@ -1,0 +1,199 @@
+"""Transform-coded caches on the wire and in the store: the manifest says everything a receiver checks
+before any byte, a coded cache decodes into mlx-lm's own classes, and every part that does not fit
+(another basis, a missing one, a manifest that lies) is refused with its reason."""
+
+import hashlib
+
+import mlx.core as mx
+import pytest
+
+from kvmesh.caches.prefill import prefill
+from kvmesh.caches.presses import make_press
+from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
+from kvmesh.codec.calibration import fit_model_basis
+from kvmesh.codec.basis import BasisError
+from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis, transform_code
+from kvmesh.codec.compat import ReceiverProfile, basis_problem, check_manifest, quality_problem, validate_manifest
+from kvmesh.codec.decode import decode_chunks
+from kvmesh.codec.encode import encode_cache
+from kvmesh.codec.manifest import layer_report, lossy, uncuttable_reason
+from kvmesh.codec.transform import decode_layer
+from kvmesh.errors import IntegrityError, StoreError
+from kvmesh.store.artifacts import ArtifactStore
+from kvmesh.v1 import cache_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny):
+    """The tiny model's basis, fitted the way `kvmesh model calibrate` fits it (Python's help topics)."""
+    model, tokenizer = tiny
+    return fit_model_basis(model, tokenizer, tokens_per_text=400)
+
+
+@pytest.fixture(scope="module")
+def coded(tiny, calibrated, prompt_ids):
+    """(full cache, coded cache list) of the 300-token prompt, at a fine step."""
+    model, _ = tiny
+    full = prefill(model, prompt_ids, make_press("full")).cache
+    return full, transform_code(full, TransformCoding(calibrated.basis, step=0.02))
+
+
+@pytest.fixture(scope="module")
+def wire(coded, tiny_fp, prompt_ids):
+    """The coded cache's manifest and chunks."""
+    _, cache = coded
+    manifest, chunks = encode_cache(cache, tiny_fp, prompt_ids)
+    return manifest, list(chunks)
+
+
+def test_the_calibration_covers_every_full_attention_layer(tiny, calibrated):
+    model, _ = tiny
+    basis = calibrated.basis
+    assert basis.info["layers"] == list(range(len(model.layers)))
+    assert calibrated.tokens == 4 * 400
+    assert basis.nbytes == len(basis.to_bytes()) and basis.digest == hashlib.sha256(basis.to_bytes()).hexdigest()
+
+
+def test_the_manifest_states_the_codec_and_the_basis(coded, wire, calibrated):
+    _, cache = coded
+    manifest, _ = wire
+    assert all(isinstance(layer, CodedLayer) for layer in cache)
+    assert [a.sha256 for a in manifest.artifacts] == [calibrated.basis.digest]
+    assert manifest.artifacts[0].kind == "transform-basis" and manifest.artifacts[0].nbytes == calibrated.basis.nbytes
+    for layer in manifest.layers:
+        assert layer.kind == pb.CACHE_KIND_TRANSFORM_KV and layer.n_kept == layer.offset == 300
+        t = layer.transform
+        assert t.basis_sha256 == calibrated.basis.digest
+        assert (t.kv_heads, t.head_dim) == (manifest.num_kv_heads, manifest.head_dim)
+        assert t.key_step == pytest.approx(2 * t.value_step) and 0 < t.value_components <= t.kv_heads * t.head_dim
+        assert t.rotary.dims == manifest.head_dim and t.rotary.HasField("base")
+    assert validate_manifest(manifest) is None
+    assert lossy(manifest)
+    assert "transform coded" in uncuttable_reason(manifest)
+    assert all(row["codec"].startswith("transform k ") for row in layer_report(manifest))
+    # Smaller than the float32 cache's fp16 size even at this fine step.
+    fp16 = 2 * 2 * 300 * manifest.num_kv_heads * manifest.head_dim * manifest.num_layers
+    assert manifest.encoding.raw_bytes < fp16
+
+
+def test_a_coded_cache_decodes_into_mlx_lm_classes_and_runs(tiny, coded, wire, calibrated, prompt_ids):
+    model, _ = tiny
+    full, cache = coded
+    manifest, chunks = wire
+    bases = {calibrated.basis.digest: calibrated.basis}
+    got = decode_chunks(manifest, chunks, bases=bases)
+    local = decoded(cache, bases, mx.float32)
+    for layer, same, dense in zip(got, local, full, strict=True):
+        assert type(layer) is SparseKVCache and layer.keys.dtype == mx.float32
+        keys, values = layer.keys_and_values()
+        assert keys.shape == dense.keys_and_values()[0].shape and keys.shape[2] == 300
+        assert mx.array_equal(keys, same.keys_and_values()[0]) and mx.array_equal(values, same.keys_and_values()[1])
+    probe = mx.array(prompt_ids[-8:])[None]
+    want = model(probe, cache=[_fork(c) for c in full])[0]
+    have = model(probe, cache=[_fork(c) for c in got])[0]
+    lp_w, lp_h = (x - mx.logsumexp(x, axis=-1, keepdims=True) for x in (want, have))
+    assert (mx.exp(lp_w) * (lp_w - lp_h)).sum(-1).mean().item() < 0.01
+
+
+def _fork(layer):
+    from kvmesh.caches.kinds import fork
+
+    return fork(layer)
+
+
+def test_without_its_basis_a_coded_cache_does_not_decode(wire, tiny, calibrated):
+    manifest, chunks = wire
+    with pytest.raises(IntegrityError, match="no basis"):
+        decode_chunks(manifest, chunks)
+
+
+def test_another_basis_is_refused_before_any_byte(tiny, wire, calibrated):
+    manifest, _ = wire
+    model, tokenizer = tiny
+    other = fit_model_basis(model, tokenizer, {"other": "a b c d e f g " * 200}, tokens_per_text=200).basis
+    # Other bytes offered under the named id are refused by their sha256; decoded with, they fail.
+    with pytest.raises(BasisError, match="do not match their id"):
+        parse_basis(other.to_bytes(), calibrated.basis.digest)
+    with pytest.raises(IntegrityError, match="does not decode"):
+        decode_chunks(manifest, wire[1], bases={calibrated.basis.digest: other})
+    tampered = pb.CacheManifest()
+    tampered.CopyFrom(manifest)
+    tampered.layers[0].transform.rotary.base += 1.0
+    rejection = basis_problem(tampered, calibrated.basis)
+    assert rejection.reason == pb.REJECT_REASON_ARTIFACT and "rotary" in rejection.message
+    tampered.CopyFrom(manifest)
+    tampered.layers[1].transform.basis_layer = 7
+    assert "basis layer 7" in basis_problem(tampered, calibrated.basis).message
+
+
+@pytest.mark.parametrize(
+    "damage, reason, words",
+    [
+        (lambda m: m.ClearField("artifacts"), pb.REJECT_REASON_MALFORMED, "name bases"),
+        (lambda m: setattr(m.artifacts[0], "sha256", "zz" * 32), pb.REJECT_REASON_ARTIFACT, "artefact"),
+        (lambda m: setattr(m.artifacts[0], "nbytes", 1 << 40), pb.REJECT_REASON_ARTIFACT, "at most"),
+        (lambda m: setattr(m.layers[0].transform, "value_step", 0.0), pb.REJECT_REASON_MALFORMED, "steps"),
+        (lambda m: setattr(m.layers[0].transform, "key_components", 10**6), pb.REJECT_REASON_MALFORMED, "components"),
+        (lambda m: setattr(m.layers[0].transform, "kv_heads", 7), pb.REJECT_REASON_MALFORMED, "7x"),
+        (lambda m: m.layers[0].transform.rotary.freqs.append(1.0), pb.REJECT_REASON_MALFORMED, "rotary"),
+        (lambda m: setattr(m.layers[0], "n_kept", 299), pb.REJECT_REASON_MALFORMED, "299 of 300"),
+        (lambda m: setattr(m.layers[0].tensors[0], "name", "keys"), pb.REJECT_REASON_MALFORMED, "uint8 `coded`"),
+    ],
+)
+def test_a_manifest_that_lies_about_its_coding_is_refused(wire, damage, reason, words):
+    manifest = pb.CacheManifest()
+    manifest.CopyFrom(wire[0])
+    damage(manifest)
+    rejection = validate_manifest(manifest)
+    assert rejection is not None and rejection.reason == reason and words in rejection.message
+
+
+def test_a_quality_floor_counts_the_codec_as_lossy(wire, tiny_fp, prompt_ids):
+    manifest, _ = wire
+    rejection = check_manifest(manifest, ReceiverProfile(tiny_fp, max_kl=0.01))
+    assert rejection.reason == pb.REJECT_REASON_QUALITY and "full + transform" in rejection.message
+    measured = pb.CacheManifest()
+    measured.CopyFrom(manifest)
+    measured.quality.CopyFrom(pb.Quality(metric="tail_kl", value=0.001, tokens=32))
+    assert quality_problem(measured, 0.01) is None
+
+
+def test_layers_the_codec_cannot_take_travel_as_before(tiny, calibrated, prompt_ids, tiny_fp):
+    """Quantized and evicted layers are left as the press made them: no basis is named."""
+    model, _ = tiny
+    for method, config, kind in (
+        ("quantize", {"kv_bits": 8}, SparseQuantizedKVCache),
+        ("snapkv", {"ratio": 0.5, "window": 16}, SparseKVCache),
+    ):
+        pressed = prefill(model, prompt_ids, make_press(method, config)).cache
+        cache = transform_code(pressed, TransformCoding(calibrated.basis, step=0.02))
+        assert all(type(layer) is kind for layer in cache)
+        manifest, _ = encode_cache(cache, tiny_fp, prompt_ids, make_press(method, config))
+        assert not manifest.artifacts
+
+
+def test_layer_blobs_decode_alone(coded, calibrated):
+    _, cache = coded
+    keys, values = decode_layer(cache[1].blob, calibrated.basis)
+    assert keys.shape == values.shape and keys.shape[2] == 300 and keys.dtype == mx.float16
+
+
+def test_the_artifact_store_checks_what_it_keeps(tmp_path, calibrated):
+    store = ArtifactStore(tmp_path / "artifacts")
+    data, digest = calibrated.basis.to_bytes(), calibrated.basis.digest
+    assert store.get(digest) is None and store.model_basis("m1") is None
+    with pytest.raises(IntegrityError, match="do not match"):
+        store.put(data[:-1], digest)
+    store.put(data, digest)
+    assert store.get(digest) == data
+    store.set_model_basis("m1", digest)
+    assert store.model_basis("m1") == digest
+    damaged = bytearray(data)
+    damaged[100] ^= 1
+    store.path(digest).write_bytes(bytes(damaged))
+    with pytest.raises(IntegrityError, match="damaged"):
+        store.get(digest)
+    assert not store.has(digest) and store.model_basis("m1") is None
+    with pytest.raises(StoreError, match="not an artefact id"):
+        store.get("../../etc/passwd")
+    assert not list((tmp_path / "artifacts").glob(".incoming-*"))
