@@ -36,9 +36,12 @@ def serve(args: Args) -> int:
     if options.peers or args.no_mesh:
         peers = [] if args.no_mesh else list(options.peers)
     else:
-        from kvmesh.daemon.control import live_peer_addresses
+        from kvmesh.serve.daemon_peers import DaemonPeers
 
-        peers = lambda: live_peer_addresses(data_dir(args))  # noqa: E731 (asked again for each request)
+        # Asked again for each request, within a short deadline, its answer reused for a while.
+        peers = DaemonPeers(
+            data_dir(args), timeout=options.local_daemon_timeout, cache_seconds=options.local_daemon_cache
+        )
     serve(
         options,
         loaded,
@@ -59,8 +62,10 @@ def add_commands(commands: Commands) -> None:
         "serve the OpenAI API (chat and text completions) with the mesh as prompt cache",
         description="Requests are served one at a time. Their prompt cache is memory, then the local store, "
         "then the mesh's peers (--peer, or the local daemon's); after each request its cache goes back to "
-        "memory and, when long enough, to the store, where peers find it. Settings come from the config "
-        "file's [serve] table, then these flags.",
+        "memory and, when long enough, to the store, where peers find it. A request's cache_salt (a random "
+        "secret, as vLLM's) keeps its caches in memory under that salt only, never in the store: clients that "
+        "must not learn each other's prompts through usage.prompt_tokens_details.cached_tokens each send "
+        "their own. Settings come from the config file's [serve] table, then these flags.",
     )
     sub.add_argument("model", nargs="?", help="model directory or Hugging Face repo id (default: [serve] model)")
     sub.add_argument("--config", help="TOML file whose [serve] table gives defaults (default: the daemon's)")

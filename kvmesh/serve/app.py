@@ -4,22 +4,29 @@ Routes: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v
 /health. Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the
 matching HTTP status, and never stop the server. `usage` carries `prompt_tokens_details.cached_tokens`
 (the prefix that was not prefilled) and a `kvmesh` object saying where it came from.
+
+The event loop only moves bytes: a body's JSON and a prompt's tokens are made on a small pool of
+threads (a 30 MB prompt takes the tokenizer half a minute), so /health and every other request are
+answered meanwhile. A request's `cache_salt` (vLLM's field) keeps its caches apart: see
+`kvmesh.serve.prompt_cache`, which explains what a salted request shares and what it does not.
 """
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import queue
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -67,6 +74,12 @@ DISCONNECT_CHECK_S = 0.5
 # Host (DNS rebinding) or from another Origin (a page's script) is refused: without an API key the
 # loopback API is open to whatever reaches it, and a browser reaches it for any page it shows.
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+# Threads that parse bodies and tokenize prompts, off the event loop. Few: each may hold a huge
+# prompt, and tokenizing is the tokenizer's (Rust) work, which more threads would not speed up here.
+PARSE_THREADS = 2
+# The longest cache_salt taken (vLLM suggests 43 characters, 256 random bits in base64).
+MAX_SALT_CHARS = 1024
+T = TypeVar("T")
 
 
 def host_name(value: str) -> str:
@@ -77,6 +90,22 @@ def host_name(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
+def cache_partition(body: dict) -> bytes | None:
+    """The prompt-cache partition a request's `cache_salt` names (a digest: the salt itself is not
+    kept), or None for the one every unsalted request shares."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_CHARS:
+        raise ApiError(
+            400,
+            f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters (a random secret)",
+            "cache_salt",
+            "invalid_value",
+        )
+    return hashlib.sha256(salt.encode()).digest()
+
+
 def make_app(
     engine: Engine,
     model: ServedModel,
@@ -84,11 +113,18 @@ def make_app(
     default_max_tokens: int = 512,
     *,
     max_body_bytes: int = 32 << 20,
+    read_timeout: float = 30.0,
     loopback: bool = True,
 ) -> Starlette:
     """The ASGI application; requests go to `engine`, one at a time. A body over `max_body_bytes`
-    is refused unread; on `loopback`, requests under another Host or from another Origin too."""
+    is refused unread, one that pauses for `read_timeout` seconds gets a 408; on `loopback`,
+    requests under another Host or from another Origin are refused too."""
     tokenizer = engine.tokenizer
+    parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="kvmesh-parse")
+
+    async def off_loop(work: Callable[[], T]) -> T:
+        """`work`'s result, made on a parsing thread while the loop serves others."""
+        return await asyncio.get_running_loop().run_in_executor(parse_pool, work)
 
     def check(request: Request) -> None:
         if loopback:
@@ -109,27 +145,42 @@ def make_app(
 
     async def read_body(request: Request) -> bytes:
         """The body, refused as soon as it is known to pass `max_body_bytes` (by its Content-Length,
-        or as it arrives), so a huge body is never held."""
+        or as it arrives), so a huge body is never held; and refused when it stops arriving for
+        `read_timeout` seconds, so a client that never finishes it holds nothing for long."""
         too_large = ApiError(413, f"the body is over {max_body_bytes:,} bytes", code="request_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_body_bytes:
             raise too_large
-        parts, size = [], 0
-        async for part in request.stream():
+        parts: list[bytes] = []
+        size = 0
+        stream = request.stream()
+        while True:
+            try:
+                part = await asyncio.wait_for(anext(stream), read_timeout)
+            except StopAsyncIteration:
+                return b"".join(parts)
+            except asyncio.TimeoutError:
+                raise ApiError(
+                    408, f"the body stopped arriving for {read_timeout:g} s", code="request_timeout"
+                ) from None
+            except ClientDisconnect:  # nobody reads the answer; it only ends the request quietly
+                raise ApiError(400, "the client went away before its body arrived", code="client_gone") from None
             size += len(part)
             if size > max_body_bytes:
                 raise too_large
             parts.append(part)
-        return b"".join(parts)
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+            message = "nested too deep" if isinstance(e, RecursionError) else str(e)
+            raise ApiError(400, f"the body is not valid JSON: {message}", code="invalid_json") from None
 
     async def body_of(request: Request) -> dict:
         check(request)
         raw = await read_body(request)
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
-            message = "nested too deep" if isinstance(e, RecursionError) else str(e)
-            raise ApiError(400, f"the body is not valid JSON: {message}", code="invalid_json") from None
+        body = await off_loop(lambda: parse(raw))
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
         if not isinstance(body.get("model"), str):
@@ -142,6 +193,21 @@ def make_app(
                 "model_not_found",
             )
         return body
+
+    def tokenize(body: dict, chat: bool) -> list[int]:
+        """The prompt's tokens (on a parsing thread: a long prompt takes seconds)."""
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise ApiError(400, "messages must be a non-empty list of objects", "messages", "invalid_value")
+            try:
+                return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            except Exception as e:  # the template's own error, about these messages
+                raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from None
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
+        return list(tokenizer.encode(prompt))
 
     def job_of(body: dict, tokens: list[int]) -> Job:
         maximum = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -182,7 +248,7 @@ def make_app(
             top_p=number(body, "top_p", float, 1.0, 0.0, 1.0),
             seed=seed,
         )
-        return Job(tokens, max_tokens, sampling, stop)
+        return Job(tokens, max_tokens, sampling, stop, partition=cache_partition(body))
 
     def usage(done: Done) -> dict:
         return {
@@ -243,19 +309,7 @@ def make_app(
     async def complete(request: Request, chat: bool) -> Response:
         try:
             body = await body_of(request)
-            if chat:
-                messages = body.get("messages")
-                if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-                    raise ApiError(400, "messages must be a non-empty list of objects", "messages", "invalid_value")
-                try:
-                    tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-                except Exception as e:  # the template's own error, about these messages
-                    raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from None
-            else:
-                prompt = body.get("prompt")
-                if not isinstance(prompt, str):
-                    raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
-                tokens = tokenizer.encode(prompt)
+            tokens = await off_loop(lambda: tokenize(body, chat))
             job = job_of(body, tokens)
             if not engine.alive:
                 raise ApiError(503, "the generation thread has stopped; restart the server", code="unavailable")
@@ -363,4 +417,6 @@ def make_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app.state.parse_pool = parse_pool  # the server shuts it down with itself
+    return app

@@ -41,6 +41,7 @@ class Job:
 
     `listener`, when set, is called after each event is put: an HTTP handler wakes on it instead of
     holding a thread blocked on the queue, so a client that leaves (queued or not) holds nothing.
+    `partition`: the prompt-cache partition of a salted request (None: the shared one).
     """
 
     tokens: list[int]
@@ -50,6 +51,7 @@ class Job:
     events: "queue.Queue[Delta | Done | Exception]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     listener: Callable[[], None] | None = None
+    partition: bytes | None = None
 
     def put(self, event: "Delta | Done | Exception") -> None:
         self.events.put(event)
@@ -122,7 +124,7 @@ class Engine:
                 job.put(e)
 
     def _generate(self, job: Job) -> None:
-        hit = self.prompt_cache.fetch(job.tokens)
+        hit = self.prompt_cache.fetch(job.tokens, partition=job.partition)
         cache = hit.cache if hit.cache is not None else make_prompt_cache(self.model)
         if job.sampling.seed is not None:
             mx.random.seed(job.sampling.seed)
@@ -163,8 +165,9 @@ class Engine:
         completion = len(generated) - (1 if generated and generated[-1] in eos else 0)
         # The text is out; the request completes once its cache is kept, so that the next request,
         # here or on any peer, finds it.
-        covered = self.prompt_cache.insert(job.tokens + generated, cache)
-        self.prompt_cache.persist(covered, cache)
+        covered = self.prompt_cache.insert(job.tokens + generated, cache, partition=job.partition)
+        if job.partition is None:  # a salted request's cache stays in its own partition of memory
+            self.prompt_cache.persist(covered, cache)
         job.put(
             Done(
                 finish,

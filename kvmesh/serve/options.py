@@ -35,13 +35,38 @@ class ServeOptions:
         TIMEOUTS.stream_idle, help="seconds a peer's transfer may stall before the request prefills", metavar="SECONDS"
     )
     max_body_bytes: int = setting(32 << 20, help="a request body larger than this is refused (413) unread")
+    # A client that opens connections and never finishes its requests must not hold the server's
+    # descriptors: each head has a deadline, each body a longest pause, and connections a bound.
+    read_header_timeout: float = setting(
+        10.0, help="seconds a client has to send a request's head (line and headers); then 408", metavar="SECONDS"
+    )
+    read_timeout: float = setting(
+        30.0, help="seconds a request's body may pause before it is refused (408)", metavar="SECONDS"
+    )
+    max_connections: int = setting(
+        1000, help="open connections at most; past it the one waiting longest on its request is closed"
+    )
+    # The local daemon names the live peers; one that is frozen must not hold each request.
+    local_daemon_timeout: float = setting(
+        0.5, help="seconds to wait for the local daemon's list of live peers", metavar="SECONDS"
+    )
+    local_daemon_cache: float = setting(
+        10.0,
+        help="seconds the local daemon's answer (or its silence) is reused before it is asked again",
+        metavar="SECONDS",
+    )
     compress: bool = setting(False, help="keep caches in the store compressed with the measured default (8-bit)")
     fetch: str = setting("auto", help=FETCH_HELP, choices=FETCH_MODES)
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "min_store_tokens", "max_tokens", "max_body_bytes"):
+        for name in ("memory_bytes", "min_store_tokens", "max_tokens", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
+        for name in ("read_header_timeout", "read_timeout", "local_daemon_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be more than 0 seconds, not {getattr(self, name)}")
+        if self.local_daemon_cache < 0:
+            raise ConfigError(f"local_daemon_cache must be 0 seconds or more, not {self.local_daemon_cache}")
         check_choices(self)
         object.__setattr__(self, "peers", tuple(peer_address(p) for p in self.peers))  # `localhost` dials :7077
 

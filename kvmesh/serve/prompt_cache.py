@@ -7,6 +7,14 @@ trimmed on a copy). What memory lacks is looked up in the local store and on the
 back to memory, and, when it covers at least `min_store_tokens`, into the local store too, where
 every peer can find it.
 
+Partitions: `usage.prompt_tokens_details.cached_tokens` tells a client how much of its prompt was
+cached, so a client can read another's prompt back through it, a token at a time (a guessed
+continuation comes back cached or not). A request that gives a `cache_salt` is in a partition of its
+own: what it leaves is kept in memory under its salt only, never in the store (which the peers
+read), so only requests with the same salt find it. It may still start from what every client
+shares (unsalted requests' caches, the store, the mesh): that tells it nothing another client kept
+apart. Unsalted requests share one partition, as before.
+
 Every method runs on the server's generation thread: MLX arrays stay on the thread that made them.
 """
 
@@ -79,7 +87,8 @@ class MeshPromptCache:
         self.model_fp, self.store, self.credentials, self.rates = model_fp, store, credentials, rates
         self._peers = peers
         self.max_bytes, self.min_store_tokens, self.idle_timeout = max_bytes, min_store_tokens, idle_timeout
-        self._memory: OrderedDict[tuple[int, ...], tuple[list[Any], int]] = OrderedDict()
+        # (partition, tokens) -> (cache, bytes); partition None is the one every unsalted request shares.
+        self._memory: OrderedDict[tuple[bytes | None, tuple[int, ...]], tuple[list[Any], int]] = OrderedDict()
         # How caches are kept in the store: as they are, unless `compress_with` was called.
         self.press, self.model = Press(), None
 
@@ -100,16 +109,19 @@ class MeshPromptCache:
     def nbytes(self) -> int:
         return sum(size for _, size in self._memory.values())
 
-    def fetch(self, tokens: Sequence[int]) -> PrefixHit:
+    def fetch(self, tokens: Sequence[int], partition: bytes | None = None) -> PrefixHit:
         """The longest cached prefix of `tokens[:-1]` (generation needs one token to feed), as a cache
-        this request may change: memory's are copies."""
+        this request may change: memory's are copies. Memory's caches of another `partition` (another
+        salt) are never used; those of the shared one are."""
         start = time.perf_counter()
         limit = len(tokens) - 1
         best_key, best = None, 0
         for key, (entry, _) in self._memory.items():
-            n = min(common_prefix(key, tokens), limit)
+            if key[0] is not None and key[0] != partition:
+                continue
+            n = min(common_prefix(key[1], tokens), limit)
             trimmable = all(type(c) in (KVCache, QuantizedKVCache) for c in entry)
-            if n > best and (n == len(key) or trimmable):
+            if n > best and (n == len(key[1]) or trimmable):
                 best_key, best = key, n
         skipped: list[str] = []
         choices: list[str] = []
@@ -139,24 +151,25 @@ class MeshPromptCache:
             return PrefixHit(None, 0, "none", seconds=time.perf_counter() - start, skipped=skipped, choices=choices)
         self._memory.move_to_end(best_key)
         cache = copy.deepcopy(self._memory[best_key][0])
-        if best < len(best_key):
+        if best < len(best_key[1]):
             for layer in cache:
                 layer.trim(layer.offset - best)  # only trimmable (KVCache) layers get here
         return PrefixHit(cache, best, "memory", seconds=time.perf_counter() - start, skipped=skipped, choices=choices)
 
-    def insert(self, tokens: Sequence[int], cache: list[Any]) -> tuple[int, ...]:
-        """Keep the cache of `tokens` (its offset many) in memory after a request; returns the tokens
-        it covers, for `persist`."""
+    def insert(self, tokens: Sequence[int], cache: list[Any], partition: bytes | None = None) -> tuple[int, ...]:
+        """Keep the cache of `tokens` (its offset many) in memory after a request, in `partition`;
+        returns the tokens it covers, for `persist` (which a salted request skips)."""
         covered = tuple(tokens[: cached_tokens(cache)])
         if not covered:
             return covered
         mx.eval([c.state for c in cache])
         size = sum(stored_nbytes(c) for c in cache)
-        self._memory[covered] = (cache, size)
-        self._memory.move_to_end(covered)
-        # A longer cache serves every prefix of itself: drop the entries it covers.
-        for key in [k for k in self._memory if k != covered and covered[: len(k)] == k]:
-            del self._memory[key]
+        key = (partition, covered)
+        self._memory[key] = (cache, size)
+        self._memory.move_to_end(key)
+        # A longer cache serves every prefix of itself: drop the entries of its partition it covers.
+        for old in [k for k in self._memory if k != key and k[0] == partition and covered[: len(k[1])] == k[1]]:
+            del self._memory[old]
         while self.nbytes > self.max_bytes and len(self._memory) > 1:
             self._memory.popitem(last=False)
         return covered

@@ -6,6 +6,7 @@ import logging
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -17,6 +18,7 @@ from kvmesh.model.loaded import LoadedModel
 from kvmesh.net.addresses import host_port
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.serve.app import ServedModel, make_app
+from kvmesh.serve.connections import ConnectionGuard, descriptor_backlog, guarded_protocol
 from kvmesh.serve.engine import Engine
 from kvmesh.serve.options import ServeOptions
 from kvmesh.serve.prompt_cache import MeshPromptCache
@@ -87,22 +89,46 @@ def serve(
         options.api_key or None,
         options.max_tokens,
         max_body_bytes=options.max_body_bytes,
+        read_timeout=options.read_timeout,
         loopback=is_loopback(options.host),
     )
-    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((options.host, options.port))
-    except OSError as e:
-        sock.close()
-        raise KvmeshError(f"cannot listen on {host_port(options.host, options.port)}: {e.strerror or e}") from None
-    sock.listen(2048)  # before the URL is announced: a client that reads it can connect at once
+    server, backlog = http_server(app, options)
+    sock = listen(options.host, options.port, backlog)
     address = host_port(options.host, sock.getsockname()[1])
     announce(f"kvmesh serve: {name} at http://{address}/v1 (model id {fp.model_id})")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     try:
         server.run(sockets=[sock])
     finally:
+        app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
         engine.close()
         sock.close()
+
+
+def listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A socket listening on host:port, before the URL is announced: a client that reads it can
+    connect at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise KvmeshError(f"cannot listen on {host_port(host, port)}: {e.strerror or e}") from None
+    sock.listen(backlog)
+    return sock
+
+
+def http_server(app: Any, options: ServeOptions) -> tuple[uvicorn.Server, int]:
+    """uvicorn serving `app` with the connection bounds of `options` (kvmesh.serve.connections), and
+    the listen backlog that keeps them within the descriptor limit."""
+    backlog = descriptor_backlog(options.max_connections)
+    guard = ConnectionGuard(options.read_header_timeout, options.max_connections)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="off",
+        http=guarded_protocol(guard),
+        backlog=backlog,  # asyncio accepts up to this many at once: within the descriptor budget
+    )
+    return uvicorn.Server(config), backlog
