@@ -25,13 +25,15 @@ def setting(
     flag: str = "",
     metavar: str = "",
     choices: tuple[str, ...] = (),
+    const: str = "",
     factory: Any = None,
 ) -> Any:
     """A field of a settings table. `flag`: its option, when not `--<name>` (a tuple's flag is
     repeated, one value each; a True-by-default bool's flag turns it off). `choices`: the values
-    allowed (`check_choices` enforces them wherever the value came from). `factory`: a default
-    computed when the table is made (a platform directory); `help` then says what it is."""
-    metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices}
+    allowed (`check_choices` enforces them wherever the value came from). `const`: the value of the
+    flag given without one (`--compress` alone). `factory`: a default computed when the table is made
+    (a platform directory); `help` then says what it is."""
+    metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "const": const}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -157,6 +159,7 @@ def add_flags(parser: argparse.ArgumentParser, table: type, *, skip: Iterable[st
         else:
             metavar = f.metadata["metavar"] or {int: "N", float: "X"}.get(kind, "VALUE")
             metavar = None if f.metadata["choices"] else metavar  # argparse shows {the,choices}
+            alone = {"nargs": "?", "const": f.metadata["const"]} if f.metadata["const"] else {}
             parser.add_argument(
                 flag_of(f),
                 dest=name,
@@ -164,6 +167,7 @@ def add_flags(parser: argparse.ArgumentParser, table: type, *, skip: Iterable[st
                 metavar=metavar,
                 choices=f.metadata["choices"] or None,
                 help=help + describe_default(f).replace("%", "%%"),
+                **alone,
             )
 
 

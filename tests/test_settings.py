@@ -122,7 +122,7 @@ def test_serve_takes_its_table_then_the_api_key_variable_then_flags(tmp_path, mo
         peers=("127.0.0.1:7078",),
         fetch="always",
         api_key="from-env",
-        compress=True,
+        compress="default",
     )
     assert serve_options(parse("serve", "/other", "--config", config, "--api-key", "k")).model == "/other"
     assert serve_options(parse("serve", "/other", "--config", config, "--api-key", "k")).api_key == "k"

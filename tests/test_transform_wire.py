@@ -10,8 +10,8 @@ import pytest
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
-from kvmesh.codec.calibration import fit_model_basis
 from kvmesh.codec.basis import BasisError
+from kvmesh.codec.calibration import fit_model_basis
 from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis, transform_code
 from kvmesh.codec.compat import ReceiverProfile, basis_problem, check_manifest, quality_problem, validate_manifest
 from kvmesh.codec.decode import decode_chunks
@@ -82,7 +82,7 @@ def test_a_coded_cache_decodes_into_mlx_lm_classes_and_runs(tiny, coded, wire, c
     manifest, chunks = wire
     bases = {calibrated.basis.digest: calibrated.basis}
     got = decode_chunks(manifest, chunks, bases=bases)
-    local = decoded(cache, bases, mx.float32)
+    local = decoded(cache)
     for layer, same, dense in zip(got, local, full, strict=True):
         assert type(layer) is SparseKVCache and layer.keys.dtype == mx.float32
         keys, values = layer.keys_and_values()

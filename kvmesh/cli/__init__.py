@@ -33,9 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from kvmesh.allocator import tune_allocator
+    from kvmesh.model.loaded import tolerate_mlx_lm_descriptor_limit
 
     args = build_parser().parse_args(argv)
     tune_allocator()
+    tolerate_mlx_lm_descriptor_limit()  # before any handler imports mlx-lm
     try:
         return args.func(args)
     except KvmeshError as e:

@@ -42,7 +42,7 @@ def listing(args: Args) -> int:
 def show(args: Args) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from kvmesh.codec.manifest import CODEC_NAMES, layer_report, uncuttable_reason
+    from kvmesh.codec.manifest import CODEC_NAMES, compression_name, layer_report, uncuttable_reason
 
     store, cache_id = stored(args)
     manifest = store.manifest(cache_id)
@@ -54,7 +54,9 @@ def show(args: Args) -> int:
     config = MessageToDict(manifest.compression.config, preserving_proto_field_name=True)
     encoding = manifest.encoding
     print(f"cache {manifest.cache_id}: {manifest.prefix.num_tokens} tokens of model {manifest.model.model_id}")
-    print(f"  compression  {manifest.compression.method} {json.dumps(config) if config else ''}".rstrip())
+    print(f"  compression  {compression_name(manifest)} {json.dumps(config) if config else ''}".rstrip())
+    for artifact in manifest.artifacts:
+        print(f"  needs        {artifact.kind} {artifact.sha256} ({artifact.nbytes:,} bytes)")
     print(
         f"  encoding     {CODEC_NAMES[encoding.codec]}, {encoding.raw_bytes:,} bytes -> "
         f"{encoding.encoded_bytes:,} in {encoding.chunk_count} chunks"
@@ -71,8 +73,7 @@ def show(args: Args) -> int:
         else:
             held = f"{row['kept']:>7} of {row['of']} positions"
         window = f", window {row['window']} keep {row['keep']}" if "window" in row else ""
-        bits = f", {row['bits']}-bit" if "bits" in row else ""
-        print(f"  layer {row['layer']:>3}  {row['kind']:<22} {held}{window}{bits}  {row['bytes']:,} bytes")
+        print(f"  layer {row['layer']:>3}  {row['kind']:<22} {held}{window}  {row['codec']}  {row['bytes']:,} bytes")
     return 0
 
 

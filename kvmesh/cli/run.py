@@ -27,11 +27,11 @@ from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
 def prefill(args: Args) -> int:
     import time
 
-    from kvmesh.caches.defaults import DEFAULT_COMPRESSION
     from kvmesh.caches.prefill import prefill
     from kvmesh.caches.presses import make_press
     from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
     from kvmesh.codec.encode import EncodeOptions, encode_cache
+    from kvmesh.codec.manifest import compression_name, transform_coded
     from kvmesh.model.loaded import load_model
     from kvmesh.model.prompt import prompt_tokens
 
@@ -40,9 +40,8 @@ def prefill(args: Args) -> int:
         k: v for k, v in {"ratio": args.ratio, "budget": args.budget, "kv_bits": args.kv_bits}.items() if v is not None
     }
     if args.compress and (args.method or config):
-        raise KvmeshError("--compress chooses the method itself: give it alone, or --method with its options")
-    method, defaults = DEFAULT_COMPRESSION if args.compress else (args.method or "full", {})
-    press = make_press(method, {**defaults, **config})
+        raise KvmeshError("--compress chooses the codec itself: give it alone, or --method with its options")
+    press = make_press(args.method or "full", config)
     store = open_store(args)
     loaded = load_model(args.model)
     fp = loaded.fingerprint
@@ -56,16 +55,20 @@ def prefill(args: Args) -> int:
     with bar:
         cached = prefill(loaded.model, tokens, press, progress=update)
     elapsed = time.perf_counter() - start
-    options = EncodeOptions(codec=args.codec)
-    manifest = store.add(*encode_cache(cached.cache, fp, tokens, press, options=options, tail_kl=cached.tail_kl))
+    cache, loss, encode_s = cached.cache, cached.tail_kl, 0.0
+    if args.compress:
+        cache, loss, encode_s = compressed(args, store, loaded, cached.cache, tokens)
+    manifest = store.add(*encode_cache(cache, fp, tokens, press, options=EncodeOptions(codec=args.codec), tail_kl=loss))
     result = {
         "cache_id": manifest.cache_id,
         "tokens": len(tokens),
         "prefill_s": round(elapsed, 3),
+        "encode_s": round(encode_s, 3),
         "dense_bytes": cached.dense_nbytes,
-        "bytes": cached.nbytes,
+        "bytes": manifest.encoding.raw_bytes,
         "stored_bytes": manifest.encoding.encoded_bytes,
-        "tail_kl": cached.tail_kl,
+        "compression": compression_name(manifest),
+        "tail_kl": loss,
     }
     if press.lossy and not any(isinstance(c, (SparseKVCache, SparseQuantizedKVCache)) for c in cached.cache):
         print(
@@ -73,32 +76,64 @@ def prefill(args: Args) -> int:
             "has none outside sliding windows, recurrent state or CacheLists (`kvmesh cache show` lists them)",
             file=sys.stderr,
         )
+    if args.compress and not transform_coded(manifest):
+        print(
+            "note: --compress changed nothing: the transform codec codes full-attention layers only, and this "
+            "model has none outside sliding windows, recurrent state or CacheLists",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        loss = "" if cached.tail_kl is None else f"; measured loss {cached.tail_kl:.4f} nats/token on its tail"
+        measured = "" if loss is None else f"; measured loss {loss:.4f} nats/token on its tail"
         print(
             f"stored {manifest.cache_id}: {len(tokens)} tokens prefilled in {elapsed:.2f} s, "
-            f"{cached.dense_nbytes:,} -> {cached.nbytes:,} bytes ({press.method}), "
-            f"{manifest.encoding.encoded_bytes:,} on disk{loss}"
+            f"{cached.dense_nbytes:,} -> {manifest.encoding.raw_bytes:,} bytes ({result['compression']}), "
+            f"{manifest.encoding.encoded_bytes:,} on disk{measured}"
         )
     return 0
 
 
+def compressed(args: Args, store: Any, loaded: Any, cache: list, tokens: list[int]) -> tuple[list, float | None, float]:
+    """The cache transform coded at the --compress level with the model's basis (fitted now, once, if
+    this Mac has none), its measured loss, and the seconds coding took."""
+    import time
+
+    from kvmesh.compression import compress, model_basis
+    from kvmesh.store.artifacts import artifact_store
+
+    if artifact_store(store.root).model_basis(loaded.fingerprint.model_id) is None:
+        print(
+            "calibrating the transform codec for this model (once; `kvmesh model calibrate` chooses the texts)",
+            file=sys.stderr,
+        )
+    bar, update = progress_bar("calibration", "texts")
+    with bar:
+        basis, _ = model_basis(store.root, loaded, progress=update)
+    start = time.perf_counter()
+    done = compress(loaded.model, cache, tokens, args.compress, basis)
+    return done.cache, done.tail_kl, time.perf_counter() - start
+
+
 def prefill_arguments(parser: Any) -> None:
-    from kvmesh.caches.defaults import DEFAULT_COMPRESSION, QUANT_BITS
+    from kvmesh.caches.defaults import QUANT_BITS
+    from kvmesh.codec.levels import LEVELS
 
     prompt_options(parser)
     store_option(parser)
     parser.add_argument(
         "--method", help="compression method: full (the default), quantize, streaming_llm, snapkv, knorm, kvzip"
     )
-    method, options = DEFAULT_COMPRESSION
+    levels = "; ".join(
+        f"{name}: {lv.ratio:.1f}x smaller than fp16 at KL {lv.kl:.4f} (bar {lv.max_kl})" for name, lv in LEVELS.items()
+    )
     parser.add_argument(
         "--compress",
-        action="store_true",
-        help=f"compress with the measured default ({', '.join([method, *(f'{k} {v}' for k, v in options.items())])};"
-        " see README)",
+        nargs="?",
+        const="default",
+        choices=list(LEVELS),
+        metavar="LEVEL",
+        help=f"transform code the cache at a measured level (default when given alone: default; {levels}; see README)",
     )
     parser.add_argument("--ratio", type=float, help="fraction of tokens to evict")
     parser.add_argument("--budget", type=int, help="tokens to keep per layer")

@@ -18,12 +18,12 @@ from mlx_lm.models.cache import KVCache
 
 from kvmesh.caches.prefill import run_prompt
 from kvmesh.codec.basis import Basis, fit_basis
+from kvmesh.codec.levels import CALIBRATION_TOKENS
 from kvmesh.codec.rotary import model_rotaries
 from kvmesh.codec.transform import layers_of_cache
 from kvmesh.errors import KvmeshError
 from kvmesh.model.prompt import cache_prompt_tokens
 
-TOKENS_PER_TEXT = 1024
 # Which help topics make each default text (a few thousand words each).
 DEFAULT_TOPICS = (
     ("class", "exceptions", "execmodel", "naming"),
@@ -64,7 +64,7 @@ def fit_model_basis(
     tokenizer: Any,
     texts: Mapping[str, str] | None = None,
     *,
-    tokens_per_text: int = TOKENS_PER_TEXT,
+    tokens_per_text: int = CALIBRATION_TOKENS,
     info: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
 ) -> Calibrated:
@@ -77,7 +77,8 @@ def fit_model_basis(
     total = 0
     start = time.perf_counter()
     for done, text in enumerate(texts.values()):
-        tokens = cache_prompt_tokens(tokenizer, text)[:tokens_per_text]
+        # A token is rarely over 8 characters: tokenize no more than is used.
+        tokens = cache_prompt_tokens(tokenizer, text[: 8 * tokens_per_text])[:tokens_per_text]
         if len(tokens) < 16:
             raise KvmeshError(f"a calibration text of {len(tokens)} tokens is too short (give at least a page)")
         cache, _, _ = run_prompt(model, tokens)

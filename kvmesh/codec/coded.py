@@ -151,7 +151,7 @@ def decode_coded(
     return SparseKVCache.from_arrays(keys.astype(dtype), values.astype(dtype), spec.offset)
 
 
-def decoded(cache: Sequence, bases: Mapping[str, Basis], dtype: mx.Dtype) -> list:
+def decoded(cache: Sequence) -> list:
     """A cache list with its CodedLayers decoded (what a receiver will hold): for measuring a coded
     cache's loss where it was made."""
     memo: dict = {}
@@ -159,7 +159,8 @@ def decoded(cache: Sequence, bases: Mapping[str, Basis], dtype: mx.Dtype) -> lis
     for layer in cache:
         if isinstance(layer, CodedLayer):
             spec = pb.LayerSpec(kind=pb.CACHE_KIND_TRANSFORM_KV, offset=layer.offset, transform=layer.spec)
-            layer = decode_coded(spec, layer.blob, bases, dtype, memo)
+            dtype = getattr(mx, layer.dtype)
+            layer = decode_coded(spec, layer.blob, {layer.basis.digest: layer.basis}, dtype, memo)
         out.append(layer)
     return out
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvmesh.codec.levels import LEVELS
 from kvmesh.daemon.config import read_file
 from kvmesh.errors import ConfigError
 from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
@@ -55,7 +56,13 @@ class ServeOptions:
         help="seconds the local daemon's answer (or its silence) is reused before it is asked again",
         metavar="SECONDS",
     )
-    compress: bool = setting(False, help="keep caches in the store compressed with the measured default (8-bit)")
+    compress: str = setting(
+        "none",
+        help="keep caches in the store transform coded at this measured level (given alone: default; see "
+        "`kvmesh prefill --help` and the README)",
+        choices=("none", *LEVELS),
+        const="default",
+    )
     fetch: str = setting("auto", help=FETCH_HELP, choices=FETCH_MODES)
 
     def __post_init__(self) -> None:

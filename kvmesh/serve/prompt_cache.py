@@ -33,7 +33,9 @@ from kvmesh.caches.kinds import cached_tokens
 from kvmesh.caches.presses import Press
 from kvmesh.caches.quality import tail_kl
 from kvmesh.caches.sparse import stored_nbytes
+from kvmesh.codec.basis import Basis
 from kvmesh.codec.encode import encode_cache
+from kvmesh.compression import compress
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import Rates
 from kvmesh.generation import find_prefix
@@ -91,16 +93,21 @@ class MeshPromptCache:
         self._memory: OrderedDict[tuple[bytes | None, tuple[int, ...]], tuple[list[Any], int]] = OrderedDict()
         # How caches are kept in the store: as they are, unless `compress_with` was called.
         self.press, self.model = Press(), None
+        self.level: str | None = None
+        self.basis: Basis | None = None
 
-    def compress_with(self, press: Press, model: Any) -> None:
-        """Keep caches in the store compressed by `press`, their loss measured with `model`.
+    def compress_with(self, press: Press, model: Any, *, level: str | None = None, basis: Basis | None = None) -> None:
+        """Keep caches in the store compressed by `press`, then transform coded at `level` with
+        `basis` (kvmesh.compression), their loss measured with `model`.
 
         Only presses that need no second look at the prompt (its queries, a reconstruction pass): the
         cache is kept after the request, when those are gone.
         """
         if press.needs_queries or press.needs_reconstruction:
             raise KvmeshError(f"{press.method} needs the prompt's own passes; the server keeps caches after them")
-        self.press, self.model = press, model
+        if (level is None) != (basis is None):
+            raise KvmeshError("a compression level needs the model's basis, and a basis its level")
+        self.press, self.model, self.level, self.basis = press, model, level, basis
 
     def peers(self) -> list[str]:
         return list(self._peers() if callable(self._peers) else self._peers)
@@ -184,6 +191,9 @@ class MeshPromptCache:
         try:
             pressed = self.press.apply(cache)
             loss = tail_kl(self.model, cache, pressed, tokens) if self.press.lossy and self.model else None
+            if self.level is not None and self.basis is not None and self.model is not None:
+                coded = compress(self.model, pressed, tokens, self.level, self.basis)
+                pressed, loss = coded.cache, coded.tail_kl if coded.tail_kl is not None else loss
             self.store.add(*encode_cache(pressed, self.model_fp, list(tokens), self.press, tail_kl=loss))
         except KvmeshError as e:  # a full disk or a budget: memory still has it
             log.warning("not kept in the store: %s", e)

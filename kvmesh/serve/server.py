@@ -10,8 +10,8 @@ from typing import Any
 
 import uvicorn
 
-from kvmesh.caches.defaults import DEFAULT_COMPRESSION
-from kvmesh.caches.presses import make_press
+from kvmesh.caches.presses import Press
+from kvmesh.compression import model_basis
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import Rates
 from kvmesh.model.loaded import LoadedModel
@@ -23,6 +23,7 @@ from kvmesh.serve.engine import Engine
 from kvmesh.serve.options import ServeOptions
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import artifact_store
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,11 @@ def serve(
         idle_timeout=options.idle_timeout,
         rates=rates if options.fetch == "auto" else None,
     )
-    if options.compress:
-        prompt_cache.compress_with(make_press(*DEFAULT_COMPRESSION), model)
+    if options.compress != "none" and store is not None:
+        if artifact_store(store.root).model_basis(fp.model_id) is None:
+            log.info("calibrating the transform codec for %s (once)", fp.model_id)
+        basis, _ = model_basis(store.root, loaded)
+        prompt_cache.compress_with(Press(), model, level=options.compress, basis=basis)
     engine = Engine(model, tokenizer, prompt_cache)
     name = Path(model_path).name or model_path
     served = ServedModel(

@@ -3,8 +3,11 @@
 An entry is one file (`kvmesh.store.entry_file`): the chunks exactly as they travel, then the
 manifest. Caches are compressed once, before they enter the store (`kvmesh.codec.encode`), and
 served many times by reading the file; the store itself never encodes, decodes or cuts a cache.
-Entry files are written under `incoming/`, synced, then renamed into `entries/` and indexed, under
-an flock the writer holds until the index commits: a half-written cache is never visible.
+Entry files are written under `entries/.incoming/` (on the file system of `entries/`, which may
+be a link to another disk: a rename cannot cross one), synced, then renamed into `entries/` and
+indexed, under an flock the writer holds until the index commits: a half-written cache is never
+visible. The rename and the index rows of an entry change together, in one write transaction of
+the index, and so do an eviction's rows and file: writers in several processes take turns there.
 
 The index is a cache of the entry files, never the truth: each file carries its own manifest.
 Opening a store deletes what a dead writer left in `incoming/`, re-indexes entry files the index
@@ -14,7 +17,10 @@ another cache: a sync tool restored it under the wrong name) is moved to `quaran
 served or listed again, and logged; nothing that still verifies is ever deleted, except by the
 budget's LRU eviction or `delete`.
 
-Reads work on a full disk: they take no write lock, and recording a use is best effort.
+Reads work on a full disk: they take no write lock, and recording a use is best effort. A store
+this process cannot write (a read-only mount, another user's directory) serves reads all the same;
+writes refuse in one line naming it. Anything in `entries/` that is not an entry file (a stray
+file, a directory, a broken link) is skipped with a warning.
 """
 
 import fcntl
@@ -22,6 +28,7 @@ import logging
 import os
 import shutil
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -30,6 +37,7 @@ from contextlib import closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 from kvmesh import paths
 from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, parse_frame
@@ -82,14 +90,74 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+HEX_DIGITS = frozenset("0123456789abcdef")
+STAGING = ".incoming"  # under entries/: where entry files are written before their rename
+LEGACY_STAGING = "incoming"  # under the root, where kvmesh 0.2 wrote them (its leftovers are removed)
+
+
+def _is_cache_id(name: str) -> bool:
+    return len(name) == 32 and all(c in HEX_DIGITS for c in name)
+
+
 def _abandoned(path: Path) -> bool:
-    """True when no live writer holds the file's lock (its writer finished or died)."""
+    """True when `path` is a regular file no live writer holds the lock of (its writer finished or
+    died). Anything else (locked, gone, a directory, a FIFO that would block an open) is left alone."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            return False
         with open(path, "rb") as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
-    except (BlockingIOError, FileNotFoundError):
+    except OSError:
         return False
+
+
+def _remove_if_abandoned(path: Path) -> None:
+    """Delete a staging file no live writer holds the lock of; anything else is left alone.
+
+    Deleted while this process holds the lock, so that a writer that made the file but had not
+    yet locked it finds it gone once it does (`CacheStore._staging_file`), and makes another.
+    """
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            return
+        with open(path, "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path.unlink()
+    except OSError:  # locked by a live writer, gone already, or not ours to delete
+        return
+
+
+def _foreign(path: Path) -> str | None:
+    """Why `path`, found in entries/, is not an entry file to index (None when it is one).
+
+    Checked before the file is opened: a directory, a link loop or a FIFO there must not stop the
+    store from opening (or block it), only be skipped."""
+    if path.suffix != ".kvc" or not _is_cache_id(path.stem):
+        return "not an entry file (those are named <32 hex digits>.kvc)"
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:  # a dangling link; or evicted since it was listed, which is no problem
+        return "a link to a missing file" if path.is_symlink() else None
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if stat.S_ISDIR(mode):
+        return "a directory, not an entry file"
+    if not stat.S_ISREG(mode):
+        return "not a regular file"
+    return None
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why this process cannot write in `path` (a read-only file system, permissions), or None."""
+    if not path.exists() or os.access(path, os.W_OK):
+        return None
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "it is on a read-only file system"
+    except OSError:
+        pass
+    return "this user may not write to it"
 
 
 def _prefix_range(prefix: str) -> tuple[str, str]:
@@ -124,20 +192,90 @@ class CacheStore:
     def __init__(self, root: Path | str | None = None, *, max_bytes: int | None = AUTO_BUDGET):
         self.root = Path(root) if root else paths.store_dir()
         self.entries_dir = self.root / "entries"
-        self.incoming_dir = self.root / "incoming"
+        # Beside the entries, so that the rename into entries/ never crosses a file system.
+        self.incoming_dir = self.entries_dir / STAGING
         self.quarantine_dir = self.root / "quarantine"
+        # Why this process cannot write the store (None: it can); reads work either way.
+        self.read_only_reason = self._make_dirs()
+        # The disk the entries are on (entries/ may be a link to another one).
+        self.max_bytes = resolve_budget(max_bytes, self.entries_dir if self.entries_dir.is_dir() else self.root)
+        self._connections = threading.local()
+        self._index_uri = (self.root / INDEX).absolute().as_uri()
+        self._memory_index: sqlite3.Connection | None = None  # keeps an in-memory index alive
+        if self.read_only_reason:
+            self._open_index_read_only()
+        else:
+            self._open_index()
+            self.recover()
+
+    @property
+    def read_only(self) -> bool:
+        return self.read_only_reason is not None
+
+    def _make_dirs(self) -> str | None:
+        """Make the store's directories; why the store cannot be written here, or None.
+
+        A store that exists but cannot be written (a read-only mount, another user's) still opens:
+        its caches are listed and read, only writes refuse.
+        """
         try:
             self.entries_dir.mkdir(parents=True, exist_ok=True)
             self.incoming_dir.mkdir(exist_ok=True)
         except OSError as e:
-            raise StoreError(f"cannot open the store at {self.root}: {e.strerror or e}") from e
-        self.max_bytes = resolve_budget(max_bytes, self.root)
-        self._lock = threading.Lock()
-        self._connections = threading.local()
-        self._open_index()
-        self.recover()
+            if not self.root.is_dir():
+                raise StoreError(f"cannot open the store at {self.root}: {e.strerror or e}") from e
+        for path in (self.root, self.entries_dir, self.incoming_dir, self.root / INDEX):
+            if reason := _unwritable(path):
+                return reason
+        if not self.incoming_dir.is_dir():  # made by nobody, and not for want of permission
+            return f"{self.incoming_dir} cannot be made"
+        return None
+
+    def _refuse_writes(self) -> None:
+        if self.read_only_reason:
+            raise StoreError(self._read_only_message())
+
+    def _read_only_message(self) -> str:
+        return (
+            f"the store at {self.root} cannot be written ({self.read_only_reason}): its caches can be listed "
+            "and read, not added or deleted (give a writable one with --store)"
+        )
 
     # The index
+
+    def _open_index_read_only(self) -> None:
+        """Read the index of a store this process cannot write, as it is.
+
+        SQLite opens a WAL index read-only only while its -shm file exists; a cleanly closed one
+        has none, and nothing can change it here, so it is read as immutable. An index that is
+        missing, damaged or of another version cannot be rebuilt on the disk: it is built in
+        memory from the entry files, for this process.
+        """
+        problem = "there is none"
+        uris = (f"{self._index_uri}?mode=ro", f"{self._index_uri}?immutable=1")
+        for uri in uris if (self.root / INDEX).exists() else ():
+            try:
+                with closing(sqlite3.connect(uri, uri=True, timeout=30)) as db:
+                    version = db.execute("PRAGMA user_version").fetchone()[0]
+                    usable = version == INDEX_VERSION and db.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+            except sqlite3.Error as e:
+                problem = str(e)
+                continue
+            if usable:
+                self._index_uri = uri
+                return
+            problem = f"an index of version {version}, not {INDEX_VERSION}, or damaged"
+            break
+        log.warning(
+            "the store at %s cannot be written (%s) and its index is unusable (%s): indexing its files in memory",
+            self.root,
+            self.read_only_reason,
+            problem,
+        )
+        self._index_uri = f"file:kvmesh-store-{uuid.uuid4().hex}?mode=memory&cache=shared"
+        self._memory_index = sqlite3.connect(self._index_uri, uri=True, check_same_thread=False)
+        self._memory_index.executescript(SCHEMA_SQL)
+        self._index_unindexed(set(), self._entry_files())
 
     def _open_index(self) -> None:
         """Open (or make) the index; one that is corrupt is moved aside and rebuilt from the files."""
@@ -174,7 +312,7 @@ class CacheStore:
         """
         db = getattr(self._connections, "db", None)
         if db is None:
-            db = sqlite3.connect(self.root / INDEX, timeout=30, isolation_level=None)
+            db = sqlite3.connect(self._index_uri, uri=True, timeout=30, isolation_level=None)
             db.row_factory = sqlite3.Row
             self._connections.db = db
         return db
@@ -189,49 +327,105 @@ class CacheStore:
 
     def _path(self, cache_id: str) -> Path:
         # Ids come from content_id (hex); anything else never becomes a path.
-        if len(cache_id) != 32 or not all(c in "0123456789abcdef" for c in cache_id):
+        if not _is_cache_id(cache_id):
             raise NotFoundError(f"no cache {cache_id!r} in the store (ids are 32 hex digits)")
         return self.entries_dir / f"{cache_id}.kvc"
 
     def recover(self) -> None:
-        """Make the index agree with the files; called on open.
+        """Make the index agree with the files; called on open (of a store this process can write).
 
-        Removes what dead writers left in incoming/ and index rows whose file is gone; indexes entry
-        files the index lacks when their manifest verifies (a lost or rebuilt index), and
-        quarantines those that do not. Files a live writer holds are left alone.
+        Removes what dead writers left in the staging directory and index rows whose file is gone;
+        indexes entry files the index lacks when their manifest verifies (a lost or rebuilt index),
+        and quarantines those that do not. Files a live writer holds are left alone, and so is
+        anything in entries/ that is no entry file (skipped with a warning).
         """
-        for leftover in self.incoming_dir.iterdir():
-            if _abandoned(leftover):
-                leftover.unlink(missing_ok=True)
+        if self.read_only_reason:
+            return
+        for staging in (self.incoming_dir, self.root / LEGACY_STAGING):
+            for leftover in staging.iterdir() if staging.is_dir() else ():
+                _remove_if_abandoned(leftover)
         with self._read() as db:
             indexed = {row[0] for row in db.execute("SELECT cache_id FROM entries")}
-        on_disk = {p.stem: p for p in self.entries_dir.iterdir() if p.suffix == ".kvc"}
-        gone = indexed - set(on_disk)
-        unindexed = [path for name, path in on_disk.items() if name not in indexed and _abandoned(path)]
         try:
-            if gone:
-                with self._db() as db:
-                    for cache_id in gone:
-                        self._unindex(db, cache_id)
-                log.warning("forgot %d index entries whose files are gone", len(gone))
-            for path in unindexed:
-                try:
-                    manifest = self._verified_manifest(path, path.stem)
-                except (IntegrityError, StoreError) as e:
-                    self._quarantine(path, str(e))
-                    continue
-                with self._lock:
-                    self._index_file(manifest, path)
-            if unindexed:
-                log.info("indexed %d entry files the index lacked", len(unindexed))
-        except (sqlite3.Error, StoreError) as e:
-            # A full or read-only disk: reads still work; the next open finishes the repair.
+            on_disk = self._entry_files()
+            self._forget_missing(indexed, on_disk)
+            self._index_unindexed(indexed, on_disk)
+        except (sqlite3.Error, StoreError, OSError) as e:
+            # A full disk: reads still work; the next open finishes the repair.
             log.warning("the store index could not be repaired now (%s); reading on", e)
 
-    def _index_file(self, manifest: pb.CacheManifest, path: Path, now: int | None = None) -> None:
-        now = now or _now_ms()
+    def _entry_files(self) -> dict[str, Path]:
+        """The entry files in entries/, by cache id. Anything else there (a stray file, a directory,
+        a link loop) is skipped with a warning: it must not stop a command or the daemon."""
+        found = {}
+        try:
+            names = sorted(os.listdir(self.entries_dir))
+        except OSError as e:
+            raise StoreError(f"cannot list the store's entries in {self.entries_dir}: {e.strerror or e}") from e
+        for name in names:
+            if name.startswith("."):  # the staging directory, and Finder's and editors' own files
+                continue
+            path = self.entries_dir / name
+            if problem := _foreign(path):
+                log.warning("skipping %s in the store: %s", path, problem)
+                continue
+            found[path.stem] = path
+        return found
+
+    def _forget_missing(self, indexed: set[str], on_disk: dict[str, Path]) -> None:
+        """Drop index rows whose entry file is gone (deleted by hand, lost with a disk).
+
+        Checked again inside the write transaction: a writer renames and indexes in one, so a file
+        that appeared since `indexed` was read is seen, and its row kept.
+        """
+        missing = indexed - set(on_disk)
+        if not missing:
+            return
+        forgotten = 0
+        with self._db() as db:
+            for cache_id in missing:
+                if not self._path(cache_id).exists():  # (a link there to nothing stays: not ours)
+                    forgotten += self._unindex(db, cache_id)
+        if forgotten:
+            log.warning("forgot %d index entries whose files are gone", forgotten)
+
+    def _index_unindexed(self, indexed: set[str], on_disk: dict[str, Path]) -> None:
+        """Index the entry files not in `indexed` whose manifests verify; quarantine the others."""
+        added = 0
+        for cache_id, path in on_disk.items():
+            if cache_id in indexed or not _abandoned(path):
+                continue
+            try:
+                manifest = self._verified_manifest(path, cache_id)
+            except NotFoundError:  # evicted or deleted since it was listed
+                continue
+            except (IntegrityError, StoreError) as e:
+                self._quarantine(path, str(e))
+                continue
+            added += self._index_file(manifest, path, only_new=True)
+        if added:
+            log.info("indexed %d entry files the index lacked", added)
+
+    def _index_file(
+        self, manifest: pb.CacheManifest, path: Path, *, source: Path | None = None, only_new: bool = False
+    ) -> bool:
+        """Index the entry file at `path`, first renaming `source` there; True when it was indexed.
+
+        The rename and the rows are one write transaction: another process's eviction (rows and
+        file, also one) comes wholly before or after, never between. `only_new` (recovery) indexes
+        a file only while it still exists and has no row: another process may have evicted or
+        indexed it since it was listed.
+        """
+        now = _now_ms()
         try:
             with self._db() as db:
+                if source is not None:
+                    os.replace(source, path)
+                elif only_new and (
+                    not path.is_file()
+                    or db.execute("SELECT 1 FROM entries WHERE cache_id = ?", (manifest.cache_id,)).fetchone()
+                ):
+                    return False
                 self._unindex(db, manifest.cache_id)
                 db.execute(
                     "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -255,11 +449,14 @@ class CacheStore:
                 )
         except sqlite3.Error as e:
             raise StoreError(f"cannot update the store index at {self.root}: {e}") from e
+        return True
 
     @staticmethod
-    def _unindex(db: sqlite3.Connection, cache_id: str) -> None:
-        db.execute("DELETE FROM entries WHERE cache_id = ?", (cache_id,))
+    def _unindex(db: sqlite3.Connection, cache_id: str) -> bool:
+        """Drop an entry's rows (in `db`'s transaction); True when it had any."""
+        found = db.execute("DELETE FROM entries WHERE cache_id = ?", (cache_id,)).rowcount > 0
         db.execute("DELETE FROM blocks WHERE cache_id = ?", (cache_id,))
+        return found
 
     def _verified_manifest(self, path: Path, cache_id: str) -> pb.CacheManifest:
         """The manifest of the entry file at `path`, which must be consistent and cache `cache_id`.
@@ -280,21 +477,36 @@ class CacheStore:
         return manifest
 
     def _quarantine(self, path: Path, problem: str) -> None:
-        """Take a damaged or misplaced entry out of service: out of the index, its file aside."""
+        """Take a damaged or misplaced entry out of service: out of the index, its file aside.
+
+        In a store this process cannot write, nothing can move: the problem is logged, and the
+        caller's error stands."""
         cache_id = path.stem
+        if self.read_only_reason and self._memory_index is None:
+            log.warning(
+                "cache %s is damaged (%s); the store at %s cannot be written, so it stays", cache_id, problem, self.root
+            )
+            return
         try:
             with self._db() as db:
                 self._unindex(db, cache_id)
         except sqlite3.Error as e:
             log.error("cannot unindex %s: %s", cache_id, e)
+        if self.read_only_reason:
+            log.warning("not serving damaged cache %s: %s", cache_id, problem)
+            return
         try:
             self.quarantine_dir.mkdir(exist_ok=True)
-            path.replace(self.quarantine_dir / f"{cache_id}.{_now_ms()}.kvc")
+            # A move, not a rename: entries/ may be on another file system than quarantine/.
+            shutil.move(path, self.quarantine_dir / f"{cache_id}.{_now_ms()}.kvc")
         except FileNotFoundError:
             pass
-        except OSError as e:  # a full or read-only disk: at least stop serving it
+        except OSError as e:  # a full disk: at least stop serving it
             log.error("cannot move %s to quarantine (%s): deleting it", path, e.strerror or e)
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as e:
+                log.error("cannot delete %s either (%s)", path, e.strerror or e)
         log.warning("quarantined cache %s: %s", cache_id, problem)
 
     # Writing
@@ -330,9 +542,12 @@ class CacheStore:
         return self.lacks_space(size)
 
     def lacks_space(self, nbytes: int) -> str | None:
-        """Why `nbytes` more cannot be written here (the disk is too full), or None."""
+        """Why `nbytes` more cannot be written here (the disk is too full, or the store cannot be
+        written at all), or None: asked before the work (a prefill), so that it is not lost."""
+        if self.read_only_reason:
+            return self._read_only_message()
         try:
-            free = shutil.disk_usage(self.root).free
+            free = shutil.disk_usage(self.entries_dir).free
         except OSError:
             return None
         # Entries the budget would evict to make room free their space too.
@@ -343,12 +558,31 @@ class CacheStore:
             )
         return None
 
+    def _staging_file(self) -> tuple[Path, BinaryIO]:
+        """A new file in the staging directory, open and locked (flock) by this writer until its
+        entry is indexed: recovery in another process leaves it alone.
+
+        Recovery deletes staging files nobody has locked, so it may take one between its creation
+        and its lock; it deletes under the lock, so such a file is found unlinked here, and another
+        is made.
+        """
+        for _ in range(8):
+            tmp = self.incoming_dir / f"{uuid.uuid4().hex}.part"
+            f = open(tmp, "xb")  # noqa: SIM115 (the caller closes it)
+            fcntl.flock(f, fcntl.LOCK_EX)
+            if os.fstat(f.fileno()).st_nlink:
+                return tmp, f
+            f.close()
+        raise StoreError(f"cannot write to the store at {self.root}: its staging files keep being deleted")
+
     def _write(self, manifest: pb.CacheManifest, chunks: Iterable[Chunk]) -> pb.CacheManifest:
-        tmp = self.incoming_dir / f"{uuid.uuid4().hex}.part"
+        self._refuse_writes()
         try:
-            with open(tmp, "wb") as f:
-                # Held until the entry is indexed: recovery in another process leaves it alone.
-                fcntl.flock(f, fcntl.LOCK_EX)
+            tmp, f = self._staging_file()
+        except OSError as e:
+            raise StoreError(f"cannot write to the store at {self.root}: {e.strerror or e}") from e
+        try:
+            with f:
                 entry_file.write_header(f)
                 for chunk in chunks:
                     entry_file.write_chunk(f, chunk)
@@ -362,52 +596,79 @@ class CacheStore:
                     raise StoreError(
                         f"the cache takes {file_bytes:,} bytes, more than the store's budget of {self.max_bytes:,}"
                     )
-                with self._lock:
-                    path = self._path(manifest.cache_id)
-                    os.replace(tmp, path)
-                    try:
-                        self._index_file(manifest, path)
-                    except StoreError:
-                        path.unlink(missing_ok=True)
-                        raise
-                    self._evict(keep=manifest.cache_id)
+                path = self._path(manifest.cache_id)
+                try:
+                    self._index_file(manifest, path, source=tmp)
+                except StoreError:
+                    path.unlink(missing_ok=True)
+                    raise
         except OSError as e:
             raise StoreError(f"cannot write to the store at {self.root}: {e.strerror or e}") from e
         finally:
             tmp.unlink(missing_ok=True)
+        self._evict(keep=manifest.cache_id)
         return manifest
 
     def _evict(self, keep: str) -> None:
-        """Drop least-recently used entries until the store fits its byte budget."""
+        """Drop least-recently used entries until the store fits its byte budget.
+
+        One write transaction chooses and removes them (rows and files), so writers evicting at
+        the same moment take turns: each sees what the others left, none is told of a cache that
+        another removed first, and together they evict no more than the budget asks. `keep` is
+        stored by then: an eviction that fails is logged, not that write's failure.
+        """
         if self.max_bytes is None:
             return
-        with self._read() as db:
-            rows = db.execute(
-                "SELECT cache_id, file_bytes FROM entries ORDER BY last_used_ms DESC, created_ms DESC"
-            ).fetchall()
-        total = sum(size for _, size in rows)
-        for cache_id, size in reversed(rows):
-            if total <= self.max_bytes:
-                break
-            if cache_id != keep:
-                self.delete(cache_id)
-                total -= size
-                log.info(
-                    "evicted cache %s (%s bytes, least recently used) to keep the store within %s bytes",
-                    cache_id,
-                    f"{size:,}",
-                    f"{self.max_bytes:,}",
-                )
+        evicted = []
+        try:
+            with self._db() as db:
+                rows = db.execute(
+                    "SELECT cache_id, file_bytes FROM entries ORDER BY last_used_ms DESC, created_ms DESC"
+                ).fetchall()
+                total = sum(size for _, size in rows)
+                for cache_id, size in reversed(rows):
+                    if total <= self.max_bytes:
+                        break
+                    if cache_id != keep:
+                        self._remove(db, cache_id)
+                        evicted.append((cache_id, size))
+                        total -= size
+        except (sqlite3.Error, OSError) as e:
+            log.warning(
+                "stored %s, but could not evict to keep the store within %s bytes: %s", keep, f"{self.max_bytes:,}", e
+            )
+            return
+        for cache_id, size in evicted:
+            log.info(
+                "evicted cache %s (%s bytes, least recently used) to keep the store within %s bytes",
+                cache_id,
+                f"{size:,}",
+                f"{self.max_bytes:,}",
+            )
+
+    def _remove(self, db: sqlite3.Connection, cache_id: str) -> bool:
+        """In `db`'s write transaction: an entry's rows and file; True when it had either."""
+        found = self._unindex(db, cache_id)
+        path = self._path(cache_id)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return found
+        return True
 
     def delete(self, cache_id: str) -> None:
-        """Remove an entry (its index rows, then its file); NotFoundError if there is none."""
-        path = self._path(cache_id)
-        with self._db() as db:
-            found = db.execute("DELETE FROM entries WHERE cache_id = ?", (cache_id,)).rowcount
-            db.execute("DELETE FROM blocks WHERE cache_id = ?", (cache_id,))
-        if not found and not path.exists():
+        """Remove an entry (its index rows and its file, together); NotFoundError if there is none."""
+        self._refuse_writes()
+        self._path(cache_id)  # a bad id is NotFoundError before anything is touched
+        try:
+            with self._db() as db:
+                found = self._remove(db, cache_id)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot update the store index at {self.root}: {e}") from e
+        except OSError as e:
+            raise StoreError(f"cannot delete cache {cache_id} from the store at {self.root}: {e.strerror or e}") from e
+        if not found:
             raise NotFoundError(f"no cache {cache_id} in the store")
-        path.unlink(missing_ok=True)
 
     # Reading
 
@@ -443,7 +704,9 @@ class CacheStore:
         return [StoredEntry(**{**dict(row), "cuttable": bool(row["cuttable"])}) for row in rows]
 
     def touch(self, cache_id: str) -> None:
-        """Record a use (for LRU eviction); skipped, not failed, when the disk is full."""
+        """Record a use (for LRU eviction); skipped, not failed, when the disk is full or read-only."""
+        if self.read_only_reason:
+            return
         try:
             with self._db() as db:
                 db.execute("UPDATE entries SET last_used_ms = ? WHERE cache_id = ?", (_now_ms(), cache_id))

@@ -34,14 +34,36 @@ QUESTIONS = {
         ("What began to sing just as the rain started?", "kettle"),
         ("What is the store of keys and values called?", "cache"),
     ],
+    "code": [
+        ("Which class in the code wraps text?", "textwrapper"),
+        ("What is the default width, in the code?", "70"),
+    ],
 }
 CONTINUATION = 96  # tokens of true text teacher-forced after the context
+
+
+CODE_WORDS = 1000
+
+
+def code_text() -> str:
+    """Python source, as a coding agent's context holds it: the start of the standard library's
+    textwrap.py (about CODE_WORDS words, whole lines), none of it in the codec's calibration texts."""
+    import textwrap
+
+    lines, words = [], 0
+    for line in Path(textwrap.__file__).read_text().splitlines():
+        words += len(line.split())
+        if words > CODE_WORDS:
+            break
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def load_texts() -> dict[str, str]:
     return {
         "declaration": DECLARATION.read_text(),
         "notes": resources.files("kvmesh").joinpath("data/corpus.txt").read_text(),
+        "code": code_text(),
     }
 
 

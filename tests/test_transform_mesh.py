@@ -1,0 +1,107 @@
+"""Transform-coded caches between real daemons, as a user makes and fetches them: `kvmesh prefill
+--compress` codes a cache (fitting the model's basis on first use), one daemon serves it, and a Mac
+that never saw the basis fetches it first from that daemon, or refuses with the reason and receives
+no cache byte."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+
+from kvmesh.caches.kinds import fork
+from kvmesh.generation import load_prefix
+from kvmesh.net.client import PeerClient
+from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import artifact_store
+from kvmesh.v1 import cache_pb2 as pb
+from support.daemons import Daemons
+from support.processes import cli
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The lighthouse keeper wrote down every ship that passed, and the weather, and the tide. " * 12
+
+
+@pytest.fixture
+def daemons():
+    started = Daemons()
+    yield started
+    started.stop_all()
+
+
+@pytest.fixture(scope="module")
+def coded(tiny_dir, tmp_path_factory):
+    """(store dir, cache id, basis sha256) of a cache `kvmesh prefill --compress` made (the tests
+    only read that store, or copy it)."""
+    store = tmp_path_factory.mktemp("coded") / "a-store"
+    made = cli("prefill", tiny_dir, "--prompt", PROMPT, "--compress", "--store", store, "--json")
+    result = json.loads(made.stdout)
+    assert "calibrating the transform codec" in made.stderr
+    assert result["compression"] == "full + transform" and result["tail_kl"] is not None
+    manifest = CacheStore(store).manifest(result["cache_id"])
+    (artifact,) = manifest.artifacts
+    return store, result["cache_id"], artifact.sha256
+
+
+def logits_after(model, cache, tokens):
+    return model(mx.array(tokens)[None], cache=[fork(c) for c in cache])[0]
+
+
+def test_a_fetch_brings_the_basis_first_and_decodes_as_the_sender_would(coded, tiny, tiny_dir, daemons, tmp_path):
+    store_a, cache_id, basis = coded
+    a = daemons.start(tmp_path / "a.data", "--store", store_a)
+    store_b = tmp_path / "b-store"
+    assert not artifact_store(store_b).has(basis)
+    fetched = cli("fetch", cache_id, "--peer", a.address, "--model", tiny_dir, "--store", store_b)
+    assert fetched.stdout.startswith(f"fetched {cache_id} from {a.address}")
+    assert artifact_store(store_b).get(basis) == artifact_store(store_a).get(basis)
+    theirs, ours = CacheStore(store_a), CacheStore(store_b)
+    assert list(theirs.chunk_records(cache_id)) == list(ours.chunk_records(cache_id))
+    n = ours.manifest(cache_id).prefix.num_tokens
+    here, there = load_prefix(ours, cache_id, n), load_prefix(theirs, cache_id, n)
+    model, tokenizer = tiny
+    probe = tokenizer.encode(" The keeper", add_special_tokens=False)
+    assert mx.array_equal(logits_after(model, here, probe), logits_after(model, there, probe))
+    # The second daemon now holds the basis, so it takes a publish of another cache coded with it.
+    b = daemons.start(tmp_path / "b.data", "--store", store_b)
+    mine = tmp_path / "mine"
+    shutil.copytree(store_a, mine)
+    made = cli("prefill", tiny_dir, "--prompt", PROMPT + " And then", "--compress", "--store", mine, "--json")
+    assert "calibrating" not in made.stderr  # the store's basis is used, not fitted again
+    other = json.loads(made.stdout)["cache_id"]
+    published = cli("publish", other, b.address, "--store", mine, data_dir=tmp_path / "me")
+    assert published.stdout.endswith(f"stored there as {other}\n")
+
+
+def test_without_the_basis_anywhere_the_cache_is_refused_with_its_reason(coded, tiny_dir, daemons, tmp_path):
+    store_a, cache_id, basis = coded
+    # A daemon that holds the cache but lost its basis: it cannot give it, so the receiver refuses.
+    bare = tmp_path / "bare-store"
+    shutil.copytree(store_a, bare)
+    shutil.rmtree(bare / "artifacts")
+    d = daemons.start(tmp_path / "d.data", "--store", bare)
+    store_c = tmp_path / "c-store"
+    result = cli("fetch", cache_id, "--peer", d.address, "--model", tiny_dir, "--store", store_c, check=False)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("kvmesh: error: ") and result.stderr.count("\n") == 1
+    assert "artifact" in result.stderr and f"basis {basis[:12]}" in result.stderr
+    assert CacheStore(store_c).entries() == [] and not artifact_store(store_c).has(basis)
+    with PeerClient(d.address) as client:
+        stats = client.info().transfers
+    assert stats.chunk_bytes_sent == 0 and stats.fetches_rejected == 1
+    # A daemon without the basis refuses a publish of such a cache at once, and stores nothing.
+    published = cli("publish", cache_id, d.address, "--store", store_a, data_dir=tmp_path / "me", check=False)
+    assert published.returncode == 1 and "lacks the basis" in published.stderr
+    with PeerClient(d.address) as client:
+        assert client.info().transfers.publishes_rejected == 1
+
+
+def test_cache_show_prints_each_layer_codec(coded):
+    store, cache_id, basis = coded
+    shown = cli("cache", "show", cache_id, "--store", store, "--json").stdout
+    layers = json.loads(shown)["layers"]
+    assert all(layer["codec"].startswith("transform k ") for layer in layers)
+    manifest = CacheStore(store).manifest(cache_id)
+    assert [layer["bytes"] for layer in layers] == [layer.tensors[0].nbytes for layer in manifest.layers]
+    assert all(layer.kind == pb.CACHE_KIND_TRANSFORM_KV for layer in manifest.layers)
