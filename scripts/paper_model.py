@@ -14,23 +14,32 @@ context, Q4_K_M weights), one per prefix length where published:
   (2026-03-08). https://github.com/brand-o/normiebench/issues/3 (pp512 only: used at every length,
   so its long prefixes come out optimistic for prefilling)
 
+And MLX's own rates as issue 21 quotes them: Llama 3.1 8B fp16 on an M3 Ultra, 1,471 tokens/s at 8K;
+Qwen3-30B-A3B 4-bit on an M4 Max, 1,754 tokens/s at 2K.
+
 KV bytes per token are the models' own geometry in fp16 (2 x layers x kv heads x head dim x 2 B):
-Llama 3 8B 128 KiB (32 layers, 8 x 128), 70B 320 KiB (80 layers, 8 x 128). Links are nominal payload
-rates: Wi-Fi at 600 Mbit/s of real throughput, 1 GbE at the 0.94 of line rate that
+Llama 3 8B 128 KiB (32 layers, 8 x 128), 70B 320 KiB (80 layers, 8 x 128), Qwen3-30B-A3B 96 KiB (48
+layers, 4 x 128). On the wire they are that divided by the codec's ratio: each cell gives the time
+with fp16 caches, then with `--compress` (kvmesh.codec.levels: the ratio measured on the worst text of
+scripts/bench_quality.py; a real 8B model's caches may compress better, its basis spanning 8 heads).
+Links are nominal payload rates: Wi-Fi at 600 Mbit/s of real throughput, 1 GbE at the 0.94 of line rate that
 scripts/bench_link.py measured, 10 GbE at 1.1 GB/s, a Thunderbolt bridge at 2 GB/s. kvmesh's own
 receive rate is not in the model (scripts/bench_transfer.py measures it): on 10 GbE and Thunderbolt
-the mesh is faster on paper than a CPU-bound receiver may be.
+the mesh is faster on paper than a CPU-bound receiver may be, and a transform-coded cache must also be
+decoded (measured here at 0.13-0.17 GB/s of fp16 on 2 shared CPU cores; a Mac's is not measured).
 """
 
 import argparse
 from dataclasses import dataclass
 
+from kvmesh.codec.levels import LEVELS
 from kvmesh.fetch_or_prefill import PrefillModel, choose
 
 KIB = 1024
-LLAMA3_8B_KV, LLAMA3_70B_KV = 128 * KIB, 320 * KIB
+LLAMA3_8B_KV, LLAMA3_70B_KV, QWEN3_30B_KV = 128 * KIB, 320 * KIB, 96 * KIB
 XIONGJIE = "XiongjieDai/GPU-Benchmarks-on-LLM-Inference (May 2024)"
 NORMIEBENCH = "brand-o/normiebench #3"
+MLX = "MLX rates quoted in kvmesh issue 21"
 LINKS = {"Wi-Fi 6": 75e6, "1 GbE": 117.5e6, "10 GbE": 1.1e9, "Thunderbolt": 2e9}
 LENGTHS = (1024, 4096, 8192)
 
@@ -69,21 +78,27 @@ PUBLISHED = [
     Published(
         "M2 Ultra 76c", "Llama 3 70B", LLAMA3_70B_KV, {512: 118.79, 1024: 117.76, 4096: 109.53, 8192: 108.57}, XIONGJIE
     ),
+    Published("M3 Ultra (MLX)", "Llama 3.1 8B fp16", LLAMA3_8B_KV, {8192: 1471.0}, MLX),
+    Published("M4 Max (MLX)", "Qwen3-30B-A3B 4-bit", QWEN3_30B_KV, {2048: 1754.0}, MLX),
 ]
 
 
-def rows() -> list[list[str]]:
+def rows(ratio: float) -> list[list[str]]:
     """One row per chip, model and prefix length: the prefill alone, then the time with the mesh on
-    each link (the faster of fetching and prefilling; `=` where prefilling stays the faster)."""
+    each link (the faster of fetching and prefilling; `=` where prefilling stays the faster), with
+    fp16 caches and with caches `ratio` times smaller."""
     out = []
     for p in PUBLISHED:
         for tokens in (n for n in LENGTHS if n <= p.max_tokens):
             prefill = PrefillModel.at_rate(p.rate(tokens))
-            wire = tokens * p.kv_bytes_per_token
-            cells = [p.chip, p.model, f"{tokens:,}", f"{wire / 1e6:,.0f}", f"{prefill.seconds(tokens):.1f}"]
+            fp16 = tokens * p.kv_bytes_per_token
+            cells = [p.chip, p.model, f"{tokens:,}", f"{fp16 / 1e6:,.0f}", f"{prefill.seconds(tokens):.1f}"]
             for rate in LINKS.values():
-                choice = choose(tokens, wire, rate, prefill)
-                cells.append(f"{choice.fetch_s:.2f}" if choice.fetch else "=")
+                times = []
+                for wire in (fp16, fp16 / ratio):
+                    choice = choose(tokens, int(wire), rate, prefill)
+                    times.append(f"{choice.fetch_s:.2f}" if choice.fetch else "=")
+                cells.append(" / ".join(times))
             out.append(cells)
     return out
 
@@ -91,9 +106,18 @@ def rows() -> list[list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table (the README's)")
+    parser.add_argument("--level", default="default", choices=list(LEVELS), help="the --compress level compared")
     args = parser.parse_args()
-    header = ["Mac", "model", "prefix tokens", "KV MB", "prefill s (no mesh)", *(f"{k} s" for k in LINKS)]
-    table = rows()
+    ratio = LEVELS[args.level].ratio
+    header = [
+        "Mac",
+        "model",
+        "prefix tokens",
+        "fp16 KV MB",
+        "prefill s (no mesh)",
+        *(f"{k} s: fp16 / {ratio:.2f}x" for k in LINKS),
+    ]
+    table = rows(ratio)
     if args.markdown:
         print("| " + " | ".join(header) + " |")
         print("|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|")

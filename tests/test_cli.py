@@ -136,3 +136,21 @@ def test_a_cache_from_mlx_lm_cache_prompt_serves_generate_chat(tiny, tiny_dir, t
     tokens = cached + tokenizer.encode(full[len(tokenizer.decode(cached)) :], add_special_tokens=False)
     assert out["prompt_tokens"] == len(tokens)
     assert out["tokens"] == greedy_tokens(model, tokens, 6)
+
+
+def test_commands_that_read_a_model_take_a_repo_id_from_the_local_hub_cache(tiny_dir, tmp_path):
+    """As `hf download` leaves a repo: models--ORG--NAME/snapshots/<commit>/ and refs/main."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--kvtest--tiny"
+    shutil.copytree(tiny_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    hub = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    info = json.loads(run("model", "info", "kvtest/tiny", "--json", env=hub).stdout)
+    assert (info["repo_id"], info["revision"]) == ("kvtest/tiny", commit)
+    assert info["model_id"] == json.loads(run("model", "info", str(tiny_dir), "--json").stdout)["model_id"]
+    missing = run("model", "info", "kvtest/other", env=hub, check=False)
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1
+    assert "kvtest/other: no such model directory, nor a model in the local Hugging Face cache" in missing.stderr

@@ -1,5 +1,6 @@
 """What a person types wrong is refused by the parser in one line, before any model loads."""
 
+import json
 import re
 
 import pytest
@@ -112,3 +113,26 @@ def test_settings_tables_take_peers_as_they_are_dialled_and_interfaces_as_addres
     assert ServeOptions(peers=("127.0.0.1",)).peers == ("127.0.0.1:7077",)
     with pytest.raises(ConfigError, match="interface 'notanip' is not an IP address: give one of this machine's"):
         DaemonConfig(interfaces=("notanip",))
+
+
+def test_cache_list_has_a_header_the_model_name_and_the_press_with_its_bits(
+    tiny, tiny_fp, prompt_ids, tmp_path, capsys
+):
+    from kvmesh.caches.prefill import prefill
+    from kvmesh.caches.presses import make_press
+    from kvmesh.cli import main
+    from kvmesh.store import CacheStore
+    from support.stores import put
+
+    store = CacheStore(tmp_path / "store")
+    for method, config in (("quantize", {"kv_bits": 3}), ("snapkv", {"ratio": 0.5, "window": 16})):
+        press = make_press(method, config)
+        put(store, prefill(tiny[0], prompt_ids, press).cache, tiny_fp, prompt_ids, press)
+    assert main(["cache", "--store", str(tmp_path / "store"), "list"]) == 0
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header.split() == ["CACHE", "ID", "MODEL", "TOKENS", "COMPRESSION", "SERVES", "BYTES", "LAST", "USED"]
+    assert len(lines) == 2 and all(f"llama ({tiny_fp.model_id[:8]})" in line for line in lines)
+    assert {("quantize 3-bit" in line, "snapkv 50% kept" in line) for line in lines} == {(True, False), (False, True)}
+    assert main(["cache", "--store", str(tmp_path / "store"), "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert sorted(e["compression"] for e in listed) == ["quantize 3-bit", "snapkv 50% kept"]

@@ -101,10 +101,17 @@ def _fork(layer):
     return fork(layer)
 
 
-def test_without_its_basis_a_coded_cache_does_not_decode(wire, tiny, calibrated):
+def test_without_its_basis_a_coded_cache_does_not_decode_and_nothing_is_kept(wire, tmp_path):
+    from kvmesh.codec.decode import CacheDecoder
+    from kvmesh.store import CacheStore
+
     manifest, chunks = wire
     with pytest.raises(IntegrityError, match="no basis"):
         decode_chunks(manifest, chunks)
+    store = CacheStore(tmp_path / "store")
+    with pytest.raises(IntegrityError, match="does not decode"):
+        store.add(manifest, CacheDecoder(manifest).feed_iter(chunks))
+    assert store.entries() == []
 
 
 def test_another_basis_is_refused_before_any_byte(tiny, wire, calibrated):
@@ -197,3 +204,41 @@ def test_the_artifact_store_checks_what_it_keeps(tmp_path, calibrated):
     with pytest.raises(StoreError, match="not an artefact id"):
         store.get("../../etc/passwd")
     assert not list((tmp_path / "artifacts").glob(".incoming-*"))
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-qwen3.5"])
+def test_in_mixed_models_only_full_attention_layers_are_coded(preset, tmp_path):
+    """Sliding windows and recurrent state travel as before beside coded full-attention layers, and
+    come back as mlx-lm's classes."""
+    import mlx_lm
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from kvmesh.model.fingerprint import fingerprint
+    from kvmesh.model.testmodels import make_test_model
+
+    model_dir = make_test_model(tmp_path / preset, preset)
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    basis = fit_model_basis(model, tokenizer, tokens_per_text=200).basis
+    kinds = [type(c) for c in make_prompt_cache(model)]
+    assert basis.info["layers"] == [i for i, kind in enumerate(kinds) if kind is KVCache]
+    ids = tokenizer.encode("The river runs to the sea and the sea runs to the sky. " * 12)[:150]
+    full = prefill(model, ids, make_press("full")).cache
+    cache = transform_code(full, TransformCoding(basis, step=0.1))
+    assert [isinstance(c, CodedLayer) for c in cache] == [kind is KVCache for kind in kinds]
+    manifest, chunks = encode_cache(cache, fingerprint(model_dir), ids)
+    got = decode_chunks(manifest, list(chunks), bases={basis.digest: basis})
+    assert [type(c) for c in got] == [SparseKVCache if kind is KVCache else kind for kind in kinds]
+    logits = model(mx.array(ids[-4:])[None], cache=[_fork(c) for c in got])
+    assert bool(mx.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("preset", ["tiny-falcon-h1", "tiny-llama4"])
+def test_a_model_without_codable_layers_says_so(preset, tmp_path):
+    import mlx_lm
+
+    from kvmesh.codec.calibration import NothingToCode
+    from kvmesh.model.testmodels import make_test_model
+
+    model, tokenizer = mlx_lm.load(str(make_test_model(tmp_path / preset, preset)))
+    with pytest.raises(NothingToCode, match="nothing to code"):
+        fit_model_basis(model, tokenizer, tokens_per_text=100)

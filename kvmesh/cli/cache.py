@@ -23,19 +23,46 @@ from kvmesh.errors import KvmeshError
 
 
 def listing(args: Args) -> int:
-    entries = open_store(args).entries()
+    from datetime import datetime
+
+    from kvmesh.codec.manifest import compression_name, model_name
+
+    store = open_store(args)
+    entries = store.entries()
+    manifests = {e.cache_id: store.manifest(e.cache_id) for e in entries}
     if args.json:
-        print(json.dumps([{**vars(e), "prefix_sha256": e.prefix_sha256.hex()} for e in entries], indent=2))
+        described = [
+            {
+                **vars(e),
+                "prefix_sha256": e.prefix_sha256.hex(),
+                "model": model_name(manifests[e.cache_id].model),
+                "compression": compression_name(manifests[e.cache_id]),
+            }
+            for e in entries
+        ]
+        print(json.dumps(described, indent=2))
         return 0
     if not entries:
         print("the store is empty")
-    for e in entries:
-        # Which prompts it serves: any that shares a block-aligned prefix with it, or only its own prefix.
-        serves = "any prefix" if e.cuttable else "exact"
-        print(
-            f"{e.cache_id}  model {e.model_id}  {e.num_tokens:>7} tokens  {e.method:<13} {serves:<10} "
-            f"{e.file_bytes:>14,} bytes"
+        return 0
+    header = ("CACHE ID", "MODEL", "TOKENS", "COMPRESSION", "SERVES", "BYTES", "LAST USED")
+    rows: list[tuple[str, ...]] = [
+        (
+            e.cache_id,
+            model_name(manifests[e.cache_id].model),
+            f"{e.num_tokens:,}",
+            compression_name(manifests[e.cache_id]),
+            # Which prompts it serves: any that shares a block-aligned prefix with it, or only its own.
+            "any prefix" if e.cuttable else "exact",
+            f"{e.file_bytes:,}",
+            datetime.fromtimestamp(e.last_used_ms / 1000).strftime("%Y-%m-%d %H:%M"),
         )
+        for e in entries
+    ]
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    right = {2, 5}
+    for row in (header, *rows):
+        print("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
     return 0
 
 

@@ -16,8 +16,9 @@ def make_test(args: Args) -> int:
 
 def info(args: Args) -> int:
     from kvmesh.model.fingerprint import fingerprint
+    from kvmesh.model.loaded import local_model_dir
 
-    fp = fingerprint(args.path, repo_id=args.repo_id, revision=args.revision)
+    fp = fingerprint(local_model_dir(args.path), repo_id=args.repo_id, revision=args.revision)
     if args.json:
         print(json.dumps(fp.to_dict(), indent=2))
     else:
@@ -112,8 +113,11 @@ def add_commands(commands: Commands) -> None:
     )
     sub.add_argument("--json", action="store_true", help="print JSON")
     store_option(sub)
-    sub = command(model, "info", info, "print the fingerprint of a local model directory")
-    sub.add_argument("path", help="model directory (config.json, *.safetensors, tokenizer)")
+    sub = command(model, "info", info, "print the fingerprint of a model")
+    sub.add_argument(
+        "path",
+        help="model directory (config.json, *.safetensors, tokenizer), or a Hugging Face repo id already downloaded",
+    )
     sub.add_argument("--json", action="store_true", help="print JSON")
     sub.add_argument("--repo-id", default="", help="Hugging Face repo id, if known")
     sub.add_argument("--revision", default="", help="Hugging Face revision, if known")

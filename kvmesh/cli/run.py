@@ -99,17 +99,24 @@ def compressed(args: Args, store: Any, loaded: Any, cache: list, tokens: list[in
     this Mac has none), its measured loss, and the seconds coding took."""
     import time
 
+    from kvmesh.codec.calibration import NothingToCode
+    from kvmesh.codec.coded import codable
     from kvmesh.compression import compress, model_basis
     from kvmesh.store.artifacts import artifact_store
 
+    if not any(codable(layer) for layer in cache):
+        return cache, None, 0.0  # nothing the codec takes: stored as it is (the note says so)
     if artifact_store(store.root).model_basis(loaded.fingerprint.model_id) is None:
         print(
             "calibrating the transform codec for this model (once; `kvmesh model calibrate` chooses the texts)",
             file=sys.stderr,
         )
     bar, update = progress_bar("calibration", "texts")
-    with bar:
-        basis, _ = model_basis(store.root, loaded, progress=update)
+    try:
+        with bar:
+            basis, _ = model_basis(store.root, loaded, progress=update)
+    except NothingToCode:
+        return cache, None, 0.0
     start = time.perf_counter()
     done = compress(loaded.model, cache, tokens, args.compress, basis)
     return done.cache, done.tail_kl, time.perf_counter() - start
@@ -149,14 +156,14 @@ def prefill_arguments(parser: Any) -> None:
 def fetch(args: Args) -> int:
     from kvmesh.codec.compat import ReceiverProfile
     from kvmesh.generation import fetch_cache
-    from kvmesh.model.fingerprint import fingerprint
+    from kvmesh.model.loaded import model_fingerprint
     from kvmesh.net.client import PeerClient
 
     store = open_store(args)
     if not args.tokens and (held := held_entry(store, args.cache_id)):
         print(f"{args.cache_id} is already in the local store ({held.num_tokens} tokens): nothing fetched")
         return 0
-    profile = ReceiverProfile(fingerprint(args.model), max_kl=args.max_kl)
+    profile = ReceiverProfile(model_fingerprint(args.model), max_kl=args.max_kl)
     bar, update = progress_bar("fetch", "bytes")
     with bar, PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
         fetched = fetch_cache(client, args.cache_id, profile, num_tokens=args.tokens, store=store, progress=update)
@@ -222,7 +229,7 @@ def generate(args: Args) -> int:
     from mlx_lm.sample_utils import make_sampler
 
     from kvmesh.fetch_or_prefill import Rates
-    from kvmesh.generation import generate
+    from kvmesh.generation import calibrate, generate
     from kvmesh.model.loaded import load_model
     from kvmesh.model.prompt import prompt_tokens
 
@@ -232,6 +239,15 @@ def generate(args: Args) -> int:
     tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
     if args.seed is not None:
         mx.random.seed(args.seed)
+    peers = mesh_peers(args)
+    rates = None if args.fetch == "always" else Rates(data_dir(args))
+    if rates is not None and peers and rates.prefill_model(loaded.fingerprint.model_id) is None:
+        print(
+            "measuring this Mac's prefill rate for this model, once (two prefills, of 128 and 512 tokens), "
+            "to choose between fetching a peer's cache and prefilling it here",
+            file=sys.stderr,
+        )
+        calibrate(loaded.model, loaded.fingerprint, rates)
     bar, update = progress_bar("fetch", "bytes")
     with bar:
         result = generate(
@@ -239,14 +255,14 @@ def generate(args: Args) -> int:
             loaded.fingerprint,
             tokens,
             open_store(args),
-            peers=mesh_peers(args),
+            peers=peers,
             max_tokens=args.max_tokens,
             progress=update,
             credentials=mesh_credentials(args),
             sampler=make_sampler(temp=args.temp, top_p=args.top_p),
             stop_tokens=set(tokenizer.eos_token_ids),
             max_kl=args.max_kl,
-            rates=None if args.fetch == "always" else Rates(data_dir(args)),
+            rates=rates,
         )
     text = tokenizer.decode(result.tokens)
     source = result.source

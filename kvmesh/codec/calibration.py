@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 from kvmesh.caches.prefill import run_prompt
 from kvmesh.codec.basis import Basis, fit_basis
 from kvmesh.codec.levels import CALIBRATION_TOKENS
-from kvmesh.codec.rotary import model_rotaries
+from kvmesh.codec.rotary import RotaryError, model_rotaries
 from kvmesh.codec.transform import layers_of_cache
 from kvmesh.errors import KvmeshError
 from kvmesh.model.prompt import cache_prompt_tokens
@@ -31,6 +31,11 @@ DEFAULT_TOPICS = (
     ("types", "datamodel"),
     ("formatstrings", "specialnames", "string-methods"),
 )
+
+
+class NothingToCode(KvmeshError):
+    """A model whose caches the transform codec cannot code at all (no plain full-attention layer)."""
+
 
 # progress(texts done, texts in all)
 Progress = Callable[[int, int], None]
@@ -54,9 +59,18 @@ def default_texts() -> dict[str, str]:
     }
 
 
-def full_attention_layers(cache: list) -> list[int]:
-    """The layers of a fresh prompt cache that are plain full attention (what the codec codes)."""
-    return [i for i, c in enumerate(cache) if type(c) is KVCache]
+def full_attention_layers(model: Any, cache: list) -> list[int]:
+    """The layers of a fresh prompt cache that are plain full attention with a rotary embedding the
+    codec can take off (what it codes; a NoPE layer, as llama4's global ones, travels as before)."""
+    layers = []
+    for i, c in enumerate(cache):
+        if type(c) is KVCache:
+            try:
+                model_rotaries(model, [i])
+            except RotaryError:
+                continue
+            layers.append(i)
+    return layers
 
 
 def fit_model_basis(
@@ -82,9 +96,12 @@ def fit_model_basis(
         if len(tokens) < 16:
             raise KvmeshError(f"a calibration text of {len(tokens)} tokens is too short (give at least a page)")
         cache, _, _ = run_prompt(model, tokens)
-        layers = full_attention_layers(cache) if layers is None else layers
+        layers = full_attention_layers(model, cache) if layers is None else layers
         if not layers:
-            raise KvmeshError("this model has no full-attention layers: the transform codec has nothing to code")
+            raise NothingToCode(
+                "this model has no full-attention layers with a rotary embedding: the transform codec has "
+                "nothing to code"
+            )
         calibration.append(layers_of_cache([cache[i] for i in layers]))
         total += len(tokens)
         if progress:

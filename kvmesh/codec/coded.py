@@ -91,8 +91,10 @@ def codable(layer: object) -> bool:
 
 
 def transform_code(cache: Sequence, coding: TransformCoding) -> list:
-    """The cache with every codable layer replaced by its CodedLayer (one step for all of them)."""
-    at = [i for i, layer in enumerate(cache) if codable(layer)]
+    """The cache with every codable layer the basis covers replaced by its CodedLayer (one step for
+    all of them)."""
+    covered = set(coding.basis.info.get("layers", range(len(coding.basis))))
+    at = [i for i, layer in enumerate(cache) if codable(layer) and i in covered]
     if not at:
         return list(cache)
     layers = []

@@ -48,6 +48,17 @@ class CacheDecoder:
         ]
         self.buffers: list[mx.array | None] = [None] * len(self.shapes)
         self.views: list[np.ndarray | None] = [None] * len(self.shapes)
+        # Transform-coded layers decode as soon as their last chunk is in (while later ones arrive):
+        # by the index of that chunk, the tensor and its layer; decoded, by tensor.
+        leaves = [layer for _, layer in leaf_layers(manifest.layers) for _ in layer.tensors]
+        last = {slot.tensor: i for i, slot in enumerate(self.checker.plan)}
+        self.coded_at = {
+            last[t]: (t, layer)
+            for t, layer in enumerate(leaves)
+            if layer.kind == pb.CACHE_KIND_TRANSFORM_KV and t in last
+        }
+        self.coded: dict[int, Layer] = {}
+        self._memo: dict = {}
 
     def _allocate(self, chunk: Chunk) -> Chunk:
         """Make the buffer of the tensor where the plan puts `chunk` (not where it claims to go)."""
@@ -84,8 +95,21 @@ class CacheDecoder:
 
         for chunk in ordered_map(decode, map(self._allocate, chunks), threads):
             self.checker.accept(chunk)
+            if chunk.index in self.coded_at:
+                self._decode_coded(*self.coded_at[chunk.index])
             yield chunk
         self.checker.finish()
+
+    def _decode_coded(self, tensor: int, layer: pb.LayerSpec) -> None:
+        """A transform-coded layer whose bytes are all in (each chunk checked) into its SparseKVCache."""
+        view = self.views[tensor]
+        assert view is not None, "a coded tensor is decoded once its chunks are written"
+        try:
+            dtype = DTYPES[dtype_name(self.manifest.dtype)]
+            self.coded[tensor] = decode_coded(layer, view.tobytes(), self.bases, dtype, self._memo)
+        except (BasisError, TransformCodecError) as e:
+            # Its bytes matched their checksums: the sender coded it wrong, or with another basis.
+            raise IntegrityError(f"a transform-coded layer does not decode: {e}") from None
 
     def _write(self, chunk: Chunk, raw: Raw) -> None:
         slot = self.checker.plan[chunk.index]
@@ -98,24 +122,15 @@ class CacheDecoder:
         self.checker.finish()
         # Tensors of no bytes had no chunk to make theirs.
         buffers = [self._buffer(i) for i in range(len(self.buffers))]
-        tensors = iter(zip(self.checker.specs, buffers, strict=True))
-        memo: dict = {}
-        dtype = DTYPES[dtype_name(self.manifest.dtype)]
-
-        def rebuild_leaf(layer: pb.LayerSpec, arrays: list[mx.array]) -> Layer:
-            if layer.kind != pb.CACHE_KIND_TRANSFORM_KV:
-                return rebuild_layer(layer, arrays)
-            try:
-                return decode_coded(layer, np.array(arrays[0], copy=False).tobytes(), self.bases, dtype, memo)
-            except (BasisError, TransformCodecError) as e:
-                # Its bytes matched their digest: the sender coded it wrong, or with another basis.
-                raise IntegrityError(f"a transform-coded layer does not decode: {e}") from None
+        tensors = iter(enumerate(zip(self.checker.specs, buffers, strict=True)))
 
         def rebuild(layer: pb.LayerSpec) -> Layer:
             if layer.kind == pb.CACHE_KIND_LIST:
                 return CacheList(*(rebuild(part) for part in layer.parts))
-            arrays = [buf.view(DTYPES[tensor_dtype(spec)]) for spec, buf in (next(tensors) for _ in layer.tensors)]
-            return rebuild_leaf(layer, arrays)
+            held = [next(tensors) for _ in layer.tensors]
+            if layer.kind == pb.CACHE_KIND_TRANSFORM_KV:
+                return self.coded[held[0][0]]
+            return rebuild_layer(layer, [buf.view(DTYPES[tensor_dtype(spec)]) for _, (spec, buf) in held])
 
         caches = [rebuild(layer) for layer in self.manifest.layers]
         self.buffers, self.views = [], []

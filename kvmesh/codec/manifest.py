@@ -67,8 +67,22 @@ def lossy(manifest: pb.CacheManifest) -> bool:
 
 
 def compression_name(manifest: pb.CacheManifest) -> str:
-    """The press, and `+ transform` when layers are transform coded: for people."""
-    return manifest.compression.method + (" + transform" if transform_coded(manifest) else "")
+    """The press with what it kept and its bits, and `+ transform` when layers are transform coded:
+    `full`, `quantize 3-bit`, `snapkv 50% 8-bit`, `full + transform`, for people."""
+    config = manifest.compression.config
+    parts = [manifest.compression.method]
+    if config.HasField("budget"):
+        parts.append(f"{config.budget} kept")
+    elif manifest.compression.method not in ("full", "quantize") and config.ratio:
+        parts.append(f"{1 - config.ratio:.0%} kept")
+    if config.HasField("kv_bits"):
+        parts.append(f"{config.kv_bits}-bit")
+    return " ".join(parts) + (" + transform" if transform_coded(manifest) else "")
+
+
+def model_name(model: Any) -> str:
+    """A model for people: its Hugging Face repo id when known, else its type, with its short id."""
+    return f"{model.repo_id or model.model_type or 'model'} ({model.model_id[:8]})"
 
 
 def tensor_dtype(t: pb.TensorSpec) -> str:

@@ -276,8 +276,9 @@ def fingerprint(
     weights_hash = sha256_bytes(weights.encode())
     model_id = sha256_bytes(f"{config_hash}:{weights_hash}:{tok_hash}:{template_hash}".encode())[:16]
 
-    if not repo_id and (m := HF_CACHE_PATH.search(model_dir.resolve().as_posix())):
-        repo_id, revision = f"{m['org']}/{m['name']}", revision or m["rev"]
+    if m := HF_CACHE_PATH.search(model_dir.resolve().as_posix()):
+        # A hub snapshot: its folder names the repo and the exact revision (the commit hash).
+        repo_id, revision = repo_id or f"{m['org']}/{m['name']}", revision or m["rev"]
 
     return ModelFingerprint(
         model_id=model_id,

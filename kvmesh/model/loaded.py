@@ -101,6 +101,30 @@ def _descriptor_limit_within_hard_limit() -> Iterator[None]:
         resource.setrlimit = setrlimit
 
 
+def local_model_dir(path: str) -> Path:
+    """A model directory: `path` itself, or the local Hugging Face cache's snapshot of the repo id
+    `path` (never downloaded here: commands that only read a model's files work offline)."""
+    local = Path(path).expanduser()
+    if local.exists():
+        return local
+    if path.startswith(("/", "./", "../", "~")) or path.count("/") != 1:
+        raise KvmeshError(f"{path}: no such model directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, local_files_only=True))
+    except Exception:  # huggingface_hub raises several kinds for "not cached" and bad ids
+        raise KvmeshError(
+            f"{path}: no such model directory, nor a model in the local Hugging Face cache "
+            f"(`kvmesh prefill {path} ...` downloads it, or `hf download {path}`)"
+        ) from None
+
+
+def model_fingerprint(path: str) -> ModelFingerprint:
+    """The fingerprint of a local model directory or of a repo id in the local Hugging Face cache."""
+    return fingerprint(local_model_dir(path))
+
+
 def load_model(path: str) -> LoadedModel:
     """Model, tokenizer and fingerprint of a local directory or a Hugging Face repo id (via its cache)."""
     tolerate_mlx_lm_descriptor_limit()
@@ -121,9 +145,10 @@ def load_model(path: str) -> LoadedModel:
 
 
 def load_tokenizer(path: str) -> tuple[Any, ModelFingerprint]:
-    """What file imports and exports need of a local model directory: no weights are loaded."""
+    """What file imports and exports need of a model (a directory or a cached repo id): no weights
+    are loaded."""
     tolerate_mlx_lm_descriptor_limit()
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
-    fp = fingerprint(path)
-    return mlx_load_tokenizer(Path(path)), fp
+    model_dir = local_model_dir(path)
+    return mlx_load_tokenizer(model_dir), fingerprint(model_dir)
