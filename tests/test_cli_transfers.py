@@ -86,3 +86,19 @@ def test_an_mlx_file_exported_from_a_plain_prefill_imports_with_plain(stored, ti
     assert held and refused.stderr.endswith(f"; add --plain: that prompt gives {held[1]}\n")
     imported = cli("cache", "import-mlx", file, "--model", tiny_dir, "--prompt", prompt, "--plain", *other).stdout
     assert imported.startswith(f"imported {cache_id} (")
+
+
+def test_status_shows_the_budget_the_uptime_and_what_was_sent_with_numbers_in_json(tmp_path):
+    daemon = loopback_daemon(tmp_path / "d", "--store", tmp_path / "s", "--store-budget", "2000000")
+    try:
+        shown = cli("status", data_dir=tmp_path / "d").stdout
+        status = json.loads(cli("status", "--json", data_dir=tmp_path / "d").stdout)
+    finally:
+        daemon.stop()
+    assert ", up " in shown.splitlines()[0]
+    assert "store: 0 caches, 0 bytes of a 2,000,000-byte budget (0%)" in shown
+    assert "0 bytes of caches sent to peers" in shown
+    store, transfers = status["info"]["store"], status["info"]["transfers"]
+    assert store == {"entries": 0, "bytes": 0, "budget_bytes": 2000000}
+    assert transfers["fetches_rejected"] == 0 and transfers["chunk_bytes_sent"] == 0
+    assert isinstance(status["uptime_s"], int) and status["uptime_s"] >= 0

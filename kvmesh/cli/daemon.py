@@ -3,6 +3,7 @@
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvmesh.cli.common import Args, Commands, command, data_dir, store_option
 from kvmesh.daemon.config import DaemonConfig
@@ -43,24 +44,72 @@ def daemon(args: Args) -> int:
 
 
 def status(args: Args) -> int:
-    from google.protobuf.json_format import MessageToDict
+    import time
 
     from kvmesh.daemon.control import control_status
+    from kvmesh.paths import state_file
 
     status = control_status(data_dir(args))
-    if args.json:
-        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True), indent=2))
-        return 0
+    # daemon.json is written once, as the daemon starts serving.
+    uptime_s = max(0.0, time.time() - state_file(data_dir(args)).stat().st_mtime)
     info = status.info
-    print(f"node {info.node_id} (kvmesh {info.version}) on {', '.join(status.listen)}")
-    print(f"store: {info.store.entries} caches, {info.store.bytes:,} bytes")
+    if args.json:
+        print(json.dumps({**message_dict(status), "uptime_s": round(uptime_s)}, indent=2))
+        return 0
+    print(f"node {info.node_id} (kvmesh {info.version}) on {', '.join(status.listen)}, up {duration(uptime_s)}")
+    budget = info.store.budget_bytes
+    of = f" of a {budget:,}-byte budget ({info.store.bytes / budget:.0%})" if budget else " (no budget)"
+    print(f"store: {info.store.entries} caches, {info.store.bytes:,} bytes{of}")
     print(f"peers: {sum(p.healthy for p in status.peers)} live of {len(status.peers)} known")
     t = info.transfers
     print(
         f"fetches served: {t.fetches_completed} done, {t.fetches_rejected} rejected, {t.fetches_failed} failed; "
-        f"{t.transfers_active} active (cap {t.transfers_cap})"
+        f"{t.transfers_active} active (cap {t.transfers_cap}); {t.chunk_bytes_sent:,} bytes of caches sent to "
+        "peers, which they did not prefill"
     )
     return 0
+
+
+def duration(seconds: float) -> str:
+    """3725 -> `1h 2m`, 90 -> `1m 30s`: for people."""
+    s = int(seconds)
+    days, hours, minutes = s // 86400, s // 3600 % 24, s // 60 % 60
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    return f"{minutes}m {s % 60}s" if minutes else f"{s}s"
+
+
+def message_dict(message: Any) -> dict:
+    """A protobuf message as JSON-ready values: every field, zeros included, 64-bit integers as
+    numbers (proto3's JSON mapping writes them as strings, which scripts then have to parse)."""
+    from google.protobuf.descriptor import FieldDescriptor
+    from google.protobuf.json_format import MessageToDict
+
+    wide = {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+
+    def numbers(descriptor: Any, value: dict) -> dict:
+        for field in descriptor.fields:
+            if field.name not in value:
+                continue
+            if field.message_type is not None:
+                items = value[field.name] if field.is_repeated else [value[field.name]]
+                for item in items:
+                    numbers(field.message_type, item)
+            elif field.type in wide:
+                v = value[field.name]
+                value[field.name] = [int(x) for x in v] if isinstance(v, list) else int(v)
+        return value
+
+    raw = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return numbers(message.DESCRIPTOR, raw)
 
 
 def source_name(source: int) -> str:
