@@ -27,8 +27,9 @@ from kvmesh.errors import CacheRejected, KvmeshError, PeerError
 from kvmesh.generation import fetch_cache, generate
 from kvmesh.model.fingerprint import FileHashCache, fingerprint
 from kvmesh.model.testmodels import make_test_model
+from kvmesh.net.authority import enrol
 from kvmesh.net.client import PeerClient
-from kvmesh.net.credentials import export_bundle, init_mesh, join_mesh, load_credentials
+from kvmesh.net.credentials import init_mesh, load_credentials
 from kvmesh.net.node_id import node_id
 from kvmesh.paths import store_dir
 from kvmesh.store import CacheStore
@@ -82,7 +83,7 @@ def run_demo(steps: int = 24) -> int:
 
         init_mesh(root / "A", node_id(root / "A"), "demo")
         for name in NODES[1:]:
-            join_mesh(root / name, node_id(root / name), export_bundle(root / "A"))
+            enrol(root / "A", root / name, node_id(root / name))  # as `mesh token` + `mesh join` do
         member = {name: load_credentials(root / name) for name in NODES}
         daemons: dict[str, DaemonProcess] = {}
         try:

@@ -1,7 +1,8 @@
-"""Running daemons renew their own certificates: a mesh left up past a certificate's end keeps talking.
+"""Running daemons renew their certificates: a mesh left up past a certificate's end keeps talking.
 
 Certificates here last half a minute (a month in use), so two real daemons run across the end of
-the ones they started with.
+the ones they started with: A, the authority, signs its own; B, a member without the CA key, asks
+A's daemon for each of its new ones.
 """
 
 import datetime
@@ -10,9 +11,11 @@ import pytest
 from cryptography import x509
 
 from kvmesh.daemon.control import control_status
-from kvmesh.net.credentials import export_bundle, init_mesh, join_mesh, load_credentials, renew
+from kvmesh.net.credentials import init_mesh, load_credentials, renew
 from kvmesh.net.node_id import node_id
+from kvmesh.paths import mesh_dir
 from support.daemons import loopback_daemon
+from support.membership import join
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -32,19 +35,20 @@ def expiry(data_dir) -> datetime.datetime:
 def test_daemons_renew_their_certificates_while_running_and_stay_peers_past_the_first_ones_end(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     init_mesh(a, node_id(a))
-    join_mesh(b, node_id(b), export_bundle(a))
-    for data in (a, b):
-        renew(data, node_id(data), days=LIFETIME_DAYS)
-    first_end = max(expiry(a), expiry(b))
+    renew(a, node_id(a), days=LIFETIME_DAYS)
     short = ["--certificate-days", LIFETIME_DAYS, "--renew-before-days", MARGIN_DAYS]
-    daemon_b = loopback_daemon(b, *map(str, short))
-    daemon_a = loopback_daemon(a, *map(str, short), "--peer", daemon_b.address, "--health-interval", "0.5")
+    # A's daemon grants at most its certificate_days: B's certificate from the join is short too.
+    daemon_a = loopback_daemon(a, *map(str, short), "--health-interval", "0.5")
+    join(a, b)
+    assert not (mesh_dir(b) / "ca.key").exists()
+    first_end = max(expiry(a), expiry(b))
+    daemon_b = loopback_daemon(b, *map(str, short), "--peer", daemon_a.address, "--health-interval", "0.5")
     try:
 
         def live() -> bool:
-            return any(p.healthy for p in control_status(a).peers)
+            return any(p.healthy for p in control_status(b).peers)
 
-        wait_for(live, 20, 0.2, "A to find B live")
+        wait_for(live, 20, 0.2, "B to find A live")
         wait_for(
             lambda: datetime.datetime.now(datetime.timezone.utc) > first_end + datetime.timedelta(seconds=3),
             60,
@@ -52,7 +56,7 @@ def test_daemons_renew_their_certificates_while_running_and_stay_peers_past_the_
             "the first certificates to end",
         )
         # Health checks open a new TLS connection each time: both sides must show renewed certificates.
-        wait_for(lambda: control_status(a).peers[0].failures == 0 and live(), 10, 0.2, "B live after the end")
+        wait_for(lambda: control_status(b).peers[0].failures == 0 and live(), 10, 0.2, "A live after the end")
         assert expiry(a) > first_end and expiry(b) > first_end
     finally:
         daemon_a.stop()
@@ -61,6 +65,7 @@ def test_daemons_renew_their_certificates_while_running_and_stay_peers_past_the_
         log = daemon.log.read_text()
         assert "renewed this node's certificate; it now runs to" in log
         assert "cannot renew" not in log
+    assert "renewed the certificate of " + node_id(b) in daemon_a.log.read_text()  # A signed B's
 
 
 def test_the_renewal_margin_must_fit_in_the_certificate(tmp_path):

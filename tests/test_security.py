@@ -21,6 +21,7 @@ from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.daemon.control import DaemonProcess
 from kvmesh.errors import CacheRejected, CredentialsError, PeerError
 from kvmesh.generation import fetch_cache
+from kvmesh.net.authority import enrol
 from kvmesh.net.client import PeerClient
 from kvmesh.net.credentials import (
     MeshCredentials,
@@ -31,6 +32,7 @@ from kvmesh.net.credentials import (
     load_credentials,
     renew,
     renew_if_due,
+    write_authority,
 )
 from kvmesh.net.node_id import node_id
 from kvmesh.net.transport import MAX_MESSAGE_BYTES, method, open_channel, serialize
@@ -41,6 +43,7 @@ from kvmesh.v1 import service_pb2 as spb
 from kvmesh.v1 import service_pb2_grpc
 from kvmesh.versions import PROTOCOL_VERSION
 from support.daemons import loopback_daemon
+from support.membership import join_address
 from support.processes import ENV, rss
 
 NONE = EncodeOptions(codec="none")
@@ -86,11 +89,11 @@ class Relay:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    """Data dirs: a (made the mesh), b and d (joined it), c (another mesh)."""
+    """Data dirs: a (made the mesh: its authority), b and d (admitted to it), c (another mesh)."""
     root = tmp_path_factory.mktemp("mesh")
     init_mesh(root / "a", node_id(root / "a"))
     for name in ("b", "d"):
-        join_mesh(root / name, node_id(root / name), export_bundle(root / "a"))
+        enrol(root / "a", root / name, node_id(root / name))
     init_mesh(root / "c", node_id(root / "c"))
     return root
 
@@ -216,7 +219,9 @@ def test_a_replayed_call_is_refused(mesh, served, daemon_a, prompt_ids):
 def test_rotated_certificates_keep_the_mesh(mesh, served, daemon_a, prompt_ids):
     manifest, fp = served
     old = creds(mesh, "b")
-    renewed = renew(mesh / "b", node_id(mesh / "b"))
+    # b was admitted before A's daemon ran: it learns where the authority takes renewals.
+    write_authority(mesh / "b", join_address(mesh / "a"), node_id(mesh / "a"))
+    renewed = renew(mesh / "b", node_id(mesh / "b"))  # signed by A's daemon: b has no CA key
     assert renewed.cert_pem != old.cert_pem and renewed.expires >= old.expires
     with PeerClient(daemon_a.address, credentials=renewed) as client:
         assert (
@@ -225,9 +230,9 @@ def test_rotated_certificates_keep_the_mesh(mesh, served, daemon_a, prompt_ids):
         )
 
 
-def test_an_ending_certificate_is_renewed_when_due_and_loading_never_writes(mesh, tmp_path):
+def test_an_ending_certificate_is_renewed_when_due_and_loading_never_writes(tmp_path):
     data = tmp_path / "e"
-    join_mesh(data, node_id(data), export_bundle(mesh / "a"))
+    init_mesh(data, node_id(data))  # the authority renews its own; members ask it (test_membership)
     ca = mesh_dir(data)
     start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=25)
     key, cert = issue_node_cert(
@@ -241,15 +246,23 @@ def test_an_ending_certificate_is_renewed_when_due_and_loading_never_writes(mesh
     assert x509.load_pem_x509_certificate(loaded.cert_pem).subject.rfc4514_string() == f"CN={node_id(data)}"
 
 
-def test_a_bad_bundle_is_a_clear_error(tmp_path):
-    with pytest.raises(CredentialsError, match="not a kvmesh mesh bundle"):
-        join_mesh(tmp_path / "x", "0123456789abcdef", "kvmesh-mesh-v1:bm90IGpzb24=")
-    assert not (mesh_dir(tmp_path / "x") / "ca.key").exists()
+def test_a_bad_token_or_an_old_bundle_is_a_clear_error(tmp_path, mesh):
+    for given in ("kvmesh-join-v1:bm90IGpzb24=", "kvmesh-mesh-v1:bm90IGpzb24="):
+        with pytest.raises(CredentialsError, match="not a kvmesh join token"):
+            join_mesh(tmp_path / "x", "0123456789abcdef", given, "127.0.0.1")
+    assert not mesh_dir(tmp_path / "x").exists()
+    with pytest.raises(
+        CredentialsError, match="the mesh CA key no longer leaves the authority: run `kvmesh mesh token`"
+    ):
+        export_bundle(mesh / "a")
 
 
-def test_the_mesh_key_is_private_to_its_owner(mesh):
+def test_the_mesh_key_is_private_to_its_owner_and_stays_with_the_authority(mesh):
     for name in ("ca.key", "node.key"):
         assert (mesh_dir(mesh / "a") / name).stat().st_mode & 0o077 == 0
+    for member in ("b", "d"):
+        assert not (mesh_dir(mesh / member) / "ca.key").exists()
+        assert (mesh_dir(mesh / member) / "node.key").stat().st_mode & 0o077 == 0
 
 
 @pytest.mark.slow

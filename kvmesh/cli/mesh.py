@@ -1,8 +1,7 @@
-"""`kvmesh mesh`: create the mesh of a user's Macs, join it, renew this node's certificate."""
+"""`kvmesh mesh`: create the mesh of a user's Macs, let Macs join it or remove them, renew certificates."""
 
 import sys
 
-from kvmesh import paths
 from kvmesh.cli.common import Args, Commands, command, data_dir, group
 
 
@@ -12,15 +11,26 @@ def init(args: Args) -> int:
 
     creds = init_mesh(data_dir(args), node_id(data_dir(args)), args.name)
     print(f"created a mesh in {data_dir(args) / 'mesh'}; this node's certificate runs to {creds.expires:%Y-%m-%d}.")
-    print("On each other Mac: `kvmesh mesh export` here, then `kvmesh mesh join <that line>` there.")
+    print("This Mac is the mesh's authority: the CA key stays here. Start its daemon, then for each other Mac")
+    print("run `kvmesh mesh token` here and the `kvmesh mesh join ...` line it prints there.")
     return 0
 
 
-def export(args: Args) -> int:
-    from kvmesh.net.credentials import export_bundle
+def token(args: Args) -> int:
+    from kvmesh.net.authority import make_token
+    from kvmesh.net.member import join_addresses
 
-    print(export_bundle(data_dir(args)))
-    print("This line is the mesh's secret: whoever has it can join. Copy it only to your own Macs.", file=sys.stderr)
+    made, expires = make_token(data_dir(args), args.hours)
+    print(made)
+    addresses = join_addresses(data_dir(args))
+    where = addresses[0] if addresses else "THIS_MAC_ADDRESS"
+    print(f"On the new Mac: kvmesh mesh join {made} {where}", file=sys.stderr)
+    print(
+        f"It works once, until {expires:%Y-%m-%d %H:%M} UTC. Whoever holds it can join: send it only to your own Mac.",
+        file=sys.stderr,
+    )
+    if not addresses:
+        print("This Mac's daemon is not running: start it (`kvmesh daemon`), it takes the join.", file=sys.stderr)
     return 0
 
 
@@ -28,8 +38,8 @@ def join(args: Args) -> int:
     from kvmesh.net.credentials import join_mesh
     from kvmesh.net.node_id import node_id
 
-    bundle = sys.stdin.read() if args.bundle == "-" else args.bundle
-    creds = join_mesh(data_dir(args), node_id(data_dir(args)), bundle, replace=args.replace)
+    text = sys.stdin.read() if args.token == "-" else args.token
+    creds = join_mesh(data_dir(args), node_id(data_dir(args)), text, args.authority, replace=args.replace)
     print(f"joined the mesh; this node's certificate runs to {creds.expires:%Y-%m-%d}.")
     print("Restart the daemon to serve the network.")
     return 0
@@ -37,24 +47,55 @@ def join(args: Args) -> int:
 
 def renew(args: Args) -> int:
     from kvmesh.errors import CredentialsError
-    from kvmesh.net.credentials import renew
+    from kvmesh.net.credentials import join_address, load_credentials, read_authority, renew, write_authority
     from kvmesh.net.node_id import node_id
 
-    if not (paths.mesh_dir(data_dir(args)) / "ca.key").exists():
-        raise CredentialsError(f"no mesh in {paths.mesh_dir(data_dir(args))}: run `kvmesh mesh init` or `join` first")
+    if load_credentials(data_dir(args)) is None:
+        raise CredentialsError("this node belongs to no mesh: run `kvmesh mesh init` or `kvmesh mesh join` first")
+    if args.authority:
+        write_authority(data_dir(args), join_address(args.authority), read_authority(data_dir(args)).get("node_id", ""))
     creds = renew(data_dir(args), node_id(data_dir(args)))
     print(f"renewed; the certificate runs to {creds.expires:%Y-%m-%d}. Peers need nothing new.")
     return 0
 
 
+def remove(args: Args) -> int:
+    from kvmesh.net.authority import remove
+
+    revoked = remove(data_dir(args), args.node)
+    removed = [n for n in revoked.node_ids if n.startswith(args.node)]
+    print(f"removed {', '.join(removed)} from the mesh (revocation list version {revoked.version}).")
+    print("This Mac's daemon refuses it now; the members learn it from their peers within a minute or so.")
+    return 0
+
+
+def members(args: Args) -> int:
+    from kvmesh.net.authority import members
+
+    for node, entry in sorted(members(data_dir(args)).items()):
+        state = f"removed {entry['removed']}" if entry.get("removed") else "member"
+        print(f"{node}  joined {entry['joined']}  {state}")
+    return 0
+
+
 def status(args: Args) -> int:
-    from kvmesh.net.credentials import load_credentials, renewal_due
+    from kvmesh.net.authority import is_authority
+    from kvmesh.net.credentials import load_credentials, read_authority, renewal_due
+    from kvmesh.net.revocation import read_list
 
     creds = load_credentials(data_dir(args))
     if creds is None:
         print("no mesh: the daemon serves loopback only (`kvmesh mesh init` or `kvmesh mesh join`)")
         return 0
-    print(f"member of a mesh; node certificate valid to {creds.expires:%Y-%m-%d %H:%M} UTC")
+    if is_authority(data_dir(args)):
+        role = "the authority of a mesh (it holds the CA key)"
+    else:
+        where = read_authority(data_dir(args))
+        role = f"member of a mesh; its authority {where.get('node_id') or '?'} at {where.get('address') or '?'}"
+    print(f"{role}; node certificate valid to {creds.expires:%Y-%m-%d %H:%M} UTC")
+    revocations = read_list(data_dir(args))
+    if revocations.version:
+        print(f"revocation list version {revocations.version}: {len(revocations.node_ids)} node(s) removed")
     if renewal_due(creds):
         print("it is due for renewal: a running daemon renews it before it ends, or run `kvmesh mesh renew`")
     return 0
@@ -65,14 +106,21 @@ def add_commands(commands: Commands) -> None:
         commands,
         "mesh",
         "create or join the mesh of your Macs (certificates for mutual TLS)",
-        "A mesh is a small certificate authority: its members speak mutual TLS, strangers are refused. "
-        "`init` once on the first Mac, `export` there, `join` on each other Mac.",
+        "A mesh is a small certificate authority that stays on the Mac that made it: its members speak "
+        "mutual TLS, strangers are refused. `init` once on the first Mac (the authority), then for each "
+        "other Mac `token` on the authority and `join` on the new Mac; `remove` takes a Mac out.",
     )
-    sub = command(mesh, "init", init, "create a new mesh (once, on the first Mac)")
+    sub = command(mesh, "init", init, "create a new mesh (once, on the first Mac: its authority)")
     sub.add_argument("--name", default="", help="a name for the mesh, shown in its CA certificate")
-    command(mesh, "export", export, "print the mesh secret for `mesh join` on your other Macs")
-    sub = command(mesh, "join", join, "join the mesh printed by `mesh export` on another Mac")
-    sub.add_argument("bundle", help="the line `kvmesh mesh export` printed, or - to read it from stdin")
+    sub = command(mesh, "token", token, "print a one-time join token for a new Mac (on the authority)")
+    sub.add_argument("--hours", type=float, default=24.0, help="hours the token stays valid (default 24)")
+    sub = command(mesh, "join", join, "join a mesh with a token from its authority's `mesh token`")
+    sub.add_argument("token", help="the line `kvmesh mesh token` printed, or - to read it from stdin")
+    sub.add_argument("authority", help="the authority's address (host, or host:port of its join port, 7078)")
     sub.add_argument("--replace", action="store_true", help="leave the mesh this node belongs to for this one")
-    command(mesh, "renew", renew, "issue this node a fresh certificate now (also done automatically)")
-    command(mesh, "status", status, "whether this node belongs to a mesh")
+    sub = command(mesh, "renew", renew, "get this node a fresh certificate now (also done automatically)")
+    sub.add_argument("--authority", default="", help="the authority's new address (host or host:port), if it moved")
+    sub = command(mesh, "remove", remove, "remove a Mac from the mesh: every member refuses it (on the authority)")
+    sub.add_argument("node", help="its node id (or the start of it; `kvmesh mesh members` lists them)")
+    command(mesh, "members", members, "list the Macs the authority admitted (on the authority)")
+    command(mesh, "status", status, "whether this node belongs to a mesh, and its part in it")

@@ -16,7 +16,7 @@ from typing import Any
 from kvmesh import paths
 from kvmesh.errors import ConfigError
 from kvmesh.net.addresses import DEFAULT_PORT, peer_address
-from kvmesh.net.credentials import NODE_CERT_DAYS, RENEW_BEFORE_DAYS
+from kvmesh.net.credentials import MAX_CERT_DAYS, NODE_CERT_DAYS, RENEW_BEFORE_DAYS
 from kvmesh.net.policy import Policy
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.settings import (
@@ -77,6 +77,20 @@ class DaemonConfig:
     certificate_days: float = setting(NODE_CERT_DAYS, help="days a node certificate the daemon issues itself lasts")
     renew_before_days: float = setting(
         RENEW_BEFORE_DAYS, help="days before its certificate ends that the running daemon renews it"
+    )
+    # Membership (kvmesh.net.member): the authority's join port, the longest certificate a peer may
+    # hold, and how often peers are asked for a newer revocation list.
+    join_port: int = setting(
+        -1,
+        help="port the mesh's authority (the Mac that ran `kvmesh mesh init`) takes joins and renewals on "
+        "(-1: the peer port + 1, i.e. 7078, or any free port when the peer port is 0; 0: any free port)",
+    )
+    max_certificate_days: float = setting(
+        MAX_CERT_DAYS,
+        help="a peer whose certificate lasts longer than this many days is refused; the authority issues none longer",
+    )
+    revocation_interval: float = setting(
+        30.0, help="seconds between asks of the live peers for a newer revocation list", metavar="SECONDS"
     )
     policy: Policy = field(default_factory=Policy)
 

@@ -19,10 +19,12 @@ import grpc
 
 from kvmesh.daemon.config import DaemonConfig
 from kvmesh.daemon.control import DaemonState, write_state
+from kvmesh.daemon.limits import raise_descriptor_limit
 from kvmesh.errors import CredentialsError, DaemonAlreadyRunning, ListenError
 from kvmesh.net.addresses import host_port
 from kvmesh.net.credentials import RenewingCredentials, renew_if_due
 from kvmesh.net.discovery import Discovery, HealthChecker, Peer, PeerTable, routable_addresses
+from kvmesh.net.member import MemberRuntime, join_port_for
 from kvmesh.net.node_id import node_id
 from kvmesh.net.server import RunningServer, start_server
 from kvmesh.net.timeouts import TIMEOUTS
@@ -75,6 +77,7 @@ class Daemon:
         self.control: grpc.Server | None = None
         self.discovery: Discovery | None = None
         self.health: HealthChecker | None = None
+        self.membership: MemberRuntime | None = None
         self.listen: list[str] = []
         self.lock: TextIO | None = None
         self._stopping = threading.Event()
@@ -97,6 +100,7 @@ class Daemon:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.lock = take_data_dir(data_dir)
         self.node_id = node_id(data_dir)
+        raise_descriptor_limit()  # before the server sizes its connection limit to it
         self.store = CacheStore(config.store_dir, max_bytes=config.store_budget)
         days, before = config.certificate_days, config.renew_before_days
         current = renew_if_due(data_dir, self.node_id, days=days, renew_before_days=before)
@@ -105,6 +109,9 @@ class Daemon:
             if current
             else None
         )
+        if current:
+            max_days = config.max_certificate_days
+            self.membership = MemberRuntime.prepare(data_dir, current.trust_pem, max_days=max_days, issue_days=days)
         interfaces = list(config.interfaces) or routable_addresses(None)
         if self.credentials is None:
             lan = [a for a in interfaces if not ipaddress.ip_address(a).is_loopback]
@@ -124,6 +131,8 @@ class Daemon:
                 max_transfers=config.max_transfers,
                 policy=config.policy,
                 credentials=self.credentials.server_credentials() if self.credentials else None,
+                interceptors=self.membership.interceptors if self.membership else (),
+                services=[self.membership.add_to] if self.membership else (),
             )
         except ListenError as e:
             if holder := port_holder(e.port):
@@ -140,11 +149,26 @@ class Daemon:
             self.peers.upsert(Peer(f"static:{address}", (address,), "static", healthy=False))
         if config.discovery:
             self.discovery = Discovery(
-                self.node_id, self.server.port, interfaces, self.peers, tls=self.credentials is not None
+                self.node_id,
+                self.server.port,
+                interfaces,
+                self.peers,
+                tls=self.credentials is not None,
+                credentials=self.credentials,
             )
             self.discovery.start()
         self.health = HealthChecker(self.peers, interval=config.health_interval, credentials=self.credentials)
         self.health.start()
+        if self.membership and self.credentials:
+            joins = self.membership.start(
+                interfaces,
+                join_port_for(config.join_port, config.port),
+                lambda: [p.addresses[0] for p in self.peers.all() if p.healthy and p.addresses],
+                self.credentials,
+                interval=config.revocation_interval,
+            )
+            if joins:
+                log.info("this node is the mesh's authority: joins and renewals on %s", ", ".join(joins))
         if self.credentials:
             threading.Thread(target=self._keep_renewing, args=(self.credentials,), name="renew", daemon=True).start()
 
@@ -202,10 +226,14 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.serve_process.kill()
                 self.serve_process.wait()
+        if self.server:  # peers that hear the goodbye check on us: they must find us stopping
+            self.server.health.enter_graceful_shutdown()
         if self.discovery:
             self.discovery.stop()
         if self.health:
             self.health.stop()
+        if self.membership:
+            self.membership.stop()
         if self.server:
             self.server.stop(grace)
         if self.control:

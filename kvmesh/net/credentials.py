@@ -1,18 +1,23 @@
-"""Mesh membership: a small certificate authority shared by the user's Macs, and node certificates.
+"""Mesh membership: a certificate authority that stays on one Mac, and node certificates.
 
-`kvmesh mesh init` makes the mesh CA on one Mac; `kvmesh mesh export` prints it as one line of text
-(it is the mesh's secret: whoever holds it can join); `kvmesh mesh join` on every other Mac imports
-it. Each node then holds a short-lived certificate signed by the CA, for its own node id, and every
-connection between peers is mutual TLS: a peer without a certificate of this mesh, or with an
-expired one, cannot complete the handshake. Node certificates are renewed from the CA when they
-near their end (`renew_if_due`, which the daemon and the network commands call; loading never
-writes), so rotation never loses the mesh; the trust file may hold several CA certificates for a
-CA change-over.
+`kvmesh mesh init` makes the mesh CA on one Mac, the mesh's authority; the CA key never leaves its
+data directory. `kvmesh mesh token` there prints a one-time join token, and `kvmesh mesh join TOKEN
+ADDRESS` on another Mac makes that Mac's own key and a CSR, which the authority's daemon signs when
+the request proves it holds the token (kvmesh.net.authority, kvmesh.net.membership). Each node then
+holds a short-lived certificate signed by the CA, for its own node id, and every connection between
+peers is mutual TLS: a peer without a certificate of this mesh, or with an expired one, cannot
+complete the handshake, and one the authority removed is refused at every call
+(kvmesh.net.admission). Node certificates are renewed before they end (`renew_if_due`, which the
+daemon and the network commands call; loading never writes): the authority signs its own, members
+ask the authority, proving they hold their current certificate's key. The trust file may hold
+several CA certificates for a CA change-over.
 """
 
-import base64
 import datetime
+import hashlib
+import hmac
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
@@ -30,11 +36,17 @@ from kvmesh.paths import mesh_dir
 if TYPE_CHECKING:  # gRPC loads when credentials are made, so settings tables can name the defaults here
     import grpc
 
+log = logging.getLogger(__name__)
 # Every node certificate names this host, and clients check for it, whatever address they dial.
 SERVER_NAME = "kvmesh.mesh"
-BUNDLE_PREFIX = "kvmesh-mesh-v1:"
 NODE_CERT_DAYS = 30
 RENEW_BEFORE_DAYS = 7
+# The authority's join port (beside the peer port, DEFAULT_PORT).
+DEFAULT_JOIN_PORT = 7078
+# A node certificate lasting longer than this is refused by every member (kvmesh.net.admission).
+MAX_CERT_DAYS = 31
+# Where a member keeps the authority's join address and node id (for renewals).
+AUTHORITY_FILE = "authority.json"
 
 
 def _now() -> datetime.datetime:
@@ -47,14 +59,20 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     """Write a secret readable by this user only, atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     tmp.replace(path)
+
+
+def ca_fingerprint(trust_pem: bytes) -> bytes:
+    """SHA-256 of the DER of the newest (last) CA certificate in `trust_pem`: what a join token pins."""
+    cert = x509.load_pem_x509_certificates(trust_pem)[-1]
+    return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).digest()
 
 
 def make_ca(name: str, days: int = 3650) -> tuple[bytes, bytes]:
@@ -76,25 +94,26 @@ def make_ca(name: str, days: int = 3650) -> tuple[bytes, bytes]:
     return _pem_key(key), cert.public_bytes(serialization.Encoding.PEM)
 
 
-def issue_node_cert(
+def sign_node_cert(
     ca_key_pem: bytes,
     ca_cert_pem: bytes,
     node_id: str,
+    public_key: Any,
     not_before: datetime.datetime | None = None,
     days: float = NODE_CERT_DAYS,
-) -> tuple[bytes, bytes]:
-    """(key PEM, certificate PEM) for a node, signed by the mesh CA, usable as server and client."""
+) -> bytes:
+    """The PEM certificate of a node's `public_key`, signed by the mesh CA, usable as server and
+    client. Only the authority can call it: it needs the CA key."""
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise CredentialsError("the mesh CA key is not an EC key: was it made by `kvmesh mesh init`?")
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
-    key = ec.generate_private_key(ec.SECP256R1())
     start = not_before or _now() - datetime.timedelta(minutes=5)
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
         .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
         .not_valid_after(start + datetime.timedelta(days=days))
@@ -106,7 +125,30 @@ def issue_node_cert(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    return _pem_key(key), cert.public_bytes(serialization.Encoding.PEM)
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def issue_node_cert(
+    ca_key_pem: bytes,
+    ca_cert_pem: bytes,
+    node_id: str,
+    not_before: datetime.datetime | None = None,
+    days: float = NODE_CERT_DAYS,
+) -> tuple[bytes, bytes]:
+    """(key PEM, certificate PEM) for a node: a new key, and its certificate from the CA."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    return _pem_key(key), sign_node_cert(ca_key_pem, ca_cert_pem, node_id, key.public_key(), not_before, days)
+
+
+def make_request(node_id: str) -> tuple[bytes, bytes]:
+    """(key PEM, CSR DER) of a new key for `node_id`: what a node sends to be signed; the key stays here."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
+        .sign(key, hashes.SHA256())
+    )
+    return _pem_key(key), csr.public_bytes(serialization.Encoding.DER)
 
 
 @dataclass(frozen=True)
@@ -134,66 +176,180 @@ class MeshCredentials:
         return x509.load_pem_x509_certificate(self.cert_pem).not_valid_after_utc
 
 
-def init_mesh(data_dir: Path, node_id: str, name: str = "") -> MeshCredentials:
-    """Create a new mesh CA here and this node's certificate."""
+def _store(directory: Path, key_pem: bytes, cert_pem: bytes) -> None:
+    write_private(directory / "node.key", key_pem)
+    (directory / "node.pem").write_bytes(cert_pem)
+
+
+def init_mesh(data_dir: Path, node_id: str, name: str = "", *, days: float = NODE_CERT_DAYS) -> MeshCredentials:
+    """Create a new mesh here, with this node as its authority: the CA (whose key stays here) and
+    this node's certificate."""
     directory = mesh_dir(data_dir)
-    if (directory / "ca.key").exists():
-        raise CredentialsError(f"{directory} already holds a mesh; `kvmesh mesh export` prints it")
+    if (directory / "trust.pem").exists():
+        raise CredentialsError(
+            f"{directory} already belongs to a mesh; `kvmesh mesh status` says which (another data dir makes another)"
+        )
     key, cert = make_ca(name or node_id)
-    _write_private(directory / "ca.key", key)
+    write_private(directory / "ca.key", key)
     (directory / "trust.pem").write_bytes(cert)
-    return renew(data_dir, node_id)
+    return renew(data_dir, node_id, days=days)
 
 
 def export_bundle(data_dir: Path) -> str:
-    """The mesh secret as one line: give it to `kvmesh mesh join` on the user's other Macs only."""
-    directory = mesh_dir(data_dir)
+    """Gone: it copied the CA key to every member, so any member could make any identity."""
+    raise CredentialsError(
+        "the mesh CA key no longer leaves the authority: run `kvmesh mesh token` there and "
+        "`kvmesh mesh join TOKEN ADDRESS` on the new Mac"
+    )
+
+
+def read_authority(data_dir: Path) -> dict[str, str]:
+    """{"address": the authority's join address, "node_id": its node id}, as the join stored them."""
     try:
-        payload = {"ca_key": (directory / "ca.key").read_text(), "trust": (directory / "trust.pem").read_text()}
-    except FileNotFoundError:
-        raise CredentialsError(f"no mesh in {directory}: run `kvmesh mesh init` (or `join`) first") from None
-    return BUNDLE_PREFIX + base64.urlsafe_b64encode(json.dumps(payload).encode()).decode()
+        return json.loads((mesh_dir(data_dir) / AUTHORITY_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
 
 
-def join_mesh(data_dir: Path, node_id: str, bundle: str, replace: bool = False) -> MeshCredentials:
-    """Import a mesh exported on another Mac, and make this node's certificate.
+def write_authority(data_dir: Path, address: str, node_id: str) -> None:
+    (mesh_dir(data_dir) / AUTHORITY_FILE).write_text(json.dumps({"address": address, "node_id": node_id}))
+
+
+def join_mesh(
+    data_dir: Path, node_id: str, token: str, authority_address: str, *, replace: bool = False
+) -> MeshCredentials:
+    """Join the mesh whose authority made `token`, at `authority_address` (its join port): a new
+    key made here, its CSR signed there. The CA certificate the authority answers with must have
+    the token's fingerprint, and the certificate must be for this key and node.
 
     A node that already belongs to another mesh leaves it only with `replace`.
     """
-    try:
-        if not bundle.strip().startswith(BUNDLE_PREFIX):
-            raise ValueError("it does not start with " + BUNDLE_PREFIX)
-        payload = json.loads(base64.urlsafe_b64decode(bundle.strip()[len(BUNDLE_PREFIX) :]))
-        ca_key, trust = payload["ca_key"].encode(), payload["trust"].encode()
-        serialization.load_pem_private_key(ca_key, password=None)
-        x509.load_pem_x509_certificates(trust)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CredentialsError(f"not a kvmesh mesh bundle: {e}") from e
+    from kvmesh.net import authority, membership
+    from kvmesh.v1 import membership_pb2 as mpb
+
+    parsed = authority.JoinToken.parse(token)
     directory = mesh_dir(data_dir)
     if (directory / "trust.pem").exists() and not replace:
-        if (directory / "trust.pem").read_bytes() == trust:
-            return renew(data_dir, node_id)  # joining the same mesh again: a fresh certificate
         raise CredentialsError(
-            f"this node already belongs to another mesh ({directory}); `kvmesh mesh join --replace` leaves it "
-            "for the new one"
+            f"this node already belongs to a mesh ({directory}); `kvmesh mesh join --replace` leaves it for the new one"
         )
-    _write_private(directory / "ca.key", ca_key)
-    (directory / "trust.pem").write_bytes(trust)
-    return renew(data_dir, node_id)
+    address = join_address(authority_address)
+    key_pem, csr = make_request(node_id)
+    answer = membership.request_join(
+        address,
+        mpb.JoinRequest(
+            token_id=parsed.token_id, csr=csr, proof=authority.join_proof(parsed.secret, parsed.token_id, csr)
+        ),
+    )
+    _check_answer(answer.certificate, answer.trust, key_pem, node_id, parsed.ca_fingerprint)
+    if not hmac.compare_digest(authority.reply_proof(parsed.secret, answer.certificate, answer.trust), answer.proof):
+        raise CredentialsError(f"the answer from {address} does not match the token: it is not this mesh's authority")
+    return install(
+        data_dir, answer.trust, key_pem, answer.certificate, address, answer.authority_node_id, answer.revocations
+    )
+
+
+def install(
+    data_dir: Path,
+    trust_pem: bytes,
+    key_pem: bytes,
+    cert_pem: bytes,
+    authority_address: str,
+    authority_node_id: str,
+    revocations: bytes = b"",
+) -> MeshCredentials:
+    """Keep a new member's credentials (never a CA key), where its authority is, and the
+    revocation list it was given (if the CA signed it)."""
+    from kvmesh.net.revocation import RevocationList, write_list
+
+    directory = mesh_dir(data_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    # What belonged to the mesh it leaves (`--replace`), the CA key too when it was that mesh's authority.
+    for stale in ("revocations.json", AUTHORITY_FILE, "ca.key", "tokens.json", "members.json", "join.json"):
+        (directory / stale).unlink(missing_ok=True)
+    (directory / "trust.pem").write_bytes(trust_pem)
+    _store(directory, key_pem, cert_pem)
+    write_authority(data_dir, authority_address, authority_node_id)
+    if revocations:
+        signed = RevocationList.from_bytes(revocations)
+        signed.verify(trust_pem)
+        write_list(data_dir, signed)
+    return MeshCredentials(trust_pem, key_pem, cert_pem)
+
+
+def join_address(text: str) -> str:
+    """The authority's join address as a person types it: a host alone means its join port (7078)."""
+    from kvmesh.net.addresses import host_port, peer_address
+
+    address = peer_address(text)
+    host, port = address.rsplit(":", 1)
+    return address if text.strip().endswith(f":{port}") else host_port(host, DEFAULT_JOIN_PORT)
+
+
+def _check_answer(cert_pem: bytes, trust_pem: bytes, key_pem: bytes, node_id: str, fingerprint: bytes | None) -> None:
+    """CredentialsError unless `cert_pem` is `node_id`'s, for `key_pem`, signed by the CA in
+    `trust_pem` (whose fingerprint is `fingerprint`, when given: the join token's pin)."""
+    try:
+        cas = x509.load_pem_x509_certificates(trust_pem)
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as e:
+        raise CredentialsError(f"the authority answered with no valid certificate: {e}") from None
+    if fingerprint is not None and ca_fingerprint(trust_pem) != fingerprint:
+        raise CredentialsError(
+            "the mesh CA the authority sent is not the one the join token names: wrong address, or someone in between"
+        )
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    same_key = cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    ) == key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if not same_key or not names or names[0].value != node_id:
+        raise CredentialsError("the authority's certificate is not for this node's key and id")
+    for ca in cas:
+        try:
+            cert.verify_directly_issued_by(ca)
+            return
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+    raise CredentialsError("the authority's certificate is not signed by the mesh CA")
 
 
 def renew(data_dir: Path, node_id: str, *, days: float = NODE_CERT_DAYS) -> MeshCredentials:
-    """Issue this node a fresh certificate from the mesh CA, valid `days` (rotation: peers need
-    nothing new)."""
+    """A fresh certificate for this node, valid `days` (at most what the authority grants), with a
+    new key: the authority signs its own; a member asks the authority, signing the request with
+    its current key. Rotation: peers need nothing new."""
+    from kvmesh.net import authority, membership
+    from kvmesh.v1 import membership_pb2 as mpb
+
     directory = mesh_dir(data_dir)
-    ca_key = (directory / "ca.key").read_bytes()
     trust = (directory / "trust.pem").read_bytes()
-    # The CA that signs is the newest in the trust file (the last one).
-    signer = x509.load_pem_x509_certificates(trust)[-1].public_bytes(serialization.Encoding.PEM)
-    key, cert = issue_node_cert(ca_key, signer, node_id, days=days)
-    _write_private(directory / "node.key", key)
-    (directory / "node.pem").write_bytes(cert)
-    return MeshCredentials(trust, key, cert)
+    key_pem, csr = make_request(node_id)
+    if authority.is_authority(data_dir):
+        cert = authority.sign_own(data_dir, csr, days=days)
+    else:
+        current = load_credentials(data_dir)
+        where = read_authority(data_dir).get("address")
+        if current is None or not where:
+            raise CredentialsError(
+                f"{directory}: no record of where the mesh's authority is: `kvmesh mesh renew --authority HOST` "
+                "(the authority's address) renews through it"
+            )
+        old_key = serialization.load_pem_private_key(current.key_pem, password=None)
+        if not isinstance(old_key, ec.EllipticCurvePrivateKey):
+            raise CredentialsError(f"{directory}/node.key is not an EC key: join again (`kvmesh mesh join`)")
+        answer = membership.request_renewal(
+            where,
+            mpb.RenewRequest(
+                certificate=current.cert_pem,
+                csr=csr,
+                signature=old_key.sign(authority.RENEW_CONTEXT + csr, ec.ECDSA(hashes.SHA256())),
+                days=days,
+            ),
+        )
+        _check_answer(answer.certificate, trust, key_pem, node_id, None)
+        cert = answer.certificate
+    _store(directory, key_pem, cert)
+    return MeshCredentials(trust, key_pem, cert)
 
 
 def load_credentials(data_dir: Path) -> MeshCredentials | None:
@@ -227,7 +383,8 @@ def renew_if_due(
     """Load this node's credentials, first renewing a certificate that is missing or ends within
     `renew_before_days` (a week) with one valid `days` (30).
 
-    None if the node has joined no mesh. Renewing needs the CA key, which every member holds.
+    None if the node has joined no mesh. A member whose authority cannot be reached keeps its
+    current certificate while it lasts (a warning says so); CredentialsError once it has ended.
     """
     directory = mesh_dir(data_dir)
     if not (directory / "trust.pem").exists():
@@ -238,11 +395,15 @@ def renew_if_due(
         creds = None
     if not renewal_due(creds, renew_before_days=renew_before_days):
         return creds
-    if not (directory / "ca.key").exists():
-        raise CredentialsError(
-            f"{directory}: the node certificate is missing or ending and no CA key is here to renew it"
+    try:
+        return renew(data_dir, node_id, days=days)
+    except CredentialsError as e:
+        if creds is None or creds.expires <= _now():
+            raise
+        log.warning(
+            "cannot renew this node's certificate yet (it runs to %s): %s", f"{creds.expires:%Y-%m-%d %H:%M} UTC", e
         )
-    return renew(data_dir, node_id, days=days)
+        return creds
 
 
 class Membership(Protocol):
@@ -271,12 +432,19 @@ class RenewingCredentials:
         return self.current.expires
 
     def renew_if_due(self) -> bool:
-        """Renew the certificate if it ends within `renew_before_days`; True when it was."""
+        """Renew the certificate if it ends within `renew_before_days`; True when it changed (renewed
+        here, or by `kvmesh mesh renew` meanwhile). CredentialsError when it is due and the
+        authority cannot renew it (the caller logs it and tries again later; the old one holds)."""
         with self._lock:
-            renewed = renew_if_due(
-                self.data_dir, self.node_id, days=self.days, renew_before_days=self.renew_before_days
-            )
-            if renewed is None or renewed.cert_pem == self.current.cert_pem:
+            try:
+                on_disk = load_credentials(self.data_dir)
+            except CredentialsError:
+                on_disk = None
+            if on_disk is not None and not renewal_due(on_disk, renew_before_days=self.renew_before_days):
+                renewed = on_disk
+            else:
+                renewed = renew(self.data_dir, self.node_id, days=self.days)
+            if renewed.cert_pem == self.current.cert_pem:
                 return False
             self.current = renewed
             return True

@@ -11,10 +11,11 @@ limits.
 """
 
 import logging
+import resource
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from kvmesh.net.addresses import host_port
 from kvmesh.net.messages import accept, check_trailer, older_protocol, profile_from_proto, reject, trailer
 from kvmesh.net.policy import PeerLimits, Policy
 from kvmesh.net.timeouts import TIMEOUTS
-from kvmesh.net.transport import SERVER_OPTIONS, SERVICE_NAME, as_bytes, serialize
+from kvmesh.net.transport import SERVICE_NAME, as_bytes, serialize, server_options
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store
 from kvmesh.v1 import cache_pb2 as pb
@@ -53,6 +54,9 @@ ARTIFACT_PIECE_BYTES = 1 << 20
 M = TypeVar("M", bound=Message)
 # Worker threads no transfer may take: health checks, Info and Lookup always find one.
 RESERVED_WORKERS = 4
+# Descriptors left to everything but incoming connections: store files, the daemon's own channels
+# to its peers, mDNS sockets, gRPC's pipes.
+RESERVED_DESCRIPTORS = 128
 
 
 @dataclass
@@ -143,6 +147,33 @@ def next_within(requests: Iterator, seconds: float, context: grpc.ServicerContex
     return box["message"]
 
 
+class SendWatch:
+    """Cancels a streaming call whose peer takes no message for `idle` seconds: a receiver that
+    accepted a transfer and stopped reading (while its TCP stack still answers keepalive pings) would
+    otherwise hold a transfer slot for good. `sent()` after each message the peer took."""
+
+    def __init__(self, context: grpc.ServicerContext, idle: float, who: str):
+        self.context, self.idle, self.who = context, idle, who
+        self.last = time.monotonic()
+        self.cut = False
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="kvmesh-send-watch", daemon=True).start()
+
+    def sent(self) -> None:
+        self.last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(1.0, self.idle / 4)):
+            if time.monotonic() - self.last > self.idle:
+                self.cut = True
+                log.warning("%s took nothing for %.0f s (it stopped reading): transfer cut", self.who, self.idle)
+                self.context.cancel()
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+
+
 class KvMeshService(service_pb2_grpc.KvMeshServicer):
     def __init__(
         self,
@@ -173,11 +204,11 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         return peer
 
     @contextmanager
-    def _transfer(self, peer: str, context: grpc.ServicerContext):
-        """One of this peer's transfers, in one of the daemon's transfer slots."""
+    def _peer_slot(self, peer: str, context: grpc.ServicerContext):
+        """One of this peer's `peer_transfers`; taken before the call's first message is read, so a
+        peer's calls that never send one hold no more threads than its transfers may."""
         if peer == LOCAL:
-            with self.counters.slot(context):
-                yield
+            yield
             return
         if not self.limits.start_transfer(peer):
             log.warning("%s already runs %d transfers: refused", peer, self.policy.peer_transfers)
@@ -185,10 +216,20 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {self.policy.peer_transfers} transfers per peer"
             )
         try:
-            with self.counters.slot(context):
-                yield
+            yield
         finally:
             self.limits.end_transfer(peer)
+
+    @contextmanager
+    def _transfer(self, peer: str, context: grpc.ServicerContext):
+        """One of this peer's transfers, in one of the daemon's transfer slots."""
+        with self._peer_slot(peer, context), self.counters.slot(context):
+            yield
+
+    def _first(self, requests: Iterator, context: grpc.ServicerContext, what: str):
+        """A call's first message (a fetch's open, a publish's manifest): it goes with the call, so
+        one that takes longer than Timeouts.open_message is cut."""
+        return next_within(requests, min(TIMEOUTS.open_message, self.policy.idle_timeout), context, what)
 
     def Info(self, request, context):
         self._admit(context)
@@ -237,49 +278,60 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
     def Fetch(self, requests: Iterator[spb.FetchRequest], context) -> Iterator[spb.FetchResponse | bytes]:
         """Manifest first; after an accept, the chunk frames as raw messages, then the trailer."""
         peer = self._admit(context)
-        first = next_within(requests, self.policy.idle_timeout, context, "open")
-        if first is None or first.WhichOneof("msg") != "open":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a fetch starts with an open message")
-        opened = first.open
-        self.counters.add("fetches_started")
-        with self._transfer(peer, context):
-            found = self._open_cache(opened, context)
-            profile = profile_from_proto(opened.profile) if opened.HasField("profile") else None
-            rejection = older_protocol(opened.protocol_version, "the requester")
-            if rejection is None and isinstance(found, Rejection):
-                rejection = found
-            elif rejection is None and not isinstance(found, Rejection):
-                manifest, records = found
-                rejection = check_manifest(manifest, profile) if profile else None
-            if rejection:
-                self.counters.add("fetches_rejected")
-                log.info("refused %s to %s: %s", opened.cache_id, peer, rejection)
-                yield spb.FetchResponse(refused=reject(rejection))
-                return
-            yield spb.FetchResponse(manifest=manifest, protocol_version=PROTOCOL_VERSION)
-            reply = next_within(requests, self.policy.idle_timeout, context, "decision")
-            if reply is None or reply.WhichOneof("msg") != "decision":
-                self.counters.add("fetches_failed")
-                return
-            if not reply.decision.accept:
-                self.counters.add("fetches_rejected")
-                log.info("%s rejected %s: %s", peer, manifest.cache_id, reply.decision.message)
-                return
-            try:
-                for frame in records:  # stored as they travel: read, then sent
-                    yield frame
-                    self.counters.add("chunk_bytes_sent", len(frame) - FRAME_HEADER.size)
-            except (IntegrityError, StoreError) as e:
-                self.counters.add("fetches_failed")
-                log.error("cannot serve %s: %s", manifest.cache_id, e)
-                context.abort(grpc.StatusCode.DATA_LOSS, f"this peer's copy is damaged: {e}")
-            except GeneratorExit:
-                self.counters.add("fetches_failed")
-                log.info("fetch of %s by %s cancelled", manifest.cache_id, peer)
-                raise
-            # Counted before the trailer goes: the receiver may ask for Info as soon as it has it.
-            self.counters.add("fetches_completed")
-            yield spb.FetchResponse(trailer=trailer(manifest))
+        with self._peer_slot(peer, context):
+            first = self._first(requests, context, "open")
+            if first is None or first.WhichOneof("msg") != "open":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a fetch starts with an open message")
+            self.counters.add("fetches_started")
+            with self.counters.slot(context):
+                yield from self._serve_fetch(first.open, requests, peer, context)
+
+    def _serve_fetch(
+        self, opened: spb.FetchOpen, requests: Iterator[spb.FetchRequest], peer: str, context: grpc.ServicerContext
+    ) -> Iterator[spb.FetchResponse | bytes]:
+        """An opened fetch, in its transfer slot: the manifest (or a refusal), the receiver's decision,
+        then the chunks, each taken by the receiver within the idle timeout (SendWatch)."""
+        found = self._open_cache(opened, context)
+        profile = profile_from_proto(opened.profile) if opened.HasField("profile") else None
+        rejection = older_protocol(opened.protocol_version, "the requester")
+        if rejection is None and isinstance(found, Rejection):
+            rejection = found
+        elif rejection is None and not isinstance(found, Rejection):
+            manifest, records = found
+            rejection = check_manifest(manifest, profile) if profile else None
+        if rejection:
+            self.counters.add("fetches_rejected")
+            log.info("refused %s to %s: %s", opened.cache_id, peer, rejection)
+            yield spb.FetchResponse(refused=reject(rejection))
+            return
+        yield spb.FetchResponse(manifest=manifest, protocol_version=PROTOCOL_VERSION)
+        reply = next_within(requests, self.policy.idle_timeout, context, "decision")
+        if reply is None or reply.WhichOneof("msg") != "decision":
+            self.counters.add("fetches_failed")
+            return
+        if not reply.decision.accept:
+            self.counters.add("fetches_rejected")
+            log.info("%s rejected %s: %s", peer, manifest.cache_id, reply.decision.message)
+            return
+        watch = SendWatch(context, self.policy.idle_timeout, context.peer())
+        try:
+            for frame in records:  # stored as they travel: read, then sent
+                yield frame
+                watch.sent()
+                self.counters.add("chunk_bytes_sent", len(frame) - FRAME_HEADER.size)
+        except (IntegrityError, StoreError) as e:
+            self.counters.add("fetches_failed")
+            log.error("cannot serve %s: %s", manifest.cache_id, e)
+            context.abort(grpc.StatusCode.DATA_LOSS, f"this peer's copy is damaged: {e}")
+        except GeneratorExit:
+            self.counters.add("fetches_failed")
+            log.info("fetch of %s by %s %s", manifest.cache_id, peer, "cut" if watch.cut else "cancelled")
+            raise
+        finally:
+            watch.stop()
+        # Counted before the trailer goes: the receiver may ask for Info as soon as it has it.
+        self.counters.add("fetches_completed")
+        yield spb.FetchResponse(trailer=trailer(manifest))
 
     def Probe(self, request: spb.ProbeRequest, context) -> Iterator[bytes]:
         """`request.bytes` zero bytes (at most MAX_PROBE_BYTES), in 1 MiB messages: a link measurement."""
@@ -336,9 +388,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
     def Publish(self, requests: Iterator[bytes], context) -> Iterator[spb.PublishResponse]:
         """A manifest, this peer's decision, then (after an accept) raw chunk frames and a trailer."""
         peer = self._admit(context)
-        first = parse_message(
-            spb.PublishRequest, next_within(requests, self.policy.idle_timeout, context, "manifest"), context
-        )
+        first = parse_message(spb.PublishRequest, self._first(requests, context, "manifest"), context)
         if first.WhichOneof("msg") != "manifest":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a publish starts with a manifest")
         manifest = first.manifest
@@ -433,6 +483,15 @@ def add_service(service: KvMeshService, server: grpc.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]  # newer than grpc-stubs
 
 
+def connections_allowed(listeners: int) -> int:
+    """Incoming connections each of `listeners` may hold at once: what the descriptor limit leaves
+    after RESERVED_DESCRIPTORS, shared between the listeners (at least 16 each)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 16
+    return max(16, (soft - RESERVED_DESCRIPTORS) // max(1, listeners))
+
+
 def bind_problem(host: str, port: int) -> str | None:
     """Why `host:port` cannot be served (taken, not this machine's), found before gRPC tries and logs."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -466,15 +525,28 @@ def start_server(
     max_transfers: int = 4,
     policy: Policy | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    services: Sequence[Callable[[grpc.Server], None]] = (),
 ) -> RunningServer:
     """Serve the kvmesh service, standard health checking and reflection.
 
     Every address gets the same port: the first one's, when its port is 0 (any free port).
+    `interceptors` run before every call (membership: kvmesh.net.admission); `services` add more
+    services to the server (the Membership service).
     """
+    policy = policy or Policy()
+    listen = [addresses] if isinstance(addresses, str) else addresses
+    options = server_options(
+        connection_idle=policy.connection_idle,
+        max_connections=policy.max_connections or connections_allowed(len(listen)),
+    )
     # Calls beyond twice the worker threads are refused by gRPC itself, never queued without bound.
     workers = 4 * max_transfers + RESERVED_WORKERS
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS, maximum_concurrent_rpcs=2 * workers
+        futures.ThreadPoolExecutor(max_workers=workers),
+        options=options,
+        maximum_concurrent_rpcs=2 * workers,
+        interceptors=list(interceptors),
     )
     # Transfers, running or waiting, leave RESERVED_WORKERS threads to health checks, Info and Lookup.
     service = KvMeshService(
@@ -485,13 +557,15 @@ def start_server(
         max_waiting=workers - max_transfers - RESERVED_WORKERS,
     )
     add_service(service, server)
+    for add in services:
+        add(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = 0
-    for address in [addresses] if isinstance(addresses, str) else addresses:
+    for address in listen:
         host, wanted = address.rsplit(":", 1)
         target = host_port(host, port or wanted)
         if (port or int(wanted)) and (problem := bind_problem(host.strip("[]"), port or int(wanted))):

@@ -151,6 +151,8 @@ class Bridge(Namespaces):
 
 def make_mesh(server_dir: Path, client_dir: Path) -> None:
     """One mesh, made in `server_dir` and joined from `client_dir`: daemons off loopback need it."""
+    from kvmesh.net.authority import enrol
+    from kvmesh.net.node_id import node_id
+
     cli("mesh", "init", data_dir=server_dir)
-    bundle = cli("mesh", "export", data_dir=server_dir).stdout.strip()
-    cli("mesh", "join", bundle, data_dir=client_dir)
+    enrol(server_dir, client_dir, node_id(client_dir))  # as `mesh join` would, without the daemon running
