@@ -22,10 +22,12 @@ from kvmesh.caches.prefill import generate_from_cache, prefill
 from kvmesh.caches.presses import make_press
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import encode_cache
+from kvmesh.compression import compress, model_basis
 from kvmesh.daemon.control import DaemonProcess, control_status, live_peer_addresses, start_daemon
 from kvmesh.errors import CacheRejected, KvmeshError, PeerError
 from kvmesh.generation import fetch_cache, generate
 from kvmesh.model.fingerprint import FileHashCache, fingerprint
+from kvmesh.model.loaded import LoadedModel
 from kvmesh.model.testmodels import make_test_model
 from kvmesh.net.authority import enrol
 from kvmesh.net.client import PeerClient
@@ -33,6 +35,7 @@ from kvmesh.net.credentials import init_mesh, load_credentials
 from kvmesh.net.node_id import node_id
 from kvmesh.paths import store_dir
 from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import artifact_store
 
 NODES = ("A", "B", "C")
 
@@ -107,11 +110,9 @@ def run_demo(steps: int = 24) -> int:
                 f"and stored its cache ({cached.nbytes:,} bytes)"
             )
             snap = make_press("snapkv", {"ratio": 0.75, "kv_bits": 8})
-            CacheStore(store_dir(root / "C")).add(
-                *encode_cache(prefill(model, document, snap).cache, fp, document, snap)
-            )
+            store_c = CacheStore(store_dir(root / "C"))
+            snapped = store_c.add(*encode_cache(prefill(model, document, snap).cache, fp, document, snap))
             console.print("[bold]C[/] holds a snapkv-compressed copy (a quarter of the tokens, 8-bit)")
-
             start = time.perf_counter()
             reference = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=steps)]
             reference_s = time.perf_counter() - start
@@ -166,12 +167,27 @@ def run_demo(steps: int = 24) -> int:
                 rejected is not None and sent_after == sent_before,
             )
 
-            [entry] = CacheStore(store_dir(root / "C")).entries()
+            basis, _ = model_basis(store_c.root, LoadedModel(model, tokenizer, fp), tokens_per_text=256)
+            coded = compress(model, cached.cache, document, "default", basis)
+            transformed = store_c.add(*encode_cache(coded.cache, fp, document, tail_kl=coded.tail_kl))
+            console.print(
+                f"[bold]C[/] now holds a transform-coded copy too (`--compress`: the model's basis, "
+                f"{basis.nbytes:,} bytes, fitted on C; measured loss {coded.tail_kl:.4f} nats/token)"
+            )
+
             with PeerClient(daemons["C"].address, credentials=member["B"]) as c:
-                compressed = fetch_cache(c, entry.cache_id, ReceiverProfile(fp, prompt=prompt))
+                compressed = fetch_cache(c, snapped.cache_id, ReceiverProfile(fp, prompt=prompt))
+                store_b = CacheStore(store_dir(root / "B"))
+                small = fetch_cache(c, transformed.cache_id, ReceiverProfile(fp, prompt=prompt), store=store_b)
             tokens = [t for t, _ in generate_from_cache(model, compressed.cache, question, max_tokens=steps)]
             agree = sum(x == y for x, y in zip(tokens, reference))
             check("C's compressed cache arrives and generates", len(tokens) == steps)
+            coded_tokens = [t for t, _ in generate_from_cache(model, small.cache, question, max_tokens=steps)]
+            coded_agree = sum(x == y for x, y in zip(coded_tokens, reference))
+            check(
+                "C's transform-coded cache arrives after its basis and generates",
+                artifact_store(store_b.root).has(basis.digest) and len(coded_tokens) == steps,
+            )
 
             table = Table(title="the document's prefix: prefill here vs fetch from a peer")
             for column in ("how", "seconds", "bytes on the wire", "tokens = full prefill"):
@@ -191,6 +207,12 @@ def run_demo(steps: int = 24) -> int:
                 f"{compressed.seconds:.3f}",
                 f"{compressed.wire_bytes:,}",
                 f"{agree} / {steps}",
+            )
+            table.add_row(
+                "fetch transform-coded from C (+ basis once)",
+                f"{small.seconds:.3f}",
+                f"{small.wire_bytes:,}",
+                f"{coded_agree} / {steps}",
             )
             console.print(table)
         finally:
