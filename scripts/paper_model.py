@@ -133,7 +133,7 @@ def main() -> None:
         for row in table:
             out.add_row(*row)
         Console(width=140).print(out)
-    print(f"\nsources: {XIONGJIE}; {NORMIEBENCH} (see this script's docstring)")
+    print(f"\nsources: {XIONGJIE}; {NORMIEBENCH}; {MLX} (see this script's docstring)")
 
 
 if __name__ == "__main__":
