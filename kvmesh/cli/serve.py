@@ -1,4 +1,4 @@
-"""`kvmesh serve`: the OpenAI API over a local model, with the mesh as its prompt cache.
+"""`kvmesh serve`: the OpenAI and Anthropic APIs over a local model, with the mesh as its prompt cache.
 
 Its settings are `ServeOptions`' fields: the flags below, the config file's [serve] table and their
 help all come from there.
@@ -59,8 +59,11 @@ def add_commands(commands: Commands) -> None:
         commands,
         "serve",
         serve,
-        "serve the OpenAI API (chat and text completions) with the mesh as prompt cache",
-        description="Requests are served one at a time. Their prompt cache is memory, then the local store, "
+        "serve the OpenAI API (chat and text completions, Responses) and the Anthropic Messages API, with "
+        "the mesh as prompt cache",
+        description="Tool calls are read with mlx-lm's parser for the model's chat template, and forced (tool_choice "
+        "required, or a named function) or response_format held to a JSON schema by a grammar (llguidance). "
+        "Requests are served one at a time. Their prompt cache is memory, then the local store, "
         "then the mesh's peers (--peer, or the local daemon's); after each request its cache goes back to "
         "memory and, when long enough, to the store, where peers find it. A request's cache_salt (a random "
         "secret, as vLLM's) keeps its caches in memory under that salt only, never in the store: clients that "

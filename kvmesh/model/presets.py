@@ -25,6 +25,9 @@ class Preset:
     max_position_embeddings: int = 8192
     # Config keys of the family beyond the common ones (windows, linear-attention sizes, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+    # The chat template (a key of kvmesh.model.testmodels.CHAT_TEMPLATES): "chatml", or "chatml-tools",
+    # which renders tools, tool calls and tool results as Qwen 2.5 / Hermes models do.
+    chat_template: str = "chatml"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,23 @@ PRESETS = {
         64,
         512,
         "float32",
+    ),
+    # The tiny llama's weights and tokenizer, with a template that renders tools: mlx-lm infers its
+    # tool parser (json_tools) from the template, as it does for Qwen 2.5, so `kvmesh serve` can be
+    # tested with tool calls (forced by a grammar: random weights never choose one on their own).
+    "tiny-tools": Preset(
+        "llama like tiny, with a tool-calling chat template (Qwen 2.5 / Hermes <tool_call> JSON): for "
+        "the server's tool calls",
+        "llama",
+        256,
+        4,
+        512,
+        4,
+        2,
+        64,
+        512,
+        "float32",
+        chat_template="chatml-tools",
     ),
     "tiny-qwen3": Preset(
         "qwen3 (q/k norms), 3 layers, GQA 4 heads / 2 kv heads of 64: a second family for tests",

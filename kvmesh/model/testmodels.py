@@ -30,11 +30,48 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# ChatML with tools, as Qwen 2.5 and Hermes models render them: the tools' JSON in the system turn,
+# each call as `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` in the assistant's turn, the
+# results as `<tool_response>` in a user turn. mlx-lm infers the json_tools parser from it.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions. Their signatures are within <tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a JSON object with the function's name and arguments within "
+    '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    "\n</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}"
+    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "<|im_start|>assistant\n{% if message['content'] %}{{ message['content'] }}\n{% endif %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'
+    "{% if not loop.last %}{{ '\\n' }}{% endif %}"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "chatml-tools": TOOLS_CHAT_TEMPLATE}
+
 
 def preset_config(preset: Preset) -> dict:
     """The config.json of a preset, as mlx-lm and transformers expect it."""
     config = asdict(preset)
-    del config["description"], config["dtype"]
+    del config["description"], config["dtype"], config["chat_template"]
     config.update(config.pop("extra"))
     config.update(
         rms_norm_eps=1e-5,
@@ -67,7 +104,7 @@ def train_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def tokenizer_config() -> dict:
+def tokenizer_config(chat_template: str = CHAT_TEMPLATE) -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -76,7 +113,7 @@ def tokenizer_config() -> dict:
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 8192,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
 
 
@@ -105,7 +142,9 @@ def make_test_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0, dt
         save_model(tmp, model)
         save_config(config, tmp / "config.json")
         train_tokenizer(spec.vocab_size).save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps(tokenizer_config(CHAT_TEMPLATES[spec.chat_template]), indent=2) + "\n"
+        )
 
     return write_model_dir(out_dir, write)
 

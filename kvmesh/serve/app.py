@@ -1,9 +1,13 @@
-"""The OpenAI-compatible HTTP API of `kvmesh serve` (Starlette; streaming as server-sent events).
+"""The HTTP APIs of `kvmesh serve` (Starlette; streaming as server-sent events).
 
-Routes: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models and
-/health. Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the
-matching HTTP status, and never stop the server. `usage` carries `prompt_tokens_details.cached_tokens`
-(the prefix that was not prefilled) and a `kvmesh` object saying where it came from.
+Routes: POST /v1/chat/completions and /v1/completions (OpenAI), /v1/messages and
+/v1/messages/count_tokens (Anthropic), /v1/responses (OpenAI's Responses API), all streaming or not;
+GET /v1/models, /v1/models/{id} and /health. Each API's body becomes a `Turn`
+(kvmesh.serve.turns), which runs the same way for all; its module writes the answer back in the
+API's shape. Errors have the API's shape (OpenAI's `{"error": {"message", "type", "param", "code"}}`,
+Anthropic's `{"type": "error", "error": {...}}`) with the matching HTTP status, and never stop the
+server. `usage` carries the prefix that was not prefilled (`prompt_tokens_details.cached_tokens`,
+`cache_read_input_tokens`, `input_tokens_details.cached_tokens`), chat's a `kvmesh` object too.
 
 The event loop only moves bytes: a body's JSON and a prompt's tokens are made on a small pool of
 threads (a 30 MB prompt takes the tokenizer half a minute), so /health and every other request are
@@ -26,26 +30,18 @@ from typing import Any, TypeVar
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvmesh.serve.engine import Delta, Done, Engine, Job, Sampling
-
-
-class ApiError(Exception):
-    """A request the API refuses: an HTTP status and an OpenAI-shaped error."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        self.status, self.message, self.param, self.code = status, message, param, code
-        super().__init__(message)
-
-    def response(self) -> JSONResponse:
-        kind = {401: "authentication_error", 404: "invalid_request_error"}.get(self.status, "invalid_request_error")
-        if self.status >= 500:
-            kind = "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+from kvmesh.serve import anthropic, openai_api, responses
+from kvmesh.serve.api_errors import ApiError, refuse
+from kvmesh.serve.engine import Delta, Done, Engine, Job, Started, TokenLogprob
+from kvmesh.serve.grammar import GrammarError, Grammars, json_object_grammar, json_schema_grammar
+from kvmesh.serve.tools import CallSplitter, ToolCall, check_model_calls_tools, forced_call_grammar
+from kvmesh.serve.turns import Outcome, Text, Turn
 
 
 @dataclass(frozen=True)
@@ -56,16 +52,17 @@ class ServedModel:
     aliases: frozenset[str]
     context_length: int
 
+    def serves(self, name: str, claude_names: bool = False) -> bool:
+        """Whether `name` is this model. With `claude_names` (the Anthropic API), any "claude-..."
+        name is too: Claude Code asks for Claude models by name (its main and its small fast model),
+        and both are the one model served here."""
+        return name in self.aliases or (claude_names and name.startswith("claude"))
 
-def number(body: dict, name: str, kind: type, default: Any, low: float, high: float) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"{name} must be a{'n integer' if kind is int else ' number'}", name, "invalid_type")
-    if not low <= value <= high:
-        raise ApiError(400, f"{name} must be between {low} and {high}, not {value}", name, "invalid_value")
-    return kind(value)
+
+__all__ = ["ApiError", "ServedModel", "make_app"]
+
+# What a running turn yields: the prefix found, text, calls, and the end.
+Piece = Started | Text | ToolCall | Done
 
 
 # How often a non-streaming request that waits on its job checks that its client is still there.
@@ -115,33 +112,45 @@ def make_app(
     max_body_bytes: int = 32 << 20,
     read_timeout: float = 30.0,
     loopback: bool = True,
+    cors_origins: tuple[str, ...] = (),
 ) -> Starlette:
     """The ASGI application; requests go to `engine`, one at a time. A body over `max_body_bytes`
     is refused unread, one that pauses for `read_timeout` seconds gets a 408; on `loopback`,
-    requests under another Host or from another Origin are refused too."""
+    requests under another Host or from another Origin are refused too, except from `cors_origins`
+    ("*": any), which browsers may call (CORS)."""
     tokenizer = engine.tokenizer
+    vocab = len(tokenizer.get_vocab())
+    grammars = Grammars(tokenizer)
     parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="kvmesh-parse")
 
     async def off_loop(work: Callable[[], T]) -> T:
         """`work`'s result, made on a parsing thread while the loop serves others."""
         return await asyncio.get_running_loop().run_in_executor(parse_pool, work)
 
+    def origin_allowed(origin: str) -> bool:
+        return "*" in cors_origins or origin in cors_origins or host_name(origin) in LOOPBACK_NAMES
+
     def check(request: Request) -> None:
         if loopback:
             host = host_name(request.headers.get("host", ""))
             origin = request.headers.get("origin")
-            if host not in LOOPBACK_NAMES or (origin is not None and host_name(origin) not in LOOPBACK_NAMES):
+            if host not in LOOPBACK_NAMES or (origin is not None and not origin_allowed(origin)):
                 raise ApiError(
                     403,
                     "this server answers loopback requests only (Host and Origin must be 127.0.0.1, localhost "
-                    "or [::1]): serve with --host and --api-key to be reached otherwise",
+                    "or [::1], or an origin of --web-origin): serve with --host and --api-key to be reached "
+                    "otherwise",
                     code="forbidden",
                 )
         if api_key is None:
             return
+        # OpenAI's clients send `Authorization: Bearer`, Anthropic's `x-api-key` (Claude Code either).
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        given = given or request.headers.get("x-api-key", "").strip()
         if not secrets.compare_digest(given.encode(), api_key.encode()):
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+            raise ApiError(
+                401, "missing or wrong API key (Authorization: Bearer ..., or x-api-key)", code="invalid_api_key"
+            )
 
     async def read_body(request: Request) -> bytes:
         """The body, refused as soon as it is known to pass `max_body_bytes` (by its Content-Length,
@@ -177,7 +186,7 @@ def make_app(
             message = "nested too deep" if isinstance(e, RecursionError) else str(e)
             raise ApiError(400, f"the body is not valid JSON: {message}", code="invalid_json") from None
 
-    async def body_of(request: Request) -> dict:
+    async def body_of(request: Request, claude_names: bool = False) -> dict:
         check(request)
         raw = await read_body(request)
         body = await off_loop(lambda: parse(raw))
@@ -185,7 +194,7 @@ def make_app(
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
         if not isinstance(body.get("model"), str):
             raise ApiError(400, "model must be a string: the served model's name", "model", "invalid_type")
-        if body.get("model") not in model.aliases:
+        if not model.serves(body["model"], claude_names):
             raise ApiError(
                 404,
                 f"the model {body.get('model')!r} is not served here; this server serves {model.name!r}",
@@ -194,24 +203,34 @@ def make_app(
             )
         return body
 
-    def tokenize(body: dict, chat: bool) -> list[int]:
-        """The prompt's tokens (on a parsing thread: a long prompt takes seconds)."""
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-                raise ApiError(400, "messages must be a non-empty list of objects", "messages", "invalid_value")
-            try:
-                return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-            except Exception as e:  # the template's own error, about these messages
-                raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from None
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
-        return list(tokenizer.encode(prompt))
+    def render(turn: Turn) -> list[int]:
+        """The prompt's tokens: the chat through the template, tools and all (on a parsing thread:
+        a long prompt takes seconds)."""
+        if turn.messages is None:
+            return list(tokenizer.encode(turn.prompt or ""))
+        extra = {"tools": [t.spec for t in turn.tools]} if turn.tools else {}
+        try:
+            return list(tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, **extra))
+        except Exception as e:  # the template's own error, about these messages
+            raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from None
 
-    def job_of(body: dict, tokens: list[int]) -> Job:
-        maximum = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = number({"max_tokens": maximum}, "max_tokens", int, default_max_tokens, 1, 1 << 20)
+    def grammar_of(turn: Turn) -> str | None:
+        """The grammar the output is held to: a forced call's, else the response format's."""
+        check_model_calls_tools(tokenizer, turn.tools, turn.tool_choice)
+        forced = forced_call_grammar(tokenizer, turn.tools, turn.tool_choice)
+        if forced is not None:
+            return forced
+        if turn.response_format.kind == "json_object":
+            return json_object_grammar()
+        if turn.response_format.kind == "json_schema":
+            return json_schema_grammar(turn.response_format.schema or {})
+        return None
+
+    def job_of(turn: Turn) -> tuple[Job, CallSplitter]:
+        """The engine's job for `turn`, and the splitter that reads its calls (on a parsing thread:
+        rendering and compiling a grammar take a while)."""
+        tokens = render(turn)
+        max_tokens = turn.max_tokens or default_max_tokens
         if len(tokens) + max_tokens > model.context_length:
             raise ApiError(
                 400,
@@ -222,35 +241,34 @@ def make_app(
             )
         if not tokens:
             raise ApiError(400, "the prompt is empty", "prompt", "invalid_value")
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-            raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop", "invalid_value")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(400, "seed must be an integer", "seed", "invalid_type")
-        if seed is not None and not 0 <= seed < 1 << 63:  # what MLX's random seed takes
-            raise ApiError(400, f"seed must be between 0 and 2^63-1, not {seed}", "seed", "invalid_value")
-        if not isinstance(body.get("stream", False), bool):
-            raise ApiError(400, "stream must be true or false", "stream", "invalid_type")
-        options = body.get("stream_options")
-        if options is not None and (
-            not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)
-        ):
-            raise ApiError(
-                400,
-                'stream_options must be an object such as {"include_usage": true}',
-                "stream_options",
-                "invalid_type",
-            )
-        sampling = Sampling(
-            temperature=number(body, "temperature", float, 0.0, 0.0, 2.0),
-            top_p=number(body, "top_p", float, 1.0, 0.0, 1.0),
-            seed=seed,
+        try:
+            grammar = grammar_of(turn)
+            processor = grammars.processor(grammar) if grammar is not None else None
+        except GrammarError as e:
+            param = "tools" if turn.tool_choice.forced else "response_format"
+            raise refuse(f"the grammar cannot be made: {e}", param) from None
+        job = Job(
+            tokens,
+            max_tokens,
+            turn.sampling,
+            turn.stop,
+            partition=turn.partition,
+            processors=(lambda: [processor]) if processor is not None else None,
+            top_logprobs=turn.top_logprobs,
         )
-        return Job(tokens, max_tokens, sampling, stop, partition=cache_partition(body))
+        return job, CallSplitter(tokenizer, turn.tools, read_calls=turn.tool_choice.mode != "none")
 
-    def usage(done: Done) -> dict:
+    async def prepare(request: Request, make_turn: Callable[[dict], Turn], claude_names: bool = False):
+        """(body, turn, job, splitter) of a request, or the ApiError that refuses it."""
+        body = await body_of(request, claude_names)
+        turn = await off_loop(lambda: make_turn(body))  # (copies the messages: a long chat takes a while)
+        turn.partition = cache_partition(body)
+        job, splitter = await off_loop(lambda: job_of(turn))
+        if not engine.alive:
+            raise ApiError(503, "the generation thread has stopped; restart the server", code="unavailable")
+        return body, turn, job, splitter
+
+    def usage(done: Done, ignored: list[str] | None = None) -> dict:
         return {
             "prompt_tokens": done.prompt_tokens,
             "completion_tokens": done.completion_tokens,
@@ -263,6 +281,7 @@ def make_app(
                 "seconds": round(done.prefix_seconds, 4),
                 "skipped": done.skipped,
                 "choices": done.choices,
+                "ignored": ignored or [],
             },
         }
 
@@ -278,7 +297,9 @@ def make_app(
         engine.submit(job)
         return news
 
-    async def events(job: Job, news: asyncio.Event, request: Request | None = None) -> AsyncIterator[Delta | Done]:
+    async def events(
+        job: Job, news: asyncio.Event, request: Request | None = None
+    ) -> AsyncIterator[Started | Delta | Done]:
         """The job's events as they come. No thread waits on them: a client that leaves while its job
         is queued or running leaves nothing behind. With `request` (a non-streaming one), a client
         that went away is noticed within DISCONNECT_CHECK_S too."""
@@ -306,51 +327,99 @@ def make_app(
         finally:
             job.cancelled.set()  # a client that went away stops its generation, or skips it when queued
 
+    async def pieces(job: Job, splitter: CallSplitter, request: Request | None = None) -> AsyncIterator[Piece]:
+        """The job's answer as it comes: Started, then text and tool calls (read by `splitter`),
+        then Done. Each delta's log probabilities ride on its first text."""
+        news = start(job)
+        async for event in events(job, news, request):
+            if isinstance(event, Delta):
+                logprobs = event.logprobs
+                for piece in splitter.feed(event.text):
+                    if isinstance(piece, str):
+                        yield Text(piece, logprobs)
+                        logprobs = ()
+                    else:
+                        yield piece
+                if logprobs:
+                    yield Text("", logprobs)
+            elif isinstance(event, Done):
+                for piece in splitter.finish():
+                    yield Text(piece) if isinstance(piece, str) else piece
+                yield event
+            else:
+                yield event
+
+    async def collect(stream: AsyncIterator[Piece]) -> Outcome | None:
+        """The whole answer, or None when the client went away first."""
+        texts: list[str] = []
+        calls: list[ToolCall] = []
+        logprobs: list[TokenLogprob] = []
+        async for piece in stream:
+            if isinstance(piece, Text):
+                texts.append(piece.text)
+                logprobs.extend(piece.logprobs)
+            elif isinstance(piece, ToolCall):
+                calls.append(piece)
+            elif isinstance(piece, Done):
+                return Outcome("".join(texts), calls, logprobs, piece)
+        return None
+
+    def ignored_header(turn: Turn) -> dict[str, str]:
+        return {"x-kvmesh-ignored": ", ".join(turn.ignored)} if turn.ignored else {}
+
     async def complete(request: Request, chat: bool) -> Response:
         try:
-            body = await body_of(request)
-            tokens = await off_loop(lambda: tokenize(body, chat))
-            job = job_of(body, tokens)
-            if not engine.alive:
-                raise ApiError(503, "the generation thread has stopped; restart the server", code="unavailable")
+            body, turn, job, splitter = await prepare(
+                request,
+                lambda b: openai_api.chat_turn(b, vocab) if chat else openai_api.completion_turn(b, vocab),
+            )
         except ApiError as e:
             return e.response()
-        news = start(job)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-
-        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
-            if not chat:
-                return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            if delta:
-                return {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": text} if text is not None else {},
-                    "finish_reason": finish,
-                }
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        headers = ignored_header(turn)
 
         if not body.get("stream"):
             try:
-                parts, done = [], None
-                async for event in events(job, news, request):
-                    if isinstance(event, Delta):
-                        parts.append(event.text)
-                    else:
-                        done = event
+                outcome = await collect(pieces(job, splitter, request))
             except ApiError as e:
                 return e.response()
-            assert done is not None
+            if outcome is None:
+                return Response(status_code=499)  # nobody reads it
+            done = outcome.done
+            if chat:
+                content = outcome.text if outcome.text or not outcome.calls else None  # OpenAI's null
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if outcome.calls:
+                    message["tool_calls"] = openai_api.tool_calls_json(outcome.calls)
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": openai_api.chat_finish(done.finish_reason, len(outcome.calls)),
+                    "logprobs": openai_api.chat_logprobs(tokenizer, outcome.logprobs)
+                    if turn.top_logprobs is not None
+                    else None,
+                }
+            else:
+                choice = {
+                    "index": 0,
+                    "text": outcome.text,
+                    "finish_reason": done.finish_reason,
+                    "logprobs": openai_api.completion_logprobs(tokenizer, outcome.logprobs)
+                    if turn.top_logprobs is not None
+                    else None,
+                }
             return JSONResponse(
                 {
                     "id": ident,
                     "object": kind,
                     "created": created,
                     "model": body["model"],
-                    "choices": [choice("".join(parts), done.finish_reason, delta=False)],
-                    "usage": usage(done),
-                }
+                    "choices": [choice],
+                    "usage": usage(done, turn.ignored),
+                },
+                headers=headers,
             )
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -369,19 +438,44 @@ def make_app(
                     }
                 )
 
+            calls, offset = 0, 0
             try:
-                async for event in events(job, news):
-                    if isinstance(event, Delta):
-                        yield chunk([choice(event.text, None, delta=True)])
-                    else:
-                        yield chunk([choice(None if chat else "", event.finish_reason, delta=True)])
+                async for piece in pieces(job, splitter):
+                    if isinstance(piece, Text):
+                        delta: dict[str, Any]
+                        if chat:
+                            delta = {"role": "assistant", "content": piece.text}
+                            lp = openai_api.chat_logprobs(tokenizer, list(piece.logprobs))
+                            one = {"index": 0, "delta": delta, "finish_reason": None}
+                        else:
+                            lp = openai_api.completion_logprobs(tokenizer, list(piece.logprobs), offset)
+                            one = {"index": 0, "text": piece.text, "finish_reason": None}
+                        one["logprobs"] = lp if turn.top_logprobs is not None else None
+                        offset += len(piece.text)
+                        yield chunk([one])
+                    elif isinstance(piece, ToolCall):
+                        delta = {
+                            "role": "assistant",
+                            "content": None,
+                            "tool_calls": openai_api.tool_calls_json([piece], calls, streaming=True),
+                        }
+                        calls += 1
+                        yield chunk([{"index": 0, "delta": delta, "finish_reason": None}])
+                    elif isinstance(piece, Done):
+                        finish = openai_api.chat_finish(piece.finish_reason, calls) if chat else piece.finish_reason
+                        last: dict[str, Any] = {"index": 0, "finish_reason": finish}
+                        if chat:
+                            last["delta"] = {}
+                        else:
+                            last["text"] = ""
+                        yield chunk([last])
                         if include_usage:
-                            yield chunk([], {"usage": usage(event)})
+                            yield chunk([], {"usage": usage(piece, turn.ignored)})
             except ApiError as e:
                 yield json.dumps({"error": {"message": e.message, "type": "server_error", "code": e.code}})
             yield "[DONE]"
 
-        return EventSourceResponse(stream(), ping=15)
+        return EventSourceResponse(stream(), ping=15, headers=headers)
 
     async def chat_completions(request: Request) -> Response:
         return await complete(request, chat=True)
@@ -389,19 +483,72 @@ def make_app(
     async def completions(request: Request) -> Response:
         return await complete(request, chat=False)
 
+    async def messages(request: Request) -> Response:
+        """The Anthropic Messages API (kvmesh.serve.anthropic)."""
+        try:
+            body, turn, job, splitter = await prepare(request, lambda b: anthropic.turn_of(b, vocab), claude_names=True)
+        except ApiError as e:
+            return anthropic.error_response(e)
+        ident = f"msg_{uuid.uuid4().hex[:24]}"
+        headers = ignored_header(turn)
+        if not body.get("stream"):
+            try:
+                outcome = await collect(pieces(job, splitter, request))
+            except ApiError as e:
+                return anthropic.error_response(e)
+            if outcome is None:
+                return Response(status_code=499)
+            return JSONResponse(anthropic.message_of(outcome, body["model"], ident), headers=headers)
+        sse = anthropic.events(pieces(job, splitter), body["model"], ident)
+        return EventSourceResponse(sse, ping=15, headers=headers)
+
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's token count: the prompt as this server would render it."""
+        try:
+            body = await body_of(request, claude_names=True)
+            turn = anthropic.turn_of({**body, "max_tokens": body.get("max_tokens", 1)}, vocab)
+            tokens = await off_loop(lambda: render(turn))
+        except ApiError as e:
+            return anthropic.error_response(e)
+        return JSONResponse({"input_tokens": len(tokens)})
+
+    async def responses_api(request: Request) -> Response:
+        """OpenAI's Responses API (kvmesh.serve.responses)."""
+        try:
+            body, turn, job, splitter = await prepare(request, lambda b: responses.turn_of(b, vocab))
+        except ApiError as e:
+            return e.response()
+        answer = responses.Answer(body, f"resp_{uuid.uuid4().hex}", int(time.time()))
+        headers = ignored_header(turn)
+        if not body.get("stream"):
+            try:
+                outcome = await collect(pieces(job, splitter, request))
+            except ApiError as e:
+                return e.response()
+            if outcome is None:
+                return Response(status_code=499)
+            return JSONResponse(answer.complete(outcome), headers=headers)
+        return EventSourceResponse(answer.events(pieces(job, splitter)), ping=15, headers=headers)
+
+    def model_object() -> dict:
+        return {"id": model.name, "object": "model", "created": 0, "owned_by": "kvmesh"}
+
     async def models(request: Request) -> Response:
         try:
             check(request)
         except ApiError as e:
             return e.response()
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {"id": model.name, "object": "model", "created": 0, "owned_by": "kvmesh"},
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [model_object()]})
+
+    async def model_detail(request: Request) -> Response:
+        try:
+            check(request)
+            name = request.path_params["name"]
+            if not model.serves(name):
+                raise ApiError(404, f"the model {name!r} is not served here", "model", "model_not_found")
+        except ApiError as e:
+            return e.response()
+        return JSONResponse({**model_object(), "id": name})
 
     async def health(request: Request) -> Response:
         if not engine.alive:
@@ -414,9 +561,24 @@ def make_app(
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/responses", responses_api, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model_detail, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    middleware = []
+    if cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["*"],
+                expose_headers=["x-kvmesh-ignored"],
+            )
+        )
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: not_found})
     app.state.parse_pool = parse_pool  # the server shuts it down with itself
     return app

@@ -64,6 +64,15 @@ class ServeOptions:
         const="default",
     )
     fetch: str = setting("auto", help=FETCH_HELP, choices=FETCH_MODES)
+    # Browsers call another origin's API only when it answers CORS; off by default, since a page's
+    # script is exactly what the loopback Origin check keeps out.
+    web_origins: tuple[str, ...] = setting(
+        (),
+        help="let web pages of this origin (e.g. http://localhost:3000) call the API from a browser (CORS); "
+        '"*" for any, which needs an API key',
+        flag="--web-origin",
+        metavar="ORIGIN",
+    )
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "min_store_tokens", "max_tokens", "max_body_bytes", "max_connections"):
@@ -75,6 +84,8 @@ class ServeOptions:
         if self.local_daemon_cache < 0:
             raise ConfigError(f"local_daemon_cache must be 0 seconds or more, not {self.local_daemon_cache}")
         check_choices(self)
+        if "*" in self.web_origins and not self.api_key:
+            raise ConfigError('web_origins "*" lets any web page call the API: it needs an API key')
         object.__setattr__(self, "peers", tuple(peer_address(p) for p in self.peers))  # `localhost` dials :7077
 
 

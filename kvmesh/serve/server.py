@@ -11,6 +11,7 @@ from typing import Any
 import uvicorn
 
 from kvmesh.caches.presses import Press
+from kvmesh.codec.calibration import NothingToCode
 from kvmesh.compression import model_basis
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import Rates
@@ -78,8 +79,12 @@ def serve(
     if options.compress != "none" and store is not None:
         if artifact_store(store.root).model_basis(fp.model_id) is None:
             log.info("calibrating the transform codec for %s (once)", fp.model_id)
-        basis, _ = model_basis(store.root, loaded)
-        prompt_cache.compress_with(Press(), model, level=options.compress, basis=basis)
+        try:
+            basis, _ = model_basis(store.root, loaded)
+        except NothingToCode as e:
+            log.warning("--compress changes nothing for this model (%s): caches are kept as they are", e)
+        else:
+            prompt_cache.compress_with(Press(), model, level=options.compress, basis=basis)
     engine = Engine(model, tokenizer, prompt_cache)
     name = Path(model_path).name or model_path
     served = ServedModel(
@@ -95,6 +100,7 @@ def serve(
         max_body_bytes=options.max_body_bytes,
         read_timeout=options.read_timeout,
         loopback=is_loopback(options.host),
+        cors_origins=options.web_origins,
     )
     server, backlog = http_server(app, options)
     sock = listen(options.host, options.port, backlog)

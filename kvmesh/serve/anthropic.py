@@ -1,0 +1,301 @@
+"""The Anthropic Messages API (`POST /v1/messages`), as Turns and back: what Claude Code speaks.
+
+A request's `system` (a string or text blocks), its messages' content blocks (text, `tool_use` in
+the assistant's turns, `tool_result` in the user's), `tools` (`input_schema`), `tool_choice` (auto,
+any, tool, none), `stop_sequences`, `max_tokens`, `temperature`, `top_p`, `top_k` and `stream` are
+served; the chat is handed to the model's template in OpenAI's shape (which templates are written
+for), so the same conversation renders to the same tokens through either API. Any "claude-..."
+model name is the served model (kvmesh.serve.app.ServedModel.serves).
+
+`usage` counts as Anthropic's does: `input_tokens` are those prefilled now, `cache_read_input_tokens`
+those a cache held (memory, the store or a peer), `cache_creation_input_tokens` 0 (every prompt's
+cache is kept, at no extra cost). Accepted without effect: `metadata`, `thinking` (no thinking is
+produced; earlier thinking blocks are dropped from the history), `service_tier`,
+`context_management`, `cache_control` on blocks (caching is automatic), and fields this server
+does not know; refused: images and documents, server tools, `mcp_servers`, `container`.
+"""
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from kvmesh.serve.api_errors import ApiError, refuse
+from kvmesh.serve.engine import Done, Sampling, Started
+from kvmesh.serve.tools import Tool, ToolCall, ToolChoice, checked, function_tool, template_messages, unique
+from kvmesh.serve.turns import Outcome, Text, Turn, number, stop_strings
+
+SERVED = {
+    "model",
+    "messages",
+    "system",
+    "tools",
+    "tool_choice",
+    "max_tokens",
+    "stop_sequences",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
+}
+REFUSED = {
+    "mcp_servers": "MCP servers are not served",
+    "container": "containers are not served",
+}
+# Anthropic's error types by HTTP status.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    """`e` in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`."""
+    return JSONResponse(error_body(e), status_code=e.status)
+
+
+def error_body(e: ApiError) -> dict:
+    kind = ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def block_text(content: Any, param: str) -> str:
+    """A string, or the text of text blocks (`cache_control` and the like have no effect here)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
+        return "\n".join(str(b.get("text", "")) for b in content)
+    raise refuse(f"{param} must be a string or text blocks (images and documents are not served)", param)
+
+
+def chat_of(body: dict) -> list[dict]:
+    """The conversation as OpenAI-shaped messages: `tool_use` blocks as an assistant's `tool_calls`,
+    each `tool_result` as a `tool` message, in the order the blocks come."""
+    out: list[dict] = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": block_text(body["system"], "system")})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise refuse("messages must be a non-empty list of objects", "messages")
+    for message in messages:
+        role, content = message.get("role"), message.get("content")
+        if role not in ("user", "assistant"):
+            raise refuse(f'a message\'s role must be "user" or "assistant", not {role!r}', "messages")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
+            raise refuse("content must be a string or a list of blocks", "messages", "invalid_type")
+        if role == "assistant":
+            out.append(assistant_message(content))
+        else:
+            out.extend(user_messages(content))
+    return out
+
+
+def assistant_message(blocks: list[dict]) -> dict:
+    text, calls = [], []
+    for block in blocks:
+        kind = block.get("type")
+        if kind == "text":
+            text.append(str(block.get("text", "")))
+        elif kind == "tool_use":
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block.get("name"), "arguments": block.get("input") or {}},
+                }
+            )
+        elif kind not in ("thinking", "redacted_thinking"):  # this model's own: none to render
+            raise refuse(f"an assistant's {kind!r} block is not served", "messages")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def user_messages(blocks: list[dict]) -> list[dict]:
+    out: list[dict] = []
+    text: list[str] = []
+
+    def flush() -> None:
+        if text:
+            out.append({"role": "user", "content": "\n".join(text)})
+            text.clear()
+
+    for block in blocks:
+        kind = block.get("type")
+        if kind == "text":
+            text.append(str(block.get("text", "")))
+        elif kind == "tool_result":
+            flush()
+            result = block.get("content", "")
+            content = block_text(result, "tool_result.content") if result is not None else ""
+            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
+        else:
+            raise refuse(f"a user's {kind!r} block is not served (text and tool_result are)", "messages")
+    flush()
+    return out
+
+
+def tools_of(value: Any) -> list[Tool]:
+    """Anthropic's tools: `{"name", "description", "input_schema"}` (client tools only)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise refuse("tools must be a list of objects", "tools", "invalid_type")
+    tools = []
+    for tool in value:
+        if tool.get("type", "custom") != "custom":
+            raise refuse(f"server tools ({tool.get('type')!r}) are not served; client tools are", "tools")
+        tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), "tools"))
+    return unique(tools, "tools")
+
+
+def tool_choice_of(value: Any, tools: list[Tool]) -> ToolChoice:
+    """`{"type": "auto" | "any" | "tool" | "none", "name"}`: "any" and "tool" force a call."""
+    if value is None:
+        return ToolChoice("auto" if tools else "none")
+    if not isinstance(value, dict) or value.get("type") not in ("auto", "any", "tool", "none"):
+        raise refuse('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
+    mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[value["type"]]
+    return checked(ToolChoice(mode, value.get("name") if mode == "function" else None), tools, "tool_choice")
+
+
+def turn_of(body: dict, vocab: int) -> Turn:
+    """A Messages body as a Turn."""
+    for name, why in REFUSED.items():
+        if body.get(name):
+            raise refuse(why, name, "unsupported_value")
+    if not isinstance(body.get("stream", False), bool):
+        raise refuse("stream must be true or false", "stream", "invalid_type")
+    if body.get("max_tokens") is None:
+        raise refuse("max_tokens is required", "max_tokens")
+    tools = tools_of(body.get("tools"))
+    return Turn(
+        messages=template_messages(chat_of(body)),
+        tools=tools,
+        tool_choice=tool_choice_of(body.get("tool_choice"), tools),
+        max_tokens=number(body, "max_tokens", int, None, 1, 1 << 20),
+        stop=stop_strings(body.get("stop_sequences"), "stop_sequences", limit=64),
+        sampling=sampling(body, vocab),
+        ignored=sorted(k for k in body if k not in SERVED),
+    )
+
+
+def sampling(body: dict, vocab: int) -> Sampling:
+    """Anthropic's sampling fields (its temperature goes to 1), for mlx-lm's sampler."""
+    return Sampling(
+        temperature=number(body, "temperature", float, 0.0, 0.0, 1.0),
+        top_p=number(body, "top_p", float, 1.0, 0.0, 1.0),
+        top_k=number(body, "top_k", int, 0, 0, vocab),
+    )
+
+
+def stop_reason(done: Done, calls: int) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence."""
+    if done.finish_reason == "length":
+        return "max_tokens", None
+    if done.stop_string is not None:
+        return "stop_sequence", done.stop_string
+    return ("tool_use" if calls else "end_turn"), None
+
+
+def usage(prompt_tokens: int, cached: int, output: int) -> dict:
+    return {
+        "input_tokens": prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output,
+    }
+
+
+def tool_use(call: ToolCall) -> dict:
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        arguments = {}
+    return {"type": "tool_use", "id": f"toolu_{call.id}", "name": call.name, "input": arguments}
+
+
+def message_of(outcome: Outcome, model: str, ident: str) -> dict:
+    """The whole answer as a Message."""
+    done = outcome.done
+    content: list[dict] = [{"type": "text", "text": outcome.text}] if outcome.text else []
+    content += [tool_use(c) for c in outcome.calls]
+    reason, sequence = stop_reason(done, len(outcome.calls))
+    return {
+        "id": ident,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens),
+    }
+
+
+def event(kind: str, data: dict) -> dict:
+    """One server-sent event as sse-starlette sends it: Anthropic names each by its type."""
+    return {"event": kind, "data": json.dumps({"type": kind, **data})}
+
+
+async def events(pieces: AsyncIterator[Any], model: str, ident: str) -> AsyncIterator[dict]:
+    """The answer as Anthropic's stream: message_start (with the cached tokens, known once the
+    prefix is found), then per block content_block_start, its deltas (text_delta, or the call's
+    arguments as one input_json_delta) and content_block_stop, then message_delta (stop_reason,
+    usage) and message_stop."""
+    index, open_text, calls = 0, False, 0
+    try:
+        async for piece in pieces:
+            if isinstance(piece, Started):
+                message: dict[str, Any] = {
+                    "id": ident,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": usage(piece.prompt_tokens, piece.cached_tokens, 0),
+                }
+                yield event("message_start", {"message": message})
+            elif isinstance(piece, Text) and piece.text:
+                if not open_text:
+                    yield event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+                    open_text = True
+                yield event(
+                    "content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece.text}}
+                )
+            elif isinstance(piece, ToolCall):
+                if open_text:
+                    yield event("content_block_stop", {"index": index})
+                    index, open_text = index + 1, False
+                block = {**tool_use(piece), "input": {}}
+                yield event("content_block_start", {"index": index, "content_block": block})
+                delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+                yield event("content_block_delta", {"index": index, "delta": delta})
+                yield event("content_block_stop", {"index": index})
+                index, calls = index + 1, calls + 1
+            elif isinstance(piece, Done):
+                if open_text:
+                    yield event("content_block_stop", {"index": index})
+                reason, sequence = stop_reason(piece, calls)
+                yield event(
+                    "message_delta",
+                    {
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                        "usage": usage(piece.prompt_tokens, piece.cached_tokens, piece.completion_tokens),
+                    },
+                )
+                yield event("message_stop", {})
+    except ApiError as e:
+        yield {"event": "error", "data": json.dumps(error_body(e))}

@@ -1,0 +1,204 @@
+"""OpenAI's chat completions and completions, as Turns and back.
+
+Every field of those APIs is served, refused with a 400 that says why, or accepted as having no
+effect here and named in the response's `x-kvmesh-ignored` header (and `usage.kvmesh.ignored`):
+- served: messages (content parts, the `developer` role), tools, tool_choice, response_format,
+  max_tokens/max_completion_tokens, stop, temperature, top_p, seed, presence_penalty and
+  frequency_penalty (mlx-lm's, over the last 20 tokens), logit_bias, logprobs/top_logprobs, stream,
+  stream_options.include_usage, cache_salt; and the usual extras top_k, min_p, repetition_penalty;
+- refused: `n` or `best_of` other than 1, `echo`, `suffix`, audio output, predicted outputs, the
+  legacy `functions`;
+- no effect: `user`, `metadata`, `store` (nothing is kept), `service_tier`, `prompt_cache_key`
+  (the cache is found by prefix), `safety_identifier`, `parallel_tool_calls` (a forced call is one
+  call; otherwise the model's calls are all read), `reasoning_effort`, `stream_options.include_obfuscation`,
+  and any field this server does not know.
+"""
+
+from typing import Any
+
+from kvmesh.serve.api_errors import refuse
+from kvmesh.serve.engine import TokenLogprob
+from kvmesh.serve.tools import ToolCall, ToolChoice, openai_tool_choice, openai_tools, template_messages
+from kvmesh.serve.turns import Turn, number, response_format_of, sampling_of, stop_strings
+
+SERVED = {
+    "model",
+    "messages",
+    "prompt",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "stream_options",
+    "cache_salt",
+    "n",
+    "best_of",
+    "echo",
+}
+REFUSED = {
+    "audio": "audio output is not served",
+    "prediction": "predicted outputs are not served",
+    "functions": "the legacy `functions` are not served: send `tools`",
+    "function_call": "the legacy `function_call` is not served: send `tool_choice`",
+    "suffix": "suffix (insertion) is not served",
+    "web_search_options": "web search is not served",
+}
+
+
+def ignored_fields(body: dict, served: set[str]) -> list[str]:
+    """The fields of `body` that change nothing here (known ones such as `user`, and unknown ones)."""
+    return sorted(k for k in body if k not in served)
+
+
+def refuse_unserved(body: dict, chat: bool) -> None:
+    for name, why in REFUSED.items():
+        if body.get(name) is not None and not (name == "suffix" and chat):
+            raise refuse(why, name, "unsupported_value")
+    for name in ("n", "best_of"):
+        if body.get(name) not in (None, 1):
+            raise refuse(
+                f"{name} must be 1: one choice per request (send the request again for another)",
+                name,
+                "unsupported_value",
+            )
+    if body.get("echo"):
+        raise refuse("echo is not served", "echo", "unsupported_value")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise refuse('modalities must be ["text"]', "modalities", "unsupported_value")
+
+
+def stream_options_of(body: dict) -> bool:
+    """stream_options.include_usage (include_obfuscation is accepted: there is no padding to add)."""
+    if not isinstance(body.get("stream", False), bool):
+        raise refuse("stream must be true or false", "stream", "invalid_type")
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if (
+        not isinstance(options, dict)
+        or not isinstance(options.get("include_usage", False), bool)
+        or set(options) - {"include_usage", "include_obfuscation"}
+    ):
+        raise refuse(
+            'stream_options must be an object such as {"include_usage": true}', "stream_options", "invalid_type"
+        )
+    return bool(options.get("include_usage"))
+
+
+def max_tokens_of(body: dict) -> int | None:
+    maximum = body.get("max_completion_tokens", body.get("max_tokens"))
+    return number({"max_tokens": maximum}, "max_tokens", int, None, 1, 1 << 20)
+
+
+def chat_turn(body: dict, vocab: int) -> Turn:
+    """A chat completions body as a Turn (its messages ready for the template)."""
+    refuse_unserved(body, chat=True)
+    stream_options_of(body)
+    tools = openai_tools(body.get("tools"))
+    top: int | None = None
+    if not isinstance(body.get("logprobs", False), bool):
+        raise refuse("logprobs must be true or false (chat completions)", "logprobs", "invalid_type")
+    if body.get("logprobs"):
+        top = number(body, "top_logprobs", int, 0, 0, 20)
+    elif body.get("top_logprobs") is not None:
+        raise refuse("top_logprobs needs logprobs: true", "top_logprobs")
+    return Turn(
+        messages=template_messages(body.get("messages")),
+        tools=tools,
+        tool_choice=openai_tool_choice(body.get("tool_choice"), tools),
+        response_format=response_format_of(body.get("response_format")),
+        max_tokens=max_tokens_of(body),
+        stop=stop_strings(body.get("stop")),
+        sampling=sampling_of(body, vocab),
+        top_logprobs=top,
+        ignored=ignored_fields(body, SERVED),
+    )
+
+
+def completion_turn(body: dict, vocab: int) -> Turn:
+    """A completions body as a Turn: a raw prompt, no template."""
+    refuse_unserved(body, chat=False)
+    stream_options_of(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise refuse("prompt must be a string (one prompt per request)", "prompt", "invalid_type")
+    logprobs = number(body, "logprobs", int, None, 0, 20)
+    return Turn(
+        prompt=prompt,
+        tool_choice=ToolChoice("none"),
+        response_format=response_format_of(body.get("response_format")),
+        max_tokens=max_tokens_of(body),
+        stop=stop_strings(body.get("stop")),
+        sampling=sampling_of(body, vocab),
+        top_logprobs=logprobs,
+        ignored=ignored_fields(body, SERVED),
+    )
+
+
+def tool_calls_json(calls: list[ToolCall], first_index: int = 0, streaming: bool = False) -> list[dict]:
+    """OpenAI's `tool_calls` (with their `index` when streamed)."""
+    out = []
+    for i, call in enumerate(calls):
+        entry: dict[str, Any] = {
+            "id": f"call_{call.id}",
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        if streaming:
+            entry["index"] = first_index + i
+        out.append(entry)
+    return out
+
+
+def chat_finish(finish: str, calls: int) -> str:
+    """The finish reason: "tool_calls" when the turn ended on its own after a call (as mlx-lm's server says)."""
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> dict:
+    """Chat's `logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`."""
+
+    def one(token: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(tokenizer: Any, entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """Completions' `logprobs`: tokens, their log probabilities, the top ones, text offsets."""
+    tokens = [token_text(tokenizer, e.token) for e in entries]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }

@@ -1,0 +1,298 @@
+"""OpenAI's Responses API (`POST /v1/responses`), as Turns and back: what Codex CLI speaks.
+
+Served: `input` (a string, or items: messages with `input_text`/`output_text` parts, the model's
+`function_call`s and their `function_call_output`s), `instructions` (the system message), function
+`tools`, `tool_choice`, `text.format` (json_object, json_schema), `max_output_tokens`,
+`temperature`, `top_p`, `stream` (the API's typed events). The history is rendered through the
+chat template as chat completions' would be: an assistant message and the calls after it are one
+assistant turn, as the model wrote them, so the next prompt extends the last.
+
+This server keeps no responses: `previous_response_id` and `conversation` are refused (send the
+whole input, as Codex CLI does with `store: false`), and `store` has no effect. Also without
+effect: `include`, `reasoning` (no reasoning is produced; earlier reasoning items are dropped),
+`parallel_tool_calls`, `prompt_cache_key` (the cache is found by prefix), `metadata`, `user`,
+`service_tier`, `truncation`, `safety_identifier`, `text.verbosity`, and fields this server does
+not know. Refused: tools other than functions, images and files, `background`, `top_logprobs`.
+"""
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.serve.api_errors import ApiError, refuse
+from kvmesh.serve.engine import Done
+from kvmesh.serve.tools import Tool, ToolCall, function_tool, openai_tool_choice, template_messages, unique
+from kvmesh.serve.turns import Outcome, Text, Turn, number, response_format_of, sampling_of
+
+SERVED = {
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "text",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+}
+REFUSED = {
+    "previous_response_id": "this server keeps no responses: send the whole conversation as input",
+    "conversation": "this server keeps no conversations: send the whole conversation as input",
+    "background": "background responses are not served",
+    "top_logprobs": "log probabilities are served on /v1/chat/completions and /v1/completions",
+}
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def part_text(content: Any, param: str) -> str:
+    """A string, or the text of text parts (input_text, output_text)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise refuse(f"{param}: only text parts are served (no images or files)", param)
+
+
+def chat_of(body: dict) -> list[dict]:
+    """The input items as OpenAI-shaped chat messages."""
+    out: list[dict] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise refuse("instructions must be a string", "instructions", "invalid_type")
+        out.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        raise refuse("input must be a string or a non-empty list of items", "input")
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise refuse(f"a message's role must be user, assistant, system or developer, not {role!r}", "input")
+            out.append({"role": role, "content": part_text(item.get("content", ""), "input")})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":  # the calls after a message: one turn
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            content = output if isinstance(output, str) else part_text(output, "input")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
+        elif kind != "reasoning":  # this model's own reasoning: none to render
+            raise refuse(f"input items of type {kind!r} are not served", "input")
+    return out
+
+
+def tools_of(value: Any) -> list[Tool]:
+    """The Responses API's tools: `{"type": "function", "name", "description", "parameters"}`."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise refuse("tools must be a list of objects", "tools", "invalid_type")
+    tools = []
+    for tool in value:
+        if tool.get("type") != "function":
+            raise refuse(f"only function tools are served, not {tool.get('type')!r}", "tools", "unsupported_value")
+        tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), "tools"))
+    return unique(tools, "tools")
+
+
+def turn_of(body: dict, vocab: int) -> Turn:
+    """A Responses body as a Turn."""
+    for name, why in REFUSED.items():
+        if body.get(name):
+            raise refuse(why, name, "unsupported_value")
+    if not isinstance(body.get("stream", False), bool):
+        raise refuse("stream must be true or false", "stream", "invalid_type")
+    text = body.get("text") or {}
+    if not isinstance(text, dict):
+        raise refuse('text must be an object such as {"format": {"type": "text"}}', "text", "invalid_type")
+    tools = tools_of(body.get("tools"))
+    ignored = sorted(k for k in body if k not in SERVED)
+    if set(text) - {"format"}:
+        ignored.append("text.verbosity" if "verbosity" in text else "text")
+    return Turn(
+        messages=template_messages(chat_of(body), "input"),
+        tools=tools,
+        tool_choice=openai_tool_choice(body.get("tool_choice"), tools),
+        response_format=response_format_of(text.get("format"), "text.format"),
+        max_tokens=number(body, "max_output_tokens", int, None, 1, 1 << 20),
+        sampling=sampling_of({k: body.get(k) for k in ("temperature", "top_p")}, vocab),
+        ignored=ignored,
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(ident: str, text: str, status: str) -> dict:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "added" else []
+    return {
+        "type": "message",
+        "id": ident,
+        "status": "in_progress" if status == "added" else "completed",
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def call_item(ident: str, call: ToolCall, status: str) -> dict:
+    return {
+        "type": "function_call",
+        "id": ident,
+        "call_id": f"call_{call.id}",
+        "name": call.name,
+        "arguments": call.arguments if status != "added" else "",
+        "status": "in_progress" if status == "added" else "completed",
+    }
+
+
+@dataclass
+class Answer:
+    """One response as it is written: the request it answers, its id, and its output items."""
+
+    body: dict
+    ident: str
+    created: int
+    output: list[dict] = field(default_factory=list)
+    sequence: int = 0
+
+    def response(self, status: str, done: Done | None = None) -> dict:
+        """The Response object (`status`: in_progress, completed or incomplete)."""
+        body = self.body
+        text_format = (body.get("text") or {}).get("format") or {"type": "text"}
+        return {
+            "id": self.ident,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "model": body["model"],
+            "output": list(self.output),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": None,
+            "store": False,
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "text": {"format": text_format},
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "truncation": "disabled",
+            "metadata": body.get("metadata") or {},
+            "usage": usage(done) if done is not None else None,
+        }
+
+    def complete(self, outcome: Outcome) -> dict:
+        """The whole answer, not streamed."""
+        if outcome.text or not outcome.calls:
+            self.output.append(message_item(new_id("msg"), outcome.text, "done"))
+        self.output += [call_item(new_id("fc"), c, "done") for c in outcome.calls]
+        return self.response(status_of(outcome.done), outcome.done)
+
+    def event(self, kind: str, **data: Any) -> dict:
+        self.sequence += 1
+        return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": self.sequence - 1, **data})}
+
+    async def events(self, pieces: AsyncIterator[Any]) -> AsyncIterator[dict]:
+        """The answer as the Responses API streams it: response.created and .in_progress; per output
+        item, output_item.added, its content (a message's content_part and output_text deltas, a
+        call's function_call_arguments) and output_item.done; then response.completed (or
+        .incomplete at max_output_tokens) with usage."""
+        yield self.event("response.created", response=self.response("in_progress"))
+        yield self.event("response.in_progress", response=self.response("in_progress"))
+        text, message = "", None  # the open message item's text and id
+        try:
+            async for piece in pieces:
+                if isinstance(piece, Text) and piece.text:
+                    if message is None:
+                        message = new_id("msg")
+                        where = {"output_index": len(self.output)}
+                        yield self.event("response.output_item.added", item=message_item(message, "", "added"), **where)
+                        part = {"type": "output_text", "text": "", "annotations": []}
+                        yield self.event(
+                            "response.content_part.added", item_id=message, content_index=0, part=part, **where
+                        )
+                    text += piece.text
+                    yield self.event(
+                        "response.output_text.delta",
+                        item_id=message,
+                        output_index=len(self.output),
+                        content_index=0,
+                        delta=piece.text,
+                        logprobs=[],
+                    )
+                elif isinstance(piece, (ToolCall, Done)):
+                    if message is not None:
+                        for e in self.close_message(message, text):
+                            yield e
+                        text, message = "", None
+                    if isinstance(piece, ToolCall):
+                        for e in self.call_events(piece):
+                            yield e
+                    else:
+                        status = status_of(piece)
+                        yield self.event(f"response.{status}", response=self.response(status, piece))
+        except ApiError as e:
+            error = {"code": e.code or "server_error", "message": e.message}
+            yield self.event("response.failed", response={**self.response("failed"), "error": error})
+
+    def close_message(self, message: str, text: str) -> list[dict]:
+        where = {"item_id": message, "output_index": len(self.output), "content_index": 0}
+        part = {"type": "output_text", "text": text, "annotations": []}
+        item = message_item(message, text, "done")
+        self.output.append(item)
+        return [
+            self.event("response.output_text.done", text=text, logprobs=[], **where),
+            self.event("response.content_part.done", part=part, **where),
+            self.event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]
+
+    def call_events(self, call: ToolCall) -> list[dict]:
+        ident, index = new_id("fc"), len(self.output)
+        item = call_item(ident, call, "done")
+        self.output.append(item)
+        return [
+            self.event("response.output_item.added", output_index=index, item=call_item(ident, call, "added")),
+            self.event(
+                "response.function_call_arguments.delta", item_id=ident, output_index=index, delta=call.arguments
+            ),
+            self.event(
+                "response.function_call_arguments.done",
+                item_id=ident,
+                output_index=index,
+                name=call.name,
+                arguments=call.arguments,
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+
+def status_of(done: Done) -> str:
+    return "incomplete" if done.finish_reason == "length" else "completed"
+
+
+def usage(done: Done) -> dict:
+    return {
+        "input_tokens": done.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": done.cached_tokens},
+        "output_tokens": done.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    }

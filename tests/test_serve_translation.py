@@ -1,0 +1,168 @@
+"""The serve APIs' translation, in process (no server): tool calls read with mlx-lm's parser, a call
+forced by the grammar and rendered back token for token, and the three APIs' histories rendering
+to one prompt."""
+
+import json
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import stream_generate
+
+from kvmesh.serve import anthropic, openai_api, responses
+from kvmesh.serve.api_errors import ApiError
+from kvmesh.serve.grammar import GrammarError, Grammars, json_schema_grammar
+from kvmesh.serve.tools import CallSplitter, ToolCall, forced_call_grammar, openai_tool_choice, openai_tools
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Tokyo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": SCHEMA}}]
+
+
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory):
+    from kvmesh.model.testmodels import make_test_model
+
+    return mlx_lm.load(str(make_test_model(tmp_path_factory.mktemp("models") / "tiny-tools", "tiny-tools")))
+
+
+def render(tokenizer, messages, tools=CHAT_TOOLS):
+    return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
+
+
+def test_mlx_lm_reads_the_presets_tool_calls(tools_model):
+    _, tokenizer = tools_model
+    assert tokenizer.has_tool_calling and tokenizer.tool_parser.__module__ == "mlx_lm.tool_parsers.json_tools"
+    splitter = CallSplitter(tokenizer, openai_tools(CHAT_TOOLS), read_calls=True)
+    text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>Done'
+    pieces = [p for i in range(0, len(text), 7) for p in splitter.feed(text[i : i + 7])] + splitter.finish()
+    calls = [p for p in pieces if isinstance(p, ToolCall)]
+    assert "".join(p for p in pieces if isinstance(p, str)) == "Let me look.Done"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    # A call cut short comes back as its text; with tool_choice "none" nothing is read.
+    cut = CallSplitter(tokenizer, openai_tools(CHAT_TOOLS), read_calls=True)
+    assert "".join(map(str, cut.feed('<tool_call>\n{"name": "get_') + cut.finish())) == '<tool_call>\n{"name": "get_'
+    plain = CallSplitter(tokenizer, openai_tools(CHAT_TOOLS), read_calls=False)
+    assert plain.feed(text) == [text]
+
+
+def test_a_forced_call_renders_back_as_the_model_wrote_it(tools_model):
+    model, tokenizer = tools_model
+    tools = openai_tools(CHAT_TOOLS)
+    grammar = forced_call_grammar(tokenizer, tools, openai_tool_choice("required", tools))
+    processor = Grammars(tokenizer).processor(grammar)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = render(tokenizer, messages)
+    generated, text = [], ""
+    for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=200, logits_processors=[processor]):
+        generated.append(r.token)
+        text += r.text
+    assert r.finish_reason == "stop" and generated[-1] in tokenizer.eos_token_ids
+    splitter = CallSplitter(tokenizer, tools, read_calls=True)
+    (call,) = [p for p in splitter.feed(text) + splitter.finish() if isinstance(p, ToolCall)]
+    assert json.loads(call.arguments)["city"] in ("Paris", "Tokyo")
+    # The history with that call renders the prompt, then exactly the tokens generated: the next turn's
+    # cache is the whole previous turn.
+    history = [
+        *messages,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": call.name, "arguments": call.arguments}}],
+        },
+        {"role": "tool", "content": "sunny"},
+    ]
+    again = render(tokenizer, [*history[:1], {**history[1], "tool_calls": [openai_call(call)]}, history[2]])
+    assert again[: len(prompt) + len(generated)] == prompt + generated
+
+
+def openai_call(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.loads(call.arguments)}}
+
+
+def test_the_three_apis_render_one_conversation_alike(tools_model):
+    _, tokenizer = tools_model
+    arguments = '{"city": "Paris"}'
+    chat = openai_api.chat_turn(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            ],
+            "tools": CHAT_TOOLS,
+        },
+        512,
+    )
+    claude = anthropic.turn_of(
+        {
+            "model": "claude-x",
+            "max_tokens": 5,
+            "system": [{"type": "text", "text": "Be brief."}],
+            "tools": [{"name": "get_weather", "description": "Weather", "input_schema": SCHEMA}],
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Paris"}}],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]},
+            ],
+        },
+        512,
+    )
+    codex = responses.turn_of(
+        {
+            "model": "m",
+            "instructions": "Be brief.",
+            "tools": [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": SCHEMA}],
+            "input": [
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": arguments},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            ],
+        },
+        512,
+    )
+    prompts = [render(tokenizer, t.messages, [x.spec for x in t.tools]) for t in (chat, claude, codex)]
+    assert prompts[0] == prompts[1] == prompts[2]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"n": 3}, "n"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"stream_options": {"include_usage": True, "other": 1}}, "stream_options"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": []}, "functions"),
+    ],
+)
+def test_chat_fields_refused_with_their_name(body, param):
+    with pytest.raises(ApiError) as e:
+        openai_api.chat_turn({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}, 512)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_json_schema_grammar_refuses_what_llguidance_cannot_hold(tools_model):
+    _, tokenizer = tools_model
+    assert Grammars(tokenizer).processor(json_schema_grammar(SCHEMA)) is not None
+    with pytest.raises(GrammarError):
+        Grammars(tokenizer).processor(json_schema_grammar({"type": "no-such-type"}))
