@@ -242,3 +242,19 @@ def test_a_model_without_codable_layers_says_so(preset, tmp_path):
     model, tokenizer = mlx_lm.load(str(make_test_model(tmp_path / preset, preset)))
     with pytest.raises(NothingToCode, match="nothing to code"):
         fit_model_basis(model, tokenizer, tokens_per_text=100)
+
+
+def test_a_receiver_may_ask_for_coded_layers_quantized(tiny, wire, calibrated, prompt_ids):
+    from kvmesh.codec.decode import CacheDecoder
+
+    model, _ = tiny
+    manifest, chunks = wire
+    decoder = CacheDecoder(manifest, {calibrated.basis.digest: calibrated.basis}, quantize_bits=8)
+    decoder.feed_all(chunks)
+    cache = decoder.finish()
+    assert all(type(c) is SparseQuantizedKVCache and c.bits == 8 and c.offset == 300 for c in cache)
+    plain = decode_chunks(manifest, chunks, bases={calibrated.basis.digest: calibrated.basis})
+    probe = mx.array(prompt_ids[-8:])[None]
+    a, b = (model(probe, cache=[_fork(c) for c in x])[0] for x in (plain, cache))
+    lp_a, lp_b = (x - mx.logsumexp(x, axis=-1, keepdims=True) for x in (a, b))
+    assert (mx.exp(lp_a) * (lp_a - lp_b)).sum(-1).mean().item() < 0.01

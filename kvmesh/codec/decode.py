@@ -35,10 +35,15 @@ class CacheDecoder:
     making them while other threads receive slows both, and a fetch cut short never allocates the rest.
     """
 
-    def __init__(self, manifest: pb.CacheManifest, bases: Mapping[str, Basis] | None = None):
-        """`bases`: the transform bases the manifest names (CacheManifest.artifacts), by sha256."""
+    def __init__(
+        self, manifest: pb.CacheManifest, bases: Mapping[str, Basis] | None = None, *, quantize_bits: int | None = None
+    ):
+        """`bases`: the transform bases the manifest names (CacheManifest.artifacts), by sha256.
+        `quantize_bits`: transform-coded layers come back quantized to that many bits (mlx-lm's
+        quantized attention path; groups of 64), for a receiver short of memory."""
         self.manifest = manifest
         self.bases = bases or {}
+        self.quantize_bits = quantize_bits
         self.checker = ChunkChecker(manifest)
         kinds = [layer.kind for _, layer in leaf_layers(manifest.layers) for _ in layer.tensors]
         self.layouts = [token_major(kind) for kind in kinds]
@@ -106,7 +111,10 @@ class CacheDecoder:
         assert view is not None, "a coded tensor is decoded once its chunks are written"
         try:
             dtype = DTYPES[dtype_name(self.manifest.dtype)]
-            self.coded[tensor] = decode_coded(layer, view.tobytes(), self.bases, dtype, self._memo)
+            decoded = decode_coded(layer, view.tobytes(), self.bases, dtype, self._memo)
+            self.coded[tensor] = (
+                decoded if self.quantize_bits is None else decoded.to_quantized(bits=self.quantize_bits)
+            )
         except (BasisError, TransformCodecError) as e:
             # Its bytes matched their checksums: the sender coded it wrong, or with another basis.
             raise IntegrityError(f"a transform-coded layer does not decode: {e}") from None
