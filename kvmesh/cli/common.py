@@ -102,23 +102,34 @@ def store_option(parser: argparse.ArgumentParser, *, after_command: bool = False
 
 
 def open_store(args: Args) -> Any:
-    """--store, else the running daemon's store, else <data dir>/store; with the configured budget.
+    """--store, else the running daemon's store, else <data dir>/store; with its budget.
 
-    The budget is the daemon's setting (config file, KVMESH_STORE_BUDGET), so every writer of a
-    store, the daemon and each command alike, keeps to the same one.
+    The daemon's store keeps the budget the daemon runs with (from daemon.json: its flag, variable
+    or file); any other store the configured one (config file, KVMESH_STORE_BUDGET). So every
+    writer of a store, the daemon and each command alike, keeps to the same one.
     """
     from kvmesh.daemon.config import load_config
     from kvmesh.daemon.control import read_state
     from kvmesh.store import CacheStore
 
-    budget = load_config(overrides={"data_dir": args.data_dir}).store_budget
-    if getattr(args, "store", None):
-        return CacheStore(args.store, max_bytes=budget)
+    budget: int | None = load_config(overrides={"data_dir": args.data_dir}).store_budget
     try:
-        root = Path(read_state(data_dir(args), check_alive=False).store)
+        daemon = read_state(data_dir(args), check_alive=False)
     except KvmeshError:  # no daemon, or an unreadable state file: the data dir's own store
-        root = paths.store_dir(data_dir(args))
+        daemon = None
+    explicit = getattr(args, "store", None)
+    root = Path(explicit or (daemon.store if daemon else paths.store_dir(data_dir(args))))
+    if daemon is not None and daemon.store_budget is not None and same_path(root, Path(daemon.store)):
+        # The daemon's store keeps the daemon's budget, whichever flag, variable or file set it.
+        budget = daemon.store_budget or None
     return CacheStore(root, max_bytes=budget)
+
+
+def same_path(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
 
 
 def stored(args: Args) -> tuple[Any, str]:

@@ -63,6 +63,11 @@ class DaemonConfig:
         help="bytes the store may hold before least-recently used caches go (-1: 10% of its disk; 0: no limit)",
     )
     health_interval: float = setting(1.0, help="seconds between peer health checks", metavar="SECONDS")
+    budget_interval: float = setting(
+        30.0,
+        help="seconds between checks that the store is within its budget (others write to it too)",
+        metavar="SECONDS",
+    )
     log_format: str = setting(
         "text", help="log lines as text, or as JSON objects (for a service's log)", choices=("text", "json")
     )

@@ -34,6 +34,9 @@ class DaemonState:
     store: str
     # "mutual TLS", or "loopback only, no mesh credentials".
     mode: str
+    # The store's budget in bytes as the daemon resolved it (0: none): every writer of its store
+    # keeps to it (kvmesh.cli.common.open_store). None in the state of a daemon before it was written.
+    store_budget: int | None = None
 
     @property
     def address(self) -> str:

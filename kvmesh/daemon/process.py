@@ -20,7 +20,7 @@ import grpc
 from kvmesh.daemon.config import DaemonConfig
 from kvmesh.daemon.control import DaemonState, write_state
 from kvmesh.daemon.limits import raise_descriptor_limit
-from kvmesh.errors import CredentialsError, DaemonAlreadyRunning, ListenError
+from kvmesh.errors import CredentialsError, DaemonAlreadyRunning, ListenError, StoreError
 from kvmesh.net.addresses import host_port
 from kvmesh.net.credentials import RenewingCredentials, renew_if_due
 from kvmesh.net.discovery import Discovery, HealthChecker, Peer, PeerTable, routable_addresses
@@ -181,8 +181,10 @@ class Daemon:
                 self.listen,
                 str(self.store.root),
                 self.mode,
+                self.store.max_bytes or 0,
             ),
         )
+        threading.Thread(target=self._keep_within_budget, name="budget", daemon=True).start()
         if self.serve_command:
             self.serve_process = subprocess.Popen(self.serve_command)
             log.info("started kvmesh serve (pid %d) from the config's [serve] table", self.serve_process.pid)
@@ -194,6 +196,15 @@ class Daemon:
             self.mode,
             control_port,
         )
+
+    def _keep_within_budget(self) -> None:
+        """Bring the store back within its budget every `budget_interval` seconds: writers that kept
+        to another budget (a library user, an older kvmesh) may have filled it past the daemon's."""
+        while not self._stopping.wait(self.config.budget_interval):
+            try:
+                self.store.enforce_budget()
+            except StoreError as e:
+                log.warning("cannot keep the store within its budget: %s", e)
 
     def _keep_renewing(self, credentials: RenewingCredentials) -> None:
         """Renew this node's certificate before it ends, for as long as the daemon runs: checked

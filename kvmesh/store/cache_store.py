@@ -609,6 +609,11 @@ class CacheStore:
         self._evict(keep=manifest.cache_id)
         return manifest
 
+    def enforce_budget(self) -> None:
+        """Evict least-recently used entries until the store fits its budget (what each write does
+        for itself; the daemon calls it for writers that kept to another budget)."""
+        self._evict(keep="")
+
     def _evict(self, keep: str) -> None:
         """Drop least-recently used entries until the store fits its byte budget.
 
@@ -635,7 +640,10 @@ class CacheStore:
                         total -= size
         except (sqlite3.Error, OSError) as e:
             log.warning(
-                "stored %s, but could not evict to keep the store within %s bytes: %s", keep, f"{self.max_bytes:,}", e
+                "could not evict to keep the store within %s bytes%s: %s",
+                f"{self.max_bytes:,}",
+                f" (stored {keep})" if keep else "",
+                e,
             )
             return
         for cache_id, size in evicted:
