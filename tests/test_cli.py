@@ -45,7 +45,8 @@ def test_demo_runs_the_mesh_and_checks_itself():
     text = " ".join(out.split())  # the console wraps long lines
     assert "found each other over mDNS" in text and "speak mutual TLS" in text
     assert "refused at the TLS handshake" in text and "refused: weights: the cache was made with other" in text
-    assert text.count(" ok ") == 5 and "FAILED" not in text and "all checks passed" in text
+    assert text.count(" ok ") == 6 and "FAILED" not in text and "all checks passed" in text
+    assert "fetch transform-coded from C (+ basis once)" in text
 
 
 def test_cache_commands_round_trip_an_mlx_lm_file(tiny_dir, tmp_path):
