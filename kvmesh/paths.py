@@ -13,6 +13,8 @@ import platformdirs
 APP = "kvmesh"
 # Written by a running daemon in its data directory: how the CLI finds it (kvmesh.daemon.control).
 STATE_FILE = "daemon.json"
+# Written by a running `kvmesh serve` in its data directory: its URL and model (kvmesh.serve.state).
+SERVE_STATE_FILE = "serve.json"
 NODE_ID_FILE = "node-id"
 
 
@@ -47,6 +49,11 @@ def mesh_dir(data: Path | str) -> Path:
 
 def state_file(data: Path | str) -> Path:
     return Path(data) / STATE_FILE
+
+
+def serve_state_file(data: Path | str) -> Path:
+    """Where `kvmesh serve` says, while it runs, at which URL it serves which model."""
+    return Path(data) / SERVE_STATE_FILE
 
 
 def node_id_file(data: Path | str) -> Path:

@@ -1,22 +1,32 @@
 #!/usr/bin/env python3
 """An agent-like workload against two `kvmesh serve` processes in one mesh, with sharing on and off.
 
-    scripts/dev run python scripts/bench_serve.py [--conversations 3] [--turns 3] [--prefix-tokens 1500]
+    scripts/dev run python scripts/bench_serve.py [--workload chat|agent] [--conversations 3] [--turns 3]
+        [--prefix-tokens 1500] [--clients 1,2,4] [--requests 6]
 
 Conversations share a long system prompt plus a document; each has a few turns, alternating between
-servers A and B. With sharing on, each server asks the other's daemon for prefixes it lacks; with
+servers A and B. The agent workload is a coding agent's: tool definitions in the prompt, and a
+history that grows by a tool call and its result each step (the tiny-tools model, whose template
+renders tools). With sharing on, each server asks the other's daemon for prefixes it lacks; with
 sharing off, each has only its own memory. Per request: time to first token (streamed), cached
 tokens and their source. Overall: prefill tokens saved and TTFT p50/p95 of both runs, and for
 requests served from the peer, TTFT against fetch time + the suffix's prefill time (measured here in
-process from a local cache of the same prefix), whose target is at most +10%. Offline (the tiny test model),
-loopback only.
+process from a local cache of the same prefix), whose target is at most +10%. Then a concurrency
+row: N clients at once (each sending `--requests` streamed requests of their own to one server),
+their throughput (completion tokens a second, all clients together) and TTFT p50/p95. Offline (the
+tiny test models), loopback only.
 """
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 
@@ -30,8 +40,68 @@ from kvmesh.daemon.control import DaemonProcess
 from kvmesh.model.testmodels import make_test_model
 from support.daemons import ServerProcess, loopback_daemon, start_server
 
+# The agent workload's tools, as an OpenAI-client agent sends them on every step.
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    }
+    for name, description in (
+        ("read_file", "Read a file of the repository and return its text."),
+        ("list_directory", "List the entries of a directory of the repository."),
+        ("run_tests", "Run the tests under a path and return their output."),
+    )
+]
 
-def run(root: Path, model: Path, share: bool, conversations: int, turns: int, system: str) -> list[dict]:
+
+def agent_step(messages: list[dict], corpus: str, c: int, t: int) -> None:
+    """What an agent appends after a step: the model's tool call (as the agent got it back) and the
+    tool's result, a page of text."""
+    call_id = f"call_{c}_{t}"
+    arguments = json.dumps({"path": f"src/module_{c}_{t}.py"})
+    messages.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": "read_file", "arguments": arguments}}
+            ],
+        }
+    )
+    page = corpus[(c * 7 + t) * 1200 : (c * 7 + t) * 1200 + 1200]
+    messages.append({"role": "tool", "tool_call_id": call_id, "content": page})
+
+
+def until_ready(server: ServerProcess, timeout: float = 300.0) -> None:
+    """Wait for /health to say ok (a server calibrates its prefill rate first): the figures are the
+    requests', not the calibration's."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{server.url.removesuffix('/v1')}/health", timeout=10) as answer:
+                if answer.status == 200:
+                    return
+        except urllib.error.HTTPError:  # 503 "starting"
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{server.url} did not become ready")
+        time.sleep(0.1)
+
+
+def run(
+    root: Path,
+    model: Path,
+    share: bool,
+    conversations: int,
+    turns: int,
+    system: str,
+    agent: str | None = None,
+) -> list[dict]:
+    """Rows of one run; with `agent` (the corpus for tool results), the agent workload."""
     daemons: list[DaemonProcess] = []
     processes: list[ServerProcess] = []
     try:
@@ -44,12 +114,17 @@ def run(root: Path, model: Path, share: bool, conversations: int, turns: int, sy
             server = start_server(root / name, model, "--min-store-tokens", 256, *mesh, log=root / f"{name}.serve.log")
             servers[name] = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
             processes.append(server)
+        for server in processes:
+            until_ready(server)
         rows = []
         for c in range(conversations):
             messages = [{"role": "system", "content": system}]
+            if agent is not None:
+                messages.append({"role": "user", "content": f"Task {c}: find why the tests of module {c} fail."})
             for t in range(turns):
                 name = "ab"[(c + t) % 2]
-                messages.append({"role": "user", "content": f"Question {t} of reader {c}: what happens next?"})
+                if agent is None:
+                    messages.append({"role": "user", "content": f"Question {t} of reader {c}: what happens next?"})
                 start = time.perf_counter()
                 first_at, text, usage = None, [], None
                 for chunk in servers[name].chat.completions.create(
@@ -58,6 +133,7 @@ def run(root: Path, model: Path, share: bool, conversations: int, turns: int, sy
                     max_tokens=8,
                     stream=True,
                     stream_options={"include_usage": True},
+                    **({"tools": TOOLS} if agent is not None else {}),
                 ):
                     if chunk.choices and chunk.choices[0].delta.content and first_at is None:
                         first_at = time.perf_counter()
@@ -80,7 +156,10 @@ def run(root: Path, model: Path, share: bool, conversations: int, turns: int, sy
                         "fetch_s": mesh["seconds"],
                     }
                 )
-                messages.append({"role": "assistant", "content": "".join(text)})
+                if agent is not None:
+                    agent_step(messages, agent, c, t)
+                else:
+                    messages.append({"role": "assistant", "content": "".join(text)})
         return rows
     finally:
         for server in processes:
@@ -89,35 +168,104 @@ def run(root: Path, model: Path, share: bool, conversations: int, turns: int, sy
             daemon.stop()
 
 
+def streamed_request(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+    """(TTFT, completion tokens) of one streamed chat request."""
+    start = time.perf_counter()
+    first_at, usage = None, None
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.choices and chunk.choices[0].delta.content and first_at is None:
+            first_at = time.perf_counter()
+        elif chunk.usage:
+            usage = chunk.usage
+    assert usage is not None
+    return (first_at or time.perf_counter()) - start, usage.completion_tokens
+
+
+def concurrency(root: Path, model: Path, clients: list[int], requests: int, max_tokens: int) -> list[dict]:
+    """Per client count: N clients at once, `requests` streamed requests each (distinct prompts)."""
+    server = start_server(root / "concurrency", model, "--no-mesh", "--no-store", log=root / "concurrency.serve.log")
+    rows = []
+    try:
+        for n in clients:
+            barrier = threading.Barrier(n)
+
+            def one_client(i: int, n: int = n, barrier: threading.Barrier = barrier) -> list[tuple[float, int]]:
+                client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+                barrier.wait()
+                return [
+                    streamed_request(client, model.name, f"Client {i} of {n}, request {r}: tell a story.", max_tokens)
+                    for r in range(requests)
+                ]
+
+            start = time.perf_counter()
+            with ThreadPoolExecutor(n) as pool:
+                results = [x for xs in pool.map(one_client, range(n)) for x in xs]
+            wall = time.perf_counter() - start
+            ttft = sorted(t for t, _ in results)
+            rows.append(
+                {
+                    "clients": n,
+                    "requests": len(results),
+                    "tokens": sum(k for _, k in results),
+                    "seconds": wall,
+                    "p50": statistics.median(ttft),
+                    "p95": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))],
+                }
+            )
+    finally:
+        server.stop()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--prefix-tokens", type=int, default=1500, help="about this many shared tokens")
+    parser.add_argument("--workload", choices=("chat", "agent"), default="chat")
+    parser.add_argument("--clients", default="1,2,4", help="client counts of the concurrency row ('' for none)")
+    parser.add_argument("--requests", type=int, default=6, help="requests of each client in the concurrency row")
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the concurrency row's requests")
     args = parser.parse_args()
+    agent = args.workload == "agent"
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp:
         root = Path(tmp)
-        model = make_test_model(root / "tiny", "tiny")
+        model = make_test_model(root / "tiny", "tiny-tools" if agent else "tiny")
         corpus = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
-        system = "You are a careful reader. Answer from this document.\n" + corpus[: args.prefix_tokens * 4]
+        if agent:
+            system = (
+                "You are a coding agent. Use the tools to read the repository.\n" + corpus[: args.prefix_tokens * 4]
+            )
+        else:
+            system = "You are a careful reader. Answer from this document.\n" + corpus[: args.prefix_tokens * 4]
+        tool_pages = corpus[args.prefix_tokens * 4 :] if agent else None
         results = {}
         for share in (True, False):
             results[share] = run(
-                root / ("on" if share else "off"), model, share, args.conversations, args.turns, system
+                root / ("on" if share else "off"), model, share, args.conversations, args.turns, system, tool_pages
             )
+        clients = [int(n) for n in args.clients.split(",") if n]
+        rows = concurrency(root, model, clients, args.requests, args.max_tokens) if clients else []
         # The suffix's prefill on this machine, measured directly: each peer-served request's cached
         # prefix prefilled here, then the time to the first token from the rest of its prompt.
         loaded, tokenizer = mlx_lm.load(str(model))[:2]
         for r in results[True]:
             if r["source"].startswith("peer"):
-                tokens = tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)
+                extra = {"tools": TOOLS} if agent else {}
+                tokens = tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, **extra)
                 cache = prefill(loaded, tokens[: r["cached"]]).cache
                 start = time.perf_counter()
                 next(generate_from_cache(loaded, cache, tokens[r["cached"] :], max_tokens=1))
                 r["suffix_s"] = time.perf_counter() - start
 
     console = Console(width=120)
-    table = Table(title="requests with sharing on")
+    table = Table(title=f"requests with sharing on ({args.workload} workload)")
     for column in ("server", "conv", "turn", "prompt", "cached", "source", "fetch s", "TTFT s", "TTFT off s"):
         table.add_column(column, justify="right")
     for on, off in zip(results[True], results[False], strict=True):
@@ -149,6 +297,21 @@ def main() -> int:
             f"fetch {r['fetch_s']:.3f} s + suffix prefill to first token {r['suffix_s']:.3f} s = {bound:.3f} s "
             f"({r['ttft'] / bound:.2f}x; target <= 1.10x)"
         )
+    if rows:
+        table = Table(title=f"concurrency: {args.requests} streamed requests per client, max_tokens {args.max_tokens}")
+        for column in ("clients", "requests", "tokens", "seconds", "tokens/s", "TTFT p50 s", "TTFT p95 s"):
+            table.add_column(column, justify="right")
+        for row in rows:
+            table.add_row(
+                str(row["clients"]),
+                str(row["requests"]),
+                str(row["tokens"]),
+                f"{row['seconds']:.2f}",
+                f"{row['tokens'] / row['seconds']:.1f}",
+                f"{row['p50']:.3f}",
+                f"{row['p95']:.3f}",
+            )
+        console.print(table)
     return 0
 
 

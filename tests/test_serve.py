@@ -106,7 +106,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny_dir, h
         urllib.request.urlopen(malformed, timeout=30)
     assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["code"] == "invalid_json"
     with urllib.request.urlopen(f"{base.removesuffix('/v1')}/health", timeout=30) as health:
-        assert json.loads(health.read()) == {"status": "ok"}
+        assert json.loads(health.read())["status"] == "ok"
     assert [m.id for m in client.models.list()] == ["tiny"]
     assert chat(client, QUESTION, max_tokens=2).usage.completion_tokens == 2
 

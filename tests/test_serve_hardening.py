@@ -191,7 +191,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(tiny, tiny_fp):
         assert gated.began.wait(60), "the huge prompt never reached the tokenizer"
         # The tokenizer holds the huge prompt until /health has answered.
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as health:
-            assert json.loads(health.read()) == {"status": "ok"}
+            assert json.loads(health.read())["status"] == "ok"
         assert "huge" not in answers
     finally:
         gated.go_on.set()

@@ -20,16 +20,36 @@ def serve_options(args: Args) -> ServeOptions:
     return load_serve_options(Path(args.config) if args.config else None, overrides=overrides)
 
 
+def mesh_words(args: Args, options: ServeOptions) -> str:
+    """How the prompt cache reaches the mesh, for the banner: off, named peers, or the local
+    daemon's live peers (and whether a daemon runs now)."""
+    from kvmesh.daemon.control import read_state
+    from kvmesh.errors import KvmeshError
+
+    if args.no_mesh:
+        return "off (--no-mesh): memory and the local store only"
+    if options.peers:
+        return "on: asking " + ", ".join(options.peers)
+    try:
+        state = read_state(data_dir(args))
+    except KvmeshError as e:
+        return f"off for now ({e}); the local daemon is asked again every {options.local_daemon_cache:g} s"
+    return f"on: the live peers of the local daemon at {state.control} (node {state.node_id}, {state.mode})"
+
+
 def serve(args: Args) -> int:
+    from kvmesh.daemon.logs import setup_logging
     from kvmesh.errors import KvmeshError
     from kvmesh.fetch_or_prefill import Rates
     from kvmesh.model.loaded import load_model
-    from kvmesh.serve.server import check_exposure, serve
+    from kvmesh.serve.server import bind, check_exposure, serve
 
     options = serve_options(args)
     if not options.model:
         raise KvmeshError("give a model (kvmesh serve MODEL), or set `model` in the config's [serve] table")
     check_exposure(options.host, options.api_key)  # before the model loads
+    sock = bind(options.host, options.port)  # so is the port: one in use costs no model load
+    setup_logging("text", "info", native=False)  # one line per request, and the calibration's
     store = None if args.no_store else open_store(args)
     loaded = load_model(options.model)
     peers: Any
@@ -50,6 +70,9 @@ def serve(args: Args) -> int:
         credentials=mesh_credentials(args),
         announce=lambda line: print(line, flush=True),
         rates=None if args.no_mesh else Rates(data_dir(args)),
+        sock=sock,
+        data_dir=data_dir(args),
+        mesh=mesh_words(args, options),
     )
     return 0
 
@@ -63,7 +86,9 @@ def add_commands(commands: Commands) -> None:
         "the mesh as prompt cache",
         description="Tool calls are read with mlx-lm's parser for the model's chat template, and forced (tool_choice "
         "required, or a named function) or response_format held to a JSON schema by a grammar (llguidance). "
-        "Requests are served one at a time. Their prompt cache is memory, then the local store, "
+        "Requests find their prefix off the generation thread and decode together (mlx-lm's BatchGenerator) "
+        "when their caches allow, else one at a time; at most "
+        "--max-requests held at once (then a 429). Their prompt cache is memory, then the local store, "
         "then the mesh's peers (--peer, or the local daemon's); after each request its cache goes back to "
         "memory and, when long enough, to the store, where peers find it. A request's cache_salt (a random "
         "secret, as vLLM's) keeps its caches in memory under that salt only, never in the store: clients that "

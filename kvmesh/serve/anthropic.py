@@ -57,7 +57,7 @@ ERROR_TYPES = {
 
 def error_response(e: ApiError) -> JSONResponse:
     """`e` in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`."""
-    return JSONResponse(error_body(e), status_code=e.status)
+    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
 
 
 def error_body(e: ApiError) -> dict:

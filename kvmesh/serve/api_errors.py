@@ -10,19 +10,27 @@ from starlette.responses import JSONResponse
 class ApiError(Exception):
     """A request the API refuses: an HTTP status and an OpenAI-shaped error."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}  # e.g. a 429's Retry-After
         super().__init__(message)
 
     @property
     def kind(self) -> str:
         if self.status >= 500:
             return "server_error"
-        return {401: "authentication_error"}.get(self.status, "invalid_request_error")
+        return {401: "authentication_error", 429: "requests"}.get(self.status, "invalid_request_error")
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def refuse(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:

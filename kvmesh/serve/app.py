@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
@@ -38,7 +39,7 @@ from starlette.routing import Route
 
 from kvmesh.serve import anthropic, openai_api, responses
 from kvmesh.serve.api_errors import ApiError, refuse
-from kvmesh.serve.engine import Delta, Done, Engine, Job, Started, TokenLogprob
+from kvmesh.serve.engine import RETRY_AFTER_S, Abandoned, Busy, Delta, Done, Engine, Job, Started, TokenLogprob
 from kvmesh.serve.grammar import GrammarError, Grammars, json_object_grammar, json_schema_grammar
 from kvmesh.serve.tools import CallSplitter, ToolCall, check_model_calls_tools, forced_call_grammar
 from kvmesh.serve.turns import Outcome, Text, Turn
@@ -74,6 +75,16 @@ LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 # Threads that parse bodies and tokenize prompts, off the event loop. Few: each may hold a huge
 # prompt, and tokenizing is the tokenizer's (Rust) work, which more threads would not speed up here.
 PARSE_THREADS = 2
+
+
+@dataclass
+class Ticket:
+    """A job the engine holds, and the event set (on the loop) whenever it has news."""
+
+    job: Job
+    news: asyncio.Event
+
+
 # The longest cache_salt taken (vLLM suggests 43 characters, 256 random bits in base64).
 MAX_SALT_CHARS = 1024
 T = TypeVar("T")
@@ -114,7 +125,7 @@ def make_app(
     loopback: bool = True,
     cors_origins: tuple[str, ...] = (),
 ) -> Starlette:
-    """The ASGI application; requests go to `engine`, one at a time. A body over `max_body_bytes`
+    """The ASGI application; requests go to `engine` (a 429 past its bound). A body over `max_body_bytes`
     is refused unread, one that pauses for `read_timeout` seconds gets a 408; on `loopback`,
     requests under another Host or from another Origin are refused too, except from `cors_origins`
     ("*": any), which browsers may call (CORS)."""
@@ -259,14 +270,15 @@ def make_app(
         return job, CallSplitter(tokenizer, turn.tools, read_calls=turn.tool_choice.mode != "none")
 
     async def prepare(request: Request, make_turn: Callable[[dict], Turn], claude_names: bool = False):
-        """(body, turn, job, splitter) of a request, or the ApiError that refuses it."""
+        """(body, turn, ticket, splitter) of a request, its job held by the engine, or the ApiError
+        that refuses it (a 429 past the engine's bound: before any answer starts)."""
         body = await body_of(request, claude_names)
         turn = await off_loop(lambda: make_turn(body))  # (copies the messages: a long chat takes a while)
         turn.partition = cache_partition(body)
         job, splitter = await off_loop(lambda: job_of(turn))
         if not engine.alive:
             raise ApiError(503, "the generation thread has stopped; restart the server", code="unavailable")
-        return body, turn, job, splitter
+        return body, turn, start(job), splitter
 
     def usage(done: Done, ignored: list[str] | None = None) -> dict:
         return {
@@ -285,8 +297,8 @@ def make_app(
             },
         }
 
-    def start(job: Job) -> asyncio.Event:
-        """Submit `job`; the returned event is set (on this loop) whenever it has news."""
+    def start(job: Job) -> Ticket:
+        """Submit `job`, or refuse it with a 429 when the engine holds all it may."""
         loop = asyncio.get_running_loop()
         news = asyncio.Event()
 
@@ -294,15 +306,22 @@ def make_app(
             loop.call_soon_threadsafe(news.set)
 
         job.listener = notify
-        engine.submit(job)
-        return news
+        try:
+            engine.submit(job)
+        except Busy as e:
+            raise ApiError(
+                429,
+                f"{e}: try again in a moment",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        return Ticket(job, news)
 
-    async def events(
-        job: Job, news: asyncio.Event, request: Request | None = None
-    ) -> AsyncIterator[Started | Delta | Done]:
+    async def events(ticket: Ticket, request: Request | None = None) -> AsyncIterator[Started | Delta | Done]:
         """The job's events as they come. No thread waits on them: a client that leaves while its job
         is queued or running leaves nothing behind. With `request` (a non-streaming one), a client
         that went away is noticed within DISCONNECT_CHECK_S too."""
+        job, news = ticket.job, ticket.news
         loop = asyncio.get_running_loop()
         checked = loop.time()
         try:
@@ -319,6 +338,8 @@ def make_app(
                         with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(news.wait(), DISCONNECT_CHECK_S)
                     continue
+                if isinstance(event, Abandoned):
+                    raise ApiError(503, str(event), code="unavailable")
                 if isinstance(event, Exception):
                     raise ApiError(500, f"generation failed: {event}", code="generation_failed")
                 yield event
@@ -327,11 +348,10 @@ def make_app(
         finally:
             job.cancelled.set()  # a client that went away stops its generation, or skips it when queued
 
-    async def pieces(job: Job, splitter: CallSplitter, request: Request | None = None) -> AsyncIterator[Piece]:
+    async def pieces(ticket: Ticket, splitter: CallSplitter, request: Request | None = None) -> AsyncIterator[Piece]:
         """The job's answer as it comes: Started, then text and tool calls (read by `splitter`),
         then Done. Each delta's log probabilities ride on its first text."""
-        news = start(job)
-        async for event in events(job, news, request):
+        async for event in events(ticket, request):
             if isinstance(event, Delta):
                 logprobs = event.logprobs
                 for piece in splitter.feed(event.text):
@@ -348,6 +368,11 @@ def make_app(
                 yield event
             else:
                 yield event
+
+    def leave(ticket: Ticket) -> BackgroundTask:
+        """Run once a streamed answer ends, however it ends: a client that left before its stream
+        began (so no `finally` of it ran) holds no place either."""
+        return BackgroundTask(ticket.job.cancelled.set)
 
     async def collect(stream: AsyncIterator[Piece]) -> Outcome | None:
         """The whole answer, or None when the client went away first."""
@@ -369,7 +394,7 @@ def make_app(
 
     async def complete(request: Request, chat: bool) -> Response:
         try:
-            body, turn, job, splitter = await prepare(
+            body, turn, ticket, splitter = await prepare(
                 request,
                 lambda b: openai_api.chat_turn(b, vocab) if chat else openai_api.completion_turn(b, vocab),
             )
@@ -382,7 +407,7 @@ def make_app(
 
         if not body.get("stream"):
             try:
-                outcome = await collect(pieces(job, splitter, request))
+                outcome = await collect(pieces(ticket, splitter, request))
             except ApiError as e:
                 return e.response()
             if outcome is None:
@@ -440,7 +465,7 @@ def make_app(
 
             calls, offset = 0, 0
             try:
-                async for piece in pieces(job, splitter):
+                async for piece in pieces(ticket, splitter):
                     if isinstance(piece, Text):
                         delta: dict[str, Any]
                         if chat:
@@ -475,7 +500,7 @@ def make_app(
                 yield json.dumps({"error": {"message": e.message, "type": "server_error", "code": e.code}})
             yield "[DONE]"
 
-        return EventSourceResponse(stream(), ping=15, headers=headers)
+        return EventSourceResponse(stream(), ping=15, headers=headers, background=leave(ticket))
 
     async def chat_completions(request: Request) -> Response:
         return await complete(request, chat=True)
@@ -486,21 +511,23 @@ def make_app(
     async def messages(request: Request) -> Response:
         """The Anthropic Messages API (kvmesh.serve.anthropic)."""
         try:
-            body, turn, job, splitter = await prepare(request, lambda b: anthropic.turn_of(b, vocab), claude_names=True)
+            body, turn, ticket, splitter = await prepare(
+                request, lambda b: anthropic.turn_of(b, vocab), claude_names=True
+            )
         except ApiError as e:
             return anthropic.error_response(e)
         ident = f"msg_{uuid.uuid4().hex[:24]}"
         headers = ignored_header(turn)
         if not body.get("stream"):
             try:
-                outcome = await collect(pieces(job, splitter, request))
+                outcome = await collect(pieces(ticket, splitter, request))
             except ApiError as e:
                 return anthropic.error_response(e)
             if outcome is None:
                 return Response(status_code=499)
             return JSONResponse(anthropic.message_of(outcome, body["model"], ident), headers=headers)
-        sse = anthropic.events(pieces(job, splitter), body["model"], ident)
-        return EventSourceResponse(sse, ping=15, headers=headers)
+        sse = anthropic.events(pieces(ticket, splitter), body["model"], ident)
+        return EventSourceResponse(sse, ping=15, headers=headers, background=leave(ticket))
 
     async def count_tokens(request: Request) -> Response:
         """Anthropic's token count: the prompt as this server would render it."""
@@ -515,20 +542,22 @@ def make_app(
     async def responses_api(request: Request) -> Response:
         """OpenAI's Responses API (kvmesh.serve.responses)."""
         try:
-            body, turn, job, splitter = await prepare(request, lambda b: responses.turn_of(b, vocab))
+            body, turn, ticket, splitter = await prepare(request, lambda b: responses.turn_of(b, vocab))
         except ApiError as e:
             return e.response()
         answer = responses.Answer(body, f"resp_{uuid.uuid4().hex}", int(time.time()))
         headers = ignored_header(turn)
         if not body.get("stream"):
             try:
-                outcome = await collect(pieces(job, splitter, request))
+                outcome = await collect(pieces(ticket, splitter, request))
             except ApiError as e:
                 return e.response()
             if outcome is None:
                 return Response(status_code=499)
             return JSONResponse(answer.complete(outcome), headers=headers)
-        return EventSourceResponse(answer.events(pieces(job, splitter)), ping=15, headers=headers)
+        return EventSourceResponse(
+            answer.events(pieces(ticket, splitter)), ping=15, headers=headers, background=leave(ticket)
+        )
 
     def model_object() -> dict:
         return {"id": model.name, "object": "model", "created": 0, "owned_by": "kvmesh"}
@@ -553,7 +582,9 @@ def make_app(
     async def health(request: Request) -> Response:
         if not engine.alive:
             return JSONResponse({"status": "generation thread stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        if not engine.ready.is_set():  # calibrating: requests are taken, and wait for it
+            return JSONResponse({"status": "starting", "requests": engine.held()}, status_code=503)
+        return JSONResponse({"status": "ok", "requests": engine.held(), "max_requests": engine.max_held})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return ApiError(404, f"no route {request.method} {request.url.path}", code="not_found").response()

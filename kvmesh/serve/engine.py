@@ -1,10 +1,19 @@
-"""The server's generation thread: one request at a time, mlx-lm's generation, the mesh's prompt cache.
+"""The server's generation thread: mlx-lm's generation, the mesh's prompt cache, a bounded queue.
 
-MLX work stays on this one thread; HTTP handlers hand it jobs and read events back from a queue.
-A request's text streams as it is made; the request completes (finish reason, usage) once its cache
-is in memory and, when long enough, in the local store.
-Concurrent requests are served one after another, in arrival order (no batching: sparse and
-quantized caches from the mesh cannot be batched by mlx-lm, and one Mac's GPU is one resource).
+MLX generation stays on this one thread; HTTP handlers hand it jobs and read events back from a queue.
+A job first has its prefix found on a lookup thread (memory, then the local store and the peers:
+a store read or a peer's transfer takes seconds, and must hold no other request), then waits its
+turn for the generation thread, in the order the lookups end: a request behind a slow peer fetch is
+served meanwhile. A request's text streams as it is made; the request completes (finish reason,
+usage) once its cache is in memory and, when long enough, in the local store.
+Jobs whose caches mlx-lm can merge decode together in mlx-lm's `BatchGenerator`
+(kvmesh.serve.batch); the others (a sparse or quantized cache from the mesh, a seed, a grammar) are
+generated alone with `stream_generate`, in turn with the batch: while one waits the batch takes no
+new job, so neither starves. At most `max_held` requests are held at
+once (looking up, waiting or generating); past that `submit` raises `Busy`, which the API answers
+with a 429 and Retry-After rather than a queue that only grows. A job whose client left holds no
+place: it is skipped when its turn comes, or stopped within a token (within a prefill chunk of
+PREFILL_STEP tokens when it is prefilling), and so is every job when the server stops.
 Sampling and stopping are mlx-lm's: `make_sampler`, `make_logits_processors` (penalties, logit
 bias), `stream_generate` (EOS ids from the tokenizer), plus stop strings, which are cut from the text
 and never streamed. A job may add logits processors of its own (a grammar: kvmesh.serve.grammar),
@@ -14,9 +23,10 @@ and ask for each token's log probability (and the most likely alternatives) from
 import logging
 import queue
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, cast
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,118 +35,76 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from kvmesh.generation import calibrate
-from kvmesh.serve.prompt_cache import MeshPromptCache
+from kvmesh.serve.batch import Batch, batchable, batchable_model
+from kvmesh.serve.jobs import (  # (the engine's vocabulary: importers take it from here too)
+    Abandoned,
+    Delta,
+    Done,
+    Job,
+    LogitsProcessor,
+    Output,
+    Sampling,
+    Started,
+    TokenLogprob,
+    held_back,
+    token_logprob,
+)
+from kvmesh.serve.prompt_cache import MeshPromptCache, PrefixHit
+
+__all__ = [
+    "Abandoned",
+    "Busy",
+    "Delta",
+    "Done",
+    "Engine",
+    "Job",
+    "LogitsProcessor",
+    "Sampling",
+    "Started",
+    "TokenLogprob",
+    "held_back",
+    "token_logprob",
+]
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Sampling:
-    """mlx-lm's sampler and logits processors, with their settings (0 or None: off)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
+# Prompt tokens prefilled between two looks at whether the job is still wanted (mlx-lm's default is
+# 2,048): a client that leaves, or a server told to stop, waits at most one such chunk.
+PREFILL_STEP = 512
+# Lookups at once: each may wait on a store read or a peer's transfer (up to the idle timeout).
+LOOKUP_THREADS = 8
+# What a refused client is told to wait before trying again (seconds, the Retry-After header).
+RETRY_AFTER_S = 1
 
 
-# A logits processor as mlx-lm's generate_step calls it: (the tokens so far, logits) -> logits.
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-
-
-@dataclass
-class Job:
-    """One request: its prompt tokens and settings; `events` carries Delta, then Done (or an exception).
-
-    `listener`, when set, is called after each event is put: an HTTP handler wakes on it instead of
-    holding a thread blocked on the queue, so a client that leaves (queued or not) holds nothing.
-    `partition`: the prompt-cache partition of a salted request (None: the shared one).
-    `processors`, when set, makes the job's own logits processors (a grammar), on the generation
-    thread (MLX arrays stay there). `top_logprobs`: None for no log probabilities, else each
-    token's and that many alternatives' (0: the token's only).
-    """
-
-    tokens: list[int]
-    max_tokens: int
-    sampling: Sampling = Sampling()
-    stop: list[str] = field(default_factory=list)
-    events: "queue.Queue[Started | Delta | Done | Exception]" = field(default_factory=queue.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    listener: Callable[[], None] | None = None
-    partition: bytes | None = None
-    processors: Callable[[], list[LogitsProcessor]] | None = None
-    top_logprobs: int | None = None
-
-    def put(self, event: "Started | Delta | Done | Exception") -> None:
-        self.events.put(event)
-        if self.listener is not None:
-            self.listener()
-
-
-@dataclass(frozen=True)
-class Started:
-    """The prefix is found and generation starts: what an API that reports cached tokens up front
-    (Anthropic's message_start) needs before the first token."""
-
-    prompt_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's log probability, and the most likely tokens at its place."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    # The tokens whose text this is, with their log probabilities (when the job asked for them).
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Done:
-    finish_reason: str  # "stop" or "length"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    # Where the cached prefix came from ("memory", "local store", "peer ADDRESS", "none"), bytes moved, seconds.
-    prefix_from: str
-    wire_bytes: int
-    prefix_seconds: float
-    skipped: list[str]
-    # Each choice between fetching a peer's cache and prefilling here, with its figures.
-    choices: list[str]
-    # The stop string that ended the text, when one did.
-    stop_string: str | None = None
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """How many characters at the end of `text` might begin a stop string: not sent yet."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
+class Busy(Exception):
+    """The server holds as many requests as it may: this one is refused (429) rather than queued."""
 
 
 class Engine:
-    """Runs jobs on one thread, in order."""
+    """Finds each job's prefix on a lookup thread, then generates on one thread: batched, or in turn."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, prompt_cache: MeshPromptCache):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        prompt_cache: MeshPromptCache,
+        *,
+        max_held: int = 64,
+        batching: bool = True,
+    ):
+        """`batching`: decode jobs whose caches mlx-lm can merge together (kvmesh.serve.batch); without
+        it every job is generated alone, one after another."""
         self.model, self.tokenizer, self.prompt_cache = model, tokenizer, prompt_cache
+        self.max_held, self.batching = max_held, batching
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvmesh-lookup")
+        self._lock = threading.Lock()
+        self._held: dict[int, tuple[Job, str]] = {}  # id(job) -> (job, "lookup" | "waiting" | "generating")
+        self._stopping = threading.Event()
+        # Set once the engine can answer (after calibration): /health says "starting" until then.
+        self.ready = threading.Event()
+        self._served = 0
         self._thread = threading.Thread(target=self._run, name="kvmesh-generate", daemon=True)
         self._thread.start()
 
@@ -144,30 +112,185 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def held(self) -> dict[str, int]:
+        """How many requests are looking up their prefix, waiting for generation, generating
+        (a job whose client left is not counted: it holds no place)."""
+        counts = {"lookup": 0, "waiting": 0, "generating": 0}
+        with self._lock:
+            for job, stage in self._held.values():
+                if not job.cancelled.is_set():
+                    counts[stage] += 1
+        return counts
+
     def submit(self, job: Job) -> Job:
-        self._jobs.put(job)
+        """Hold `job` and look up its prefix; `Busy` when `max_held` requests are held already."""
+        with self._lock:
+            if sum(not j.cancelled.is_set() for j, _ in self._held.values()) >= self.max_held:
+                raise Busy(f"the server holds {self.max_held} requests already")
+            self._held[id(job)] = (job, "lookup")
+        job.submitted = time.monotonic()
+        try:
+            self._lookups.submit(self._look_up, job)
+        except RuntimeError:  # shut down: the server is stopping
+            self._release(job)
+            raise Busy("the server is stopping") from None
         return job
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Take no more jobs: those generating end within a token or a prefill chunk, and every
+        held one is answered Abandoned."""
+        self._stopping.set()
+        self._lookups.shutdown(wait=False)
         self._jobs.put(None)
-        self._thread.join(timeout=30)
+
+    def close(self, timeout: float = 1.0) -> bool:
+        """Stop, and wait for the generation thread: whether it ended within `timeout` seconds."""
+        self.stop()
+        self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
+
+    def _drop(self, job: Job) -> None:
+        """A job not served: nobody waits for it (its client left), or the server is stopping."""
+        self._release(job)
+        if not job.cancelled.is_set():
+            job.put(Abandoned("the server is stopping"))
+
+    def _stage(self, job: Job, stage: str) -> None:
+        with self._lock:
+            if id(job) in self._held:
+                self._held[id(job)] = (job, stage)
+
+    def _release(self, job: Job) -> None:
+        with self._lock:
+            self._held.pop(id(job), None)
+
+    def _wanted(self, job: Job) -> bool:
+        return not (job.cancelled.is_set() or self._stopping.is_set())
+
+    def _look_up(self, job: Job) -> None:
+        """On a lookup thread: the store's and the peers' prefix, then the job's turn to generate."""
+        if not self._wanted(job):
+            self._drop(job)
+            return
+        try:
+            job.found = self.prompt_cache.look_up(job.tokens, partition=job.partition)
+        except Exception as e:  # reported to this request; the others go on
+            log.exception("prefix lookup failed")
+            self._release(job)
+            job.put(e)
+            return
+        self._stage(job, "waiting")
+        self._jobs.put(job)
 
     def _run(self) -> None:
-        if (rates := self.prompt_cache.rates) is not None:
+        rates = self.prompt_cache.rates
+        if rates is not None and rates.prefill_model(self.prompt_cache.model_fp.model_id) is None:
+            log.info("calibrating this machine's prefill rate (a few prefills) before the first request")
+            start = time.monotonic()
             calibrate(self.model, self.prompt_cache.model_fp, rates)  # before the first request's choice
-        while (job := self._jobs.get()) is not None:
-            if job.cancelled.is_set():
-                continue
-            try:
-                self._generate(job)
-            except Exception as e:  # reported to this request; the thread serves the next one
-                log.exception("generation failed")
-                job.put(e)
+            log.info("calibrated in %.1f s", time.monotonic() - start)
+        self.ready.set()
+        batch = (
+            Batch(self.model, self.tokenizer, prefill_step=PREFILL_STEP, wanted=self._wanted, finished=self._complete)
+            if self.batching and batchable_model(self.model)
+            else None
+        )
+        # Jobs the batch cannot take, in arrival order: while one waits, the batch takes no new
+        # job and drains, then they are served one at a time (neither side starves).
+        alone: deque[tuple[Job, PrefixHit]] = deque()
+        try:
+            while not self._stopping.is_set():
+                busy = bool(alone) or (batch is not None and len(batch) > 0)
+                for job in self._arrivals(block=not busy):
+                    if not self._wanted(job):
+                        self._drop(job)
+                        continue
+                    self._stage(job, "generating")
+                    try:
+                        hit = self._start(job)
+                    except Exception as e:  # reported to this request; the thread serves the next one
+                        log.exception("prefix fetch failed")
+                        self._release(job)
+                        job.put(e)
+                        continue
+                    if batch is not None and not alone and batchable(job, hit):
+                        batch.add(job, hit)
+                    else:
+                        alone.append((job, hit))
+                if batch is not None and len(batch) > 0:
+                    try:
+                        batch.step()
+                    except Exception as e:  # every job of the batch is told; the engine goes on
+                        log.exception("batched generation failed")
+                        for slot in list(batch.slots.values()):
+                            self._release(slot.job)
+                            slot.job.put(e)
+                        batch.close()
+                        batch = Batch(
+                            self.model,
+                            self.tokenizer,
+                            prefill_step=PREFILL_STEP,
+                            wanted=self._wanted,
+                            finished=self._complete,
+                        )
+                elif alone:
+                    self._serve_alone(*alone.popleft())
+        finally:
+            if batch is not None:
+                for slot in batch.slots.values():
+                    self._release(slot.job)
+                batch.abandon()
+                batch.close()
+            for job, _ in alone:
+                self._drop(job)
+            while True:  # stopping: those still queued are told so
+                try:
+                    if (left := self._jobs.get_nowait()) is not None:
+                        self._drop(left)
+                except queue.Empty:
+                    break
 
-    def _generate(self, job: Job) -> None:
-        hit = self.prompt_cache.fetch(job.tokens, partition=job.partition)
-        cache = hit.cache if hit.cache is not None else make_prompt_cache(self.model)
+    def _arrivals(self, block: bool) -> list[Job]:
+        """The jobs whose turn has come: every one queued now, waiting for one when `block`."""
+        jobs: list[Job] = []
+        try:
+            first = self._jobs.get(block=block)
+        except queue.Empty:
+            return jobs
+        while first is not None:
+            jobs.append(first)
+            try:
+                first = self._jobs.get_nowait()
+            except queue.Empty:
+                return jobs
+        self._stopping.set()  # None: close() was called
+        return jobs
+
+    def _start(self, job: Job) -> PrefixHit:
+        """The job's prefix, from memory or as its lookup found it; its Started event."""
+        hit = self.prompt_cache.fetch(job.tokens, partition=job.partition, found=job.found)
+        job.found = None  # (the engine keeps no cache past its request)
         job.put(Started(len(job.tokens), hit.tokens))
+        return hit
+
+    def _serve_alone(self, job: Job, hit: PrefixHit) -> None:
+        if not self._wanted(job):
+            self._drop(job)
+            return
+        try:
+            self._generate(job, hit)
+        except Abandoned:
+            log.info("request abandoned in its prefill (%s)", "stopping" if self._stopping.is_set() else "left")
+            job.put(Abandoned("the server is stopping"))
+        except Exception as e:  # reported to this request; the thread serves the next one
+            log.exception("generation failed")
+            job.put(e)
+        finally:
+            self._release(job)
+
+    def _generate(self, job: Job, hit: PrefixHit) -> None:
+        """One job alone, with mlx-lm's stream_generate."""
+        cache = hit.cache if hit.cache is not None else make_prompt_cache(self.model)
         if job.sampling.seed is not None:
             mx.random.seed(job.sampling.seed)
         sampling = job.sampling
@@ -182,10 +305,12 @@ class Engine:
         )
         if job.processors is not None:
             processors += job.processors()
-        generated: list[int] = []
-        text, sent, finish, stopped_by = "", 0, "length", None
-        pending: list[TokenLogprob] = []  # the log probabilities of tokens whose text is not sent yet
-        eos = set(self.tokenizer.eos_token_ids)
+
+        def still_wanted(done: int, total: int) -> None:  # between prefill chunks
+            if not self._wanted(job):
+                raise Abandoned()
+
+        output = Output(job, set(self.tokenizer.eos_token_ids))
         for response in stream_generate(
             self.model,
             self.tokenizer,
@@ -194,61 +319,49 @@ class Engine:
             sampler=sampler,
             logits_processors=processors or None,
             prompt_cache=cache,
+            prefill_step_size=PREFILL_STEP,
+            prompt_progress_callback=still_wanted,
         ):
-            if not generated and self.prompt_cache.rates is not None:  # the prefill is done: its rate
+            if not output.generated and self.prompt_cache.rates is not None:  # the prefill is done: its rate
                 self.prompt_cache.rates.record_prefill(
                     self.prompt_cache.model_fp.model_id,
                     response.prompt_tokens,
                     response.prompt_tokens / response.prompt_tps if response.prompt_tps else 0.0,
                     context=hit.tokens,
                 )
-            generated.append(response.token)
-            if job.top_logprobs is not None and response.token not in eos:
-                pending.append(token_logprob(response.token, response.logprobs, job.top_logprobs))
-            text += response.text
-            finish = response.finish_reason or finish
-            cut, stopped_by = min(((i, s) for s in job.stop if (i := text.find(s)) >= 0), default=(-1, None))
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
+            if output.add(response.token, response.text, response.logprobs, response.finish_reason):
                 break
-            ready = len(text) - held_back(text, job.stop)
-            if ready > sent:
-                job.put(Delta(text[sent:ready], tuple(pending)))
-                sent, pending = ready, []
-            if job.cancelled.is_set():
+            if not self._wanted(job):
                 break
-        if len(text) > sent or pending:
-            job.put(Delta(text[sent:], tuple(pending)))
-        completion = len(generated) - (1 if generated and generated[-1] in eos else 0)
-        # The text is out; the request completes once its cache is kept, so that the next request,
-        # here or on any peer, finds it.
-        covered = self.prompt_cache.insert(job.tokens + generated, cache, partition=job.partition)
+        self._complete(job, output, hit, cache)
+
+    def _complete(self, job: Job, output: Output, hit: PrefixHit, cache: list[Any] | None) -> None:
+        """A job's end: the rest of its text, its cache kept, then Done (and its log line). The text
+        is out first; the request completes once its cache is kept, so that the next request, here
+        or on any peer, finds it. A job that ended in its prefill (`cache` None) only leaves."""
+        self._release(job)
+        if cache is None:
+            if self._stopping.is_set():
+                job.put(Abandoned("the server is stopping"))
+            return
+        output.flush()
+        covered = self.prompt_cache.insert(job.tokens + output.generated, cache, partition=job.partition)
         if job.partition is None:  # a salted request's cache stays in its own partition of memory
             self.prompt_cache.persist(covered, cache)
-        job.put(
-            Done(
-                finish,
-                len(job.tokens),
-                completion,
-                hit.tokens,
-                hit.where,
-                hit.wire_bytes,
-                hit.seconds,
-                hit.skipped,
-                hit.choices,
-                stop_string=stopped_by,
-            )
+        done = output.done(hit)
+        self._served += 1
+        log.info(
+            "request %d: %d prompt tokens, %d cached from %s (%.3f s), %d generated (%s, %s); first token "
+            "after %.3f s, %.1f tokens/s",
+            self._served,
+            done.prompt_tokens,
+            done.cached_tokens,
+            done.prefix_from,
+            done.prefix_seconds,
+            done.completion_tokens,
+            done.finish_reason if self._wanted(job) else "client left",
+            f"in a batch of up to {output.batch_size}" if output.batch_size else "alone",
+            (output.first_token or time.monotonic()) - job.submitted,
+            output.tokens_per_second(),
         )
-
-
-def token_logprob(token: int, logprobs: mx.array, top: int) -> TokenLogprob:
-    """`token`'s log probability in mlx-lm's `logprobs` (after the logits processors: a grammar's
-    masked tokens are -inf), and the `top` most likely tokens with theirs, most likely first."""
-    chosen = cast(float, logprobs[token].item())
-    if top <= 0:
-        return TokenLogprob(token, chosen)
-    best = mx.argpartition(-logprobs, kth=top - 1)[:top]
-    values = logprobs[best]
-    order = mx.argsort(-values)
-    ids, lps = cast(list[int], best[order].tolist()), cast(list[float], values[order].tolist())
-    return TokenLogprob(token, chosen, tuple(zip(ids, lps)))
+        job.put(done)

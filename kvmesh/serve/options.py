@@ -47,6 +47,11 @@ class ServeOptions:
     max_connections: int = setting(
         1000, help="open connections at most; past it the one waiting longest on its request is closed"
     )
+    # A queue that only grows answers everyone late; past the bound a client is told to retry (429).
+    max_requests: int = setting(
+        64,
+        help="requests held at once (finding their prefix, waiting or generating); past it a 429 with Retry-After",
+    )
     # The local daemon names the live peers; one that is frozen must not hold each request.
     local_daemon_timeout: float = setting(
         0.5, help="seconds to wait for the local daemon's list of live peers", metavar="SECONDS"
@@ -75,7 +80,14 @@ class ServeOptions:
     )
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "min_store_tokens", "max_tokens", "max_body_bytes", "max_connections"):
+        for name in (
+            "memory_bytes",
+            "min_store_tokens",
+            "max_tokens",
+            "max_body_bytes",
+            "max_connections",
+            "max_requests",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
         for name in ("read_header_timeout", "read_timeout", "local_daemon_timeout"):

@@ -15,11 +15,13 @@ read), so only requests with the same salt find it. It may still start from what
 shares (unsalted requests' caches, the store, the mesh): that tells it nothing another client kept
 apart. Unsalted requests share one partition, as before.
 
-Every method runs on the server's generation thread: MLX arrays stay on the thread that made them.
+`look_up` runs on a lookup thread (a store read or a peer's transfer must hold no other request);
+every other method on the server's generation thread. Memory is read and changed under a lock.
 """
 
 import copy
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -91,6 +93,7 @@ class MeshPromptCache:
         self.max_bytes, self.min_store_tokens, self.idle_timeout = max_bytes, min_store_tokens, idle_timeout
         # (partition, tokens) -> (cache, bytes); partition None is the one every unsalted request shares.
         self._memory: OrderedDict[tuple[bytes | None, tuple[int, ...]], tuple[list[Any], int]] = OrderedDict()
+        self._lock = threading.Lock()  # memory is scanned on lookup threads, changed on the generation thread
         # How caches are kept in the store: as they are, unless `compress_with` was called.
         self.press, self.model = Press(), None
         self.level: str | None = None
@@ -116,48 +119,73 @@ class MeshPromptCache:
     def nbytes(self) -> int:
         return sum(size for _, size in self._memory.values())
 
-    def fetch(self, tokens: Sequence[int], partition: bytes | None = None) -> PrefixHit:
-        """The longest cached prefix of `tokens[:-1]` (generation needs one token to feed), as a cache
-        this request may change: memory's are copies. Memory's caches of another `partition` (another
-        salt) are never used; those of the shared one are."""
-        start = time.perf_counter()
+    def _memory_best(
+        self, tokens: Sequence[int], partition: bytes | None
+    ) -> tuple[tuple[bytes | None, tuple[int, ...]] | None, int]:
+        """Memory's entry with the longest usable prefix of `tokens[:-1]`, and that prefix's length."""
         limit = len(tokens) - 1
         best_key, best = None, 0
-        for key, (entry, _) in self._memory.items():
-            if key[0] is not None and key[0] != partition:
-                continue
-            n = min(common_prefix(key[1], tokens), limit)
-            trimmable = all(type(c) in (KVCache, QuantizedKVCache) for c in entry)
-            if n > best and (n == len(key[1]) or trimmable):
-                best_key, best = key, n
-        skipped: list[str] = []
-        choices: list[str] = []
-        if best < limit:
-            found, source = find_prefix(
-                self.model_fp,
-                tokens,
-                self.store,
-                peers=self.peers(),
-                credentials=self.credentials,
-                idle_timeout=self.idle_timeout,
-                min_tokens=best,
-                rates=self.rates,
-            )
-            if found is not None:
-                return PrefixHit(
-                    found,
-                    source.tokens,
-                    source.where,
-                    wire_bytes=source.wire_bytes,
-                    seconds=source.seconds,
-                    skipped=source.skipped,
-                    choices=source.choices,
-                )
-            skipped, choices = source.skipped, source.choices
+        with self._lock:
+            for key, (entry, _) in self._memory.items():
+                if key[0] is not None and key[0] != partition:
+                    continue
+                n = min(common_prefix(key[1], tokens), limit)
+                trimmable = all(type(c) in (KVCache, QuantizedKVCache) for c in entry)
+                if n > best and (n == len(key[1]) or trimmable):
+                    best_key, best = key, n
+        return best_key, best
+
+    def look_up(self, tokens: Sequence[int], partition: bytes | None = None) -> PrefixHit | None:
+        """The store's or the peers' prefix of `tokens`, when longer than memory's (its `cache` None
+        when neither had one: its `skipped` and `choices` still say why); None when memory serves
+        the whole prompt. Thread-safe: a lookup thread calls it while others generate."""
+        start = time.perf_counter()
+        _, best = self._memory_best(tokens, partition)
+        if best >= len(tokens) - 1:
+            return None
+        found, source = find_prefix(
+            self.model_fp,
+            tokens,
+            self.store,
+            peers=self.peers(),
+            credentials=self.credentials,
+            idle_timeout=self.idle_timeout,
+            min_tokens=best,
+            rates=self.rates,
+        )
+        if found is not None:
+            # Computed here, on this thread's MLX stream: a lazy array made on one thread cannot be
+            # evaluated on another (MLX's streams are per thread), so the generation thread gets data.
+            mx.eval([c.state for c in found])
+        return PrefixHit(
+            found,
+            source.tokens if found is not None else 0,
+            source.where if found is not None else "none",
+            wire_bytes=source.wire_bytes,
+            seconds=source.seconds if found is not None else time.perf_counter() - start,
+            skipped=source.skipped,
+            choices=source.choices,
+        )
+
+    def fetch(self, tokens: Sequence[int], partition: bytes | None = None, found: PrefixHit | None = None) -> PrefixHit:
+        """The longest cached prefix of `tokens[:-1]` (generation needs one token to feed), as a cache
+        this request may change: memory's are copies. Memory's caches of another `partition` (another
+        salt) are never used; those of the shared one are. `found` is what `look_up` found earlier
+        (memory may have gained a longer prefix since: the longer one serves); without it the store
+        and the peers are asked here."""
+        start = time.perf_counter()
+        if found is None:
+            found = self.look_up(tokens, partition)
+        best_key, best = self._memory_best(tokens, partition)
+        skipped = found.skipped if found is not None else []
+        choices = found.choices if found is not None else []
+        if found is not None and found.cache is not None and found.tokens > best:
+            return found
         if best_key is None:
             return PrefixHit(None, 0, "none", seconds=time.perf_counter() - start, skipped=skipped, choices=choices)
-        self._memory.move_to_end(best_key)
-        cache = copy.deepcopy(self._memory[best_key][0])
+        with self._lock:
+            self._memory.move_to_end(best_key)
+            cache = copy.deepcopy(self._memory[best_key][0])
         if best < len(best_key[1]):
             for layer in cache:
                 layer.trim(layer.offset - best)  # only trimmable (KVCache) layers get here
@@ -172,13 +200,14 @@ class MeshPromptCache:
         mx.eval([c.state for c in cache])
         size = sum(stored_nbytes(c) for c in cache)
         key = (partition, covered)
-        self._memory[key] = (cache, size)
-        self._memory.move_to_end(key)
-        # A longer cache serves every prefix of itself: drop the entries of its partition it covers.
-        for old in [k for k in self._memory if k != key and k[0] == partition and covered[: len(k[1])] == k[1]]:
-            del self._memory[old]
-        while self.nbytes > self.max_bytes and len(self._memory) > 1:
-            self._memory.popitem(last=False)
+        with self._lock:
+            self._memory[key] = (cache, size)
+            self._memory.move_to_end(key)
+            # A longer cache serves every prefix of itself: drop the entries of its partition it covers.
+            for old in [k for k in self._memory if k != key and k[0] == partition and covered[: len(k[1])] == k[1]]:
+                del self._memory[old]
+            while sum(size for _, size in self._memory.values()) > self.max_bytes and len(self._memory) > 1:
+                self._memory.popitem(last=False)
         return covered
 
     def persist(self, tokens: tuple[int, ...], cache: list[Any]) -> None:

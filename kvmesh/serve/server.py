@@ -1,9 +1,18 @@
-"""`kvmesh serve`: load a model, wire the prompt cache to the store and the mesh, serve HTTP."""
+"""`kvmesh serve`: load a model, wire the prompt cache to the store and the mesh, serve HTTP.
+
+Its life: the port is taken before the model loads (a port in use costs no load); the banner says
+where it serves and how it reaches the mesh, and serve.json says so for programs
+(kvmesh.serve.state); /health says "starting" while it calibrates; SIGINT or SIGTERM stops it within
+a second or so: open requests get STOP_GRACE_S to end, the one generating stops within a token or a
+prefill chunk.
+"""
 
 import ipaddress
 import json
 import logging
+import os
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +24,7 @@ from kvmesh.codec.calibration import NothingToCode
 from kvmesh.compression import model_basis
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import Rates
-from kvmesh.model.loaded import LoadedModel
+from kvmesh.model.loaded import LoadedModel, local_model_dir
 from kvmesh.net.addresses import host_port
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.serve.app import ServedModel, make_app
@@ -23,10 +32,14 @@ from kvmesh.serve.connections import ConnectionGuard, descriptor_backlog, guarde
 from kvmesh.serve.engine import Engine
 from kvmesh.serve.options import ServeOptions
 from kvmesh.serve.prompt_cache import MeshPromptCache
+from kvmesh.serve.state import ServeState, remove_serve_state, write_serve_state
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store
 
 log = logging.getLogger(__name__)
+
+# Seconds open requests get to end once the server is told to stop; then they are cancelled.
+STOP_GRACE_S = 1
 
 
 def is_loopback(host: str) -> bool:
@@ -45,6 +58,8 @@ def check_exposure(host: str, api_key: str | None) -> None:
 
 
 def context_length(model_dir: Path) -> int:
+    """The model's context (its config's max_position_embeddings), for a directory or a cached hub
+    model's snapshot alike: a prompt longer than it is refused, wherever the model came from."""
     config = json.loads((model_dir / "config.json").read_text())
     text = config.get("text_config", {})
     return int(config.get("max_position_embeddings") or text.get("max_position_embeddings") or 4096)
@@ -59,11 +74,17 @@ def serve(
     credentials: MeshCredentials | None,
     announce: Callable[[str], None] = print,
     rates: Rates | None = None,
+    sock: socket.socket | None = None,
+    data_dir: Path | None = None,
+    mesh: str = "",
 ) -> None:
     """Serve `loaded` (the model of `options.model`) until interrupted. With `rates` and
     `options.fetch` "auto", peers' caches are fetched only when faster than prefilling them here;
-    `peers` may be a function, asked again for each request (the local daemon's live peers)."""
+    `peers` may be a function, asked again for each request (the local daemon's live peers).
+    `sock`: bound to options' host and port before the model loaded (else bound here); `data_dir`:
+    where serve.json goes; `mesh`: the banner's words for how the mesh is reached."""
     check_exposure(options.host, options.api_key)
+    sock = sock if sock is not None else bind(options.host, options.port)
     model, tokenizer, fp = loaded.model, loaded.tokenizer, loaded.fingerprint
     model_path = options.model
     prompt_cache = MeshPromptCache(
@@ -85,13 +106,14 @@ def serve(
             log.warning("--compress changes nothing for this model (%s): caches are kept as they are", e)
         else:
             prompt_cache.compress_with(Press(), model, level=options.compress, basis=basis)
-    engine = Engine(model, tokenizer, prompt_cache)
-    name = Path(model_path).name or model_path
     served = ServedModel(
-        name=name,
-        aliases=frozenset({name, model_path, fp.model_id, fp.repo_id} - {""}),
-        context_length=context_length(Path(model_path)) if Path(model_path).is_dir() else 1 << 20,
+        name=Path(model_path).name or model_path,
+        aliases=frozenset({Path(model_path).name, model_path, fp.model_id, fp.repo_id} - {""}),
+        context_length=context_length(local_model_dir(model_path)),
     )
+    name = served.name
+    calibrating = prompt_cache.rates is not None and prompt_cache.rates.prefill_model(fp.model_id) is None
+    engine = Engine(model, tokenizer, prompt_cache, max_held=options.max_requests)
     app = make_app(
         engine,
         served,
@@ -102,21 +124,35 @@ def serve(
         loopback=is_loopback(options.host),
         cors_origins=options.web_origins,
     )
-    server, backlog = http_server(app, options)
-    sock = listen(options.host, options.port, backlog)
-    address = host_port(options.host, sock.getsockname()[1])
-    announce(f"kvmesh serve: {name} at http://{address}/v1 (model id {fp.model_id})")
+    server, backlog = http_server(app, options, on_stop=engine.stop)
+    sock.listen(backlog)  # before the URL is announced: a client that reads it can connect at once
+    url = f"http://{host_port(options.host, sock.getsockname()[1])}/v1"
+    if data_dir is not None:
+        write_serve_state(data_dir, ServeState(os.getpid(), url, name, fp.model_id, mesh))
+    announce(f"kvmesh serve: {name} at {url} (model id {fp.model_id})")
+    if mesh:
+        announce(f"  mesh: {mesh}")
+    if calibrating:
+        announce('  calibrating the prefill rate here (once): /health says "starting" until done; requests wait')
     try:
         server.run(sockets=[sock])
     finally:
+        if data_dir is not None:
+            remove_serve_state(data_dir)
         app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
-        engine.close()
         sock.close()
+        if not engine.close(timeout=1.0):
+            # Calibration's prefills cannot be interrupted; a thread left inside MLX at exit aborts
+            # the process (exit 134), so leave now, the way it would have ended.
+            log.warning("stopping during calibration: leaving it unfinished")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
-def listen(host: str, port: int, backlog: int) -> socket.socket:
-    """A socket listening on host:port, before the URL is announced: a client that reads it can
-    connect at once."""
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, not yet listening: taken before the model loads, so that a
+    port in use is said at once, with no model loaded in vain."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -125,13 +161,40 @@ def listen(host: str, port: int, backlog: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise KvmeshError(f"cannot listen on {host_port(host, port)}: {e.strerror or e}") from None
+    return sock
+
+
+def listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A socket listening on host:port, before the URL is announced: a client that reads it can
+    connect at once."""
+    sock = bind(host, port)
     sock.listen(backlog)
     return sock
 
 
-def http_server(app: Any, options: ServeOptions) -> tuple[uvicorn.Server, int]:
+class StoppingServer(uvicorn.Server):
+    """uvicorn, which on SIGINT or SIGTERM also calls `on_stop` at once (the engine's stop: the
+    requests it holds end now, rather than after uvicorn's grace), and then returns."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None] | None = None):
+        super().__init__(config)
+        self.on_stop = on_stop
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.on_stop is not None:
+            self.on_stop()
+        super().handle_exit(sig, frame)
+        # uvicorn raises the signal again once it has stopped, which kills the process before
+        # `serve` removes serve.json and stops the engine: a graceful stop exits 0 instead.
+        self._captured_signals.clear()
+
+
+def http_server(
+    app: Any, options: ServeOptions, on_stop: Callable[[], None] | None = None
+) -> tuple[uvicorn.Server, int]:
     """uvicorn serving `app` with the connection bounds of `options` (kvmesh.serve.connections), and
-    the listen backlog that keeps them within the descriptor limit."""
+    the listen backlog that keeps them within the descriptor limit; `on_stop` is called when it is
+    told to stop."""
     backlog = descriptor_backlog(options.max_connections)
     guard = ConnectionGuard(options.read_header_timeout, options.max_connections)
     config = uvicorn.Config(
@@ -140,5 +203,6 @@ def http_server(app: Any, options: ServeOptions) -> tuple[uvicorn.Server, int]:
         lifespan="off",
         http=guarded_protocol(guard),
         backlog=backlog,  # asyncio accepts up to this many at once: within the descriptor budget
+        timeout_graceful_shutdown=STOP_GRACE_S,  # then open requests are cancelled: a stop takes a second
     )
-    return uvicorn.Server(config), backlog
+    return StoppingServer(config, on_stop), backlog

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from kvmesh.daemon import control
 from kvmesh.daemon.control import DaemonProcess
+from kvmesh.errors import KvmeshError
+from kvmesh.serve.state import read_serve_state
 from support.processes import ENV, KVMESH
 
 LOOPBACK = ("--interface", "127.0.0.1", "--port", "0")
@@ -61,16 +63,21 @@ class ServerProcess:
 
 
 def start_server(data_dir, model_dir, *args, log, env=None) -> ServerProcess:
-    """`kvmesh --data-dir DATA_DIR serve MODEL_DIR --port 0 ARGS`, returned once it says where it
-    serves (its first line of stdout); its stderr goes to `log`. In ENV unless `env` is given."""
+    """`kvmesh --data-dir DATA_DIR serve MODEL_DIR --port 0 ARGS`, returned once it serves: its
+    banner's first line is the moment, its state file (DATA_DIR/serve.json) says where. Its stderr
+    goes to `log`. In ENV unless `env` is given."""
     command = [KVMESH, "--data-dir", str(data_dir), "serve", str(model_dir), "--port", "0", *map(str, args)]
     with open(log, "w") as out:  # the server keeps its own copy
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=out, text=True, env=ENV if env is None else env
         )
-    line = process.stdout.readline() if process.stdout else ""
-    if not line.startswith("kvmesh serve: "):
+    line = process.stdout.readline() if process.stdout else ""  # written after serve.json
+    try:
+        state = read_serve_state(data_dir)
+    except KvmeshError:
+        state = None
+    if not line or state is None or state.pid != process.pid:
         process.kill()
         process.wait()
         raise AssertionError(f"the server did not start: {line!r}; see {log}")
-    return ServerProcess(process, line.split(" at ")[1].split()[0], Path(log))
+    return ServerProcess(process, state.url, Path(log))

@@ -1,0 +1,137 @@
+"""Many requests at once: mlx-lm's `BatchGenerator` decoding together the jobs whose caches it can
+merge (the dense caches of memory, of a fresh prompt, of most peers' and the store's).
+
+Each job keeps what it has alone: its own sampler and logits processors (penalties, logit bias),
+its prefix from the prompt cache (`BatchGenerator.insert` takes it, and the tokens it covers, whose
+history the penalties see), its stop strings and log probabilities (kvmesh.serve.jobs.Output), and
+its cache back into the prompt cache when it ends. Prompts are prefilled in chunks of
+`prefill_step` tokens, one chunk per step, so a job whose client left is dropped within a chunk.
+Jobs it cannot take (a sparse or quantized cache, a seed: mlx-lm's random state is one for the
+whole batch, a grammar) are generated one at a time by the engine, in turn with the batch.
+Every method runs on the generation thread.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from kvmesh.serve.jobs import Abandoned, Job, Output
+from kvmesh.serve.prompt_cache import PrefixHit
+
+
+def batchable_model(model: nn.Module) -> bool:
+    """Whether mlx-lm can batch this model's caches at all (as mlx_lm.server decides)."""
+    return all(hasattr(c, "merge") for c in make_prompt_cache(model))
+
+
+def batchable(job: Job, hit: PrefixHit) -> bool:
+    """Whether `job`, starting from `hit`, can join a batch."""
+    if job.sampling.seed is not None or job.processors is not None:
+        return False
+    return hit.cache is None or all(hasattr(c, "merge") for c in hit.cache)
+
+
+@dataclass
+class Slot:
+    job: Job
+    hit: PrefixHit
+    output: Output
+    detokenizer: Any
+
+
+class Batch:
+    """The jobs decoding together; `finished(job, output, hit, cache)` is called for each that ends
+    (its cache, or None when it ended in its prefill)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        prefill_step: int,
+        wanted: Callable[[Job], bool],
+        finished: Callable[[Job, Output, PrefixHit, list[Any] | None], None],
+    ):
+        self.tokenizer, self.wanted, self.finished = tokenizer, wanted, finished
+        self.eos = set(tokenizer.eos_token_ids)
+        self.generator = BatchGenerator(
+            model, stop_tokens=[[t] for t in sorted(self.eos)], prefill_step_size=prefill_step
+        )
+        self.slots: dict[int, Slot] = {}
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def add(self, job: Job, hit: PrefixHit) -> None:
+        sampling = job.sampling
+        # Greedy jobs share mlx-lm's default sampler (None): the whole batch is sampled in one call.
+        sampler = (
+            None
+            if sampling.temperature == 0
+            else make_sampler(
+                temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p
+            )
+        )
+        processors = make_logits_processors(
+            dict(sampling.logit_bias) or None,
+            sampling.repetition_penalty,
+            presence_penalty=sampling.presence_penalty or None,
+            frequency_penalty=sampling.frequency_penalty or None,
+        )
+        (uid,) = self.generator.insert(
+            [job.tokens[hit.tokens :]],
+            max_tokens=[job.max_tokens],
+            caches=[hit.cache] if hit.cache is not None else None,
+            all_tokens=[job.tokens[: hit.tokens]],
+            samplers=[sampler] if sampler is not None else None,
+            logits_processors=[processors],
+        )
+        detokenizer = self.tokenizer.detokenizer
+        detokenizer.reset()
+        self.slots[uid] = Slot(job, hit, Output(job, self.eos), detokenizer)
+
+    def step(self) -> None:
+        """One step: a prefill chunk for the jobs prefilling, a token for each job decoding."""
+        for slot in self.slots.values():
+            slot.output.batch_size = max(slot.output.batch_size, len(self.slots))
+        prompt_responses, responses = self.generator.next()
+        leaving = [r.uid for r in prompt_responses if not self.wanted(self.slots[r.uid].job)]
+        ended: list[int] = []
+        for r in responses:
+            slot = self.slots[r.uid]
+            detokenizer = slot.detokenizer
+            if r.finish_reason != "stop":  # (an end-of-turn token has no text)
+                detokenizer.add_token(r.token)
+            if r.finish_reason is not None:
+                detokenizer.finalize()
+            cut = slot.output.add(r.token, detokenizer.last_segment, r.logprobs, r.finish_reason)
+            if r.finish_reason is not None:
+                del self.slots[r.uid]
+                self.finished(slot.job, slot.output, slot.hit, r.prompt_cache)
+            elif cut or not self.wanted(slot.job):
+                ended.append(r.uid)
+        if leaving:
+            self.generator.remove(leaving)
+            for uid in leaving:
+                slot = self.slots.pop(uid)
+                self.finished(slot.job, slot.output, slot.hit, None)
+        if ended:
+            caches = self.generator.remove(ended, return_prompt_caches=True)
+            for uid in ended:
+                slot = self.slots.pop(uid)
+                self.finished(slot.job, slot.output, slot.hit, caches[uid][0] if uid in caches else None)
+
+    def abandon(self) -> None:
+        """The server is stopping: every job here is told so."""
+        self.generator.remove(list(self.slots))
+        for slot in self.slots.values():
+            slot.job.put(Abandoned("the server is stopping"))
+        self.slots.clear()
+
+    def close(self) -> None:
+        self.generator.close()

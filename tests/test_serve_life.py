@@ -1,0 +1,272 @@
+"""`kvmesh serve`'s own life and its queue (issue 22): the port checked before the model loads, a stop
+within a second, the banner and serve.json, /health, the context length of a hub model, one log line
+per request, the bound past which requests get a 429, lookups off the generation thread, a client
+that leaves freeing its place, concurrent clients. Real server and daemon processes, the `openai` client."""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from kvmesh.paths import serve_state_file
+from kvmesh.serve.engine import Abandoned, Engine, Job, Started
+from kvmesh.serve.prompt_cache import MeshPromptCache
+from kvmesh.serve.state import read_serve_state
+from support.daemons import loopback_daemon, start_server
+from support.processes import ENV, cli
+
+QUESTION = [{"role": "user", "content": "Where do rivers go?"}]
+
+
+@pytest.fixture
+def serving(tmp_path):
+    """serving(name, model_dir, *args, env=None) -> ServerProcess, stopped after the test."""
+    started = []
+
+    def start(name, model_dir, *args, env=None):
+        server = start_server(tmp_path / name, model_dir, *args, log=tmp_path / f"{name}.serve.log", env=env)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def client_of(url: str, retries: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=retries, timeout=120)
+
+
+def health(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{url.removesuffix('/v1')}/health", timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def batch_sizes(log: Path) -> list[int]:
+    """The largest batch each request of a server's log was decoded in (0: alone)."""
+    sizes = []
+    for line in log.read_text().splitlines():
+        if "kvmesh.serve.engine: request " in line:
+            found = re.search(r"in a batch of up to (\d+)", line)
+            sizes.append(int(found.group(1)) if found else 0)
+    return sizes
+
+
+def wait_for(condition, timeout: float = 30.0, what: str = "the server's state") -> None:
+    """Poll `condition` (the server's /health: it has no event to wait on from outside)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def held(url: str, stage: str) -> int:
+    return health(url)[1].get("requests", {}).get(stage, 0)
+
+
+@pytest.mark.slow
+def test_a_port_in_use_is_refused_before_the_model_loads(tiny_dir, tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        start = time.monotonic()
+        result = cli("serve", tiny_dir, "--port", taken.getsockname()[1], "--no-mesh", data_dir=tmp_path, check=False)
+    finally:
+        taken.close()
+    assert result.returncode == 1, result.stderr  # not 134 (an abort after the model loaded)
+    assert "cannot listen on 127.0.0.1:" in result.stderr and "terminate called" not in result.stderr
+    assert time.monotonic() - start < 20
+    assert not serve_state_file(tmp_path).exists()
+
+
+@pytest.mark.slow
+def test_the_banner_state_file_and_health_say_how_it_serves(tiny_dir, tmp_path, serving):
+    alone = serving("alone", tiny_dir, "--no-mesh")
+    state = read_serve_state(tmp_path / "alone")
+    assert (state.pid, state.url, state.model) == (alone.process.pid, alone.url, "tiny") and state.model_id
+    assert state.mesh.startswith("off (--no-mesh)")
+    status, body = health(alone.url)
+    assert status == 200 and body["status"] == "ok" and body["max_requests"] == 64
+    assert alone.stop() == 0 and not serve_state_file(tmp_path / "alone").exists()
+    assert "mesh: off (--no-mesh)" in alone.process.stdout.read()
+
+    # No daemon runs for its data directory: the mesh is off for now, and it calibrates (visibly).
+    nodaemon = serving("nodaemon", tiny_dir)
+    assert read_serve_state(tmp_path / "nodaemon").mesh.startswith("off for now (no kvmesh daemon is running")
+    wait_for(lambda: health(nodaemon.url)[0] == 200, what="calibration")
+    assert nodaemon.stop() == 0
+    banner = nodaemon.process.stdout.read()
+    assert "calibrating the prefill rate here" in banner and '/health says "starting"' in banner
+    assert "calibrated in" in nodaemon.log.read_text()
+
+    daemon = loopback_daemon(tmp_path / "withdaemon")
+    try:
+        serving("withdaemon", tiny_dir)
+        mesh = read_serve_state(tmp_path / "withdaemon").mesh
+        assert mesh.startswith("on: the live peers of the local daemon at ") and daemon.state.node_id in mesh
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_and_ctrl_c_stop_it_within_a_second(tiny_dir, serving):
+    # Two requests generating (4,000 tokens each; batched together, or one waiting behind the other):
+    # the stop holds for neither.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        server = serving(f"stop-{sig.name}", tiny_dir, "--no-mesh")
+        client = client_of(server.url)
+        stream = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4000, stream=True)
+        next(iter(stream))
+        answers = ThreadPoolExecutor(1)
+        waiting = answers.submit(client.completions.create, model="tiny", prompt="rivers", max_tokens=4000)
+        wait_for(lambda url=server.url: held(url, "generating") + held(url, "waiting") == 2, what="the second request")
+        start = time.monotonic()
+        server.process.send_signal(sig)
+        assert server.process.wait(timeout=10) == 0
+        assert time.monotonic() - start < 2.0, "the stop waited for a generation"
+        with contextlib.suppress(openai.APIError):  # a 503 (the server is stopping), the connection closed,
+            waiting.result(timeout=30)  # or its answer, when the model ended it first: never a hang
+        answers.shutdown()
+        log = server.log.read_text()
+        assert "terminate called" not in log and "ASGI callable returned without completing" not in log
+        assert not serve_state_file(server.log.with_suffix("").with_suffix("")).exists()
+
+
+def test_a_stop_abandons_a_prefill_within_a_chunk(tiny, tiny_fp):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, MeshPromptCache(tiny_fp, None))
+    job = engine.submit(Job(list(range(1, 8001)), 4))  # 8,000 prompt tokens: 16 chunks of PREFILL_STEP
+    assert isinstance(job.events.get(timeout=60), Started)  # the prefill starts now
+    engine.stop()
+    assert isinstance(job.events.get(timeout=60), Abandoned)
+    assert engine.close(timeout=5.0)
+
+
+@pytest.mark.slow
+def test_a_hub_models_context_length_is_checked_too(tiny_dir, tmp_path, serving):
+    # The tiny model as a cached Hugging Face repo, its context cut to 256 tokens.
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--kvmesh-tests--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_dir, snapshot)
+    config = json.loads((snapshot / "config.json").read_text())
+    (snapshot / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    (hub / "models--kvmesh-tests--tiny" / "refs").mkdir()
+    (hub / "models--kvmesh-tests--tiny" / "refs" / "main").write_text("0" * 40)
+    server = serving("hub", "kvmesh-tests/tiny", "--no-mesh", env={**ENV, "HF_HUB_CACHE": str(hub)})
+    client = client_of(server.url)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="rivers " * 300, max_tokens=4)
+    assert refused.value.code == "context_length_exceeded"
+    assert client.completions.create(model="tiny", prompt="rivers", max_tokens=4).usage.completion_tokens == 4
+
+
+@pytest.mark.slow
+def test_one_log_line_per_request(tiny_dir, serving):
+    server = serving("logged", tiny_dir, "--no-mesh")
+    client = client_of(server.url)
+    first = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3)
+    client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3)
+    server.stop()
+    lines = [line for line in server.log.read_text().splitlines() if "kvmesh.serve.engine: request " in line]
+    assert len(lines) == 2
+    assert f"request 1: {first.usage.prompt_tokens} prompt tokens, 0 cached from none" in lines[0]
+    assert f"{first.usage.prompt_tokens - 1} cached from memory" in lines[1]
+    assert all(
+        "3 generated (length, in a batch of up to 1); first token after " in line and "tokens/s" in line
+        for line in lines
+    )
+
+
+@pytest.mark.slow
+def test_lookups_hold_no_one_and_past_the_bound_a_429(tiny_dir, tmp_path, serving):
+    # Each new prompt asks a frozen peer (SIGSTOP) and waits its idle timeout; meanwhile a request
+    # that memory serves is answered at once, and past --max-requests requests get a 429.
+    daemon = loopback_daemon(tmp_path / "peer")
+    idle = 6.0
+    server = serving("b", tiny_dir, "--peer", daemon.address, "--idle-timeout", idle, "--max-requests", 3)
+    client = client_of(server.url)
+    warm = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3)  # in memory now
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    pool = ThreadPoolExecutor(3)
+    try:
+        start = time.monotonic()
+        slow = pool.submit(client.completions.create, model="tiny", prompt="a new prompt", max_tokens=3)
+        wait_for(lambda: held(server.url, "lookup") == 1, what="the first lookup")
+        again = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3)
+        assert time.monotonic() - start < idle / 2 and not slow.done(), "a lookup held the next request"
+        assert again.choices[0].message.content == warm.choices[0].message.content
+        assert again.usage.model_extra["kvmesh"]["prefix_from"] == "memory"
+        others = [pool.submit(client.completions.create, model="tiny", prompt=p, max_tokens=3) for p in "xy"]
+        wait_for(lambda: held(server.url, "lookup") == 3, what="three lookups")
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model="tiny", prompt="one too many", max_tokens=3)
+        assert refused.value.code == "rate_limit_exceeded" and refused.value.response.headers["retry-after"] == "1"
+        assert time.monotonic() - start < idle, "the refusal waited"
+        assert all(f.result(timeout=60).usage.completion_tokens == 3 for f in [slow, *others])
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+        daemon.stop()
+        pool.shutdown()
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_mid_stream_frees_its_place(tiny_dir, serving):
+    server = serving("one", tiny_dir, "--no-mesh", "--max-requests", 1)
+    client = client_of(server.url)
+    stream = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4000, stream=True)
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError):  # its one place is taken
+        client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=2)
+    stream.close()
+    start = time.monotonic()
+    answer = client_of(server.url, retries=3).chat.completions.create(model="tiny", messages=QUESTION, max_tokens=2)
+    assert answer.usage.completion_tokens == 2 and time.monotonic() - start < 3
+
+
+@pytest.mark.slow
+def test_four_concurrent_clients_get_the_texts_of_one_at_a_time(tiny_dir, serving):
+    server = serving("many", tiny_dir, "--no-mesh")
+    prompts = [f"Client {c} asks question {q} about rivers." for c in range(4) for q in range(5)]
+
+    def ask(client: openai.OpenAI, prompt: str, stream: bool) -> str:
+        messages = [{"role": "user", "content": prompt}]
+        if not stream:
+            return (
+                client.chat.completions.create(model="tiny", messages=messages, max_tokens=24)
+                .choices[0]
+                .message.content
+            )
+        chunks = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    alone = [ask(client_of(server.url), p, False) for p in prompts]
+    barrier = threading.Barrier(4)
+
+    def one_client(c: int) -> list[str]:
+        client = client_of(server.url)
+        barrier.wait()
+        return [ask(client, prompts[c * 5 + q], (c + q) % 2 == 0) for q in range(5)]
+
+    with ThreadPoolExecutor(4) as pool:
+        together = [text for texts in pool.map(one_client, range(4)) for text in texts]
+    assert together == alone
+    stats = health(server.url)[1]["requests"]
+    assert stats == {"lookup": 0, "waiting": 0, "generating": 0}
+    server.stop()
+    assert max(batch_sizes(server.log)) > 1, "no two requests were decoded together"
