@@ -14,6 +14,7 @@ once. Needs no MLX: `scripts/paper_model.py` runs the same arithmetic on publish
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,8 +147,9 @@ class Rates:
     model this machine measured, kept in `rates.json`.
 
     Every update re-reads the file before writing it (atomically), so processes sharing a data
-    directory (`kvmesh generate`, `kvmesh serve`) keep each other's measurements. A damaged file is
-    ignored with a warning, and replaced at the next update: the rates are measured again.
+    directory (`kvmesh generate`, `kvmesh serve`) keep each other's measurements, and takes a lock,
+    so threads of one process (serve's lookups) do too. A damaged file is ignored with a warning,
+    and replaced at the next update: the rates are measured again.
     """
 
     def __init__(self, data_dir: Path | str):
@@ -155,6 +157,7 @@ class Rates:
         self.links: dict[str, dict] = {}
         # model id -> [[tokens, context, seconds], ...], the latest last
         self.prefill: dict[str, list] = {}
+        self._lock = threading.Lock()
         self._load()
 
     def link_rate(self, address: str) -> float | None:
@@ -173,30 +176,33 @@ class Rates:
 
     def record_probe(self, address: str, bytes_per_s: float) -> None:
         """A probe's rate: kept until transfers measure the link (it never overrides them)."""
-        self._load()
-        if address not in self.links:
-            self.links[address] = {"bytes_per_s": bytes_per_s, "transfers": 0}
-            self._save()
+        with self._lock:
+            self._load()
+            if address not in self.links:
+                self.links[address] = {"bytes_per_s": bytes_per_s, "transfers": 0}
+                self._save()
 
     def record_transfer(self, address: str, wire_bytes: int, seconds: float) -> None:
         """A fetch from `address` moved `wire_bytes` in `seconds` (from request to caches ready)."""
         if wire_bytes < MIN_TIMED_BYTES or seconds <= FETCH_SETUP_S:
             return
-        self._load()
-        entry = self.links.get(address, {})
-        rate = wire_bytes / (seconds - FETCH_SETUP_S)
-        old = entry.get("bytes_per_s") if entry.get("transfers") else None  # a probe gives way
-        self.links[address] = {"bytes_per_s": blend(old, rate), "transfers": entry.get("transfers", 0) + 1}
-        self._save()
+        with self._lock:
+            self._load()
+            entry = self.links.get(address, {})
+            rate = wire_bytes / (seconds - FETCH_SETUP_S)
+            old = entry.get("bytes_per_s") if entry.get("transfers") else None  # a probe gives way
+            self.links[address] = {"bytes_per_s": blend(old, rate), "transfers": entry.get("transfers", 0) + 1}
+            self._save()
 
     def record_prefill(self, model_id: str, tokens: int, seconds: float, *, context: int = 0) -> None:
         """This machine prefilled `tokens` of the model `model_id`, after `context` cached ones, in `seconds`."""
         if tokens < MIN_TIMED_TOKENS or seconds <= 0:
             return
-        self._load()
-        samples = [*self.prefill.get(model_id, []), [tokens, context, seconds]]
-        self.prefill[model_id] = samples[-PREFILL_SAMPLES:]
-        self._save()
+        with self._lock:
+            self._load()
+            samples = [*self.prefill.get(model_id, []), [tokens, context, seconds]]
+            self.prefill[model_id] = samples[-PREFILL_SAMPLES:]
+            self._save()
 
     def _load(self) -> None:
         try:
