@@ -105,3 +105,28 @@ def test_cache_show_prints_each_layer_codec(coded):
     manifest = CacheStore(store).manifest(cache_id)
     assert [layer["bytes"] for layer in layers] == [layer.tensors[0].nbytes for layer in manifest.layers]
     assert all(layer.kind == pb.CACHE_KIND_TRANSFORM_KV for layer in manifest.layers)
+
+
+def test_serve_compress_keeps_its_caches_transform_coded(tiny_dir, tmp_path):
+    """`kvmesh serve --compress`: the basis fitted at start and kept beside the store, a request's
+    cache kept there transform coded, with its measured loss."""
+    import openai
+
+    from support.daemons import start_server
+
+    data = tmp_path / "data"
+    server = start_server(
+        data, tiny_dir, "--no-mesh", "--compress", "--min-store-tokens", "64", log=tmp_path / "serve.log"
+    )
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="none")
+        messages = [{"role": "user", "content": PROMPT}]
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+        store = CacheStore(data / "store")
+        (entry,) = store.entries()
+        manifest = store.manifest(entry.cache_id)
+        assert manifest.artifacts and all(layer.kind == pb.CACHE_KIND_TRANSFORM_KV for layer in manifest.layers)
+        assert artifact_store(store.root).has(manifest.artifacts[0].sha256)
+        assert manifest.quality.metric == "tail_kl"
+    finally:
+        assert server.stop() == 0
