@@ -36,6 +36,9 @@ from kvmesh.v1.service_pb2 import Candidate
 
 log = logging.getLogger(__name__)
 LOCAL_STORE = "local store"
+# The least time the mesh part of a request is given, however fast a prefill here would be: a LAN
+# lookup and the manifest's round trip take milliseconds, a loaded machine's more.
+MIN_MESH_BUDGET = 2.0
 
 
 @dataclass
@@ -184,6 +187,7 @@ def find_prefix(
     min_tokens: int = 0,
     max_kl: float | None = None,
     rates: Rates | None = None,
+    budget: float | None = None,
 ) -> tuple[list | None, PrefixSource]:
     """The cache of the longest prefix of `tokens[:-1]` found, and where it came from.
 
@@ -199,11 +203,22 @@ def find_prefix(
     be faster than prefilling the tokens it adds here; each fetch's rate is kept for next time.
     Without them, every peer's cache is fetched. Each peer is reached over one channel for the
     whole request: its lookup, probe and fetch.
+
+    The mesh part (every lookup, probe and fetch) takes at most `budget` seconds in all (default:
+    `default_budget`): a peer that stalls, trickles or answers with bogus candidates costs at most
+    that, then the rest is prefilled.
     """
+    if budget is None:
+        budget = default_budget(rates, model_fp.model_id, len(tokens))
     wanted = list(tokens[:-1])
     start = time.perf_counter()
     skipped: list[str] = []
     choices: list[str] = []
+    spent = f"the mesh's time budget of {budget:g} s is spent: prefilled instead"
+
+    def left() -> float:
+        """Seconds of the budget left."""
+        return budget - (time.perf_counter() - start)
 
     def source(where: str, n: int = 0, wire_bytes: int = 0, cache_id: str = "") -> PrefixSource:
         return PrefixSource(
@@ -221,9 +236,11 @@ def find_prefix(
         if store is not None and (local := store.lookup(model_fp.model_id, wanted)):
             sources.append(_Source(local.tokens, (0,), local.entry.cache_id))
         for address in peers:
-            client = clients.enter_context(
-                PeerClient(address, timeout=min(TIMEOUTS.lookup, idle_timeout), credentials=credentials)
-            )
+            if left() <= 0:
+                skipped.append(f"peer {address}: {spent}")
+                continue
+            timeout = min(TIMEOUTS.lookup, idle_timeout, left())
+            client = clients.enter_context(PeerClient(address, timeout=timeout, credentials=credentials))
             try:
                 for m in client.lookup(model_fp.model_id, wanted):
                     tie = (1, m.candidate.method != "full", m.candidate.stored_bytes)
@@ -240,6 +257,9 @@ def find_prefix(
                     cache = load_prefix(store, s.cache_id, s.tokens, max_kl=max_kl)
                     return cache, source(LOCAL_STORE, s.tokens, cache_id=s.cache_id)
                 client, candidate = s.peer
+                if left() <= 0:
+                    skipped.append(f"{candidate.cache_id} at {client.address}: {spent}")
+                    continue
                 if rates is not None:
                     # What fetching saves: prefilling the tokens beyond what is held or found here.
                     held = max([min_tokens] + [o.tokens for o in sources if o.peer is None and o.tokens < s.tokens])
@@ -250,7 +270,7 @@ def find_prefix(
                         candidate,
                         tokens=s.tokens - held,
                         held=held,
-                        timeout=idle_timeout,
+                        timeout=max(0.1, min(idle_timeout, left())),
                     )
                     choices.append(str(choice))
                     if not choice.fetch:
@@ -264,6 +284,7 @@ def find_prefix(
                     progress=progress,
                     idle_timeout=idle_timeout,
                     keep=False,
+                    deadline=max(0.1, left()),
                 )
                 if rates is not None:
                     rates.record_transfer(client.address, fetched.wire_bytes, fetched.seconds)
@@ -303,6 +324,15 @@ def fetch_or_prefill(
         link_rate = client.probe(probe_bytes(wire), timeout=timeout)
         rates.record_probe(address, link_rate)
     return choose(tokens, wire, link_rate, prefill, context=held, where=address, measured=rates.link_source(address))
+
+
+def default_budget(rates: Rates | None, model_id: str, tokens: int) -> float:
+    """The mesh part's time budget for a prompt of `tokens`: the prefill of them all, as this machine's
+    timed prefills predict (at least MIN_MESH_BUDGET), or Timeouts.mesh_budget when none were timed."""
+    model_rate = rates.prefill_model(model_id) if rates is not None else None
+    if model_rate is None:
+        return TIMEOUTS.mesh_budget
+    return max(MIN_MESH_BUDGET, model_rate.seconds(tokens))
 
 
 def calibrate(model: nn.Module, model_fp: ModelFingerprint, rates: Rates) -> None:
@@ -349,13 +379,17 @@ def generate(
     stop_tokens: Collection[int] = (),
     max_kl: float | None = None,
     rates: Rates | None = None,
+    mesh_budget: float | None = None,
 ) -> Generation:
     """Generation after `tokens` (greedy, or with an mlx-lm `sampler`), reusing the longest cached
     prefix found on the mesh; it ends at `max_tokens` or at one of `stop_tokens` (the tokenizer's
     end-of-turn ids: `tokenizer.eos_token_ids`), which is not returned.
 
     With `rates`, a peer's cache is fetched only when that beats prefilling its tokens here (the
-    model's prefill rate is measured first if it never was), and this prefill refreshes the rate."""
+    model's prefill rate is measured first if it never was), and this prefill refreshes the rate.
+
+    The mesh part takes at most `mesh_budget` seconds (default: `default_budget`): the mesh cannot save
+    more than prefilling the whole prompt costs, so after that the prompt is prefilled."""
     if rates is not None and peers:
         calibrate(model, model_fp, rates)
     cache, source = find_prefix(
@@ -368,6 +402,7 @@ def generate(
         idle_timeout=idle_timeout,
         max_kl=max_kl,
         rates=rates,
+        budget=mesh_budget,
     )
     suffix = list(tokens[source.tokens :])
     start = time.perf_counter()

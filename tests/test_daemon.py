@@ -213,3 +213,19 @@ def test_link_local_ipv6_addresses_are_dialled_with_their_scope_or_left_out():
     assert dial_address("fe80::1c2:3ff:fe4d:5e6f%1", 7000) == f"[fe80::1c2:3ff:fe4d:5e6f%{loopback}]:7000"
     assert dial_address("fe80::1%en0", 7000) == "[fe80::1%en0]:7000"
     assert dial_address("not-an-address", 7000) is None
+
+
+def test_the_daemon_raises_its_descriptor_limit_as_its_service_files_do():
+    import resource
+
+    from kvmesh.daemon.limits import raise_descriptor_limit
+    from kvmesh.daemon.service_files import OPEN_FILES
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = before[1]
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # macOS's default for a terminal's processes
+        wanted = OPEN_FILES if hard == resource.RLIM_INFINITY else min(OPEN_FILES, hard)
+        assert raise_descriptor_limit() == wanted == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)

@@ -183,7 +183,8 @@ def test_a_member_cannot_mint_identities(mesh, tmp_path):
     assert set(codes) == {"unavailable"}  # no call at all: the handshake fails
     # Nor does a chain through B's own certificate (a node certificate is no CA).
     assert info_code(daemon_a.address, minted(member, node_id(a), chain=True)) == "unavailable"
-    assert daemon_a.log.read_text().count("Handshake failed") >= 101
+    # The refusals are in the log as kvmesh's own line (gRPC's are kept out of it).
+    assert "failed the TLS handshake" in daemon_a.log.read_text()
 
 
 def test_a_100_year_certificate_is_refused_and_never_issued(mesh, tmp_path):

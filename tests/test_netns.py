@@ -19,8 +19,10 @@ from kvmesh.daemon.control import DaemonProcess
 from kvmesh.store import CacheStore
 from support import namespaces
 from support.daemons import start_daemon
+from support.members import make_mesh
 from support.processes import cli
 from support.references import greedy_tokens
+from support.waiting import wait_for
 
 MISSING = namespaces.missing("ip")  # the bridge needs no tc
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
@@ -72,11 +74,9 @@ def lan(tmp_path):
 
 
 def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tiny_fp, tmp_path):
-    # One mesh: made on n1, joined by the others (without it a daemon serves loopback only).
-    lan.kvmesh(1, "mesh", "init")
-    bundle = lan.kvmesh(1, "mesh", "export").stdout.strip()
-    for i in (2, 3):
-        lan.kvmesh(i, "mesh", "join", bundle)
+    # One mesh: made on n1, its members' certificates signed there (without one a daemon serves
+    # loopback only; joining itself is the membership tests' to test).
+    make_mesh(tmp_path / "n1", tmp_path / "n2", tmp_path / "n3")
     for i in lan.nodes:
         lan.start(i)
     everyone = {f"{lan.address(i)}:{PORT}" for i in lan.nodes}
@@ -120,3 +120,90 @@ def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tin
     lan.wait_until(1, lambda peers: f"{lan.address(2)}:{PORT}" not in peers, seconds=15)
     namespaces.ip("-n", lan.hub, "link", "set", "veth2", "up")
     lan.wait_until(1, lambda peers: f"{lan.address(2)}:{PORT}" in peers, seconds=15)
+
+
+class TwoLinks(namespaces.Namespaces):
+    """Two hosts joined by two links, as a Mac on Wi-Fi and on a Thunderbolt bridge: eth0
+    (10.78.0.0/24) and eth1 (10.79.0.0/24), each limited with tbf on the server's side."""
+
+    def __init__(self, prefix: str):
+        self.server, self.client = f"{prefix}-s", f"{prefix}-c"
+
+    def names(self) -> list[str]:
+        return [self.server, self.client]
+
+    def address(self, host: str, link: int) -> str:
+        return f"10.{78 + link}.0.{1 if host == 's' else 2}"
+
+    def up(self) -> None:
+        for ns in (self.server, self.client):
+            namespaces.ip("netns", "add", ns)
+            namespaces.ip("-n", ns, "link", "set", "lo", "up")
+        for link in (0, 1):
+            device = f"eth{link}"
+            namespaces.ip(
+                "-n", self.server, "link", "add", device, "type", "veth", "peer", "name", device, "netns", self.client
+            )
+            for ns, host in ((self.server, "s"), (self.client, "c")):
+                namespaces.ip("-n", ns, "addr", "add", f"{self.address(host, link)}/24", "dev", device)
+                namespaces.ip("-n", ns, "link", "set", device, "up")
+
+    def shape(self, device: str, rate: str) -> None:
+        namespaces.run(
+            "tc", "-n", self.server, "qdisc", "replace", "dev", device, "root", "tbf",
+            "rate", rate, "burst", "32kb", "latency", "50ms",
+        )  # fmt: skip
+
+
+def test_a_peer_on_two_links_is_reached_over_the_fast_one_and_the_slow_one_when_it_fails(
+    tiny, tiny_dir, tiny_fp, tmp_path
+):
+    if namespaces.missing("ip", "tc"):
+        pytest.skip(str(namespaces.missing("ip", "tc")))
+    server, client = tmp_path / "s", tmp_path / "c"
+    make_mesh(server, client)
+    model, tokenizer = tiny
+    text = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
+    documents = []
+    for i in (0, 1):  # one document per fetch: a fetched cache is kept, and the next would be local
+        document = tmp_path / f"doc{i}.txt"
+        document.write_text(text[i * 2000 : i * 2000 + 1500])
+        tokens = tokenizer.encode(document.read_text())
+        CacheStore(server / "store").add(*encode_cache(prefill(model, tokens).cache, tiny_fp, tokens))
+        documents.append(document)
+    with TwoLinks(f"kvl{os.getpid() % 100000}") as links:
+        # The slow link is the first advertised: only measuring finds the fast one.
+        links.shape("eth0", "20mbit")
+        links.shape("eth1", "200mbit")
+        slow, fast = (f"{links.address('s', i)}:{PORT}" for i in (0, 1))
+        for host, namespace in (("s", links.server), ("c", links.client)):
+            interfaces = [arg for i in (0, 1) for arg in ("--interface", links.address(host, i))]
+            start_daemon(
+                tmp_path / host, *interfaces, "--port", PORT, "--health-interval", "0.5",
+                log=tmp_path / f"{host}.log", command=namespaces.inside(namespace),
+            )  # fmt: skip
+
+        def peers() -> list[list[str]]:
+            out = cli("peers", "--json", data_dir=client, prefix=namespaces.inside(links.client)).stdout
+            return [p["addresses"] for p in json.loads(out)]
+
+        def fetched_from(document) -> str:
+            args = [
+                "generate",
+                str(tiny_dir),
+                "--file",
+                str(document),
+                "--max-tokens",
+                "2",
+                "--json",
+                "--fetch",
+                "always",
+            ]
+            out = cli(*args, data_dir=client, prefix=namespaces.inside(links.client)).stdout
+            return json.loads(out)["prefix_from"]
+
+        wait_for(lambda: peers() == [[fast, slow]], seconds=30, what="the fast link chosen of both")
+        assert fetched_from(documents[0]) == f"peer {fast}"
+        namespaces.ip("-n", links.server, "link", "set", "eth1", "down")  # the fast link is cut
+        wait_for(lambda: peers() == [[slow, fast]], seconds=20, what="the slow link chosen")
+        assert fetched_from(documents[1]) == f"peer {slow}"

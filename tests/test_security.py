@@ -118,10 +118,12 @@ class Daemon(DaemonProcess):
         super().__init__(**vars(started))
 
     def handshake_failures(self) -> int:
-        return self.log.read_text().count("Handshake failed")
+        """The daemon's lines about refused handshakes (gRPC's own are kept out of its log): the
+        first refusal of each daemon process, then one an hour."""
+        return self.log.read_text().count("failed the TLS handshake")
 
     def wait_for_more_handshake_failures(self, before: int, seconds: float = 10.0) -> int:
-        """gRPC core logs a refused handshake from its own thread: poll the log for it."""
+        """The daemon logs a refused handshake from its own thread: poll the log for it."""
         deadline = time.monotonic() + seconds
         while (now := self.handshake_failures()) <= before:
             assert time.monotonic() < deadline, "no refused handshake was logged"

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 from concurrent import futures
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
@@ -22,8 +23,9 @@ from kvmesh.daemon.control import DaemonState, write_state
 from kvmesh.daemon.limits import raise_descriptor_limit
 from kvmesh.errors import CredentialsError, DaemonAlreadyRunning, ListenError, StoreError
 from kvmesh.net.addresses import host_port
+from kvmesh.net.admission import refusal
 from kvmesh.net.credentials import RenewingCredentials, renew_if_due
-from kvmesh.net.discovery import Discovery, HealthChecker, Peer, PeerTable, routable_addresses
+from kvmesh.net.discovery import Discovery, HealthChecker, Peer, PeerTable, Refuse, routable_addresses
 from kvmesh.net.member import MemberRuntime, join_port_for
 from kvmesh.net.node_id import node_id
 from kvmesh.net.server import RunningServer, start_server
@@ -130,7 +132,7 @@ class Daemon:
                 [host_port(ip, config.port) for ip in interfaces],
                 max_transfers=config.max_transfers,
                 policy=config.policy,
-                credentials=self.credentials.server_credentials() if self.credentials else None,
+                credentials=self.credentials.server_credentials if self.credentials else None,
                 interceptors=self.membership.interceptors if self.membership else (),
                 services=[self.membership.add_to] if self.membership else (),
             )
@@ -155,6 +157,7 @@ class Daemon:
                 self.peers,
                 tls=self.credentials is not None,
                 credentials=self.credentials,
+                refuse=self._refusal(),
             )
             self.discovery.start()
         self.health = HealthChecker(self.peers, interval=config.health_interval, credentials=self.credentials)
@@ -205,6 +208,13 @@ class Daemon:
                 self.store.enforce_budget()
             except StoreError as e:
                 log.warning("cannot keep the store within its budget: %s", e)
+
+    def _refusal(self) -> Refuse | None:
+        """Why a peer that proves its node id with a certificate of this mesh is refused all the same
+        (a removed node), for discovery to ask before it binds the id to an address."""
+        if self.membership is None:
+            return None
+        return partial(refusal, revocations=self.membership.revocations, max_days=self.config.max_certificate_days)
 
     def _keep_renewing(self, credentials: RenewingCredentials) -> None:
         """Renew this node's certificate before it ends, for as long as the daemon runs: checked

@@ -6,6 +6,8 @@ trailer checked after the last. The client keeps nothing: whoever decodes the ch
 each one as it does) stores them, `kvmesh.generation.fetch_cache`. So the network needs no MLX.
 """
 
+import collections
+import logging
 import queue
 import threading
 import time
@@ -42,6 +44,24 @@ from kvmesh.versions import PROTOCOL_VERSION
 
 # progress(bytes received so far, bytes expected); raise to cancel the transfer.
 Progress = Callable[[int, int], None]
+log = logging.getLogger(__name__)
+# A lookup answer's candidates tried at most: the longest few serve a prompt as well as any, and a
+# peer answering with hundreds must not make a request try them all.
+MAX_CANDIDATES = 4
+# Artefacts arrive in pieces of this size (kvmesh.net.server ARTIFACT_PIECE_BYTES).
+ARTIFACT_PIECE_BYTES = 1 << 20
+
+
+def candidate_problem(c: spb.Candidate, prompt_tokens: int) -> str | None:
+    """Why a peer's lookup candidate cannot be true for a prompt of `prompt_tokens` (whose block
+    hashes it was asked about), or None."""
+    if c.matched_tokens > prompt_tokens:
+        return f"{c.matched_tokens:,} matched tokens of a {prompt_tokens:,}-token prompt"
+    if c.matched_tokens > c.num_tokens:
+        return f"{c.matched_tokens:,} matched tokens of a {c.num_tokens:,}-token cache"
+    if c.matched_tokens % BLOCK_SIZE and c.matched_tokens != c.num_tokens:
+        return f"{c.matched_tokens:,} matched tokens are not whole blocks of {BLOCK_SIZE}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -53,40 +73,80 @@ class Match:
 
 
 class Watchdog:
-    """Cancels a streaming call whose peer sends nothing for `idle` seconds or that outlives its
-    deadline, and says why: gRPC has no per-message timeout, and a sleeping Mac's TCP stack can keep
-    a connection open for minutes."""
+    """Cancels a streaming call whose peer sends nothing for `idle` seconds, sends less than
+    `min_rate` bytes a second (once `measure_rate` is called), or outlives its deadline, and says why:
+    gRPC has no per-message timeout, and a sleeping Mac's TCP stack can keep a connection open for
+    minutes.
+
+    Only time spent waiting for the peer counts towards the idle limit and the rate (`waiting`, then
+    `alive`): a receiver busy decoding or writing what arrived is not a slow sender."""
 
     def __init__(self, call: grpc.RpcContext, idle: float, deadline: float):
         self.call, self.idle = call, idle
         self.deadline = time.monotonic() + deadline
-        self.last = time.monotonic()
         self.why: str | None = None
+        self._waiting_since: float | None = None
+        self._waited = 0.0  # seconds spent waiting for the peer so far, but for the current wait
+        self._rate: tuple[float, float] | None = None  # (bytes per second, window in waited seconds)
+        self._rate_from = 0.0
+        self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
         self._done = threading.Event()
         threading.Thread(target=self._watch, name="kvmesh-watchdog", daemon=True).start()
 
-    def alive(self) -> None:
-        """A message arrived."""
-        self.last = time.monotonic()
+    def waiting(self) -> None:
+        """The receiver waits for the peer's next message from now."""
+        self._waiting_since = time.monotonic()
+
+    def alive(self, nbytes: int = 0) -> None:
+        """A message of `nbytes` arrived."""
+        if self._waiting_since is not None:
+            self._waited += time.monotonic() - self._waiting_since
+            self._waiting_since = None
+        if self._rate is not None:
+            self._arrivals.append((self._waited, nbytes))
+            while self._arrivals and self._arrivals[0][0] < self._waited - self._rate[1]:
+                self._arrivals.popleft()
 
     def allow(self, seconds: float) -> None:
         """The transfer may take `seconds` more in all."""
         self.deadline = time.monotonic() + seconds
 
+    def measure_rate(self, min_rate: float, window: float) -> None:
+        """From now, the peer must send at least `min_rate` bytes a second over every `window`
+        seconds of waiting for it."""
+        self._rate, self._rate_from = (min_rate, window), self._waited
+
+    def _problem(self, now: float) -> str | None:
+        wait = 0.0 if self._waiting_since is None else now - self._waiting_since
+        if wait > self.idle:
+            return f"sent nothing for {self.idle:g} s (asleep, frozen or cut off): transfer abandoned"
+        if now > self.deadline:
+            return "the transfer outlived its deadline: abandoned"
+        waited = self._waited + wait
+        if self._rate is not None and waited - self._rate_from >= (window := self._rate[1]):
+            got = sum(n for at, n in list(self._arrivals) if at >= waited - window)
+            if got < self._rate[0] * window:
+                return (
+                    f"sent {got:,} bytes in {window:g} s, below the minimum of {self._rate[0] / 1024:,.0f} KiB/s "
+                    "(a trickle): transfer abandoned"
+                )
+        return None
+
     def _watch(self) -> None:
         while not self._done.wait(min(0.25, self.idle / 4)):
-            now = time.monotonic()
-            if now - self.last > self.idle:
-                self.why = f"sent nothing for {self.idle:g} s (asleep, frozen or cut off): transfer abandoned"
-            elif now > self.deadline:
-                self.why = "the transfer outlived its deadline: abandoned"
-            else:
-                continue
-            self.call.cancel()
-            return
+            if (why := self._problem(time.monotonic())) is not None:
+                self.why = why
+                self.call.cancel()
+                return
 
     def stop(self) -> None:
         self._done.set()
+
+
+def rate_window(chunk_size: int, min_rate: float = TIMEOUTS.min_receive_rate) -> float:
+    """Seconds over which a transfer's rate is judged: Timeouts.rate_window, or long enough for two of
+    its largest messages at `min_rate` (a whole chunk arrives at once)."""
+    return max(TIMEOUTS.rate_window, 2 * chunk_size / min_rate)
 
 
 class Transfer:
@@ -112,7 +172,9 @@ class Transfer:
         self.wire_bytes = 0
         self._client, self._call, self._outbox = client, call, outbox
         self._stream = iter(call)
-        self._deadline, self._progress = deadline, progress
+        self._progress = progress
+        # A deadline given runs from the open; else each part gets its own (transfer_deadline).
+        self._ends = None if deadline is None else time.monotonic() + deadline
         self._watchdog = Watchdog(call, idle_timeout, deadline or TIMEOUTS.transfer_grace)
 
     def __enter__(self) -> "Transfer":
@@ -130,13 +192,14 @@ class Transfer:
 
     def _next(self, what: str) -> bytes:
         """The peer's next message; PeerError when the stream breaks, stalls or ends before `what`."""
+        self._watchdog.waiting()
         try:
             data = next(self._stream, None)
         except grpc.RpcError as e:
             if self._watchdog.why:
                 raise PeerError(self.address, self._watchdog.why) from None
             raise self._client._error(e) from None
-        self._watchdog.alive()
+        self._watchdog.alive(len(data) if data else 0)
         if data is None:
             raise PeerError(self.address, f"the stream ended before {what}")
         return data
@@ -176,7 +239,9 @@ class Transfer:
         checked by whoever decodes or stores them (kvmesh.codec.decode, the store)."""
         encoding = self.manifest.encoding
         self._outbox.put(spb.FetchRequest(decision=accept()))
-        self._watchdog.allow(self._deadline or TIMEOUTS.transfer_deadline(encoding.encoded_bytes))
+        left = None if self._ends is None else self._ends - time.monotonic()
+        self._watchdog.allow(TIMEOUTS.transfer_deadline(encoding.encoded_bytes) if left is None else left)
+        self._watchdog.measure_rate(TIMEOUTS.min_receive_rate, rate_window(encoding.chunk_size))
         for i in range(encoding.chunk_count):
             frame = self._next(f"chunk {i} of {encoding.chunk_count}")
             self.wire_bytes += len(frame) - FRAME_HEADER.size
@@ -235,21 +300,36 @@ class PeerClient:
             raise self._error(e) from None
 
     def lookup(self, model_id: str, tokens: Sequence[int]) -> list[Match]:
-        """The peer's caches that serve a prefix of `tokens`, longest first.
+        """The peer's caches that serve a prefix of `tokens`, longest first: at most MAX_CANDIDATES.
 
         Only block hashes leave this machine; an exact-prefix candidate is confirmed here against
-        the prompt itself.
+        the prompt itself. A peer's answer is a claim: a candidate that claims more than the prompt
+        holds, or than the cache itself, is left out (and logged), so a lying peer costs nothing more.
         """
         request = spb.LookupRequest(model_id=model_id, block_size=BLOCK_SIZE, block_hashes=block_hashes(tokens))
         try:
             response = self.stub.Lookup(request, timeout=self.timeout)
         except grpc.RpcError as e:
             raise self._error(e) from None
-        served = [
-            (c, tokens_served(tokens, c.num_tokens, c.prefix_sha256, c.cuttable, c.matched_tokens))
-            for c in response.candidates
-        ]
-        return sorted((Match(c, n) for c, n in served if n), key=lambda m: -m.tokens)
+        matches, seen, bogus = [], set(), []
+        for c in response.candidates:
+            if problem := candidate_problem(c, len(tokens)):
+                bogus.append(f"{c.cache_id[:32]!r}: {problem}")
+                continue
+            if c.cache_id in seen:
+                continue
+            seen.add(c.cache_id)
+            if n := tokens_served(tokens, c.num_tokens, c.prefix_sha256, c.cuttable, c.matched_tokens):
+                matches.append(Match(c, n))
+        if bogus:
+            log.warning(
+                "%s answered a lookup with %d bogus candidate%s (%s); left out",
+                self.address,
+                len(bogus),
+                "" if len(bogus) == 1 else "s",
+                bogus[0],
+            )
+        return sorted(matches, key=lambda m: -m.tokens)[:MAX_CANDIDATES]
 
     def fetch(
         self,
@@ -347,10 +427,15 @@ class PeerClient:
         checks the bytes against their sha256 (kvmesh.store.artifacts)."""
         call = self._artifact(spb.ArtifactRequest(sha256=sha256), timeout=TIMEOUTS.transfer_deadline(nbytes))
         watchdog = Watchdog(call, idle_timeout, TIMEOUTS.transfer_deadline(nbytes))
-        pieces, received = [], 0
+        watchdog.measure_rate(TIMEOUTS.min_receive_rate, rate_window(ARTIFACT_PIECE_BYTES))
+        pieces, received, stream = [], 0, iter(call)
         try:
-            for message in call:
-                watchdog.alive()
+            while True:
+                watchdog.waiting()
+                message = next(stream, None)
+                if message is None:
+                    break
+                watchdog.alive(len(message.data))
                 received += len(message.data)
                 if received > nbytes:
                     call.cancel()

@@ -34,8 +34,18 @@ class Policy:
     # Timeouts.peer_stream_idle says why it is what it is.
     idle_timeout: float = setting(
         TIMEOUTS.peer_stream_idle,
-        help="seconds a peer's stream may wait for its next message (a decision, a chunk) before it is cut",
+        help="seconds a peer's stream may wait for its next message (a decision, a chunk), or for the peer "
+        "to take the next chunk it is sent, before it is cut (and its transfer slot freed)",
         metavar="SECONDS",
+    )
+    connection_idle: float = setting(
+        TIMEOUTS.connection_idle,
+        help="seconds a connection without a call stays open before the daemon closes it",
+        metavar="SECONDS",
+    )
+    max_connections: int = setting(
+        0,
+        help="incoming connections held at once on each address served (0: what the descriptor limit allows)",
     )
 
     def shares(self, model_id: str) -> bool:

@@ -89,6 +89,21 @@ class TransferCounters:
             return copy
 
     @contextmanager
+    def arriving(self, context: grpc.ServicerContext):
+        """Count a call waiting for its first message (a fetch's open) among the `max_waiting`: its
+        thread is held all the same, so calls that never send one cannot take the reserved workers."""
+        with self.lock:
+            full = self.waiting >= self.max_waiting
+            self.waiting += 0 if full else 1
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.max_waiting} calls are waiting")
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.waiting -= 1
+
+    @contextmanager
     def slot(self, context: grpc.ServicerContext):
         """Hold one of the `cap` transfer slots, waiting for one while the caller is still there."""
         remaining = context.time_remaining()
@@ -279,7 +294,8 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         """Manifest first; after an accept, the chunk frames as raw messages, then the trailer."""
         peer = self._admit(context)
         with self._peer_slot(peer, context):
-            first = self._first(requests, context, "open")
+            with self.counters.arriving(context):
+                first = self._first(requests, context, "open")
             if first is None or first.WhichOneof("msg") != "open":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a fetch starts with an open message")
             self.counters.add("fetches_started")
@@ -388,7 +404,9 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
     def Publish(self, requests: Iterator[bytes], context) -> Iterator[spb.PublishResponse]:
         """A manifest, this peer's decision, then (after an accept) raw chunk frames and a trailer."""
         peer = self._admit(context)
-        first = parse_message(spb.PublishRequest, self._first(requests, context, "manifest"), context)
+        with self.counters.arriving(context):
+            message = self._first(requests, context, "manifest")
+        first = parse_message(spb.PublishRequest, message, context)
         if first.WhichOneof("msg") != "manifest":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a publish starts with a manifest")
         manifest = first.manifest
@@ -524,15 +542,17 @@ def start_server(
     *,
     max_transfers: int = 4,
     policy: Policy | None = None,
-    credentials: grpc.ServerCredentials | None = None,
+    credentials: grpc.ServerCredentials | Callable[[], grpc.ServerCredentials] | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     services: Sequence[Callable[[grpc.Server], None]] = (),
 ) -> RunningServer:
     """Serve the kvmesh service, standard health checking and reflection.
 
     Every address gets the same port: the first one's, when its port is 0 (any free port).
-    `interceptors` run before every call (membership: kvmesh.net.admission); `services` add more
-    services to the server (the Membership service).
+    `credentials` may be a function that makes them, called once per address: gRPC cannot serve two
+    addresses with one set of certificate-reloading credentials. `interceptors` run before every
+    call (membership: kvmesh.net.admission); `services` add more services to the server (the
+    Membership service).
     """
     policy = policy or Policy()
     listen = [addresses] if isinstance(addresses, str) else addresses
@@ -572,7 +592,9 @@ def start_server(
             raise ListenError(f"cannot listen on {target}: {problem}", port or int(wanted))
         try:
             bound = (
-                server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
+                server.add_insecure_port(target)
+                if credentials is None
+                else server.add_secure_port(target, credentials() if callable(credentials) else credentials)
             )
         except RuntimeError:  # newer grpcio raises where older ones returned 0
             bound = 0

@@ -30,12 +30,35 @@ class Timeouts:
     # generous for setting up and for a slow link, yet a crawling transfer ends.
     transfer_grace: float = 30.0
     min_transfer_rate: int = 1 << 20
+    # A receiver cuts a stream that brings less than `min_receive_rate` bytes a second over any
+    # `rate_window` seconds it spent waiting for the sender (its own decoding does not count): a
+    # sender trickling a frame every few seconds never trips `stream_idle`, yet holds a request far
+    # past the prefill it was meant to save. 256 KiB/s is below any link worth fetching over.
+    min_receive_rate: int = 256 << 10
+    rate_window: float = 4.0
+    # A fetch's open (and a publish's manifest) goes with the call itself, so it arrives within a
+    # round trip: a caller that sends none by then is cut before it holds a thread for long.
+    open_message: float = 3.0
+    # The whole mesh part of a request (lookups, probes, fetches) may take this long when no prefill
+    # of the model was timed here (else: what prefilling the prompt would take); after it the request
+    # prefills. A person waits on it.
+    mesh_budget: float = 60.0
+    # Proving an advertised address (a TLS handshake, or Info on a plaintext mesh): a LAN peer
+    # answers in milliseconds; one that does not within this is tried again later.
+    prove: float = 3.0
+    # A connection without a call for this long is closed by the server (the client reconnects when
+    # it needs to): idle connections held by many clients would use up the daemon's descriptors.
+    connection_idle: float = 120.0
+    # A connection is asked to go (GOAWAY; its calls finish) after this long, so renewed certificates
+    # and changed addresses take effect on connections that would otherwise live for months.
+    connection_age: float = 3600.0
     # HTTP/2 pings this often during a call, and a ping unanswered this long cuts it: a peer that
     # went to sleep (its TCP stack may still answer) is found within 15 s even when no message is due.
     keepalive: float = 10.0
     keepalive_ack: float = 5.0
-    # A peer that opens a connection and never finishes the TLS handshake is dropped after this.
-    handshake: float = 10.0
+    # A peer that opens a connection and never finishes the TLS handshake is dropped after this: a
+    # LAN handshake takes milliseconds, and a stranger's half-open connections hold descriptors.
+    handshake: float = 5.0
     # Resolving an mDNS advert's addresses: multicast answers come within a second on a LAN; a
     # peer that does not answer by then is heard again at its next advert.
     mdns_resolve: float = 3.0

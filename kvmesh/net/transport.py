@@ -29,7 +29,26 @@ SERVER_OPTIONS = [
     # gRPC sets SO_REUSEPORT by default: a second daemon would bind the same port and take half
     # the clients. One server per port.
     ("grpc.so_reuseport", 0),
+    # Old connections go (their calls finish first: the grace is gRPC's default, unbounded), so
+    # renewed certificates reach connections that would otherwise live for months.
+    ("grpc.max_connection_age_ms", int(TIMEOUTS.connection_age * 1000)),
 ]
+
+
+def server_options(*, connection_idle: float, max_connections: int) -> list[tuple[str, int]]:
+    """The peer server's options: SERVER_OPTIONS, idle connections closed after `connection_idle`
+    seconds, and at most `max_connections` connections at once on each listening address.
+
+    gRPC offers no limit per client address, only this one per listener (a connection over it is
+    closed as it is accepted): it keeps the daemon's descriptors from running out, so its store, its
+    own health checks and the connections already open (members' health checks keep theirs busy)
+    go on while a stranger holds hundreds of connections.
+    """
+    return [
+        *SERVER_OPTIONS,
+        ("grpc.max_connection_idle_ms", int(connection_idle * 1000)),
+        ("grpc.max_allowed_incoming_connections", max_connections),
+    ]
 
 
 def open_channel(address: str, credentials: Membership | None = None) -> grpc.Channel:
