@@ -7,6 +7,7 @@ The loss it costs is measured here, as a press's is (kvmesh.caches.quality), and
 manifest for receivers' quality floors.
 """
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,11 @@ from kvmesh.codec.basis import Basis
 from kvmesh.codec.calibration import Calibrated, fit_model_basis
 from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis, transform_code
 from kvmesh.codec.levels import CALIBRATION_TOKENS, LEVELS
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import IntegrityError, KvmeshError, StoreError
 from kvmesh.model.loaded import LoadedModel
 from kvmesh.store.artifacts import artifact_store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,11 +48,14 @@ def model_basis(
     first use, with `refit`, or with `texts`)."""
     artifacts = artifact_store(store_root)
     model_id = loaded.fingerprint.model_id
-    digest = artifacts.model_basis(model_id)
-    if digest and not refit and texts is None:
-        data = artifacts.get(digest)
-        if data is not None:
-            return parse_basis(data, digest), None
+    try:
+        digest = artifacts.model_basis(model_id)
+        data = artifacts.get(digest) if digest and not refit and texts is None else None
+    except (StoreError, IntegrityError) as e:  # a damaged basis or pointer: fitted again below
+        log.warning("%s: fitting the model's basis again", e)
+        digest = data = None
+    if digest and data is not None:
+        return parse_basis(data, digest), None
     calibrated = fit_model_basis(
         loaded.model,
         loaded.tokenizer,

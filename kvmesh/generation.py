@@ -146,19 +146,21 @@ def fetch_bases(client: PeerClient, fetch: Transfer, artifacts: ArtifactStore | 
         except (IntegrityError, StoreError) as e:
             log.warning("%s", e)
             data = None
+        fetched = data is None
         try:
             if data is None:
                 log.info("fetching basis %s (%d bytes) from %s", a.sha256[:12], a.nbytes, client.address)
-                data = client.artifact(a.sha256, a.nbytes)
-                if artifacts is not None:
-                    artifacts.put(data, a.sha256)
+                data = client.artifact(a.sha256, a.nbytes, deadline=TIMEOUTS.artifact)
             basis = parse_basis(data, a.sha256)
         except (PeerError, IntegrityError, BasisError) as e:
             fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which {client.address} could not give: {e}"))
-        except StoreError as e:
-            fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which cannot be kept here: {e}"))
         if rejection := basis_problem(fetch.manifest, basis):
             fetch.refuse(rejection)
+        if fetched and artifacts is not None:  # kept only once it is known to fit
+            try:
+                artifacts.put(data, a.sha256)
+            except (StoreError, IntegrityError) as e:
+                fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which cannot be kept here: {e}"))
         bases[a.sha256] = basis
     return bases
 

@@ -203,6 +203,8 @@ def test_a_peer_on_two_links_is_reached_over_the_fast_one_and_the_slow_one_when_
             return json.loads(out)["prefix_from"]
 
         wait_for(lambda: peers() == [[fast, slow]], seconds=30, what="the fast link chosen of both")
+        shown = cli("peers", data_dir=client, prefix=namespaces.inside(links.client)).stdout
+        assert f"{fast} (in use), {slow}" in shown
         assert fetched_from(documents[0]) == f"peer {fast}"
         namespaces.ip("-n", links.server, "link", "set", "eth1", "down")  # the fast link is cut
         wait_for(lambda: peers() == [[slow, fast]], seconds=20, what="the slow link chosen")

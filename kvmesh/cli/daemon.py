@@ -127,6 +127,8 @@ def peers(args: Args) -> int:
         rows = [
             {
                 "node_id": p.node_id,
+                # The one dialled: the fastest working link of a peer on several (measured by the daemon).
+                "address": p.addresses[0] if p.addresses else "",
                 "addresses": list(p.addresses),
                 "source": source_name(p.source),
                 "healthy": p.healthy,
@@ -140,7 +142,10 @@ def peers(args: Args) -> int:
         print("no live peers" if not args.all else "no peers known")
     for p in known:
         state = "live" if p.healthy else f"lost ({p.failures} failed checks)"
-        print(f"{p.node_id}  {', '.join(p.addresses)}  {source_name(p.source)}  {state}")
+        addresses = list(p.addresses)
+        if len(addresses) > 1:  # the first is the one dialled: the fastest link that works
+            addresses[0] += " (in use)"
+        print(f"{p.node_id}  {', '.join(addresses)}  {source_name(p.source)}  {state}")
     return 0
 
 

@@ -169,17 +169,28 @@ class Basis:
         tensors, meta = _read_safetensors(data)
         if meta.get("format") != FORMAT:
             raise BasisError(f"not a transform basis (format {meta.get('format')!r}, want {FORMAT!r})")
-        rotaries = [Rotary.from_dict(r) for r in json.loads(meta["rotaries"])]
-        keys: list[TensorBasis] = []
-        values: list[TensorBasis] = []
-        for i in range(len(rotaries)):
-            for kind, out in (("k", keys), ("v", values)):
-                p = f"layers.{i}.{kind}."
-                try:
-                    out.append(TensorBasis(tensors[p + "mean"], tensors[p + "components"], tensors[p + "rms"]))
-                except KeyError as e:
-                    raise BasisError(f"basis lacks tensor {e.args[0]}") from None
-        return cls(keys, values, rotaries, json.loads(meta.get("info", "{}")), _bytes=bytes(data))
+        try:
+            rotaries = [Rotary.from_dict(r) for r in json.loads(meta["rotaries"])]
+            info = json.loads(meta.get("info", "{}"))
+            keys: list[TensorBasis] = []
+            values: list[TensorBasis] = []
+            for i in range(len(rotaries)):
+                for kind, out in (("k", keys), ("v", values)):
+                    p = f"layers.{i}.{kind}."
+                    mean, components, rms = tensors[p + "mean"], tensors[p + "components"], tensors[p + "rms"]
+                    f = mean.shape[0] if mean.ndim == 1 else -1
+                    if f < 1 or components.shape != (f, f) or rms.shape != (f,):
+                        raise BasisError(f"basis tensors {p}*: mean {mean.shape}, components {components.shape}")
+                    out.append(TensorBasis(mean, components, rms))
+        except KeyError as e:
+            raise BasisError(f"basis lacks {e.args[0]}") from None
+        except (ValueError, TypeError, AttributeError) as e:
+            if isinstance(e, BasisError):
+                raise
+            raise BasisError(f"unreadable basis metadata: {e}") from None
+        if not isinstance(info, dict):
+            raise BasisError("unreadable basis metadata: info is not an object")
+        return cls(keys, values, rotaries, info, _bytes=bytes(data))
 
 
 LayerKV = tuple[Any, Any, Any]  # (keys (B, H, T, D), values (B, H, T, D), positions (T,) | (H, T) | (B, H, T))

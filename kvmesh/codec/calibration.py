@@ -12,6 +12,7 @@ prefill here and the fit well under a second (scripts/bench_quality.py prints bo
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mlx_lm.models.cache import KVCache
@@ -84,8 +85,6 @@ def fit_model_basis(
 ) -> Calibrated:
     """The model's basis, fitted on its caches of `texts` (default: `default_texts()`)."""
     texts = dict(texts or default_texts())
-    if not texts:
-        raise KvmeshError("no calibration text given")
     calibration = []
     layers: list[int] | None = None
     total = 0
@@ -112,7 +111,8 @@ def fit_model_basis(
     basis = fit_basis(
         calibration,
         model_rotaries(model, layers),
-        info={**(info or {}), "layers": layers, "texts": sorted(texts), "tokens": total},
+        # The texts' names only (a --text path's file name): the basis travels to peers.
+        info={**(info or {}), "layers": layers, "texts": sorted(Path(name).name for name in texts), "tokens": total},
     )
-    basis.to_bytes()
+    basis.to_bytes()  # serialized (and its digest known) here, so the fit's time includes it
     return Calibrated(basis, total, prefill_s, time.perf_counter() - start)

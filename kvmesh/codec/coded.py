@@ -12,9 +12,9 @@ this codec cannot take (it needs each kept key's position to take RoPE off, and 
 record them), so those stay as the press made them.
 """
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -149,7 +149,19 @@ def decode_coded(
     basis = bases.get(spec.transform.basis_sha256)
     if basis is None:
         raise BasisError(f"no basis {spec.transform.basis_sha256[:16]}... to decode this cache with")
-    keys, values = decode_layer(blob, basis, memo)
+    t = spec.transform
+    expect = {
+        "shape": [1, t.kv_heads, spec.offset, t.head_dim],
+        "layer": t.basis_layer,
+        "sinks": t.sinks,
+        "recent": t.recent,
+        "start": 0,
+        "key_step": t.key_step,
+        "value_step": t.value_step,
+        "key_components": t.key_components,
+        "value_components": t.value_components,
+    }
+    keys, values = decode_layer(blob, basis, memo, expect=expect)
     return SparseKVCache.from_arrays(keys.astype(dtype), values.astype(dtype), spec.offset)
 
 
@@ -172,11 +184,25 @@ def coded_tensor(layer: CodedLayer) -> mx.array:
     return mx.array(np.frombuffer(layer.blob, dtype=np.uint8))[None]
 
 
-@lru_cache(maxsize=8)
+_PARSED: dict[str, Basis] = {}
+_PARSED_LOCK = threading.Lock()
+# Bases kept parsed per process (an 8B model's is ~130 MB): the most recently used few.
+PARSED_BASES = 4
+
+
 def parse_basis(data: bytes, sha256: str) -> Basis:
     """A basis from its bytes, checked against its id; parsed once per process (bases are
     content-addressed, so the same id is always the same basis)."""
-    return Basis.from_bytes(data, sha256)
+    with _PARSED_LOCK:
+        if sha256 in _PARSED:
+            _PARSED[sha256] = _PARSED.pop(sha256)  # most recent last
+            return _PARSED[sha256]
+    basis = Basis.from_bytes(data, sha256)
+    with _PARSED_LOCK:
+        _PARSED[sha256] = basis
+        while len(_PARSED) > PARSED_BASES:
+            _PARSED.pop(next(iter(_PARSED)))
+    return basis
 
 
 def bases_for(manifest: pb.CacheManifest, get: Callable[[str], bytes | None]) -> dict[str, Basis]:
@@ -184,6 +210,10 @@ def bases_for(manifest: pb.CacheManifest, get: Callable[[str], bytes | None]) ->
     BasisError when one is missing or damaged."""
     out = {}
     for a in manifest.artifacts:
+        with _PARSED_LOCK:
+            if a.sha256 in _PARSED:
+                out[a.sha256] = _PARSED[a.sha256]
+                continue
         data = get(a.sha256)
         if data is None:
             raise BasisError(

@@ -259,8 +259,15 @@ def basis_problem(m: pb.CacheManifest, basis: "BasisLike") -> Rejection | None:
         if basis.keys[t.basis_layer].features != t.kv_heads * t.head_dim:
             return bad(f"layer {i}: {basis.keys[t.basis_layer].features} features, the cache {t.kv_heads * t.head_dim}")
         rotary = basis.rotaries[t.basis_layer]
-        stated = (t.rotary.dims, t.rotary.traditional, t.rotary.base if t.rotary.HasField("base") else None)
-        if (rotary.dims, rotary.traditional, rotary.base) != stated or tuple(t.rotary.freqs) != (rotary.freqs or ()):
+        stated = (
+            t.rotary.dims,
+            t.rotary.traditional,
+            t.rotary.base if t.rotary.HasField("base") else None,
+            t.rotary.scale,
+        )
+        if (rotary.dims, rotary.traditional, rotary.base, rotary.scale) != stated or tuple(t.rotary.freqs) != (
+            rotary.freqs or ()
+        ):
             return bad(f"layer {i}: the basis's rotary settings differ from the manifest's")
     return None
 

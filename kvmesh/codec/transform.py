@@ -456,12 +456,38 @@ def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
     return header, view[start + n :]
 
 
-def decode_layer(data: bytes | memoryview, basis: Basis, memo: dict | None = None) -> tuple[mx.array, mx.array]:
+def check_header(header: dict, expect: dict[str, Any]) -> None:
+    """The blob's header says what the manifest said: its shape, basis layer, raw rows, steps and
+    component counts (`expect`, the same keys as the header's), positions from 0 (a coded layer kept
+    every one). A sender's blob may not decode to anything else, nor allocate beyond that."""
+    got = {
+        "shape": header.get("shape"),
+        "layer": header.get("layer"),
+        "sinks": header.get("sinks"),
+        "recent": header.get("recent"),
+        "start": header.get("positions", {}).get("start"),
+        "key_step": header.get("k", {}).get("step"),
+        "value_step": header.get("v", {}).get("step"),
+        "key_components": header.get("k", {}).get("n"),
+        "value_components": header.get("v", {}).get("n"),
+    }
+    wrong = [f"{k} {got[k]!r} (the manifest says {v!r})" for k, v in expect.items() if got[k] != v]
+    if wrong:
+        raise TransformCodecError("the layer's blob disagrees with its manifest: " + "; ".join(wrong))
+
+
+def decode_layer(
+    data: bytes | memoryview, basis: Basis, memo: dict | None = None, *, expect: dict[str, Any] | None = None
+) -> tuple[mx.array, mx.array]:
     """One layer's (keys, values) as float16 (B, kv_heads, tokens, head_dim), keys rotated back.
+    With `expect` (what the manifest says: `check_header`), a blob that says otherwise is refused
+    before anything is allocated.
 
     Raises TransformCodecError for bytes that do not decode (their digest was checked before: this
-    guards against a sender's bug, not the link), BasisError for a blob of another basis."""
+    guards against a sender's bug or a lie, not the link), BasisError for a blob of another basis."""
     header, body = read_header(data)
+    if expect is not None:
+        check_header(header, expect)
     try:
         return _decode_layer(header, body, basis, {} if memo is None else memo)
     except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
@@ -481,10 +507,16 @@ def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> t
     decompressor = zstandard.ZstdDecompressor()
     offsets = header["segments"]
 
-    def seg(ref: list[int]) -> bytes:
+    def seg(ref: list[int], size: int) -> bytes:
+        """Segment `ref`, which must inflate to at most `size` bytes (never allocating more)."""
         at, length = offsets[ref[0]]
         blob = body[at : at + length]
-        return decompressor.decompress(blob) if ref[1] else bytes(blob)
+        if not ref[1]:
+            return bytes(blob)
+        declared = zstandard.frame_content_size(blob)
+        if declared > size:
+            raise TransformCodecError(f"a segment declares {declared:,} bytes where at most {size:,} fit")
+        return decompressor.decompress(blob, max_output_size=size)
 
     b, h, t, d = header["shape"]
     if h * d != basis.keys[j].features:
@@ -493,14 +525,14 @@ def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> t
     m = t - s - r
     pm = header["positions"]
     if "seg" in pm:
-        pos = np.frombuffer(seg(pm["seg"]), dtype="<i4").reshape(b, h, t)
+        pos = np.frombuffer(seg(pm["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)
     else:
         pos = np.broadcast_to(np.arange(pm["start"], pm["start"] + t, dtype=np.int32)[None, None], (b, h, t))
     tensors = []
     for kind, tb in (("k", basis.keys[j]), ("v", basis.values[j])):
         km = header[kind]
         n = km["n"]
-        raw = np.frombuffer(seg(km["raw"]), dtype=np.float16).reshape(b, h, s + r, d)
+        raw = np.frombuffer(seg(km["raw"], 2 * b * h * (s + r) * d), dtype=np.float16).reshape(b, h, s + r, d)
         out_arr = np.empty((b, h, t, d), dtype=np.float16)
         out_arr[:, :, :s] = raw[:, :, :s]
         out_arr[:, :, t - r :] = raw[:, :, s:]
@@ -508,8 +540,12 @@ def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> t
             coded = np.empty((n, b * m), dtype=np.float32)
             at = 0
             for count, width, plane_ref, esc_ref, delta in km["groups"]:
-                esc = seg(esc_ref) if esc_ref is not None else b""
-                decode_group(width, seg(plane_ref), esc, count * b * m, delta, coded[at : at + count])
+                if width not in _TABLES or not 0 < count <= n - at:
+                    raise TransformCodecError(f"a group of {count} components of {width} bits")
+                values = count * b * m
+                esc = seg(esc_ref, 4 * values) if esc_ref is not None else b""
+                plane = seg(plane_ref, -(-values // (8 // width)))
+                decode_group(width, plane, esc, values, delta, coded[at : at + count])
                 at += count
             if at != n:
                 raise TransformCodecError(f"groups of {at} components where {n} were sent")

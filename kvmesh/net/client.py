@@ -421,12 +421,16 @@ class PeerClient:
             decided.put(False)
             call.cancel()
 
-    def artifact(self, sha256: str, nbytes: int, *, idle_timeout: float = TIMEOUTS.stream_idle) -> bytes:
-        """The bytes of the artefact `sha256` (announced as `nbytes` long) from this peer; PeerError when
-        it does not hold it, stalls for `idle_timeout`, or sends more than announced. The caller
+    def artifact(
+        self, sha256: str, nbytes: int, *, idle_timeout: float = TIMEOUTS.stream_idle, deadline: float | None = None
+    ) -> bytes:
+        """The bytes of the artefact `sha256` (announced as `nbytes` long) from this peer, within
+        `deadline` seconds (default: Timeouts.transfer_deadline of its size); PeerError when it does
+        not hold it, stalls for `idle_timeout`, overruns, or sends more than announced. The caller
         checks the bytes against their sha256 (kvmesh.store.artifacts)."""
-        call = self._artifact(spb.ArtifactRequest(sha256=sha256), timeout=TIMEOUTS.transfer_deadline(nbytes))
-        watchdog = Watchdog(call, idle_timeout, TIMEOUTS.transfer_deadline(nbytes))
+        seconds = deadline if deadline is not None else TIMEOUTS.transfer_deadline(nbytes)
+        call = self._artifact(spb.ArtifactRequest(sha256=sha256), timeout=seconds)
+        watchdog = Watchdog(call, idle_timeout, seconds)
         watchdog.measure_rate(TIMEOUTS.min_receive_rate, rate_window(ARTIFACT_PIECE_BYTES))
         pieces, received, stream = [], 0, iter(call)
         try:

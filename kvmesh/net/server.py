@@ -49,8 +49,9 @@ MAX_LOOKUP_BLOCKS = 65536
 # A probe sends at most this much, in messages of PROBE_MESSAGE_BYTES.
 MAX_PROBE_BYTES = 8 << 20
 PROBE_MESSAGE_BYTES = 1 << 20
-# Artefacts travel in pieces of this size.
+# Artefacts travel in pieces of this size, at most this many at once.
 ARTIFACT_PIECE_BYTES = 1 << 20
+ARTIFACT_SENDS = 4
 M = TypeVar("M", bound=Message)
 # Worker threads no transfer may take: health checks, Info and Lookup always find one.
 RESERVED_WORKERS = 4
@@ -201,6 +202,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
     ):
         self.store = store
         self.artifacts = artifact_store(store.root)
+        self._artifact_sends = threading.BoundedSemaphore(ARTIFACT_SENDS)
         self.node_id = node_id
         self.policy = policy or Policy()
         self.limits = PeerLimits(self.policy)
@@ -361,8 +363,12 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
     def Artifact(self, request: spb.ArtifactRequest, context) -> Iterator[bytes]:
         """A held artefact (a transform basis) in pieces of ARTIFACT_PIECE_BYTES; NOT_FOUND when this
         peer does not hold it (or its copy turned out damaged, and was removed)."""
-        peer = self._admit(context)
-        with self._transfer(peer, context):
+        self._admit(context)
+        # Not a transfer slot: the receiver asks while its Fetch holds one (a peer may hold only a
+        # couple); a few artefacts at once, the rest refused to try later (it then prefills).
+        if not self._artifact_sends.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "sending other artefacts: try again shortly")
+        try:
             try:
                 data = self.artifacts.get(request.sha256)
             except (IntegrityError, StoreError) as e:
@@ -371,9 +377,11 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             if data is None:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"this peer holds no artefact {request.sha256[:16]!r}")
                 return
-            log.info("sending artefact %s (%d bytes) to %s", request.sha256[:12], len(data), peer)
+            log.info("sending artefact %s (%d bytes) to %s", request.sha256[:12], len(data), peer_identity(context))
             for at in range(0, len(data), ARTIFACT_PIECE_BYTES):
                 yield spb.ArtifactData(data=data[at : at + ARTIFACT_PIECE_BYTES]).SerializeToString()
+        finally:
+            self._artifact_sends.release()
 
     def _open_cache(
         self, opened: spb.FetchOpen, context: grpc.ServicerContext

@@ -26,6 +26,9 @@ class Timeouts:
     # that stopped reading frees its transfer slot (the daemon's policy, `idle_timeout`). Longer
     # than the receiver's: a receiver may take its time to decide (its store, its disk) and decode.
     peer_stream_idle: float = 30.0
+    # A basis fetched while the sender's Fetch waits for the decision must arrive within that wait
+    # (`peer_stream_idle`), with room to spare: 25 s is 130 MB (an 8B model's) at 5 MB/s.
+    artifact: float = 25.0
     # A whole transfer may take this long plus its bytes at `min_transfer_rate` (bytes per second):
     # generous for setting up and for a slow link, yet a crawling transfer ends.
     transfer_grace: float = 30.0
