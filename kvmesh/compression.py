@@ -43,9 +43,11 @@ def model_basis(
     tokens_per_text: int = CALIBRATION_TOKENS,
     refit: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    on_fit: Callable[[], None] | None = None,
 ) -> tuple[Basis, Calibrated | None]:
     """The basis this Mac codes `loaded`'s caches with, and the calibration when one ran now (on
-    first use, with `refit`, or with `texts`)."""
+    first use, with `refit`, or with `texts`); `on_fit` is called just before a calibration starts
+    (to tell the user why this takes a while)."""
     artifacts = artifact_store(store_root)
     model_id = loaded.fingerprint.model_id
     try:
@@ -56,6 +58,8 @@ def model_basis(
         digest = data = None
     if digest and data is not None:
         return parse_basis(data, digest), None
+    if on_fit is not None:
+        on_fit()
     calibrated = fit_model_basis(
         loaded.model,
         loaded.tokenizer,

@@ -102,19 +102,20 @@ def compressed(args: Args, store: Any, loaded: Any, cache: list, tokens: list[in
     from kvmesh.codec.calibration import NothingToCode
     from kvmesh.codec.coded import codable
     from kvmesh.compression import compress, model_basis
-    from kvmesh.store.artifacts import artifact_store
 
     if not any(codable(layer) for layer in cache):
         return cache, None, 0.0  # nothing the codec takes: stored as it is (the note says so)
-    if artifact_store(store.root).model_basis(loaded.fingerprint.model_id) is None:
+
+    def announce() -> None:
         print(
             "calibrating the transform codec for this model (once; `kvmesh model calibrate` chooses the texts)",
             file=sys.stderr,
         )
+
     bar, update = progress_bar("calibration", "texts")
     try:
         with bar:
-            basis, _ = model_basis(store.root, loaded, progress=update)
+            basis, _ = model_basis(store.root, loaded, progress=update, on_fit=announce)
     except NothingToCode:
         return cache, None, 0.0
     start = time.perf_counter()

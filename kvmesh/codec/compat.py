@@ -20,6 +20,7 @@ from kvmesh.codec.limits import (
     MAX_CHUNK_SIZE,
     MAX_LAYERS,
     MIN_CHUNK_SIZE,
+    is_sha256_hex,
 )
 from kvmesh.codec.manifest import (
     BASIS_KIND,
@@ -48,8 +49,6 @@ if TYPE_CHECKING:
     from kvmesh.codec.basis import Basis as BasisLike
 
 __all__ = ["CacheRejected", "ReceiverProfile", "Rejection", "basis_problem", "check_manifest", "validate_manifest"]
-
-HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -219,7 +218,7 @@ def artifacts_problem(m: pb.CacheManifest) -> Rejection | None:
     """Every basis a coded layer names is listed once, with a well-formed sha256 and a bounded size."""
     listed = {}
     for a in m.artifacts:
-        if a.kind != BASIS_KIND or len(a.sha256) != 64 or not set(a.sha256) <= HEX:
+        if a.kind != BASIS_KIND or not is_sha256_hex(a.sha256):
             return Rejection(pb.REJECT_REASON_ARTIFACT, f"an artefact of kind {a.kind!r}, id {a.sha256[:70]!r}")
         if not 0 < a.nbytes <= MAX_ARTIFACT_BYTES:
             return Rejection(

@@ -16,6 +16,11 @@ MAX_ARTIFACT_BYTES = 1 << 30
 MAX_ARTIFACTS = 4
 
 
+def is_sha256_hex(text: str) -> bool:
+    """64 lowercase hex digits: how artefacts (transform bases) are named, on the wire and on disk."""
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
 def max_encoded_length(raw_length: int) -> int:
     """zstd's worst case (ZSTD_COMPRESSBOUND) for incompressible data, rounded up."""
     return raw_length + (raw_length >> 7) + 512

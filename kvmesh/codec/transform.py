@@ -79,10 +79,7 @@ def kept_components(rms: np.ndarray, step: float) -> int:
 
 def pack_integers(q: np.ndarray) -> tuple[bytes, bytes]:
     """Signed integers -> (one zigzagged byte each, the escaped ones as little-endian uint32)."""
-    flat = np.ascontiguousarray(q, dtype=np.int64).reshape(-1)
-    if flat.size and (flat.max() >= 2**31 or flat.min() < -(2**31)):
-        raise TransformCodecError("a coefficient beyond 32 bits: the step is far too fine")
-    zz = ((flat << 1) ^ (flat >> 63)).astype(np.uint64)
+    zz = _zigzag(q)
     big = zz >= ESCAPE
     plane = np.where(big, ESCAPE, zz).astype(np.uint8)
     return plane.tobytes(), zz[big].astype("<u4").tobytes()

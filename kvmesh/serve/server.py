@@ -34,7 +34,6 @@ from kvmesh.serve.options import ServeOptions
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.serve.state import ServeState, remove_serve_state, write_serve_state
 from kvmesh.store import CacheStore
-from kvmesh.store.artifacts import artifact_store
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +97,12 @@ def serve(
         rates=rates if options.fetch == "auto" else None,
     )
     if options.compress != "none" and store is not None:
-        if artifact_store(store.root).model_basis(fp.model_id) is None:
-            log.info("calibrating the transform codec for %s (once)", fp.model_id)
         try:
-            basis, _ = model_basis(store.root, loaded)
+            basis, _ = model_basis(
+                store.root,
+                loaded,
+                on_fit=lambda: log.info("calibrating the transform codec for %s (once)", fp.model_id),
+            )
         except NothingToCode as e:
             log.warning("--compress changes nothing for this model (%s): caches are kept as they are", e)
         else:

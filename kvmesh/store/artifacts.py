@@ -16,13 +16,12 @@ import os
 import tempfile
 from pathlib import Path
 
+from kvmesh.codec.limits import is_sha256_hex
 from kvmesh.errors import IntegrityError, StoreError
-
-HEX = frozenset("0123456789abcdef")
 
 
 def _check_id(digest: str) -> str:
-    if len(digest) != 64 or not set(digest) <= HEX:
+    if not is_sha256_hex(digest):
         raise StoreError(f"not an artefact id (64 hex digits): {digest[:70]!r}")
     return digest
 
