@@ -9,6 +9,7 @@ import pytest
 from kvmesh.codec.basis import Basis, BasisError, fit_basis, fit_tensor_basis
 from kvmesh.codec.rotary import Rotary, apply_rope, model_rotaries, remove_rope, rotary_of
 from kvmesh.codec.transform import (
+    ESCAPE,
     TransformCodecError,
     bit_allocation,
     component_groups,
@@ -20,8 +21,6 @@ from kvmesh.codec.transform import (
     pack_codes,
     pack_integers,
     read_header,
-    unpack_codes,
-    unpack_integers,
 )
 
 
@@ -198,6 +197,40 @@ def test_bit_allocation_hand_case():
     assert kept_components(np.array([8.0, 2.0, 1.0, 0.1]), math.sqrt(12)) == 2
     # Halving the step gives every kept component one more bit, and keeps one more component.
     np.testing.assert_allclose(bit_allocation(np.array([8.0, 2.0, 1.0, 0.1]), math.sqrt(12) / 2), [4.0, 2.0, 1.0, 0.0])
+
+
+# Independent bit-level inverses of the packers (the codec itself decodes by table look-up,
+# `decode_group`): what the round-trip tests check both against.
+
+
+def unpack_integers(plane: bytes, escapes: bytes, count: int) -> np.ndarray:
+    """The inverse of pack_integers: int32 values."""
+    zz = np.frombuffer(plane, dtype=np.uint8)
+    if zz.size != count:
+        raise TransformCodecError(f"a plane of {zz.size} codes where {count} were expected")
+    small = zz.astype(np.int32)
+    out = (small >> 1) ^ -(small & 1)
+    big = zz == ESCAPE
+    esc = np.frombuffer(escapes, dtype="<u4")
+    if esc.size != int(np.count_nonzero(big)):
+        raise TransformCodecError("escape count does not match the plane")
+    e = esc.astype(np.int64)
+    out[big] = ((e >> 1) ^ -(e & 1)).astype(np.int32)
+    return out
+
+
+def unpack_codes(width: int, plane: bytes, escapes: bytes, count: int) -> np.ndarray:
+    """The inverse of pack_codes: `count` int32 values."""
+    if width == 8:
+        return unpack_integers(plane, escapes, count)
+    per = 8 // width
+    packed = np.frombuffer(plane, dtype=np.uint8)
+    if packed.size != -(-count // per):
+        raise TransformCodecError(f"{packed.size} packed bytes for {count} codes of {width} bits")
+    mask = np.uint8((1 << width) - 1)
+    shifts = (np.arange(per, dtype=np.uint8) * np.uint8(width))[None, :]
+    zz = ((packed[:, None] >> shifts) & mask).reshape(-1)[:count].astype(np.int32)
+    return (zz >> 1) ^ -(zz & 1)
 
 
 def test_integers_round_trip():

@@ -85,22 +85,6 @@ def pack_integers(q: np.ndarray) -> tuple[bytes, bytes]:
     return plane.tobytes(), zz[big].astype("<u4").tobytes()
 
 
-def unpack_integers(plane: bytes, escapes: bytes, count: int) -> np.ndarray:
-    """The inverse of pack_integers: int32 values."""
-    zz = np.frombuffer(plane, dtype=np.uint8)
-    if zz.size != count:
-        raise TransformCodecError(f"a plane of {zz.size} codes where {count} were expected")
-    small = zz.astype(np.int32)
-    out = (small >> 1) ^ -(small & 1)
-    big = zz == ESCAPE
-    esc = np.frombuffer(escapes, dtype="<u4")
-    if esc.size != int(np.count_nonzero(big)):
-        raise TransformCodecError("escape count does not match the plane")
-    e = esc.astype(np.int64)
-    out[big] = ((e >> 1) ^ -(e & 1)).astype(np.int32)
-    return out
-
-
 def _zigzag(q: np.ndarray) -> np.ndarray:
     flat = np.ascontiguousarray(q, dtype=np.int64).reshape(-1)
     if flat.size and (flat.max() >= 2**31 or flat.min() < -(2**31)):
@@ -128,20 +112,6 @@ def pack_codes(q: np.ndarray) -> tuple[int, bytes, bytes]:
     for j in range(1, per):
         packed |= codes[:, j] << np.uint8(width * j)
     return width, packed.tobytes(), b""
-
-
-def unpack_codes(width: int, plane: bytes, escapes: bytes, count: int) -> np.ndarray:
-    """The inverse of pack_codes: `count` int32 values."""
-    if width == 8:
-        return unpack_integers(plane, escapes, count)
-    per = 8 // width
-    packed = np.frombuffer(plane, dtype=np.uint8)
-    if packed.size != -(-count // per):
-        raise TransformCodecError(f"{packed.size} packed bytes for {count} codes of {width} bits")
-    mask = np.uint8((1 << width) - 1)
-    shifts = (np.arange(per, dtype=np.uint8) * np.uint8(width))[None, :]
-    zz = ((packed[:, None] >> shifts) & mask).reshape(-1)[:count].astype(np.int32)
-    return (zz >> 1) ^ -(zz & 1)
 
 
 def _code_table(width: int) -> np.ndarray:
