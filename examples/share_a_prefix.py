@@ -52,7 +52,7 @@ def main() -> int:
 
             # The same through the mesh helper, which also keeps what it fetched in B's store.
             result = kvmesh.generate(model, fp, prompt, kvmesh.CacheStore(root / "b"), peers=[address], max_tokens=12)
-            print(f"B via kvmesh.generate: prefix of {result.source.tokens} tokens from {result.source.where}")
+            print(f"B via kvmesh.generate: prefix of {result.prefix.tokens} tokens from {result.prefix.where}")
         finally:
             server.stop()
 

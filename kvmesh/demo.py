@@ -127,7 +127,7 @@ def run_demo(steps: int = 24) -> int:
                 max_tokens=steps,
                 credentials=member["B"],
             )
-            source = result.source
+            source = result.prefix
             console.print(
                 f"[bold]B[/] generated from the document + a question: prefix of {source.tokens} tokens "
                 f"from {source.where}, {source.wire_bytes:,} bytes on the wire in {source.seconds:.3f} s"

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,7 +20,7 @@ from kvmesh.codec.arrays import Layer
 from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.coded import bases_for, parse_basis
-from kvmesh.codec.compat import ReceiverProfile, basis_problem, quality_problem
+from kvmesh.codec.compat import ReceiverProfile, basis_problem, loss_rank, quality_problem
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import CacheDecoder, decode_chunks
 from kvmesh.errors import CacheRejected, IntegrityError, PeerError, Rejection, StoreError
@@ -42,18 +42,38 @@ MIN_MESH_BUDGET = 2.0
 
 
 @dataclass
-class PrefixSource:
-    """Where the cached prefix of a prompt came from, and what getting it cost."""
+class CachedPrefix:
+    """The cached prefix of a prompt as a tier found it (memory, the local store, a peer, or none),
+    and what finding it cost: the one record from the tiers to what a user reads (`generate
+    --json`, the server's usage and log line), all through `report`."""
 
-    where: str  # "local store", "peer <address>", or "none"
+    where: str  # "memory", "local store", "peer <address>", or "none"
     tokens: int = 0
     seconds: float = 0.0
     wire_bytes: int = 0
     cache_id: str = ""
-    # Peers that were tried and failed or refused, with why.
+    # Sources that were tried and failed or refused, with why.
     skipped: list[str] = field(default_factory=list)
     # Each choice between fetching a peer's cache and prefilling its tokens here, with its figures.
-    choices: list[str] = field(default_factory=list)
+    fetch_or_prefill: list[str] = field(default_factory=list)
+    # The cache itself, None when none was found; generation takes it (`released` drops it).
+    cache: list | None = field(default=None, repr=False)
+
+    def released(self) -> "CachedPrefix":
+        """This record without its cache: what outlives the request (the cache is generation's now)."""
+        return replace(self, cache=None)
+
+    def report(self) -> dict:
+        """As `kvmesh generate --json` and the server's `usage.kvmesh` print it."""
+        return {
+            "prefix_from": self.where,
+            "prefix_tokens": self.tokens,
+            "prefix_s": round(self.seconds, 4),
+            "wire_bytes": self.wire_bytes,
+            "cache_id": self.cache_id,
+            "skipped": list(self.skipped),
+            "fetch_or_prefill": list(self.fetch_or_prefill),
+        }
 
 
 @dataclass
@@ -61,7 +81,7 @@ class Generation:
     """The tokens generated, where their prompt's cached prefix came from, and the timings."""
 
     tokens: list[int]
-    source: PrefixSource
+    prefix: CachedPrefix
     prompt_tokens: int
     # Time to the first token: prefill of the tokens the cache did not cover.
     prefill_s: float
@@ -70,10 +90,10 @@ class Generation:
     @property
     def estimated_saving_s(self) -> float | None:
         """Prefill time the cached tokens would have cost at this run's prefill rate, minus getting them."""
-        fed = self.prompt_tokens - self.source.tokens
-        if not self.source.tokens or fed < 8 or self.prefill_s <= 0:
+        fed = self.prompt_tokens - self.prefix.tokens
+        if not self.prefix.tokens or fed < 8 or self.prefill_s <= 0:
             return None
-        return self.source.tokens * self.prefill_s / fed - self.source.seconds
+        return self.prefix.tokens * self.prefill_s / fed - self.prefix.seconds
 
 
 @dataclass
@@ -171,10 +191,16 @@ class _Source:
     candidate (`peer`: the client reaching it, and the candidate)."""
 
     tokens: int
-    # The local store wins ties, then a cache that kept every position, then the smaller.
+    # Among caches of the same length: the least lossy (`loss_rank`), then the local store's, then the smaller.
     tie: tuple
     cache_id: str
     peer: tuple[PeerClient, Candidate] | None = None
+
+
+def candidate_loss_rank(candidate: Candidate) -> float:
+    """`loss_rank` of a peer's candidate (an older peer says only its press: not "full" is lossy)."""
+    measured = candidate.quality.value if candidate.quality.metric == "tail_kl" else None
+    return loss_rank(candidate.lossy or candidate.method != "full", measured)
 
 
 def find_prefix(
@@ -190,11 +216,12 @@ def find_prefix(
     max_kl: float | None = None,
     rates: Rates | None = None,
     budget: float | None = None,
-) -> tuple[list | None, PrefixSource]:
-    """The cache of the longest prefix of `tokens[:-1]` found, and where it came from.
+) -> CachedPrefix:
+    """The longest cached prefix of `tokens[:-1]` found, its cache and where it came from.
 
     One token is always left to feed, since generation needs at least one. Sources are tried
-    longest first (the local store first on a tie); one that fails (a damaged local entry, a peer
+    longest first; among those of one length, the least lossy first (`loss_rank`: a cache whose loss
+    nobody measured after every measured one), then the local store's; one that fails (a damaged local entry, a peer
     that refuses, breaks or stalls for `idle_timeout` seconds) is skipped with its reason and the
     next is tried; when none delivers, the caller prefills everything. Sources serving no more than
     `min_tokens` (what the caller already holds) are not tried. Without a `store`, only peers are
@@ -222,21 +249,25 @@ def find_prefix(
         """Seconds of the budget left."""
         return budget - (time.perf_counter() - start)
 
-    def source(where: str, n: int = 0, wire_bytes: int = 0, cache_id: str = "") -> PrefixSource:
-        return PrefixSource(
+    def found(
+        where: str, cache: list | None = None, n: int = 0, wire_bytes: int = 0, cache_id: str = ""
+    ) -> CachedPrefix:
+        return CachedPrefix(
             where,
             tokens=n,
             seconds=time.perf_counter() - start,
             wire_bytes=wire_bytes,
             cache_id=cache_id,
             skipped=skipped,
-            choices=choices,
+            fetch_or_prefill=choices,
+            cache=cache,
         )
 
     with ExitStack() as clients:
         sources: list[_Source] = []
         if store is not None and (local := store.lookup(model_fp.model_id, wanted)):
-            sources.append(_Source(local.tokens, (0,), local.entry.cache_id))
+            rank = loss_rank(local.entry.lossy, local.entry.tail_kl)
+            sources.append(_Source(local.tokens, (rank, 0), local.entry.cache_id))
         for address in peers:
             if left() <= 0:
                 skipped.append(f"peer {address}: {spent}")
@@ -245,7 +276,7 @@ def find_prefix(
             client = clients.enter_context(PeerClient(address, timeout=timeout, credentials=credentials))
             try:
                 for m in client.lookup(model_fp.model_id, wanted):
-                    tie = (1, m.candidate.method != "full", m.candidate.stored_bytes)
+                    tie = (candidate_loss_rank(m.candidate), 1, m.candidate.stored_bytes)
                     sources.append(_Source(m.tokens, tie, m.candidate.cache_id, (client, m.candidate)))
             except PeerError as e:
                 skipped.append(str(e))
@@ -257,7 +288,7 @@ def find_prefix(
                 if s.peer is None:
                     assert store is not None
                     cache = load_prefix(store, s.cache_id, s.tokens, max_kl=max_kl)
-                    return cache, source(LOCAL_STORE, s.tokens, cache_id=s.cache_id)
+                    return found(LOCAL_STORE, cache, s.tokens, cache_id=s.cache_id)
                 client, candidate = s.peer
                 if left() <= 0:
                     skipped.append(f"{candidate.cache_id} at {client.address}: {spent}")
@@ -290,14 +321,14 @@ def find_prefix(
                 )
                 if rates is not None:
                     rates.record_transfer(client.address, fetched.wire_bytes, fetched.seconds)
-                return fetched.cache, source(
-                    f"peer {client.address}", s.tokens, fetched.wire_bytes, fetched.manifest.cache_id
+                return found(
+                    f"peer {client.address}", fetched.cache, s.tokens, fetched.wire_bytes, fetched.manifest.cache_id
                 )
             except (PeerError, IntegrityError, CacheRejected, StoreError) as e:
                 reason = str(e) if s.peer is not None else f"{LOCAL_STORE}: {e}"
                 log.warning("%s", reason)
                 skipped.append(reason)
-    return None, source("none")
+    return found("none")
 
 
 def fetch_or_prefill(
@@ -394,7 +425,7 @@ def generate(
     more than prefilling the whole prompt costs, so after that the prompt is prefilled."""
     if rates is not None and peers:
         calibrate(model, model_fp, rates)
-    cache, source = find_prefix(
+    prefix = find_prefix(
         model_fp,
         tokens,
         store,
@@ -406,10 +437,11 @@ def generate(
         rates=rates,
         budget=mesh_budget,
     )
-    suffix = list(tokens[source.tokens :])
+    suffix = list(tokens[prefix.tokens :])
     start = time.perf_counter()
     out, first_at = [], None
-    prompt_cache = cache or make_prompt_cache(model)
+    prompt_cache = prefix.cache or make_prompt_cache(model)
+    prefix = prefix.released()
     for token, _ in generate_from_cache(model, prompt_cache, suffix, max_tokens=max_tokens, sampler=sampler):
         if first_at is None:
             first_at = time.perf_counter()
@@ -420,5 +452,5 @@ def generate(
             on_token(token)
     end = time.perf_counter()
     if rates is not None:
-        rates.record_prefill(model_fp.model_id, len(suffix), (first_at or end) - start, context=source.tokens)
-    return Generation(out, source, len(tokens), (first_at or end) - start, end - (first_at or end))
+        rates.record_prefill(model_fp.model_id, len(suffix), (first_at or end) - start, context=prefix.tokens)
+    return Generation(out, prefix, len(tokens), (first_at or end) - start, end - (first_at or end))

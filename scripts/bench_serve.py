@@ -153,7 +153,7 @@ def run(
                         "cached": usage.prompt_tokens_details.cached_tokens,
                         "source": mesh["prefix_from"],
                         "messages": list(messages),
-                        "fetch_s": mesh["seconds"],
+                        "fetch_s": mesh["prefix_s"],
                     }
                 )
                 if agent is not None:

@@ -322,9 +322,9 @@ def main() -> int:
                     )
                     if result.tokens != references[i]:
                         failures["wrong tokens from generate"] += 1
-                    if result.source.seconds > MESH_BUDGET + OVERSHOOT:
+                    if result.prefix.seconds > MESH_BUDGET + OVERSHOOT:
                         failures["the mesh part of a generation over its budget"] += 1
-                    operations[f"generate from {result.source.where.split(' ')[0]}"] += 1
+                    operations[f"generate from {result.prefix.where.split(' ')[0]}"] += 1
                 elif action in ("spoof advert", "spoof goodbye", "idle connections"):
                     live = [n for n in nodes if not n.stopped]
                     victim = rng.choice(live)

@@ -9,6 +9,8 @@ from support.references import greedy_tokens
 
 pytestmark = pytest.mark.slow  # every test runs the kvmesh command
 
+PREFIX_KEYS = ("prefix_from", "prefix_tokens", "prefix_s", "wire_bytes", "cache_id", "skipped", "fetch_or_prefill")
+
 
 def test_version():
     assert run("--version").stdout.strip() == f"kvmesh {__version__}"
@@ -130,6 +132,7 @@ def test_a_cache_from_mlx_lm_cache_prompt_serves_generate_chat(tiny, tiny_dir, t
     model, tokenizer = tiny
     cached = tokenizer.apply_chat_template([{"role": "user", "content": document}], continue_final_message=True)
     assert out["prefix_from"] == "local store" and out["prefix_tokens"] == len(cached)
+    assert set(PREFIX_KEYS) <= set(out)  # the names the server's usage.kvmesh gives too
     full = tokenizer.apply_chat_template(
         [{"role": "user", "content": document + " Where do rivers run?"}], tokenize=False, add_generation_prompt=True
     )

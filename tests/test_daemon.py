@@ -3,6 +3,7 @@
 import json
 import plistlib
 import signal
+import socket
 import sys
 import threading
 import time
@@ -115,8 +116,12 @@ def test_a_stopped_peer_says_goodbye(nodes, tmp_path):
 def test_static_peers_work_without_discovery(nodes, tmp_path):
     address_a = nodes.start("A", "--no-discovery")
     nodes.start("B", "--no-discovery", "--peer", address_a)
-    [peer] = nodes.wait_for_peers("B", lambda p: len(p) == 1 and p[0]["healthy"])
+    [peer] = nodes.wait_for_peers("B", lambda p: len(p) == 1 and p[0]["healthy"] and p[0]["host_name"])
     assert peer["addresses"] == [address_a] and peer["source"] == "static"
+    # Its Info names its machine; its one link is health checked (round trip), not probed.
+    assert peer["host_name"] == socket.gethostname().removesuffix(".local")
+    [link] = peer["links"]
+    assert link["address"] == address_a and link["answers"] and link["rtt_ms"] > 0 and link["bytes_per_s"] == 0
 
 
 def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_node(nodes, tiny_fp, tiny, tmp_path):

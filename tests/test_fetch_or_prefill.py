@@ -116,9 +116,9 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
     slow.record_prefill(tiny_fp.model_id, 128, 12.8)
     slow.record_prefill(tiny_fp.model_id, 512, 51.2)
     fetched = generate(model, tiny_fp, prompt, CacheStore(tmp_path / "b"), peers=[address], max_tokens=6, rates=slow)
-    assert fetched.source.where == f"peer {address}" and fetched.source.tokens == 384
+    assert fetched.prefix.where == f"peer {address}" and fetched.prefix.tokens == 384
     assert fetched.tokens == expected
-    [choice] = fetched.source.choices
+    [choice] = fetched.prefix.fetch_or_prefill
     assert choice.startswith(f"384 cached tokens at {address}: fetching") and "(probed)" in choice
     assert choice.endswith(": fetch")
     assert slow.link_source(address) == "measured on 1 transfer"
@@ -128,9 +128,9 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
     fast.record_prefill(tiny_fp.model_id, 128, 128e-7)
     fast.record_prefill(tiny_fp.model_id, 512, 512e-7)
     recomputed = generate(model, tiny_fp, prompt, CacheStore(tmp_path / "c"), peers=[address], max_tokens=6, rates=fast)
-    assert recomputed.source.where == "none" and recomputed.source.wire_bytes == 0
+    assert recomputed.prefix.where == "none" and recomputed.prefix.wire_bytes == 0
     assert recomputed.tokens == expected
-    assert recomputed.source.choices[0].endswith(": prefill")
+    assert recomputed.prefix.fetch_or_prefill[0].endswith(": prefill")
     assert CacheStore(tmp_path / "c").entries() == []  # nothing was fetched
 
     # A machine that never timed this model times two prefills first.
@@ -149,7 +149,7 @@ def test_the_cli_explains_its_choice(tiny_fp, tiny_dir, peer_with_a_cache, tmp_p
     assert f"choice: 384 cached tokens at {address}: fetching" in shown.stderr
     assert "prefill" in shown.stderr.splitlines()[-1] and "prefix: none cached" in shown.stderr
     forced = json.loads(cli(*args, "--fetch", "always", "--json", data_dir=tmp_path / "b").stdout)
-    assert forced["prefix_from"] == f"peer {address}" and forced["choices"] == []
+    assert forced["prefix_from"] == f"peer {address}" and forced["fetch_or_prefill"] == []
 
 
 def test_a_probe_measures_the_link_within_its_cap(tmp_path, serve):

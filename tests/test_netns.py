@@ -6,7 +6,9 @@ removes exactly what the test made, also when it fails. Nothing touches the host
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import time
 from importlib import resources
@@ -204,8 +206,19 @@ def test_a_peer_on_two_links_is_reached_over_the_fast_one_and_the_slow_one_when_
 
         wait_for(lambda: peers() == [[fast, slow]], seconds=30, what="the fast link chosen of both")
         shown = cli("peers", data_dir=client, prefix=namespaces.inside(links.client)).stdout
-        assert f"{fast} (in use), {slow}" in shown
+        measured = r"[\d.]+ ms, [\d.,]+ MB/s"
+        both = rf"{re.escape(fast)} \(in use: {measured}\), {re.escape(slow)} \({measured}\)"
+        assert re.search(both, shown), shown
+        assert socket.gethostname().removesuffix(".local") in shown  # the peer's machine, from its Info
+        [peer] = json.loads(cli("peers", "--json", data_dir=client, prefix=namespaces.inside(links.client)).stdout)
+        rates = {link["address"]: link["bytes_per_s"] for link in peer["links"]}
+        assert rates[fast] > 2 * rates[slow] > 0
         assert fetched_from(documents[0]) == f"peer {fast}"
+        explained = cli(
+            "generate", str(tiny_dir), "--file", str(documents[0]), "--max-tokens", "1", "--explain",
+            data_dir=client, prefix=namespaces.inside(links.client),
+        ).stderr  # fmt: skip
+        assert re.search(rf"link: {peer['node_id']} \(.+\): {both}", explained), explained
         namespaces.ip("-n", links.server, "link", "set", "eth1", "down")  # the fast link is cut
         wait_for(lambda: peers() == [[slow, fast]], seconds=20, what="the slow link chosen")
         assert fetched_from(documents[1]) == f"peer {slow}"

@@ -96,8 +96,8 @@ def test_the_local_store_is_held_to_the_quality_floor(tiny, tiny_fp, prompt_ids,
     pressed = prefill(tiny[0], prompt_ids[:256], press)
     store = CacheStore(tmp_path / "store")
     store.add(*encode_cache(pressed.cache, tiny_fp, prompt_ids[:256], press, tail_kl=pressed.tail_kl))
-    cache, source = find_prefix(tiny_fp, prompt_ids, store, max_kl=pressed.tail_kl / 2)
-    assert cache is None and source.where == "none"
-    assert len(source.skipped) == 1 and "quality" in source.skipped[0]
-    cache, source = find_prefix(tiny_fp, prompt_ids, store, max_kl=pressed.tail_kl * 2)
-    assert cache is not None and (source.where, source.tokens) == ("local store", 256)
+    refused = find_prefix(tiny_fp, prompt_ids, store, max_kl=pressed.tail_kl / 2)
+    assert refused.cache is None and refused.where == "none"
+    assert len(refused.skipped) == 1 and "quality" in refused.skipped[0]
+    taken = find_prefix(tiny_fp, prompt_ids, store, max_kl=pressed.tail_kl * 2)
+    assert taken.cache is not None and (taken.where, taken.tokens) == ("local store", 256)

@@ -75,9 +75,9 @@ def test_a_frozen_sender_costs_a_fetch_the_idle_timeout_and_generate_prefills_in
     finally:
         os.kill(sender.pid, signal.SIGCONT)
     assert stopped.is_set()
-    assert result.source.where == "none" and "sent nothing for 2 s" in result.source.skipped[0]
+    assert result.prefix.where == "none" and "sent nothing for 2 s" in result.prefix.skipped[0]
     # The frozen peer cost the idle timeout, then the prompt was prefilled here.
-    assert result.source.seconds < 10, f"the frozen peer held generate for {result.source.seconds:.0f} s"
+    assert result.prefix.seconds < 10, f"the frozen peer held generate for {result.prefix.seconds:.0f} s"
     assert result.tokens == greedy_tokens(tiny[0], long_prompt, 6)
     assert store.entries() == [] and list(store.incoming_dir.iterdir()) == []
     # Woken up, the sender serves again, and a fetch through it completes.
@@ -269,8 +269,8 @@ def test_a_damaged_or_misplaced_entry_is_quarantined_and_generate_falls_back(
         result = generate(model, tiny_fp, prompt, store, max_tokens=6)
     assert f"quarantined cache {target}" in caplog.text
     assert result.tokens == greedy_tokens(model, prompt, 6)
-    assert result.source.where != "local store" or result.source.cache_id != target
-    assert any(s.startswith("local store:") for s in result.source.skipped)
+    assert result.prefix.where != "local store" or result.prefix.cache_id != target
+    assert any(s.startswith("local store:") for s in result.prefix.skipped)
     assert target not in {e.cache_id for e in store.entries()}
     assert [p.name.split(".")[0] for p in store.quarantine_dir.iterdir()] == [target]
 

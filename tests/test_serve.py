@@ -253,7 +253,7 @@ def test_the_engine_keeps_prompt_and_completion_for_the_next_turn(tiny, tiny_fp)
     finally:
         engine.close()
     assert first.cached_tokens == 0 and first.completion_tokens == 8
-    assert second.cached_tokens == len(prompt) + len(generated) and second.prefix_from == "memory"
+    assert second.cached_tokens == len(prompt) + len(generated) and second.prefix.where == "memory"
 
 
 def run(engine: Engine, job: Job) -> Done:
@@ -283,7 +283,9 @@ def test_two_servers_share_a_long_system_prompt_over_the_mesh(tiny, tiny_dir, ht
     )
     second = tokenizer.apply_chat_template(other, add_generation_prompt=True)
     shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
-    assert mesh["prefix_from"] == f"peer {daemon.address}" and mesh["wire_bytes"] > 0
+    assert mesh["prefix_from"] == f"peer {daemon.address}" and mesh["wire_bytes"] > 0 and mesh["cache_id"]
+    # The names `kvmesh generate --json` gives too (tests/test_cli.py).
+    assert {"prefix_tokens", "prefix_s", "skipped", "fetch_or_prefill"} <= set(mesh) and "choices" not in mesh
     # A's cache of its whole conversation serves B the block-aligned part of the prefix they share.
     assert answer.usage.prompt_tokens_details.cached_tokens == shared // 128 * 128 > 0
     assert answer.choices[0].message.content == mlx_lm_text(tiny, other)
@@ -313,7 +315,7 @@ def test_a_frozen_peer_costs_the_idle_timeout_not_an_error(tiny, tiny_dir, tiny_
         daemon.stop()
     assert answer.choices[0].message.content == mlx_lm_text(tiny, messages, max_tokens=6)
     mesh = answer.usage.model_extra["kvmesh"]
-    assert mesh["prefix_from"] == "none" and mesh["skipped"] and mesh["seconds"] < 15
+    assert mesh["prefix_from"] == "none" and mesh["skipped"] and mesh["prefix_s"] < 15
 
 
 def test_the_usage_says_why_a_peer_cache_was_not_fetched(tiny, tiny_dir, tiny_fp, http_server, tmp_path):
@@ -335,7 +337,7 @@ def test_the_usage_says_why_a_peer_cache_was_not_fetched(tiny, tiny_dir, tiny_fp
     assert answer.choices[0].message.content == mlx_lm_text(tiny, messages, max_tokens=6)
     mesh = answer.usage.model_extra["kvmesh"]
     assert mesh["prefix_from"] == "none" and mesh["wire_bytes"] == 0
-    [choice] = mesh["choices"]
+    [choice] = mesh["fetch_or_prefill"]
     assert choice.startswith(f"{len(tokens) - 1} cached tokens at {daemon.address}: fetching")
     assert "(probed)" in choice and choice.endswith(": prefill")
     assert Rates(tmp_path / "b").link_source(daemon.address) == "probed"  # kept for the next request

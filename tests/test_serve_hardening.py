@@ -229,7 +229,7 @@ def test_a_frozen_local_daemon_costs_a_request_its_short_deadline_once(tiny_dir,
                 model="tiny", messages=[{"role": "user", "content": question}], max_tokens=2
             )
             walls.append(time.monotonic() - start)
-            lookups.append(answer.usage.model_extra["kvmesh"]["seconds"])
+            lookups.append(answer.usage.model_extra["kvmesh"]["prefix_s"])
     finally:
         os.kill(daemon.process.pid, signal.SIGCONT)
         daemon.stop()

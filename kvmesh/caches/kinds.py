@@ -173,3 +173,23 @@ def cached_tokens(cache: list) -> int:
         if not isinstance(part, ArraysCache)
     ]
     return max(offsets, default=0)
+
+
+def trims_exactly(cache: list, n: int) -> bool:
+    """Whether trimming `n` positions off every layer leaves exactly the cache of the prompt `n`
+    tokens shorter. mlx-lm's `is_trimmable` says only that some trimming works: a sparse cache trims
+    only the positions it appended after its evictions, a chunked one only back to where its current
+    chunk began, a sliding window only while nothing has rotated out, recurrent state never."""
+
+    def layer(c: Any) -> bool:
+        if isinstance(c, CacheList):
+            return all(layer(part) for part in c.caches)
+        if isinstance(c, (SparseKVCache, SparseQuantizedKVCache)):
+            return n <= c.n_tail
+        if isinstance(c, ChunkedKVCache):
+            return c.offset - n >= 0 and (c.offset - n) // c.chunk_size * c.chunk_size >= c.start_position
+        if isinstance(c, RotatingKVCache):
+            return c.offset < c.max_size and n <= c.offset
+        return type(c) in (KVCache, QuantizedKVCache) and n <= c.offset
+
+    return n == 0 or all(layer(c) for c in cache)

@@ -12,6 +12,7 @@ from kvmesh.cli.common import (
     Args,
     Commands,
     open_store,
+    print_table,
     prompt_options,
     prompt_texts,
     read_text,
@@ -59,10 +60,7 @@ def listing(args: Args) -> int:
         )
         for e in entries
     ]
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    right = {2, 5}
-    for row in (header, *rows):
-        print("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    print_table(header, rows, right=frozenset({2, 5}))
     return 0
 
 

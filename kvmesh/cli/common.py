@@ -5,7 +5,7 @@ stay fast.
 """
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,15 @@ def group(commands: Commands, name: str, help: str, description: str) -> Command
     """A command of subcommands (`kvmesh cache list`)."""
     parser = commands.add_parser(name, help=help, description=description)
     return parser.add_subparsers(title=f"{name} commands", metavar="COMMAND", required=True)
+
+
+def print_table(
+    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], *, right: frozenset[int] = frozenset()
+) -> None:
+    """Rows under their header, each column as wide as its widest cell (those in `right` right-aligned)."""
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        print("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
 
 
 def read_text(path: str) -> str:

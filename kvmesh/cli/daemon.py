@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvmesh.cli.common import Args, Commands, command, data_dir, store_option
+from kvmesh.cli.common import Args, Commands, command, data_dir, print_table, store_option
 from kvmesh.daemon.config import DaemonConfig
 from kvmesh.net.policy import Policy
 from kvmesh.settings import add_flags, from_flags
@@ -120,32 +120,41 @@ def source_name(source: int) -> str:
 
 
 def peers(args: Args) -> int:
-    from kvmesh.daemon.control import control_status
+    from kvmesh.daemon.control import control_status, describe_links
 
     known = [p for p in control_status(data_dir(args)).peers if args.all or p.healthy]
     if args.json:
-        rows = [
+        described = [
             {
                 "node_id": p.node_id,
+                "host_name": p.host_name,
                 # The one dialled: the fastest working link of a peer on several (measured by the daemon).
                 "address": p.addresses[0] if p.addresses else "",
                 "addresses": list(p.addresses),
+                "links": [message_dict(link) for link in p.links],
                 "source": source_name(p.source),
                 "healthy": p.healthy,
                 "version": p.version,
             }
             for p in known
         ]
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(described, indent=2))
         return 0
     if not known:
         print("no live peers" if not args.all else "no peers known")
-    for p in known:
-        state = "live" if p.healthy else f"lost ({p.failures} failed checks)"
-        addresses = list(p.addresses)
-        if len(addresses) > 1:  # the first is the one dialled: the fastest link that works
-            addresses[0] += " (in use)"
-        print(f"{p.node_id}  {', '.join(addresses)}  {source_name(p.source)}  {state}")
+        return 0
+    rows = [
+        (
+            p.node_id,
+            p.host_name or "-",
+            # The first address is the one dialled: the fastest link that works.
+            describe_links(p),
+            source_name(p.source),
+            "live" if p.healthy else f"lost ({p.failures} failed checks)",
+        )
+        for p in known
+    ]
+    print_table(("NODE ID", "HOST", "ADDRESSES (ROUND TRIP, PROBED RATE)", "FOUND BY", "STATE"), rows)
     return 0
 
 

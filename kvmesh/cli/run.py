@@ -266,7 +266,7 @@ def generate(args: Args) -> int:
             rates=rates,
         )
     text = tokenizer.decode(result.tokens)
-    source = result.source
+    source = result.prefix
     saving = result.estimated_saving_s
     if args.json:
         print(
@@ -274,16 +274,11 @@ def generate(args: Args) -> int:
                 {
                     "text": text,
                     "tokens": result.tokens,
-                    "prefix_from": source.where,
-                    "prefix_tokens": source.tokens,
                     "prompt_tokens": result.prompt_tokens,
-                    "fetch_s": round(source.seconds, 4),
-                    "wire_bytes": source.wire_bytes,
+                    **source.report(),
                     "prefill_s": round(result.prefill_s, 4),
                     "generate_s": round(result.generate_s, 4),
                     "estimated_saving_s": None if saving is None else round(saving, 3),
-                    "skipped": source.skipped,
-                    "choices": source.choices,
                 },
                 indent=2,
             )
@@ -309,9 +304,33 @@ def generate(args: Args) -> int:
     for reason in source.skipped:
         print(f"skipped: {reason}", file=sys.stderr)
     if args.explain:
-        for choice in source.choices or ["no peer had a longer cached prefix: nothing to choose"]:
+        for line in link_lines(args):
+            print(f"link: {line}", file=sys.stderr)
+        for choice in source.fetch_or_prefill or ["no peer had a longer cached prefix: nothing to choose"]:
             print(f"choice: {choice}", file=sys.stderr)
     return 0
+
+
+def link_lines(args: Args) -> list[str]:
+    """Each peer asked and the link it is reached over, with what the local daemon measured of its
+    links (for --explain)."""
+    from kvmesh.daemon.control import control_status, describe_links
+    from kvmesh.errors import DaemonNotRunning
+
+    if args.peer:
+        return [
+            f"{p}: given by --peer, so dialled as given (the daemon measures only its own peers' links)"
+            for p in args.peer
+        ]
+    if args.no_mesh:
+        return []
+    try:
+        live = [p for p in control_status(data_dir(args)).peers if p.healthy and p.addresses]
+    except DaemonNotRunning:
+        return ["no daemon runs for this data directory: no peers were asked"]
+    return [f"{p.node_id} ({p.host_name or '-'}): {describe_links(p)}" for p in live] or [
+        "the daemon sees no live peer"
+    ]
 
 
 def generate_arguments(parser: Any) -> None:

@@ -66,6 +66,13 @@ def lossy(manifest: pb.CacheManifest) -> bool:
     return manifest.compression.method != "full" or transform_coded(manifest)
 
 
+def measured_loss(manifest: pb.CacheManifest) -> float | None:
+    """The loss its producer measured ("tail_kl", nats/token), or None when it did not."""
+    if manifest.HasField("quality") and manifest.quality.metric == "tail_kl":
+        return manifest.quality.value
+    return None
+
+
 def compression_name(manifest: pb.CacheManifest) -> str:
     """The press with what it kept and its bits, and `+ transform` when layers are transform coded:
     `full`, `quantize 3-bit`, `snapkv 50% 8-bit`, `full + transform`, for people."""

@@ -25,7 +25,7 @@ from kvmesh.errors import CredentialsError, DaemonAlreadyRunning, ListenError, S
 from kvmesh.net.addresses import host_port
 from kvmesh.net.admission import refusal
 from kvmesh.net.credentials import RenewingCredentials, renew_if_due
-from kvmesh.net.discovery import Discovery, HealthChecker, Peer, PeerTable, Refuse, routable_addresses
+from kvmesh.net.discovery import Discovery, HealthChecker, Link, Peer, PeerTable, Refuse, routable_addresses
 from kvmesh.net.member import MemberRuntime, join_port_for
 from kvmesh.net.node_id import node_id
 from kvmesh.net.server import RunningServer, start_server
@@ -39,6 +39,15 @@ from kvmesh.v1 import service_pb2 as spb
 
 log = logging.getLogger(__name__)
 PEER_SOURCES = {"mdns": cpb.PEER_SOURCE_MDNS, "static": cpb.PEER_SOURCE_STATIC}
+
+
+def link_state(address: str, link: Link | None) -> cpb.LinkState:
+    """What the health checks measured of one address of a peer (nothing yet: None)."""
+    if link is None:
+        return cpb.LinkState(address=address)
+    return cpb.LinkState(
+        address=address, answers=link.ok, rtt_ms=(link.rtt or 0.0) * 1e3, bytes_per_s=link.rate or 0.0, checked=True
+    )
 
 
 class ControlService(control_pb2_grpc.ControlServicer):
@@ -58,6 +67,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     healthy=p.healthy,
                     failures=p.failures,
                     version=p.version,
+                    host_name=p.host_name,
+                    links=[link_state(a, d.health.links.get(a) if d.health else None) for a in p.addresses],
                 )
                 for p in d.peers.all()
             ],

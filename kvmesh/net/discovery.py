@@ -68,6 +68,8 @@ class Peer:
     addresses: tuple[str, ...]
     source: str  # "mdns" or "static"
     version: str = ""
+    # What its Info calls its machine, once it answered one ("" before).
+    host_name: str = ""
     healthy: bool = True
     failures: int = 0
     last_ok: float = field(default_factory=time.monotonic)
@@ -83,6 +85,8 @@ class PeerTable:
     def upsert(self, peer: Peer) -> None:
         with self._lock:
             old = self._peers.get(peer.node_id)
+            if old is not None and not peer.host_name:
+                peer = replace(peer, host_name=old.host_name)
             self._peers[peer.node_id] = peer
             if old is None or old.addresses != peer.addresses:
                 log.info("peer %s at %s (%s)", peer.node_id, ", ".join(peer.addresses), peer.source)
@@ -115,6 +119,12 @@ class PeerTable:
                 if peer.healthy and not updated.healthy:
                     log.warning("peer %s dropped: %d health checks failed", node_id, failures)
             self._peers[node_id] = updated
+
+    def named(self, node_id: str, host_name: str) -> None:
+        """Record what a peer's Info calls its machine."""
+        with self._lock:
+            if (peer := self._peers.get(node_id)) is not None:
+                self._peers[node_id] = replace(peer, host_name=host_name)
 
     def all(self) -> list[Peer]:
         with self._lock:
@@ -599,9 +609,19 @@ class HealthChecker:
         if received:
             link.rate = received / (time.perf_counter() - start)
 
+    def _name(self, peer: Peer, address: str) -> None:
+        """Ask a peer that answers for its machine's name, once (over the checked channel)."""
+        try:
+            info = service_pb2_grpc.KvMeshStub(self._channel(address)).Info(spb.InfoRequest(), timeout=self.interval)
+        except grpc.RpcError:
+            return  # asked again at the next check
+        self.table.named(peer.node_id, info.host_name or "-")  # ("-": a version that does not say)
+
     def _check_peer(self, peer: Peer) -> tuple[bool, tuple[str, ...]]:
         """Whether the peer answers on any address, and its addresses in dialling order."""
         answered = [a for a in peer.addresses if self._check(a)]
+        if answered and not peer.host_name:
+            self._name(peer, answered[0])
         if len(peer.addresses) > 1:
             for address in answered:
                 if time.monotonic() - self.links[address].probed_at > LINK_PROBE_EVERY:

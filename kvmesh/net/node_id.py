@@ -1,6 +1,7 @@
 """This machine's identity in the mesh: a random id made once and kept with its data."""
 
 import secrets
+import socket
 from pathlib import Path
 
 from kvmesh.paths import node_id_file
@@ -21,3 +22,9 @@ def node_id(data_dir: Path | str) -> str:
     tmp.write_text(new + "\n")
     tmp.replace(path)
     return new
+
+
+def host_name() -> str:
+    """This machine's name as its owner knows it ("alices-macbook-pro"), for people reading a peer
+    list; never resolved, and never trusted for anything (a node is its id and certificate)."""
+    return socket.gethostname().removesuffix(".local")

@@ -33,6 +33,7 @@ from kvmesh.codec.prefix import BLOCK_SIZE, may_serve, shared_tokens
 from kvmesh.errors import IntegrityError, ListenError, NotFoundError, Rejection, StoreError
 from kvmesh.net.addresses import host_port
 from kvmesh.net.messages import accept, check_trailer, older_protocol, profile_from_proto, reject, trailer
+from kvmesh.net.node_id import host_name
 from kvmesh.net.policy import PeerLimits, Policy
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import SERVICE_NAME, as_bytes, serialize, server_options
@@ -262,6 +263,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 budget_bytes=self.store.max_bytes or 0,
             ),
             transfers=self.counters.snapshot(),
+            host_name=host_name(),
         )
 
     def Lookup(self, request, context):
@@ -289,6 +291,8 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 method=e.method,
                 raw_bytes=e.raw_bytes,
                 stored_bytes=e.file_bytes,
+                lossy=e.lossy,
+                quality=pb.Quality(metric="tail_kl", value=e.tail_kl) if e.tail_kl is not None else None,
             )
         return response
 

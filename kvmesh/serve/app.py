@@ -286,15 +286,7 @@ def make_app(
             "completion_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-            "kvmesh": {
-                "prefix_from": done.prefix_from,
-                "cached_tokens": done.cached_tokens,
-                "wire_bytes": done.wire_bytes,
-                "seconds": round(done.prefix_seconds, 4),
-                "skipped": done.skipped,
-                "choices": done.choices,
-                "ignored": ignored or [],
-            },
+            "kvmesh": {**done.prefix.report(), "ignored": ignored or []},
         }
 
     def start(job: Job) -> Ticket:

@@ -20,8 +20,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from kvmesh.generation import CachedPrefix
 from kvmesh.serve.jobs import Abandoned, Job, Output
-from kvmesh.serve.prompt_cache import PrefixHit
 
 
 def batchable_model(model: nn.Module) -> bool:
@@ -29,7 +29,7 @@ def batchable_model(model: nn.Module) -> bool:
     return all(hasattr(c, "merge") for c in make_prompt_cache(model))
 
 
-def batchable(job: Job, hit: PrefixHit) -> bool:
+def batchable(job: Job, hit: CachedPrefix) -> bool:
     """Whether `job`, starting from `hit`, can join a batch."""
     if job.sampling.seed is not None or job.processors is not None:
         return False
@@ -39,7 +39,7 @@ def batchable(job: Job, hit: PrefixHit) -> bool:
 @dataclass
 class Slot:
     job: Job
-    hit: PrefixHit
+    hit: CachedPrefix
     output: Output
     detokenizer: Any
 
@@ -55,7 +55,7 @@ class Batch:
         *,
         prefill_step: int,
         wanted: Callable[[Job], bool],
-        finished: Callable[[Job, Output, PrefixHit, list[Any] | None], None],
+        finished: Callable[[Job, Output, CachedPrefix, list[Any] | None], None],
     ):
         self.tokenizer, self.wanted, self.finished = tokenizer, wanted, finished
         self.eos = set(tokenizer.eos_token_ids)
@@ -67,7 +67,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def add(self, job: Job, hit: PrefixHit) -> None:
+    def add(self, job: Job, hit: CachedPrefix) -> None:
         sampling = job.sampling
         # Greedy jobs share mlx-lm's default sampler (None): the whole batch is sampled in one call.
         sampler = (

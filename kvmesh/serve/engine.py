@@ -34,7 +34,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from kvmesh.generation import calibrate
+from kvmesh.generation import CachedPrefix, calibrate
 from kvmesh.serve.batch import Batch, batchable, batchable_model
 from kvmesh.serve.jobs import (  # (the engine's vocabulary: importers take it from here too)
     Abandoned,
@@ -49,7 +49,7 @@ from kvmesh.serve.jobs import (  # (the engine's vocabulary: importers take it f
     held_back,
     token_logprob,
 )
-from kvmesh.serve.prompt_cache import MeshPromptCache, PrefixHit
+from kvmesh.serve.prompt_cache import MeshPromptCache
 
 __all__ = [
     "Abandoned",
@@ -197,7 +197,7 @@ class Engine:
         )
         # Jobs the batch cannot take, in arrival order: while one waits, the batch takes no new
         # job and drains, then they are served one at a time (neither side starves).
-        alone: deque[tuple[Job, PrefixHit]] = deque()
+        alone: deque[tuple[Job, CachedPrefix]] = deque()
         try:
             while not self._stopping.is_set():
                 busy = bool(alone) or (batch is not None and len(batch) > 0)
@@ -266,14 +266,14 @@ class Engine:
         self._stopping.set()  # None: close() was called
         return jobs
 
-    def _start(self, job: Job) -> PrefixHit:
+    def _start(self, job: Job) -> CachedPrefix:
         """The job's prefix, from memory or as its lookup found it; its Started event."""
         hit = self.prompt_cache.fetch(job.tokens, partition=job.partition, found=job.found)
         job.found = None  # (the engine keeps no cache past its request)
         job.put(Started(len(job.tokens), hit.tokens))
         return hit
 
-    def _serve_alone(self, job: Job, hit: PrefixHit) -> None:
+    def _serve_alone(self, job: Job, hit: CachedPrefix) -> None:
         if not self._wanted(job):
             self._drop(job)
             return
@@ -288,7 +288,7 @@ class Engine:
         finally:
             self._release(job)
 
-    def _generate(self, job: Job, hit: PrefixHit) -> None:
+    def _generate(self, job: Job, hit: CachedPrefix) -> None:
         """One job alone, with mlx-lm's stream_generate."""
         cache = hit.cache if hit.cache is not None else make_prompt_cache(self.model)
         if job.sampling.seed is not None:
@@ -335,7 +335,7 @@ class Engine:
                 break
         self._complete(job, output, hit, cache)
 
-    def _complete(self, job: Job, output: Output, hit: PrefixHit, cache: list[Any] | None) -> None:
+    def _complete(self, job: Job, output: Output, hit: CachedPrefix, cache: list[Any] | None) -> None:
         """A job's end: the rest of its text, its cache kept, then Done (and its log line). The text
         is out first; the request completes once its cache is kept, so that the next request, here
         or on any peer, finds it. A job that ended in its prefill (`cache` None) only leaves."""
@@ -356,8 +356,8 @@ class Engine:
             self._served,
             done.prompt_tokens,
             done.cached_tokens,
-            done.prefix_from,
-            done.prefix_seconds,
+            done.prefix.where,
+            done.prefix.seconds,
             done.completion_tokens,
             done.finish_reason if self._wanted(job) else "client left",
             f"in a batch of up to {output.batch_size}" if output.batch_size else "alone",

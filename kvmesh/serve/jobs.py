@@ -13,7 +13,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from kvmesh.serve.prompt_cache import PrefixHit
+from kvmesh.generation import CachedPrefix
 
 
 class Abandoned(Exception):
@@ -62,7 +62,7 @@ class Job:
     processors: Callable[[], list[LogitsProcessor]] | None = None
     top_logprobs: int | None = None
     # Set by the engine: the prefix found off the generation thread, and when the job came in.
-    found: PrefixHit | None = None
+    found: CachedPrefix | None = None
     submitted: float = 0.0
 
     def put(self, event: "Started | Delta | Done | Exception") -> None:
@@ -101,16 +101,14 @@ class Done:
     finish_reason: str  # "stop" or "length"
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
-    # Where the cached prefix came from ("memory", "local store", "peer ADDRESS", "none"), bytes moved, seconds.
-    prefix_from: str
-    wire_bytes: int
-    prefix_seconds: float
-    skipped: list[str]
-    # Each choice between fetching a peer's cache and prefilling here, with its figures.
-    choices: list[str]
+    # The cached prefix generation started from, and where it came from (its cache released).
+    prefix: CachedPrefix
     # The stop string that ended the text, when one did.
     stop_string: str | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prefix.tokens
 
 
 def held_back(text: str, stops: list[str]) -> int:
@@ -183,17 +181,12 @@ class Output:
         """Generated tokens, less a final end-of-turn token."""
         return len(self.generated) - (1 if self.generated and self.generated[-1] in self.eos else 0)
 
-    def done(self, hit: PrefixHit) -> Done:
+    def done(self, prefix: CachedPrefix) -> Done:
         return Done(
             self.finish,
             len(self.job.tokens),
             self.completion_tokens,
-            hit.tokens,
-            hit.where,
-            hit.wire_bytes,
-            hit.seconds,
-            hit.skipped,
-            hit.choices,
+            prefix=prefix.released(),
             stop_string=self.stopped_by,
         )
 

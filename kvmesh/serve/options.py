@@ -29,6 +29,7 @@ class ServeOptions:
         (), help="host:port of a peer to ask (default: the local daemon's live peers)", flag="--peer", metavar="ADDRESS"
     )
     memory_bytes: int = setting(2 << 30, help="bytes of live caches kept in memory, least recently used out")
+    memory_caches: int = setting(16, help="live caches kept in memory at most (mlx-lm's --prompt-cache-size)")
     min_store_tokens: int = setting(512, help="caches of at least this many tokens also go to the store")
     max_tokens: int = setting(512, help="max_tokens of a request that gives none")
     # Timeouts.stream_idle says why (shorter than the daemon's: a request waits on it).
@@ -82,6 +83,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         for name in (
             "memory_bytes",
+            "memory_caches",
             "min_store_tokens",
             "max_tokens",
             "max_body_bytes",

@@ -1,8 +1,9 @@
 """The server's prompt cache in three tiers: live caches in memory, the local store, then the mesh.
 
-Memory holds the caches of recent requests (prompt plus completion) as mlx-lm left them, bounded in
-bytes, least recently used first out; a dense cache there also serves any shorter prefix (it is
-trimmed on a copy). What memory lacks is looked up in the local store and on the mesh's peers
+Memory is mlx-lm's own `LRUPromptCache` (`MemoryTier`): the caches of recent requests (prompt plus
+completion) as mlx-lm left them, bounded in bytes and in number, least recently used first out; a
+cache there also serves a shorter prefix of itself where trimming a copy gives exactly that prefix's
+cache (`kvmesh.caches.kinds.trims_exactly`). What memory lacks is looked up in the local store and on the mesh's peers
 (`kvmesh.generation.find_prefix`: manifest first, block hashes only). After a request its cache goes
 back to memory, and, when it covers at least `min_store_tokens`, into the local store too, where
 every peer can find it.
@@ -23,52 +24,60 @@ import copy
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import LRUPromptCache
 
-from kvmesh.caches.kinds import cached_tokens
+from kvmesh.caches.kinds import cached_tokens, trims_exactly
 from kvmesh.caches.presses import Press
 from kvmesh.caches.quality import tail_kl
-from kvmesh.caches.sparse import stored_nbytes
 from kvmesh.codec.basis import Basis
 from kvmesh.codec.encode import encode_cache
 from kvmesh.compression import compress
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import Rates
-from kvmesh.generation import find_prefix
+from kvmesh.generation import CachedPrefix, find_prefix
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.serve.options import ServeOptions
 from kvmesh.store import CacheStore
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class PrefixHit:
-    """A cache covering `tokens` of a prompt, and where it came from."""
-
-    cache: list[Any] | None
-    tokens: int
-    where: str  # "memory", "local store", "peer HOST:PORT", or "none"
-    wire_bytes: int = 0
-    seconds: float = 0.0
-    skipped: list[str] = field(default_factory=list)
-    # Each choice between fetching a peer's cache and prefilling here (kvmesh.fetch_or_prefill).
-    choices: list[str] = field(default_factory=list)
+MEMORY = "memory"
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+class MemoryTier(LRUPromptCache):
+    """mlx-lm's prompt cache, its model key used for the partition (None: the shared one), with
+    the two things the server needs besides: how many tokens of a prompt it serves, without copying
+    a cache (asked on lookup threads, to know what the store and the peers must beat), and a copy of
+    that prefix which leaves one token to feed and is never trimmed short. (`fetch_nearest_cache`
+    returns the whole prompt's cache when it has it, and trusts `is_trimmable`: a sparse cache from
+    a peer would come back with more tokens than it says.)"""
+
+    def nearest(self, partition: bytes | None, tokens: Sequence[int]) -> tuple[list[int] | None, int]:
+        """The key of the entry serving the longest prefix of `tokens[:-1]`, and how many tokens it
+        serves: an entry the prompt extends, or one trimmed back to where the prompt leaves it."""
+        query = list(tokens[:-1])
+        found = self._trie.search(partition, query)
+        if found.exact is not None:
+            return found.exact, len(query)
+        shorter = (found.shorter, len(found.shorter)) if found.shorter is not None else (None, 0)
+        if found.longer is not None and found.common_prefix > shorter[1]:
+            entry = self._trie.get(partition, found.longer)
+            if trims_exactly(entry.prompt_cache, len(found.longer) - found.common_prefix):
+                return found.longer, found.common_prefix
+        return shorter
+
+    def copy_of(self, partition: bytes | None, key: list[int], tokens: int) -> list[Any]:
+        """A copy of entry `key`'s cache trimmed to its first `tokens` (as `nearest` found it)."""
+        cache = copy.deepcopy(self._trie.get(partition, key).prompt_cache)
+        for layer in cache:
+            layer.trim(len(key) - tokens)
+        return cache
 
 
 class MeshPromptCache:
@@ -81,8 +90,9 @@ class MeshPromptCache:
         peers: Sequence[str] | Callable[[], list[str]] = (),
         *,
         credentials: MeshCredentials | None = None,
-        max_bytes: int = 2 << 30,
-        min_store_tokens: int = 512,
+        max_bytes: int = ServeOptions.memory_bytes,
+        max_caches: int = ServeOptions.memory_caches,
+        min_store_tokens: int = ServeOptions.min_store_tokens,
         idle_timeout: float = TIMEOUTS.stream_idle,
         rates: Rates | None = None,
     ):
@@ -90,10 +100,9 @@ class MeshPromptCache:
         With `rates`, a peer's cache is fetched only when that beats prefilling it here."""
         self.model_fp, self.store, self.credentials, self.rates = model_fp, store, credentials, rates
         self._peers = peers
-        self.max_bytes, self.min_store_tokens, self.idle_timeout = max_bytes, min_store_tokens, idle_timeout
-        # (partition, tokens) -> (cache, bytes); partition None is the one every unsalted request shares.
-        self._memory: OrderedDict[tuple[bytes | None, tuple[int, ...]], tuple[list[Any], int]] = OrderedDict()
-        self._lock = threading.Lock()  # memory is scanned on lookup threads, changed on the generation thread
+        self.min_store_tokens, self.idle_timeout = min_store_tokens, idle_timeout
+        self.memory = MemoryTier(max_size=max_caches, max_bytes=max_bytes)
+        self._lock = threading.Lock()  # memory is read on lookup threads, changed on the generation thread
         # How caches are kept in the store: as they are, unless `compress_with` was called.
         self.press, self.model = Press(), None
         self.level: str | None = None
@@ -117,33 +126,30 @@ class MeshPromptCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(size for _, size in self._memory.values())
+        with self._lock:
+            return self.memory.nbytes
 
     def _memory_best(
         self, tokens: Sequence[int], partition: bytes | None
-    ) -> tuple[tuple[bytes | None, tuple[int, ...]] | None, int]:
-        """Memory's entry with the longest usable prefix of `tokens[:-1]`, and that prefix's length."""
-        limit = len(tokens) - 1
-        best_key, best = None, 0
+    ) -> tuple[bytes | None, list[int] | None, int]:
+        """(partition, key, tokens served) of memory's best entry for `tokens`: of the request's own
+        partition, or of the shared one (a longer prefix wins; the request's own on a tie)."""
         with self._lock:
-            for key, (entry, _) in self._memory.items():
-                if key[0] is not None and key[0] != partition:
-                    continue
-                n = min(common_prefix(key[1], tokens), limit)
-                trimmable = all(type(c) in (KVCache, QuantizedKVCache) for c in entry)
-                if n > best and (n == len(key[1]) or trimmable):
-                    best_key, best = key, n
-        return best_key, best
+            key, best = self.memory.nearest(partition, tokens)
+            if partition is not None:
+                shared_key, shared = self.memory.nearest(None, tokens)
+                if shared > best:
+                    return None, shared_key, shared
+        return partition, key, best
 
-    def look_up(self, tokens: Sequence[int], partition: bytes | None = None) -> PrefixHit | None:
+    def look_up(self, tokens: Sequence[int], partition: bytes | None = None) -> CachedPrefix | None:
         """The store's or the peers' prefix of `tokens`, when longer than memory's (its `cache` None
-        when neither had one: its `skipped` and `choices` still say why); None when memory serves
-        the whole prompt. Thread-safe: a lookup thread calls it while others generate."""
-        start = time.perf_counter()
-        _, best = self._memory_best(tokens, partition)
+        when neither had one: its `skipped` and `fetch_or_prefill` still say why); None when memory
+        serves the whole prompt. Thread-safe: a lookup thread calls it while others generate."""
+        *_, best = self._memory_best(tokens, partition)
         if best >= len(tokens) - 1:
             return None
-        found, source = find_prefix(
+        found = find_prefix(
             self.model_fp,
             tokens,
             self.store,
@@ -153,21 +159,15 @@ class MeshPromptCache:
             min_tokens=best,
             rates=self.rates,
         )
-        if found is not None:
+        if found.cache is not None:
             # Computed here, on this thread's MLX stream: a lazy array made on one thread cannot be
             # evaluated on another (MLX's streams are per thread), so the generation thread gets data.
-            mx.eval([c.state for c in found])
-        return PrefixHit(
-            found,
-            source.tokens if found is not None else 0,
-            source.where if found is not None else "none",
-            wire_bytes=source.wire_bytes,
-            seconds=source.seconds if found is not None else time.perf_counter() - start,
-            skipped=source.skipped,
-            choices=source.choices,
-        )
+            mx.eval([c.state for c in found.cache])
+        return found
 
-    def fetch(self, tokens: Sequence[int], partition: bytes | None = None, found: PrefixHit | None = None) -> PrefixHit:
+    def fetch(
+        self, tokens: Sequence[int], partition: bytes | None = None, found: CachedPrefix | None = None
+    ) -> CachedPrefix:
         """The longest cached prefix of `tokens[:-1]` (generation needs one token to feed), as a cache
         this request may change: memory's are copies. Memory's caches of another `partition` (another
         salt) are never used; those of the shared one are. `found` is what `look_up` found earlier
@@ -176,20 +176,23 @@ class MeshPromptCache:
         start = time.perf_counter()
         if found is None:
             found = self.look_up(tokens, partition)
-        best_key, best = self._memory_best(tokens, partition)
+        owner, key, best = self._memory_best(tokens, partition)
         skipped = found.skipped if found is not None else []
-        choices = found.choices if found is not None else []
+        choices = found.fetch_or_prefill if found is not None else []
         if found is not None and found.cache is not None and found.tokens > best:
             return found
-        if best_key is None:
-            return PrefixHit(None, 0, "none", seconds=time.perf_counter() - start, skipped=skipped, choices=choices)
+        if key is None:
+            return CachedPrefix("none", seconds=time.perf_counter() - start, skipped=skipped, fetch_or_prefill=choices)
         with self._lock:
-            self._memory.move_to_end(best_key)
-            cache = copy.deepcopy(self._memory[best_key][0])
-        if best < len(best_key[1]):
-            for layer in cache:
-                layer.trim(layer.offset - best)  # only trimmable (KVCache) layers get here
-        return PrefixHit(cache, best, "memory", seconds=time.perf_counter() - start, skipped=skipped, choices=choices)
+            cache = self.memory.copy_of(owner, key, best)
+        return CachedPrefix(
+            MEMORY,
+            tokens=best,
+            seconds=time.perf_counter() - start,
+            skipped=skipped,
+            fetch_or_prefill=choices,
+            cache=cache,
+        )
 
     def insert(self, tokens: Sequence[int], cache: list[Any], partition: bytes | None = None) -> tuple[int, ...]:
         """Keep the cache of `tokens` (its offset many) in memory after a request, in `partition`;
@@ -198,16 +201,9 @@ class MeshPromptCache:
         if not covered:
             return covered
         mx.eval([c.state for c in cache])
-        size = sum(stored_nbytes(c) for c in cache)
-        key = (partition, covered)
         with self._lock:
-            self._memory[key] = (cache, size)
-            self._memory.move_to_end(key)
-            # A longer cache serves every prefix of itself: drop the entries of its partition it covers.
-            for old in [k for k in self._memory if k != key and k[0] == partition and covered[: len(k[1])] == k[1]]:
-                del self._memory[old]
-            while sum(size for _, size in self._memory.values()) > self.max_bytes and len(self._memory) > 1:
-                self._memory.popitem(last=False)
+            # (a list: mlx-lm's recency order finds its entries by comparing keys as it slices them)
+            self.memory.insert_cache(partition, list(covered), cache)
         return covered
 
     def persist(self, tokens: tuple[int, ...], cache: list[Any]) -> None:

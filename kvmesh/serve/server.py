@@ -92,6 +92,7 @@ def serve(
         peers,
         credentials=credentials,
         max_bytes=options.memory_bytes,
+        max_caches=options.memory_caches,
         min_store_tokens=options.min_store_tokens,
         idle_timeout=options.idle_timeout,
         rates=rates if options.fetch == "auto" else None,

@@ -41,8 +41,8 @@ from typing import BinaryIO
 
 from kvmesh import paths
 from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, parse_frame
-from kvmesh.codec.compat import validate_manifest
-from kvmesh.codec.manifest import content_id, cuttable
+from kvmesh.codec.compat import loss_rank, validate_manifest
+from kvmesh.codec.manifest import content_id, cuttable, lossy, measured_loss
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, may_serve, shared_tokens, tokens_served
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
 from kvmesh.store import entry_file
@@ -51,7 +51,7 @@ from kvmesh.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
 # Raised whenever the index's tables change; an index of another version is rebuilt from the files.
-INDEX_VERSION = 3
+INDEX_VERSION = 4
 INDEX = "index.sqlite3"
 
 
@@ -69,6 +69,9 @@ class StoredEntry:
     file_bytes: int
     created_ms: int
     last_used_ms: int
+    # A press or a transform codec changed it, and the loss its producer measured (None: not measured).
+    lossy: bool = False
+    tail_kl: float | None = None
 
 
 @dataclass(frozen=True)
@@ -166,14 +169,16 @@ def _prefix_range(prefix: str) -> tuple[str, str]:
 
 
 ENTRY_COLUMNS = (
-    "cache_id, model_id, num_tokens, prefix_sha256, method, cuttable, raw_bytes, file_bytes, created_ms, last_used_ms"
+    "cache_id, model_id, num_tokens, prefix_sha256, method, cuttable, raw_bytes, file_bytes, created_ms, "
+    "last_used_ms, lossy, tail_kl"
 )
 SCHEMA_SQL = """
     CREATE TABLE IF NOT EXISTS entries (
         cache_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, num_tokens INTEGER NOT NULL,
         prefix_sha256 BLOB NOT NULL, block_size INTEGER NOT NULL, method TEXT NOT NULL,
         cuttable INTEGER NOT NULL, raw_bytes INTEGER NOT NULL,
-        file_bytes INTEGER NOT NULL, created_ms INTEGER NOT NULL, last_used_ms INTEGER NOT NULL);
+        file_bytes INTEGER NOT NULL, created_ms INTEGER NOT NULL, last_used_ms INTEGER NOT NULL,
+        lossy INTEGER NOT NULL, tail_kl REAL);
     CREATE INDEX IF NOT EXISTS entries_model ON entries (model_id);
     CREATE TABLE IF NOT EXISTS blocks (
         cache_id TEXT NOT NULL, idx INTEGER NOT NULL, hash BLOB NOT NULL, PRIMARY KEY (cache_id, idx));
@@ -428,7 +433,7 @@ class CacheStore:
                     return False
                 self._unindex(db, manifest.cache_id)
                 db.execute(
-                    "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         manifest.cache_id,
                         manifest.model.model_id,
@@ -441,6 +446,8 @@ class CacheStore:
                         path.stat().st_size,
                         now,
                         now,
+                        lossy(manifest),
+                        measured_loss(manifest),
                     ),
                 )
                 db.executemany(
@@ -709,7 +716,9 @@ class CacheStore:
     def _select(self, clause: str, args: tuple = ()) -> list[StoredEntry]:
         with self._read() as db:
             rows = db.execute(f"SELECT {ENTRY_COLUMNS} FROM entries {clause}", args).fetchall()
-        return [StoredEntry(**{**dict(row), "cuttable": bool(row["cuttable"])}) for row in rows]
+        return [
+            StoredEntry(**{**dict(row), "cuttable": bool(row["cuttable"]), "lossy": bool(row["lossy"])}) for row in rows
+        ]
 
     def touch(self, cache_id: str) -> None:
         """Record a use (for LRU eviction); skipped, not failed, when the disk is full or read-only."""
@@ -785,9 +794,12 @@ class CacheStore:
 
         An entry serves its exact prefix; one that evicted nothing also serves any block-aligned
         shorter prefix of itself (cut by `kvmesh.codec.cut`): `kvmesh.codec.prefix.tokens_served`.
-        On a tie, the entry of exactly that prefix wins (nothing to cut).
+        On a tie, the less lossy entry wins (`loss_rank`: a 3-bit cache whose loss nobody measured
+        never beats an 8-bit one of the same length), then the entry of exactly that prefix (nothing
+        to cut).
         """
         best: PrefixMatch | None = None
+        best_key: tuple = ()
         hashes = block_hashes(tokens, BLOCK_SIZE)
         shared = self.blocks_matched(model_id, hashes)
         for e in self.entries(model_id):
@@ -797,8 +809,10 @@ class CacheStore:
             usable = tokens_served(
                 tokens, e.num_tokens, e.prefix_sha256, e.cuttable, shared_tokens(blocks, e.num_tokens)
             )
-            if usable and (best is None or usable > best.tokens or (usable == best.tokens and e.num_tokens == usable)):
-                best = PrefixMatch(e, usable)
+            # Longest first; then the least lossy (kvmesh.codec.compat.loss_rank), then one of exactly that prefix.
+            key = (usable, -loss_rank(e.lossy, e.tail_kl), e.num_tokens == usable)
+            if usable and (best is None or key > best_key):
+                best, best_key = PrefixMatch(e, usable), key
         return best
 
     def blocks_matched(self, model_id: str, hashes: Sequence[bytes]) -> dict[str, int]:

@@ -22,20 +22,38 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerState(_message.Message):
-    __slots__ = ("node_id", "addresses", "source", "healthy", "failures", "version")
+    __slots__ = ("node_id", "addresses", "source", "healthy", "failures", "version", "host_name", "links")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOST_NAME_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     addresses: _containers.RepeatedScalarFieldContainer[str]
     source: PeerSource
     healthy: bool
     failures: int
     version: str
-    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., source: _Optional[_Union[PeerSource, str]] = ..., healthy: _Optional[bool] = ..., failures: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    host_name: str
+    links: _containers.RepeatedCompositeFieldContainer[LinkState]
+    def __init__(self, node_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., source: _Optional[_Union[PeerSource, str]] = ..., healthy: _Optional[bool] = ..., failures: _Optional[int] = ..., version: _Optional[str] = ..., host_name: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkState, _Mapping]]] = ...) -> None: ...
+
+class LinkState(_message.Message):
+    __slots__ = ("address", "answers", "rtt_ms", "bytes_per_s", "checked")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    answers: bool
+    rtt_ms: float
+    bytes_per_s: float
+    checked: bool
+    def __init__(self, address: _Optional[str] = ..., answers: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., bytes_per_s: _Optional[float] = ..., checked: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("info", "listen", "peers", "data_dir")

@@ -47,20 +47,22 @@ class TransferStats(_message.Message):
     def __init__(self, fetches_started: _Optional[int] = ..., fetches_completed: _Optional[int] = ..., fetches_rejected: _Optional[int] = ..., fetches_failed: _Optional[int] = ..., chunk_bytes_sent: _Optional[int] = ..., transfers_active: _Optional[int] = ..., transfers_max_seen: _Optional[int] = ..., transfers_cap: _Optional[int] = ..., publishes_accepted: _Optional[int] = ..., publishes_rejected: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("node_id", "version", "protocol_version", "model_ids", "store", "transfers")
+    __slots__ = ("node_id", "version", "protocol_version", "model_ids", "store", "transfers", "host_name")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDS_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_NAME_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     protocol_version: int
     model_ids: _containers.RepeatedScalarFieldContainer[str]
     store: StoreStats
     transfers: TransferStats
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_ids: _Optional[_Iterable[str]] = ..., store: _Optional[_Union[StoreStats, _Mapping]] = ..., transfers: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+    host_name: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_ids: _Optional[_Iterable[str]] = ..., store: _Optional[_Union[StoreStats, _Mapping]] = ..., transfers: _Optional[_Union[TransferStats, _Mapping]] = ..., host_name: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("model_id", "block_size", "block_hashes")
@@ -73,7 +75,7 @@ class LookupRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Candidate(_message.Message):
-    __slots__ = ("cache_id", "num_tokens", "prefix_sha256", "matched_tokens", "cuttable", "method", "raw_bytes", "stored_bytes")
+    __slots__ = ("cache_id", "num_tokens", "prefix_sha256", "matched_tokens", "cuttable", "method", "raw_bytes", "stored_bytes", "lossy", "quality")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,8 @@ class Candidate(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     num_tokens: int
     prefix_sha256: bytes
@@ -90,7 +94,9 @@ class Candidate(_message.Message):
     method: str
     raw_bytes: int
     stored_bytes: int
-    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., cuttable: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
+    lossy: bool
+    quality: _cache_pb2.Quality
+    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., cuttable: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., lossy: _Optional[bool] = ..., quality: _Optional[_Union[_cache_pb2.Quality, _Mapping]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("candidates",)
