@@ -63,7 +63,7 @@ def test_daemons_find_each_other_and_generate_uses_a_peers_cache(nodes, tiny, ti
     nodes.start("B")
     peers = nodes.wait_for_peers("B", lambda p: len(p) == 1)
     assert peers[0]["node_id"] == node_id(tmp_path / "A") and peers[0]["addresses"] == [address_a]
-    assert peers[0]["source"] == "mdns"
+    assert peers[0]["found_by"] == "mdns"
 
     document = tmp_path / "doc.txt"
     document.write_text(resources.files("kvmesh").joinpath("data/corpus.txt").read_text()[:3000])
@@ -117,7 +117,7 @@ def test_static_peers_work_without_discovery(nodes, tmp_path):
     address_a = nodes.start("A", "--no-discovery")
     nodes.start("B", "--no-discovery", "--peer", address_a)
     [peer] = nodes.wait_for_peers("B", lambda p: len(p) == 1 and p[0]["healthy"] and p[0]["host_name"])
-    assert peer["addresses"] == [address_a] and peer["source"] == "static"
+    assert peer["addresses"] == [address_a] and peer["found_by"] == "static"
     # Its Info names its machine; its one link is health checked (round trip), not probed.
     assert peer["host_name"] == socket.gethostname().removesuffix(".local")
     [link] = peer["links"]

@@ -132,7 +132,7 @@ def peers(args: Args) -> int:
                 "address": p.addresses[0] if p.addresses else "",
                 "addresses": list(p.addresses),
                 "links": [message_dict(link) for link in p.links],
-                "source": source_name(p.source),
+                "found_by": source_name(p.source),  # mdns or static
                 "healthy": p.healthy,
                 "version": p.version,
             }

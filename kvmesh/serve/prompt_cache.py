@@ -3,9 +3,9 @@
 Memory is mlx-lm's own `LRUPromptCache` (`MemoryTier`): the caches of recent requests (prompt plus
 completion) as mlx-lm left them, bounded in bytes and in number, least recently used first out; a
 cache there also serves a shorter prefix of itself where trimming a copy gives exactly that prefix's
-cache (`kvmesh.caches.kinds.trims_exactly`). What memory lacks is looked up in the local store and on the mesh's peers
-(`kvmesh.generation.find_prefix`: manifest first, block hashes only). After a request its cache goes
-back to memory, and, when it covers at least `min_store_tokens`, into the local store too, where
+cache (`kvmesh.caches.kinds.trims_exactly`). What memory lacks is looked up in the local store and
+on the mesh's peers (`kvmesh.generation.find_prefix`: manifest first, block hashes only). After a
+request its cache goes back to memory, and, when it covers at least `min_store_tokens`, into the local store too, where
 every peer can find it.
 
 Partitions: `usage.prompt_tokens_details.cached_tokens` tells a client how much of its prompt was
