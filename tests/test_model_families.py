@@ -282,12 +282,20 @@ def test_the_servers_prompt_cache_keeps_and_finds_caches_of_each_family(family, 
     tokens = prompt_ids[:200] + generated
     served.persist(served.insert(tokens, cache), cache)
 
+    # The same server finds it in memory (a copy), for the next turn. Not for a shorter prefix: each
+    # family holds a kind that cannot be cut back to 150 tokens (a wrapped window, recurrent state,
+    # a chunk begun after it), though mlx-lm's `is_trimmable` says yes to some (trims_exactly).
+    again = served.fetch(tokens + [5, 6])
+    assert (again.where, again.tokens) == ("memory", len(tokens))
+    assert served.fetch(tokens[:150] + [5, 6]).where == "none"
+
     # Another server (nothing in memory) finds it in the store: exactly that prefix, no shorter one.
     other = MeshPromptCache(fp, store)
     hit = other.fetch(tokens + [5, 6])
     assert (hit.where, hit.tokens) == ("local store", len(tokens))
     assert other.fetch(tokens[:150] + [5, 6]).where == "none"
-    assert tokens_after(model, hit.cache, [5, 6], 4) == tokens_after(model, cache, [5, 6], 4)
+    reference = tokens_after(model, cache, [5, 6], 4)
+    assert tokens_after(model, hit.cache, [5, 6], 4) == reference == tokens_after(model, again.cache, [5, 6], 4)
 
 
 @pytest.mark.slow

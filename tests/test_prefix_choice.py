@@ -83,6 +83,23 @@ def test_memory_is_mlx_lm_s_prompt_cache_bounded_in_number(tiny, tiny_fp, prompt
         assert (hit.where, hit.tokens, cached_tokens(hit.cache)) == ("memory", len(p), len(p))
 
 
+def test_memory_keeps_recently_served_caches_and_the_newest_over_its_budget(tiny, tiny_fp, prompt_ids):
+    model, _ = tiny
+    prompts = [prompt_ids[i * 40 : i * 40 + 30] for i in range(4)]
+    caches = [prefill(model, p).cache for p in prompts]
+    memory = MeshPromptCache(tiny_fp, None, max_caches=2)
+    memory.insert(prompts[0], caches[0])
+    memory.insert(prompts[1], caches[1])
+    assert memory.fetch([*prompts[0], 7]).where == "memory"  # served: now the most recently used
+    memory.insert(prompts[2], caches[2])
+    assert [memory.fetch([*p, 7]).where for p in prompts[:3]] == ["memory", "none", "memory"]
+    # One cache larger than the whole budget: kept alone (mlx-lm's own would evict all, then it).
+    small = MeshPromptCache(tiny_fp, None, max_bytes=sum(c.nbytes for c in caches[3]) - 1)
+    small.insert(prompts[0], caches[0])
+    small.insert(prompts[3], caches[3])
+    assert len(small.memory) == 1 and small.fetch([*prompts[3], 7]).where == "memory"
+
+
 def test_memory_leaves_one_token_to_feed_and_trims_a_copy(tiny, tiny_fp, prompt_ids):
     model, _ = tiny
     memory = MeshPromptCache(tiny_fp, None)

@@ -57,6 +57,8 @@ LINK_PROBE_BYTES = 1 << 20
 LINK_PROBE_TIMEOUT = 5.0
 LINK_PROBE_EVERY = 300.0
 SWITCH_FACTOR = 1.5
+# A peer that gave no machine name (a version without one, an Info that failed) is asked again after this.
+NAME_RETRY_S = 60.0
 # Why a certificate (PEM) the mesh CA signed is refused all the same (a removed node), or None.
 Refuse = Callable[[bytes], str | None]
 
@@ -561,6 +563,7 @@ class HealthChecker:
         self.credentials = credentials
         self._channels: dict[str, grpc.Channel] = {}
         self.links: dict[str, Link] = {}
+        self._named_at: dict[str, float] = {}  # node id -> when its name was last asked
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-health", daemon=True)
 
@@ -610,12 +613,17 @@ class HealthChecker:
             link.rate = received / (time.perf_counter() - start)
 
     def _name(self, peer: Peer, address: str) -> None:
-        """Ask a peer that answers for its machine's name, once (over the checked channel)."""
+        """Ask a peer that answers for its machine's name (over the checked channel): once, or
+        again after NAME_RETRY_S when it gave none (a check loop held by a peer's every Info would
+        hold every other peer's checks)."""
+        if time.monotonic() - self._named_at.get(peer.node_id, float("-inf")) < NAME_RETRY_S:
+            return
+        self._named_at[peer.node_id] = time.monotonic()
         try:
             info = service_pb2_grpc.KvMeshStub(self._channel(address)).Info(spb.InfoRequest(), timeout=self.interval)
         except grpc.RpcError:
-            return  # asked again at the next check
-        self.table.named(peer.node_id, info.host_name or "-")  # ("-": a version that does not say)
+            return
+        self.table.named(peer.node_id, info.host_name)
 
     def _check_peer(self, peer: Peer) -> tuple[bool, tuple[str, ...]]:
         """Whether the peer answers on any address, and its addresses in dialling order."""
@@ -654,6 +662,8 @@ class HealthChecker:
                 self._channels.pop(address).close()
             for address in [a for a in self.links if a not in known]:
                 del self.links[address]
+            for node in set(self._named_at) - {p.node_id for p in peers}:
+                del self._named_at[node]
 
     def stop(self) -> None:
         self._stop.set()

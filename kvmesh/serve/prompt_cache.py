@@ -52,15 +52,16 @@ MEMORY = "memory"
 
 class MemoryTier(LRUPromptCache):
     """mlx-lm's prompt cache, its model key used for the partition (None: the shared one), with
-    the two things the server needs besides: how many tokens of a prompt it serves, without copying
-    a cache (asked on lookup threads, to know what the store and the peers must beat), and a copy of
-    that prefix which leaves one token to feed and is never trimmed short. (`fetch_nearest_cache`
-    returns the whole prompt's cache when it has it, and trusts `is_trimmable`: a sparse cache from
-    a peer would come back with more tokens than it says.)"""
+    what the server needs besides: how many tokens of a prompt it serves, without copying a cache
+    (asked on lookup threads, to know what the store and the peers must beat), and a copy of that
+    prefix which leaves one token to feed and is never trimmed short. (`fetch_nearest_cache` returns
+    the whole prompt's cache when it has it, and trusts `is_trimmable`: a sparse cache from a peer
+    would come back with more tokens than it says.) Not thread-safe, as mlx-lm's: callers lock."""
 
     def nearest(self, partition: bytes | None, tokens: Sequence[int]) -> tuple[list[int] | None, int]:
-        """The key of the entry serving the longest prefix of `tokens[:-1]`, and how many tokens it
-        serves: an entry the prompt extends, or one trimmed back to where the prompt leaves it."""
+        """The key of the entry of `partition` serving the longest prefix of `tokens[:-1]`, and how
+        many tokens it serves: an entry the prompt extends, or one trimmed back to where the prompt
+        leaves it."""
         query = list(tokens[:-1])
         found = self._trie.search(partition, query)
         if found.exact is not None:
@@ -72,12 +73,37 @@ class MemoryTier(LRUPromptCache):
                 return found.longer, found.common_prefix
         return shorter
 
+    def best(self, partition: bytes | None, tokens: Sequence[int]) -> tuple[bytes | None, list[int] | None, int]:
+        """(partition, key, tokens served) of the best entry for a request of `partition`: of its
+        own, or of the shared one (a longer prefix wins; its own on a tie)."""
+        key, served = self.nearest(partition, tokens)
+        if partition is not None:
+            shared_key, shared = self.nearest(None, tokens)
+            if shared > served:
+                return None, shared_key, shared
+        return partition, key, served
+
     def copy_of(self, partition: bytes | None, key: list[int], tokens: int) -> list[Any]:
-        """A copy of entry `key`'s cache trimmed to its first `tokens` (as `nearest` found it)."""
-        cache = copy.deepcopy(self._trie.get(partition, key).prompt_cache)
-        for layer in cache:
-            layer.trim(len(key) - tokens)
+        """A copy of entry `key`'s cache trimmed to its first `tokens` (as `nearest` found it); the
+        entry becomes the most recently used."""
+        entry = self._trie.get(partition, key)
+        cache = copy.deepcopy(entry.prompt_cache)
+        if trim := len(key) - tokens:  # (recurrent state has no trim: `nearest` asks none of it)
+            for layer in cache:
+                layer.trim(trim)
+        self._lru.remove(partition, key)
+        self._lru.push(partition, key, entry.cache_type)
         return cache
+
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *, cache_type: str = "assistant"):
+        """mlx-lm's, except that an entry larger than `max_bytes` on its own is kept alone (mlx-lm
+        would evict every entry, then it): the next turn of its conversation needs it."""
+        budget = self.max_bytes
+        self.max_bytes = max(budget, sum(c.nbytes for c in prompt_cache))
+        try:
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        finally:
+            self.max_bytes = budget
 
 
 class MeshPromptCache:
@@ -129,24 +155,12 @@ class MeshPromptCache:
         with self._lock:
             return self.memory.nbytes
 
-    def _memory_best(
-        self, tokens: Sequence[int], partition: bytes | None
-    ) -> tuple[bytes | None, list[int] | None, int]:
-        """(partition, key, tokens served) of memory's best entry for `tokens`: of the request's own
-        partition, or of the shared one (a longer prefix wins; the request's own on a tie)."""
-        with self._lock:
-            key, best = self.memory.nearest(partition, tokens)
-            if partition is not None:
-                shared_key, shared = self.memory.nearest(None, tokens)
-                if shared > best:
-                    return None, shared_key, shared
-        return partition, key, best
-
     def look_up(self, tokens: Sequence[int], partition: bytes | None = None) -> CachedPrefix | None:
         """The store's or the peers' prefix of `tokens`, when longer than memory's (its `cache` None
         when neither had one: its `skipped` and `fetch_or_prefill` still say why); None when memory
         serves the whole prompt. Thread-safe: a lookup thread calls it while others generate."""
-        *_, best = self._memory_best(tokens, partition)
+        with self._lock:
+            *_, best = self.memory.best(partition, tokens)
         if best >= len(tokens) - 1:
             return None
         found = find_prefix(
@@ -176,14 +190,16 @@ class MeshPromptCache:
         start = time.perf_counter()
         if found is None:
             found = self.look_up(tokens, partition)
-        owner, key, best = self._memory_best(tokens, partition)
         skipped = found.skipped if found is not None else []
         choices = found.fetch_or_prefill if found is not None else []
-        if found is not None and found.cache is not None and found.tokens > best:
-            return found
-        if key is None:
-            return CachedPrefix("none", seconds=time.perf_counter() - start, skipped=skipped, fetch_or_prefill=choices)
         with self._lock:
+            owner, key, best = self.memory.best(partition, tokens)
+            if found is not None and found.cache is not None and found.tokens > best:
+                return found
+            if key is None:
+                return CachedPrefix(
+                    "none", seconds=time.perf_counter() - start, skipped=skipped, fetch_or_prefill=choices
+                )
             cache = self.memory.copy_of(owner, key, best)
         return CachedPrefix(
             MEMORY,
