@@ -10,9 +10,10 @@ import pytest
 from mlx_lm.generate import stream_generate
 
 from kvmesh.serve import anthropic, openai_api, responses
+from kvmesh.serve.answer import AnswerSplitter
 from kvmesh.serve.api_errors import ApiError
 from kvmesh.serve.grammar import GrammarError, Grammars, json_schema_grammar
-from kvmesh.serve.tools import CallSplitter, ToolCall, forced_call_grammar, openai_tool_choice, openai_tools
+from kvmesh.serve.tools import ToolCall, forced_call_grammar, openai_tool_choice, openai_tools
 
 SCHEMA = {
     "type": "object",
@@ -37,16 +38,16 @@ def render(tokenizer, messages, tools=CHAT_TOOLS):
 def test_mlx_lm_reads_the_presets_tool_calls(tools_model):
     _, tokenizer = tools_model
     assert tokenizer.has_tool_calling and tokenizer.tool_parser.__module__ == "mlx_lm.tool_parsers.json_tools"
-    splitter = CallSplitter(tokenizer, openai_tools(CHAT_TOOLS), read_calls=True)
+    splitter = AnswerSplitter(tokenizer, openai_tools(CHAT_TOOLS), calls=True, reasoning=True, prompt=[])
     text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>Done'
     pieces = [p for i in range(0, len(text), 7) for p in splitter.feed(text[i : i + 7])] + splitter.finish()
     calls = [p for p in pieces if isinstance(p, ToolCall)]
     assert "".join(p for p in pieces if isinstance(p, str)) == "Let me look.Done"
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
     # A call cut short comes back as its text; with tool_choice "none" nothing is read.
-    cut = CallSplitter(tokenizer, openai_tools(CHAT_TOOLS), read_calls=True)
+    cut = AnswerSplitter(tokenizer, openai_tools(CHAT_TOOLS), calls=True, reasoning=True, prompt=[])
     assert "".join(map(str, cut.feed('<tool_call>\n{"name": "get_') + cut.finish())) == '<tool_call>\n{"name": "get_'
-    plain = CallSplitter(tokenizer, openai_tools(CHAT_TOOLS), read_calls=False)
+    plain = AnswerSplitter(tokenizer, openai_tools(CHAT_TOOLS), calls=False, reasoning=True, prompt=[])
     assert plain.feed(text) == [text]
 
 
@@ -62,7 +63,7 @@ def test_a_forced_call_renders_back_as_the_model_wrote_it(tools_model):
         generated.append(r.token)
         text += r.text
     assert r.finish_reason == "stop" and generated[-1] in tokenizer.eos_token_ids
-    splitter = CallSplitter(tokenizer, tools, read_calls=True)
+    splitter = AnswerSplitter(tokenizer, tools, calls=True, reasoning=True, prompt=[])
     (call,) = [p for p in splitter.feed(text) + splitter.finish() if isinstance(p, ToolCall)]
     assert json.loads(call.arguments)["city"] in ("Paris", "Tokyo")
     # The history with that call renders the prompt, then exactly the tokens generated: the next turn's

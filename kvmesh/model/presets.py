@@ -25,8 +25,9 @@ class Preset:
     max_position_embeddings: int = 8192
     # Config keys of the family beyond the common ones (windows, linear-attention sizes, ...).
     extra: dict[str, Any] = field(default_factory=dict)
-    # The chat template (a key of kvmesh.model.testmodels.CHAT_TEMPLATES): "chatml", or "chatml-tools",
-    # which renders tools, tool calls and tool results as Qwen 2.5 / Hermes models do.
+    # The chat template (a key of kvmesh.model.testmodels.CHAT_TEMPLATES): "chatml"; "chatml-tools",
+    # which renders tools, tool calls and tool results as Qwen 2.5 / Hermes models do; "chatml-think",
+    # the same opening the assistant's turn with <think>.
     chat_template: str = "chatml"
 
 
@@ -77,6 +78,22 @@ PRESETS = {
         512,
         "float32",
         chat_template="chatml-tools",
+    ),
+    # tiny-tools as a reasoning model: its turn opens with <think> (mlx-lm reads the thinking markers
+    # from the vocabulary), so `kvmesh serve` can be tested returning reasoning apart from the answer.
+    "tiny-think": Preset(
+        "llama like tiny-tools, as a reasoning model: its turn opens with <think>, closed by </think> "
+        "before the answer; for the server's reasoning output",
+        "llama",
+        256,
+        4,
+        512,
+        4,
+        2,
+        64,
+        512,
+        "float32",
+        chat_template="chatml-think",
     ),
     "tiny-qwen3": Preset(
         "qwen3 (q/k norms), 3 layers, GQA 4 heads / 2 kv heads of 64: a second family for tests",

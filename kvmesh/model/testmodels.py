@@ -65,7 +65,19 @@ TOOLS_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "chatml-tools": TOOLS_CHAT_TEMPLATE}
+# The same, for a reasoning model that thinks before it answers (DeepSeek R1 and Qwen3's thinking
+# models' way): the assistant's turn opens with `<think>`, which the model closes with `</think>`
+# before its answer or call; mlx-lm infers the thinking markers from the two tokens in the vocabulary.
+THINK_CHAT_TEMPLATE = TOOLS_CHAT_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}",
+)
+
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "chatml-tools": TOOLS_CHAT_TEMPLATE, "chatml-think": THINK_CHAT_TEMPLATE}
+# Tokens a template needs in the vocabulary beyond SPECIAL_TOKENS.
+TEMPLATE_TOKENS = {"chatml-think": ["<think>", "</think>"]}
 
 
 def preset_config(preset: Preset) -> dict:
@@ -83,8 +95,9 @@ def preset_config(preset: Preset) -> dict:
     return config
 
 
-def train_tokenizer(vocab_size: int):
-    """A byte-level BPE (the GPT-2 / Llama 3 kind) trained on the packaged corpus."""
+def train_tokenizer(vocab_size: int, extra_tokens: list[str] | None = None):
+    """A byte-level BPE (the GPT-2 / Llama 3 kind) trained on the packaged corpus, with
+    SPECIAL_TOKENS and `extra_tokens` (those a chat template needs) as whole tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     text = resources.files("kvmesh").joinpath("data/corpus.txt").read_text(encoding="utf-8")
@@ -93,7 +106,7 @@ def train_tokenizer(vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + (extra_tokens or []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -141,7 +154,7 @@ def make_test_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0, dt
     def write(tmp: Path) -> None:
         save_model(tmp, model)
         save_config(config, tmp / "config.json")
-        train_tokenizer(spec.vocab_size).save(str(tmp / "tokenizer.json"))
+        train_tokenizer(spec.vocab_size, TEMPLATE_TOKENS.get(spec.chat_template, [])).save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(
             json.dumps(tokenizer_config(CHAT_TEMPLATES[spec.chat_template]), indent=2) + "\n"
         )

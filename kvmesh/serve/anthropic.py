@@ -9,8 +9,10 @@ model name is the served model (kvmesh.serve.app.ServedModel.serves).
 
 `usage` counts as Anthropic's does: `input_tokens` are those prefilled now, `cache_read_input_tokens`
 those a cache held (memory, the store or a peer), `cache_creation_input_tokens` 0 (every prompt's
-cache is kept, at no extra cost). Accepted without effect: `metadata`, `thinking` (no thinking is
-produced; earlier thinking blocks are dropped from the history), `service_tier`,
+cache is kept, at no extra cost). A reasoning model's thinking comes back as `thinking` blocks
+(with an empty `signature`: there is nobody to sign them). Accepted without effect: `metadata`,
+`thinking` (a reasoning model thinks as its template says; earlier thinking blocks are dropped from
+the history, as the templates drop them), `service_tier`,
 `context_management`, `cache_control` on blocks (caching is automatic), and fields this server
 does not know; refused: images and documents, server tools, `mcp_servers`, `container`.
 """
@@ -21,6 +23,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from kvmesh.serve.answer import Reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
 from kvmesh.serve.engine import Done, Sampling, Started
 from kvmesh.serve.tools import Tool, ToolCall, ToolChoice, checked, function_tool, template_messages, unique
@@ -228,7 +231,8 @@ def tool_use(call: ToolCall) -> dict:
 def message_of(outcome: Outcome, model: str, ident: str) -> dict:
     """The whole answer as a Message."""
     done = outcome.done
-    content: list[dict] = [{"type": "text", "text": outcome.text}] if outcome.text else []
+    content: list[dict] = [thinking(outcome.reasoning)] if outcome.reasoning else []
+    content += [{"type": "text", "text": outcome.text}] if outcome.text else []
     content += [tool_use(c) for c in outcome.calls]
     reason, sequence = stop_reason(done, len(outcome.calls))
     return {
@@ -243,6 +247,11 @@ def message_of(outcome: Outcome, model: str, ident: str) -> dict:
     }
 
 
+def thinking(text: str) -> dict:
+    """A thinking block; unsigned (`signature` is Anthropic's proof that it made the thinking)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def event(kind: str, data: dict) -> dict:
     """One server-sent event as sse-starlette sends it: Anthropic names each by its type."""
     return {"event": kind, "data": json.dumps({"type": kind, **data})}
@@ -250,10 +259,33 @@ def event(kind: str, data: dict) -> dict:
 
 async def events(pieces: AsyncIterator[Any], model: str, ident: str) -> AsyncIterator[dict]:
     """The answer as Anthropic's stream: message_start (with the cached tokens, known once the
-    prefix is found), then per block content_block_start, its deltas (text_delta, or the call's
-    arguments as one input_json_delta) and content_block_stop, then message_delta (stop_reason,
-    usage) and message_stop."""
-    index, open_text, calls = 0, False, 0
+    prefix is found), then per block content_block_start, its deltas (thinking_delta and an empty
+    signature_delta, text_delta, or the call's arguments as one input_json_delta) and
+    content_block_stop, then message_delta (stop_reason, usage) and message_stop."""
+    index, calls = 0, 0
+    open_block: str | None = None  # the kind of the block being written: "thinking" or "text"
+
+    def close() -> list[dict]:
+        """The end of the open block, if one is open."""
+        nonlocal index, open_block
+        closing = []
+        if open_block == "thinking":
+            signature = {"type": "signature_delta", "signature": ""}
+            closing.append(event("content_block_delta", {"index": index, "delta": signature}))
+        if open_block is not None:
+            closing.append(event("content_block_stop", {"index": index}))
+            index, open_block = index + 1, None
+        return closing
+
+    def open_(kind: str, block: dict) -> list[dict]:
+        """A block of `kind` opened, unless it is the one open (the one before it closed)."""
+        nonlocal open_block
+        if open_block == kind:
+            return []
+        opening = [*close(), event("content_block_start", {"index": index, "content_block": block})]
+        open_block = kind
+        return opening
+
     try:
         async for piece in pieces:
             if isinstance(piece, Started):
@@ -268,17 +300,20 @@ async def events(pieces: AsyncIterator[Any], model: str, ident: str) -> AsyncIte
                     "usage": usage(piece.prompt_tokens, piece.cached_tokens, 0),
                 }
                 yield event("message_start", {"message": message})
+            elif isinstance(piece, Reasoning) and piece.text:
+                for e in open_("thinking", thinking("")):
+                    yield e
+                delta = {"type": "thinking_delta", "thinking": piece.text}
+                yield event("content_block_delta", {"index": index, "delta": delta})
             elif isinstance(piece, Text) and piece.text:
-                if not open_text:
-                    yield event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
-                    open_text = True
+                for e in open_("text", {"type": "text", "text": ""}):
+                    yield e
                 yield event(
                     "content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece.text}}
                 )
             elif isinstance(piece, ToolCall):
-                if open_text:
-                    yield event("content_block_stop", {"index": index})
-                    index, open_text = index + 1, False
+                for e in close():
+                    yield e
                 block = {**tool_use(piece), "input": {}}
                 yield event("content_block_start", {"index": index, "content_block": block})
                 delta = {"type": "input_json_delta", "partial_json": piece.arguments}
@@ -286,8 +321,8 @@ async def events(pieces: AsyncIterator[Any], model: str, ident: str) -> AsyncIte
                 yield event("content_block_stop", {"index": index})
                 index, calls = index + 1, calls + 1
             elif isinstance(piece, Done):
-                if open_text:
-                    yield event("content_block_stop", {"index": index})
+                for e in close():
+                    yield e
                 reason, sequence = stop_reason(piece, calls)
                 yield event(
                     "message_delta",

@@ -38,10 +38,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvmesh.serve import anthropic, openai_api, responses
+from kvmesh.serve.answer import AnswerSplitter, Reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
 from kvmesh.serve.engine import RETRY_AFTER_S, Abandoned, Busy, Delta, Done, Engine, Job, Started, TokenLogprob
 from kvmesh.serve.grammar import GrammarError, Grammars, json_object_grammar, json_schema_grammar
-from kvmesh.serve.tools import CallSplitter, ToolCall, check_model_calls_tools, forced_call_grammar
+from kvmesh.serve.tools import ToolCall, check_model_calls_tools, forced_call_grammar
 from kvmesh.serve.turns import Outcome, Text, Turn
 
 
@@ -63,7 +64,7 @@ class ServedModel:
 __all__ = ["ApiError", "ServedModel", "make_app"]
 
 # What a running turn yields: the prefix found, text, calls, and the end.
-Piece = Started | Text | ToolCall | Done
+Piece = Started | Reasoning | Text | ToolCall | Done
 
 
 # How often a non-streaming request that waits on its job checks that its client is still there.
@@ -214,12 +215,16 @@ def make_app(
             )
         return body
 
-    def render(turn: Turn) -> list[int]:
+    def render(turn: Turn, *, thinking: bool = True) -> list[int]:
         """The prompt's tokens: the chat through the template, tools and all (on a parsing thread:
-        a long prompt takes seconds)."""
+        a long prompt takes seconds). Without `thinking`, a reasoning model's template is asked not
+        to open its thinking (`enable_thinking`, as mlx-lm names it for every template): a grammar
+        holds the output from its first token, so there is no thinking to hold it to."""
         if turn.messages is None:
             return list(tokenizer.encode(turn.prompt or ""))
-        extra = {"tools": [t.spec for t in turn.tools]} if turn.tools else {}
+        extra: dict[str, Any] = {"tools": [t.spec for t in turn.tools]} if turn.tools else {}
+        if not thinking:
+            extra["enable_thinking"] = False
         try:
             return list(tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, **extra))
         except Exception as e:  # the template's own error, about these messages
@@ -237,10 +242,15 @@ def make_app(
             return json_schema_grammar(turn.response_format.schema or {})
         return None
 
-    def job_of(turn: Turn) -> tuple[Job, CallSplitter]:
-        """The engine's job for `turn`, and the splitter that reads its calls (on a parsing thread:
-        rendering and compiling a grammar take a while)."""
-        tokens = render(turn)
+    def job_of(turn: Turn) -> tuple[Job, AnswerSplitter]:
+        """The engine's job for `turn`, and the splitter that reads its reasoning and calls (on a
+        parsing thread: rendering and compiling a grammar take a while)."""
+        try:
+            grammar = grammar_of(turn)
+        except GrammarError as e:
+            param = "tools" if turn.tool_choice.forced else "response_format"
+            raise refuse(f"the grammar cannot be made: {e}", param) from None
+        tokens = render(turn, thinking=grammar is None)
         max_tokens = turn.max_tokens or default_max_tokens
         if len(tokens) + max_tokens > model.context_length:
             raise ApiError(
@@ -253,7 +263,6 @@ def make_app(
         if not tokens:
             raise ApiError(400, "the prompt is empty", "prompt", "invalid_value")
         try:
-            grammar = grammar_of(turn)
             processor = grammars.processor(grammar) if grammar is not None else None
         except GrammarError as e:
             param = "tools" if turn.tool_choice.forced else "response_format"
@@ -267,7 +276,14 @@ def make_app(
             processors=(lambda: [processor]) if processor is not None else None,
             top_logprobs=turn.top_logprobs,
         )
-        return job, CallSplitter(tokenizer, turn.tools, read_calls=turn.tool_choice.mode != "none")
+        splitter = AnswerSplitter(
+            tokenizer,
+            turn.tools,
+            calls=turn.tool_choice.mode != "none",
+            reasoning=turn.messages is not None,  # a raw completion's text comes back as written
+            prompt=tokens,
+        )
+        return job, splitter
 
     async def prepare(request: Request, make_turn: Callable[[dict], Turn], claude_names: bool = False):
         """(body, turn, ticket, splitter) of a request, its job held by the engine, or the ApiError
@@ -340,9 +356,9 @@ def make_app(
         finally:
             job.cancelled.set()  # a client that went away stops its generation, or skips it when queued
 
-    async def pieces(ticket: Ticket, splitter: CallSplitter, request: Request | None = None) -> AsyncIterator[Piece]:
-        """The job's answer as it comes: Started, then text and tool calls (read by `splitter`),
-        then Done. Each delta's log probabilities ride on its first text."""
+    async def pieces(ticket: Ticket, splitter: AnswerSplitter, request: Request | None = None) -> AsyncIterator[Piece]:
+        """The job's answer as it comes: Started, then reasoning, text and tool calls (read by
+        `splitter`), then Done. Each delta's log probabilities ride on its first text."""
         async for event in events(ticket, request):
             if isinstance(event, Delta):
                 logprobs = event.logprobs
@@ -369,16 +385,19 @@ def make_app(
     async def collect(stream: AsyncIterator[Piece]) -> Outcome | None:
         """The whole answer, or None when the client went away first."""
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[ToolCall] = []
         logprobs: list[TokenLogprob] = []
         async for piece in stream:
-            if isinstance(piece, Text):
+            if isinstance(piece, Reasoning):
+                thoughts.append(piece.text)
+            elif isinstance(piece, Text):
                 texts.append(piece.text)
                 logprobs.extend(piece.logprobs)
             elif isinstance(piece, ToolCall):
                 calls.append(piece)
             elif isinstance(piece, Done):
-                return Outcome("".join(texts), calls, logprobs, piece)
+                return Outcome("".join(texts), calls, logprobs, piece, reasoning="".join(thoughts))
         return None
 
     def ignored_header(turn: Turn) -> dict[str, str]:
@@ -408,6 +427,8 @@ def make_app(
             if chat:
                 content = outcome.text if outcome.text or not outcome.calls else None  # OpenAI's null
                 message: dict[str, Any] = {"role": "assistant", "content": content}
+                if outcome.reasoning:  # (mlx-lm's server's name for it, and vLLM's)
+                    message["reasoning"] = outcome.reasoning
                 if outcome.calls:
                     message["tool_calls"] = openai_api.tool_calls_json(outcome.calls)
                 choice: dict[str, Any] = {
@@ -458,8 +479,11 @@ def make_app(
             calls, offset = 0, 0
             try:
                 async for piece in pieces(ticket, splitter):
-                    if isinstance(piece, Text):
-                        delta: dict[str, Any]
+                    delta: dict[str, Any]
+                    if isinstance(piece, Reasoning):
+                        delta = {"role": "assistant", "reasoning": piece.text}
+                        yield chunk([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}])
+                    elif isinstance(piece, Text):
                         if chat:
                             delta = {"role": "assistant", "content": piece.text}
                             lp = openai_api.chat_logprobs(tokenizer, list(piece.logprobs))
@@ -537,7 +561,12 @@ def make_app(
             body, turn, ticket, splitter = await prepare(request, lambda b: responses.turn_of(b, vocab))
         except ApiError as e:
             return e.response()
-        answer = responses.Answer(body, f"resp_{uuid.uuid4().hex}", int(time.time()))
+        answer = responses.Answer(
+            body,
+            f"resp_{uuid.uuid4().hex}",
+            int(time.time()),
+            count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)) if text else 0,
+        )
         headers = ignored_header(turn)
         if not body.get("stream"):
             try:

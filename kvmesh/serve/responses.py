@@ -9,7 +9,9 @@ assistant turn, as the model wrote them, so the next prompt extends the last.
 
 This server keeps no responses: `previous_response_id` and `conversation` are refused (send the
 whole input, as Codex CLI does with `store: false`), and `store` has no effect. Also without
-effect: `include`, `reasoning` (no reasoning is produced; earlier reasoning items are dropped),
+effect: `include`, `reasoning` (a reasoning model thinks as its template says, its thinking comes
+back as a `reasoning` item of `reasoning_text`; earlier reasoning items are dropped, as the
+templates drop them),
 `parallel_tool_calls`, `prompt_cache_key` (the cache is found by prefix), `metadata`, `user`,
 `service_tier`, `truncation`, `safety_identifier`, `text.verbosity`, and fields this server does
 not know. Refused: tools other than functions, images and files, `background`, `top_logprobs`.
@@ -17,10 +19,11 @@ not know. Refused: tools other than functions, images and files, `background`, `
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.serve.answer import Reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
 from kvmesh.serve.engine import Done
 from kvmesh.serve.tools import Tool, ToolCall, function_tool, openai_tool_choice, template_messages, unique
@@ -150,6 +153,17 @@ def message_item(ident: str, text: str, status: str) -> dict:
     }
 
 
+def reasoning_item(ident: str, text: str, status: str) -> dict:
+    content = [{"type": "reasoning_text", "text": text}] if status != "added" else []
+    return {
+        "type": "reasoning",
+        "id": ident,
+        "summary": [],
+        "content": content,
+        "status": "in_progress" if status == "added" else "completed",
+    }
+
+
 def call_item(ident: str, call: ToolCall, status: str) -> dict:
     return {
         "type": "function_call",
@@ -168,6 +182,9 @@ class Answer:
     body: dict
     ident: str
     created: int
+    # Tokens of a text by the model's tokenizer: usage's reasoning_tokens are the reasoning's text
+    # tokenized again (the engine counts a completion's tokens, not which part each went to).
+    count_tokens: Callable[[str], int] = len
     output: list[dict] = field(default_factory=list)
     sequence: int = 0
 
@@ -196,11 +213,17 @@ class Answer:
             "tools": body.get("tools") or [],
             "truncation": "disabled",
             "metadata": body.get("metadata") or {},
-            "usage": usage(done) if done is not None else None,
+            "usage": usage(done, self.count_tokens(self.reasoning())) if done is not None else None,
         }
+
+    def reasoning(self) -> str:
+        """The reasoning written so far (its items' text)."""
+        return "".join(c["text"] for i in self.output if i["type"] == "reasoning" for c in i["content"])
 
     def complete(self, outcome: Outcome) -> dict:
         """The whole answer, not streamed."""
+        if outcome.reasoning:
+            self.output.append(reasoning_item(new_id("rs"), outcome.reasoning, "done"))
         if outcome.text or not outcome.calls:
             self.output.append(message_item(new_id("msg"), outcome.text, "done"))
         self.output += [call_item(new_id("fc"), c, "done") for c in outcome.calls]
@@ -212,15 +235,28 @@ class Answer:
 
     async def events(self, pieces: AsyncIterator[Any]) -> AsyncIterator[dict]:
         """The answer as the Responses API streams it: response.created and .in_progress; per output
-        item, output_item.added, its content (a message's content_part and output_text deltas, a
-        call's function_call_arguments) and output_item.done; then response.completed (or
-        .incomplete at max_output_tokens) with usage."""
+        item, output_item.added, its content (reasoning_text deltas, a message's content_part and
+        output_text deltas, a call's function_call_arguments) and output_item.done; then
+        response.completed (or .incomplete at max_output_tokens) with usage."""
         yield self.event("response.created", response=self.response("in_progress"))
         yield self.event("response.in_progress", response=self.response("in_progress"))
         text, message = "", None  # the open message item's text and id
+        thought, reasoning = "", None  # the open reasoning item's text and id
         try:
             async for piece in pieces:
-                if isinstance(piece, Text) and piece.text:
+                if reasoning is not None and not isinstance(piece, Reasoning):
+                    for e in self.close_reasoning(reasoning, thought):
+                        yield e
+                    thought, reasoning = "", None
+                if isinstance(piece, Reasoning) and piece.text:
+                    if reasoning is None:
+                        reasoning = new_id("rs")
+                        item = reasoning_item(reasoning, "", "added")
+                        yield self.event("response.output_item.added", item=item, output_index=len(self.output))
+                    thought += piece.text
+                    where = {"item_id": reasoning, "output_index": len(self.output), "content_index": 0}
+                    yield self.event("response.reasoning_text.delta", delta=piece.text, **where)
+                elif isinstance(piece, Text) and piece.text:
                     if message is None:
                         message = new_id("msg")
                         where = {"output_index": len(self.output)}
@@ -252,6 +288,15 @@ class Answer:
         except ApiError as e:
             error = {"code": e.code or "server_error", "message": e.message}
             yield self.event("response.failed", response={**self.response("failed"), "error": error})
+
+    def close_reasoning(self, reasoning: str, text: str) -> list[dict]:
+        where = {"item_id": reasoning, "output_index": len(self.output), "content_index": 0}
+        item = reasoning_item(reasoning, text, "done")
+        self.output.append(item)
+        return [
+            self.event("response.reasoning_text.done", text=text, **where),
+            self.event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]
 
     def close_message(self, message: str, text: str) -> list[dict]:
         where = {"item_id": message, "output_index": len(self.output), "content_index": 0}
@@ -288,11 +333,11 @@ def status_of(done: Done) -> str:
     return "incomplete" if done.finish_reason == "length" else "completed"
 
 
-def usage(done: Done) -> dict:
+def usage(done: Done, reasoning_tokens: int) -> dict:
     return {
         "input_tokens": done.prompt_tokens,
         "input_tokens_details": {"cached_tokens": done.cached_tokens},
         "output_tokens": done.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, done.completion_tokens)},
         "total_tokens": done.prompt_tokens + done.completion_tokens,
     }

@@ -3,7 +3,7 @@ calls the model makes, read with mlx-lm's own parsers.
 
 mlx-lm's TokenizerWrapper picks a parser from the chat template (`tool_parser`, with the markers
 `tool_call_start`/`tool_call_end`); its TextStateMachine finds those markers in the text as it
-streams. Both are used as they are: kvmesh writes no parser of its own. What is kvmesh's: the API
+streams (kvmesh.serve.answer). Both are used as they are: kvmesh writes no parser of its own. What is kvmesh's: the API
 shapes (OpenAI's `tools`/`tool_choice`, each call's id), and the grammar that forces a call when a
 request asks for one (kvmesh.serve.grammar), for the json_tools format that Qwen 2.5 and 3 and
 Hermes models share.
@@ -19,7 +19,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.generate import TextStateMachine
 from mlx_lm.server import process_message_content
 
 from kvmesh.serve.api_errors import refuse
@@ -157,8 +156,9 @@ def forced_call_grammar(tokenizer: Any, tools: list[Tool], choice: ToolChoice) -
 
 def template_messages(messages: Any, param: str = "messages") -> list[dict]:
     """Chat messages as the template takes them (a copy): the `developer` role as `system` (OpenAI's
-    newer name for it), content parts joined into text, `content: null` as "", and tool calls'
-    arguments as objects (mlx-lm's `process_message_content`)."""
+    newer name for it), an assistant's `reasoning` as `reasoning_content`, content parts joined into
+    text, `content: null` as "", and tool calls' arguments as objects (mlx-lm's
+    `process_message_content`)."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise refuse("messages must be a non-empty list of objects", param)
     messages = copy.deepcopy(messages)
@@ -167,6 +167,9 @@ def template_messages(messages: Any, param: str = "messages") -> list[dict]:
             raise refuse("each message needs a role", param, "invalid_type")
         if message["role"] == "developer":
             message["role"] = "system"
+        if message["role"] == "assistant" and "reasoning" in message and "reasoning_content" not in message:
+            # The reasoning this server returns, under the name templates read (Qwen3's, DeepSeek's).
+            message["reasoning_content"] = message.pop("reasoning")
         content = message.get("content")
         if isinstance(content, list) and not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             raise refuse('content parts must be text ({"type": "text", "text": ...}); images are not served', param)
@@ -180,62 +183,6 @@ def template_messages(messages: Any, param: str = "messages") -> list[dict]:
     except (ValueError, KeyError, TypeError) as e:  # JSON arguments that do not parse, parts without text
         raise refuse(f"the messages cannot be read: {e}", param) from None
     return messages
-
-
-class CallSplitter:
-    """Splits the model's text, as it streams, into plain text and tool calls: mlx-lm's
-    TextStateMachine finds the markers, the tokenizer's `tool_parser` reads each call. A call that
-    does not parse (cut short by max_tokens) comes back as the text it was, so nothing is lost."""
-
-    def __init__(self, tokenizer: Any, tools: list[Tool], read_calls: bool):
-        self._tokenizer, self._tools = tokenizer, [t.spec for t in tools]
-        self._machine: TextStateMachine | None = None
-        if read_calls and tools and tokenizer.has_tool_calling:
-            start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-            self._machine = TextStateMachine({"normal": [(start, "tool")], "tool": [(end, "normal")] if end else []})
-            self._state = self._machine.make_state("normal")
-        self._previous = "normal"
-        self._call = ""
-        self.calls = 0
-
-    def feed(self, text: str) -> list[str | ToolCall]:
-        """The text and the calls that `text` completes (text that may begin a marker is held back)."""
-        if self._machine is None:
-            return [text] if text else []
-        self._state, segments = TextStateMachine.split(self._state, text)
-        return self._read(segments)
-
-    def finish(self) -> list[str | ToolCall]:
-        """What was held back: a marker's beginning as text, an open call parsed (or as text)."""
-        if self._machine is None:
-            return []
-        self._state, rest, state = TextStateMachine.flush(self._state)
-        out = self._read([(state, rest)])
-        if self._previous == "tool":
-            out += self._close(complete=False)
-        return out
-
-    def _read(self, segments: list[tuple[str | None, str]]) -> list[str | ToolCall]:
-        out: list[str | ToolCall] = []
-        for state, text in segments:
-            if state == "tool":
-                self._call += text
-            else:
-                if self._previous == "tool":
-                    out += self._close(complete=True)
-                if text:
-                    out.append(text)
-            self._previous = state or "normal"
-        return out
-
-    def _close(self, complete: bool) -> list[str | ToolCall]:
-        text, self._call = self._call, ""
-        calls = parse_calls(self._tokenizer, text, self._tools)
-        if calls is None:
-            end = self._tokenizer.tool_call_end if complete else ""
-            return [f"{self._tokenizer.tool_call_start}{text}{end or ''}"]
-        self.calls += len(calls)
-        return list(calls)
 
 
 def parse_calls(tokenizer: Any, text: str, tools: list[dict]) -> list[ToolCall] | None:

@@ -53,12 +53,15 @@ class Turn:
 
 @dataclass
 class Outcome:
-    """A whole answer: its text, its calls, its tokens' log probabilities, and the engine's Done."""
+    """A whole answer: its text, its calls, its tokens' log probabilities, the engine's Done, and
+    its reasoning."""
 
     text: str
     calls: list[ToolCall]
     logprobs: list[TokenLogprob]
     done: Done
+    # What a reasoning model thought before its answer (kvmesh.serve.answer).
+    reasoning: str = ""
 
 
 def number(body: dict, name: str, kind: type, default: Any, low: float, high: float) -> Any:

@@ -1,0 +1,130 @@
+"""A reasoning model's thinking returned apart from its answer, as each API names it: chat's
+`reasoning`, Anthropic's `thinking` blocks, the Responses API's `reasoning` items, streamed and not.
+The tiny-think model's template opens its turn with <think> (as DeepSeek R1's and Qwen3's thinking
+models' do); mlx-lm reads the markers from its vocabulary, and its TextStateMachine splits the text.
+Random weights: the text is compared with what mlx-lm itself generates, split at </think>."""
+
+import json
+
+import anthropic
+import jsonschema
+import mlx.core as mx
+import mlx_lm
+import openai
+import pytest
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_logits_processors
+
+from kvmesh.serve.answer import AnswerSplitter, Reasoning
+from kvmesh.serve.tools import ToolCall, function_tool
+from support.daemons import start_server
+
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A bias on </think> that ends the random model's thinking part way (measured: the greedy text then
+# holds both parts on this model).
+END_BIAS = 2.0
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def think_dir(tmp_path_factory):
+    from kvmesh.model.testmodels import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("models") / "tiny-think", "tiny-think")
+
+
+@pytest.fixture(scope="module")
+def think(think_dir):
+    return mlx_lm.load(str(think_dir))
+
+
+def reference(think, *, bias: float = 0.0) -> tuple[str, str]:
+    """(reasoning, answer) of mlx-lm's own greedy text, split at the first </think>."""
+    model, tokenizer = think
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    processors = make_logits_processors({end: bias}) if bias else None
+    text = "".join(
+        r.text for r in stream_generate(model, tokenizer, mx.array(prompt), TOKENS, logits_processors=processors)
+    )
+    thought, _, answer = text.partition("</think>")
+    return thought, answer
+
+
+def test_the_splitter_finds_markers_split_across_pieces(think):
+    _, tokenizer = think
+    opened = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+    tools = [function_tool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}}, "t")]
+    splitter = AnswerSplitter(tokenizer, tools, calls=True, reasoning=True, prompt=opened)
+    pieces = []
+    for text in ["Rain, I th", "ink.</thi", "nk>It rains. <tool_", 'call>\n{"name": "get_weather", "arguments": ']:
+        pieces += splitter.feed(text)
+    pieces += splitter.feed('{"city": "Paris"}}\n</tool_call>')
+    pieces += splitter.finish()
+    thought = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+    answer = "".join(p for p in pieces if isinstance(p, str))
+    [call] = [p for p in pieces if isinstance(p, ToolCall)]
+    assert (thought, answer.strip()) == ("Rain, I think.", "It rains.")
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    # A prompt whose thinking is closed (enable_thinking off) starts in the answer; a raw completion
+    # (reasoning not asked for) keeps the markers as text.
+    closed = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, enable_thinking=False)
+    assert AnswerSplitter(tokenizer, [], calls=False, reasoning=True, prompt=closed).feed("Sunny.") == ["Sunny."]
+    raw = AnswerSplitter(tokenizer, [], calls=False, reasoning=False, prompt=opened)
+    assert raw.feed("a</think>b") + raw.finish() == ["a</think>b"]
+
+
+@pytest.mark.slow
+def test_each_api_returns_the_thinking_apart_from_the_answer(think, think_dir, tmp_path):
+    server = start_server(tmp_path / "data", think_dir, "--no-mesh", log=tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+        claude = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        thought, answer = reference(think, bias=END_BIAS)
+        assert thought and answer  # (the bias ends the thinking part way)
+        end = think[1].convert_tokens_to_ids("</think>")
+
+        chat = dict(model=model, messages=QUESTION, max_tokens=TOKENS, temperature=0, logit_bias={str(end): END_BIAS})
+        message = client.chat.completions.create(**chat).choices[0].message
+        assert (message.model_extra["reasoning"], message.content) == (thought, answer)
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(**chat, stream=True) if c.choices]
+        streamed = "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas)
+        assert (streamed, "".join(d.content or "" for d in deltas)) == (thought, answer)
+
+        # Without the bias the random model never closes its thinking: all of it is reasoning.
+        thought, answer = reference(think)
+        assert thought and not answer
+        made = claude.messages.create(model="claude-sonnet-4-5", max_tokens=TOKENS, messages=QUESTION)
+        assert [(b.type, b.thinking) for b in made.content] == [("thinking", thought)]
+        with claude.messages.stream(model="claude-sonnet-4-5", max_tokens=TOKENS, messages=QUESTION) as stream:
+            final = stream.get_final_message()
+        assert [(b.type, b.thinking) for b in final.content] == [("thinking", thought)]
+
+        response = client.responses.create(model=model, input="What is the weather in Paris?", max_output_tokens=TOKENS)
+        [item] = [i for i in response.output if i.type == "reasoning"]
+        assert [c.text for c in item.content] == [thought]
+        assert 0 < response.usage.output_tokens_details.reasoning_tokens <= response.usage.output_tokens
+        events = list(
+            client.responses.create(model=model, input=QUESTION[0]["content"], max_output_tokens=TOKENS, stream=True)
+        )
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+        [done] = [e for e in events if e.type == "response.completed" or e.type == "response.incomplete"]
+        assert [c.text for i in done.response.output if i.type == "reasoning" for c in i.content] == [thought]
+
+        # A grammar holds the output from its first token: the template is asked not to think.
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+        structured = (
+            client.chat.completions.create(
+                model=model,
+                messages=QUESTION,
+                max_tokens=60,
+                response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+            )
+            .choices[0]
+            .message
+        )
+        jsonschema.validate(json.loads(structured.content), schema)
+        assert "reasoning" not in (structured.model_extra or {})
+    finally:
+        server.stop()
