@@ -45,6 +45,7 @@ from kvmesh.versions import PROTOCOL_VERSION
 from support.daemons import loopback_daemon
 from support.membership import join_address
 from support.processes import ENV, rss
+from support.waiting import wait_for
 
 NONE = EncodeOptions(codec="none")
 
@@ -145,7 +146,9 @@ def stats(daemon, mesh):
 
 def test_a_member_fetches_over_tls_and_the_wire_shows_no_payload(mesh, served, daemon_a, prompt_ids):
     manifest, fp = served
-    assert daemon_a.state.mode == "mutual TLS" and "(mutual TLS) serving on" in daemon_a.log.read_text()
+    assert daemon_a.state.mode == "mutual TLS"
+    # (the banner follows daemon.json, which the fixture waited for)
+    wait_for(lambda: "(mutual TLS) serving on" in daemon_a.log.read_text(), seconds=10, what="the banner")
     relay = Relay(daemon_a.address)
     try:
         with PeerClient(relay.address, credentials=creds(mesh, "b")) as client:
