@@ -3,7 +3,7 @@
 `kvmesh.model.testmodels` builds them; the CLI lists them without importing MLX.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -78,22 +78,6 @@ PRESETS = {
         512,
         "float32",
         chat_template="chatml-tools",
-    ),
-    # tiny-tools as a reasoning model: its turn opens with <think> (mlx-lm reads the thinking markers
-    # from the vocabulary), so `kvmesh serve` can be tested returning reasoning apart from the answer.
-    "tiny-think": Preset(
-        "llama like tiny-tools, as a reasoning model: its turn opens with <think>, closed by </think> "
-        "before the answer; for the server's reasoning output",
-        "llama",
-        256,
-        4,
-        512,
-        4,
-        2,
-        64,
-        512,
-        "float32",
-        chat_template="chatml-think",
     ),
     "tiny-qwen3": Preset(
         "qwen3 (q/k norms), 3 layers, GQA 4 heads / 2 kv heads of 64: a second family for tests",
@@ -242,3 +226,12 @@ PRESETS = {
         "float16",
     ),
 }
+
+# tiny-tools as a reasoning model: its turn opens with <think> (mlx-lm reads the thinking markers from
+# the vocabulary), so `kvmesh serve` can be tested returning reasoning apart from the answer.
+PRESETS["tiny-think"] = replace(
+    PRESETS["tiny-tools"],
+    description="llama like tiny-tools, as a reasoning model: its turn opens with <think>, closed by </think> "
+    "before the answer; for the server's reasoning output",
+    chat_template="chatml-think",
+)
