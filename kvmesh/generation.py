@@ -19,7 +19,7 @@ from kvmesh.caches.prefill import generate_from_cache, greedy, time_prefills
 from kvmesh.codec.arrays import Layer
 from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.chunks import parse_frame
-from kvmesh.codec.coded import bases_for, parse_basis
+from kvmesh.codec.coded import parse_basis
 from kvmesh.codec.compat import ReceiverProfile, basis_problem, loss_rank, quality_problem
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import CacheDecoder, decode_chunks
@@ -30,7 +30,7 @@ from kvmesh.net.client import PeerClient, Progress, Transfer
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.store import CacheStore
-from kvmesh.store.artifacts import ArtifactStore, artifact_store
+from kvmesh.store.artifacts import ArtifactStore, artifact_store, stored_bases
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1.service_pb2 import Candidate
 
@@ -385,15 +385,7 @@ def load_prefix(store: CacheStore, cache_id: str, num_tokens: int, *, max_kl: fl
         records = store.chunk_records(cache_id)
     else:
         manifest, records = cut_prefix(manifest, lambda: store.chunk_records(cache_id), num_tokens)
-    return decode_chunks(manifest, map(parse_frame, records), bases=stored_bases(store, manifest))
-
-
-def stored_bases(store: CacheStore, manifest: pb.CacheManifest) -> dict[str, Basis]:
-    """The transform bases a stored cache needs, from the store's artefacts (StoreError if missing)."""
-    try:
-        return bases_for(manifest, artifact_store(store.root).get)
-    except BasisError as e:
-        raise StoreError(str(e)) from None
+    return decode_chunks(manifest, map(parse_frame, records), bases=stored_bases(store.root, manifest))
 
 
 def generate(

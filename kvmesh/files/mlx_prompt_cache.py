@@ -14,14 +14,13 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, load_promp
 from kvmesh.caches.kinds import cached_tokens, check_supported, snapshot
 from kvmesh.caches.presses import press_shown_by
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
-from kvmesh.codec.coded import bases_for
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.codec.manifest import leaf_layers
 from kvmesh.errors import KvmeshError, PromptMismatch
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.store import CacheStore
-from kvmesh.store.artifacts import artifact_store
+from kvmesh.store.artifacts import stored_bases
 from kvmesh.v1 import cache_pb2 as pb
 
 
@@ -64,7 +63,7 @@ def export_prompt_cache(store: CacheStore, cache_id: str, path: Path | str, mode
             "hold: use it with `kvmesh generate` or `kvmesh serve`, keep it as a file with `kvmesh cache export`, "
             "or export a cache made without eviction (--method full or quantize)"
         )
-    bases = bases_for(manifest, artifact_store(store.root).get)
+    bases = stored_bases(store.root, manifest)
     cache = [_as_mlx_lm(c) for c in decode_chunks(manifest, store.chunks(cache_id), bases=bases)]
     metadata = {
         "model": model_path,

@@ -36,13 +36,12 @@ from kvmesh.caches.defaults import QUANT_BITS, QUANT_GROUP_SIZES
 from kvmesh.caches.presses import Press, make_press, press_shown_by
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.arrays import mlx_dtype_name
-from kvmesh.codec.coded import bases_for
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.errors import KvmeshError, PressConfigError
 from kvmesh.model.fingerprint import ModelFingerprint, dtype_name
 from kvmesh.store import CacheStore
-from kvmesh.store.artifacts import artifact_store
+from kvmesh.store.artifacts import stored_bases
 from kvmesh.v1 import cache_pb2 as pb
 
 SCHEMA = "wp30-cache-2"
@@ -282,7 +281,7 @@ def export_wp30(
             f"cache {cache_id} has {', '.join(sorted(pb.CacheKind.Name(k) for k in kinds))} layers, which the wp30 "
             "format cannot hold (it has full-attention layers only): use `kvmesh cache export` or `export-mlx`"
         )
-    bases = bases_for(manifest, artifact_store(store.root).get)
+    bases = stored_bases(store.root, manifest)
     cache = [
         layer for layer in decode_chunks(manifest, store.chunks(cache_id), bases=bases) if isinstance(layer, Sparse)
     ]

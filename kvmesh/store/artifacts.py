@@ -16,8 +16,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from kvmesh.codec.basis import Basis, BasisError
+from kvmesh.codec.coded import bases_for
 from kvmesh.codec.limits import is_sha256_hex
 from kvmesh.errors import IntegrityError, StoreError
+from kvmesh.v1 import cache_pb2 as pb
 
 
 def _check_id(digest: str) -> str:
@@ -106,3 +109,12 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def artifact_store(store_root: Path) -> ArtifactStore:
     """The artefacts of the store at `store_root`."""
     return ArtifactStore(Path(store_root) / "artifacts")
+
+
+def stored_bases(store_root: Path, manifest: pb.CacheManifest) -> dict[str, Basis]:
+    """The transform bases a stored cache needs, from the artefacts of the store at `store_root`
+    (StoreError when one is missing or does not parse)."""
+    try:
+        return bases_for(manifest, artifact_store(store_root).get)
+    except BasisError as e:
+        raise StoreError(str(e)) from None
