@@ -2,10 +2,10 @@
 text, and tool calls.
 
 mlx-lm's TextStateMachine finds the markers in the text (a marker split across tokens, or merged
-with the next byte, is found all the same), with the transitions mlx-lm's own server uses: a
-reasoning model's thinking between the tokenizer's `think_start` and `think_end` (mlx-lm reads
-them from the vocabulary), a call between `tool_call_start` and `tool_call_end`, read by the
-tokenizer's `tool_parser`. A prompt that ends inside `think_start` (the template opened the
+with the next byte, is found all the same), with the transitions mlx-lm's own server uses
+(`make_text_state_machine`): a reasoning model's thinking between the tokenizer's `think_start`
+and `think_end` (mlx-lm reads them from the vocabulary), a call between `tool_call_start` and
+`tool_call_end`, read by the tokenizer's `tool_parser`. A prompt that ends inside `think_start` (the template opened the
 thinking, as DeepSeek R1's and Qwen3's thinking models' do) starts in reasoning, as mlx-lm's server
 decides it.
 """
@@ -13,7 +13,7 @@ decides it.
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.generate import TextStateMachine
+from mlx_lm.generate import TextStateMachine, make_text_state_machine
 
 from kvmesh.serve.tools import Tool, ToolCall, parse_calls
 
@@ -37,24 +37,21 @@ def starts_in_reasoning(tokenizer: Any, prompt: list[int]) -> bool:
 
 
 class AnswerSplitter:
-    """Splits the model's text as it streams into reasoning, plain text and tool calls. A call that
-    does not parse (cut short by max_tokens) comes back as the text it was, so nothing is lost.
-    `reasoning` and `calls` say whether to look for each (a raw completion looks for neither)."""
+    """Splits the model's text as it streams into reasoning, plain text and tool calls, with the
+    state machine mlx-lm's server builds for the tokenizer (`make_text_state_machine`: its thinking
+    and tool-call markers, and the response formats and structural markers some models have; text
+    of other states, a format's headers, is dropped as mlx-lm drops it). A call that does not parse
+    (cut short by max_tokens), or one in a request that reads no calls (no tools, tool_choice
+    "none"), comes back as the text it was, so nothing is lost. `reasoning` False (a raw
+    completion) returns the text as written."""
 
     def __init__(self, tokenizer: Any, tools: list[Tool], *, calls: bool, reasoning: bool, prompt: list[int]):
         self._tokenizer, self._tools = tokenizer, [t.spec for t in tools]
-        transitions: dict[str, list[tuple[str, str]]] = {}
-        initial = "normal"
-        if reasoning and tokenizer.has_thinking:
-            transitions["normal"] = [(tokenizer.think_start, "reasoning")]
-            transitions["reasoning"] = [(tokenizer.think_end, "normal")]
-            initial = "reasoning" if starts_in_reasoning(tokenizer, prompt) else "normal"
-        if calls and tools and tokenizer.has_tool_calling:
-            start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-            for state in ("normal", "reasoning") if "reasoning" in transitions else ("normal",):
-                transitions.setdefault(state, []).append((start, "tool"))  # (a call may end the thinking)
-            transitions["tool"] = [(end, "normal")] if end else []
-        self._machine = TextStateMachine(transitions) if transitions else None
+        self._read_calls = calls and bool(tools)
+        self._machine = make_text_state_machine(tokenizer) if reasoning else None
+        initial = tokenizer.response_initial_state or (
+            "reasoning" if starts_in_reasoning(tokenizer, prompt) else "normal"
+        )
         if self._machine is not None:
             self._state = self._machine.make_state(initial)
         self._previous = initial
@@ -86,14 +83,16 @@ class AnswerSplitter:
             else:
                 if self._previous == "tool":
                     out += self._close(complete=True)
-                if text:
-                    out.append(Reasoning(text) if state == "reasoning" else text)
+                if text and state == "reasoning":
+                    out.append(Reasoning(text))
+                elif text and state in ("normal", None):
+                    out.append(text)
             self._previous = state or "normal"
         return out
 
     def _close(self, complete: bool) -> list[Piece]:
         text, self._call = self._call, ""
-        calls = parse_calls(self._tokenizer, text, self._tools)
+        calls = parse_calls(self._tokenizer, text, self._tools) if self._read_calls else None
         if calls is None:
             end = self._tokenizer.tool_call_end if complete else ""
             return [f"{self._tokenizer.tool_call_start}{text}{end or ''}"]
