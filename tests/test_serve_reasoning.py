@@ -38,15 +38,18 @@ def think(think_dir):
     return mlx_lm.load(str(think_dir))
 
 
-def reference(think, *, bias: float = 0.0) -> tuple[str, str]:
-    """(reasoning, answer) of mlx-lm's own greedy text, split at the first </think>."""
+def reference(think, *, bias: float = 0.0, thinking: bool = True) -> tuple[str, str]:
+    """(reasoning, answer) of mlx-lm's own greedy text, split at the first </think> (with thinking
+    off, the template has closed it: all is answer)."""
     model, tokenizer = think
-    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, enable_thinking=thinking)
     end = tokenizer.convert_tokens_to_ids("</think>")
     processors = make_logits_processors({end: bias}) if bias else None
     text = "".join(
         r.text for r in stream_generate(model, tokenizer, mx.array(prompt), TOKENS, logits_processors=processors)
     )
+    if not thinking:
+        return "", text
     thought, _, answer = text.partition("</think>")
     return thought, answer
 
@@ -111,6 +114,25 @@ def test_each_api_returns_the_thinking_apart_from_the_answer(think, think_dir, t
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
         [done] = [e for e in events if e.type == "response.completed" or e.type == "response.incomplete"]
         assert [c.text for i in done.response.output if i.type == "reasoning" for c in i.content] == [thought]
+
+        # Thinking turned off, as each API says it: the template closes the thinking, all is answer.
+        quiet = reference(think, thinking=False)[1]
+        for off in ({"reasoning_effort": "none"}, {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}):
+            message = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=TOKENS, **off)
+            assert (
+                message.choices[0].message.content == quiet
+                and "reasoning" not in message.choices[0].message.model_extra
+            )
+        disabled = claude.messages.create(
+            model="claude-sonnet-4-5", max_tokens=TOKENS, messages=QUESTION, thinking={"type": "disabled"}
+        )
+        assert [(b.type, b.text) for b in disabled.content] == [("text", quiet)]
+        effortless = client.responses.create(
+            model=model, input=QUESTION[0]["content"], max_output_tokens=TOKENS, reasoning={"effort": "none"}
+        )
+        assert [i.type for i in effortless.output] == ["message"] and effortless.output_text == quiet
+        with pytest.raises(openai.BadRequestError, match="reasoning effort"):
+            client.chat.completions.create(model=model, messages=QUESTION, reasoning_effort="hard")
 
         # A grammar holds the output from its first token: the template is asked not to think.
         schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}

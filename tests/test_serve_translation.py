@@ -154,6 +154,9 @@ def test_the_three_apis_render_one_conversation_alike(tools_model):
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": []}, "functions"),
+        ({"reasoning_effort": "max"}, "reasoning_effort"),
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ],
 )
 def test_chat_fields_refused_with_their_name(body, param):
@@ -167,3 +170,19 @@ def test_json_schema_grammar_refuses_what_llguidance_cannot_hold(tools_model):
     assert Grammars(tokenizer).processor(json_schema_grammar(SCHEMA)) is not None
     with pytest.raises(GrammarError):
         Grammars(tokenizer).processor(json_schema_grammar({"type": "no-such-type"}))
+
+
+def test_each_apis_thinking_switch():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert openai_api.chat_turn({**chat, "reasoning_effort": "none"}, 512).thinking is False
+    assert openai_api.chat_turn({**chat, "reasoning_effort": "high"}, 512).thinking is None
+    kwargs = openai_api.chat_turn({**chat, "chat_template_kwargs": {"enable_thinking": False}}, 512)
+    assert kwargs.template_kwargs == {"enable_thinking": False} and "chat_template_kwargs" not in kwargs.ignored
+    claude = {"model": "claude-x", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    assert anthropic.turn_of({**claude, "thinking": {"type": "disabled"}}, 512).thinking is False
+    assert anthropic.turn_of({**claude, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 512).thinking
+    with pytest.raises(ApiError) as e:
+        anthropic.turn_of({**claude, "thinking": {"type": "on"}}, 512)
+    assert e.value.param == "thinking"
+    codex = responses.turn_of({"model": "m", "input": "hi", "reasoning": {"effort": "none", "summary": "auto"}}, 512)
+    assert codex.thinking is False and codex.ignored == ["reasoning.summary"]

@@ -10,9 +10,9 @@ model name is the served model (kvmesh.serve.app.ServedModel.serves).
 `usage` counts as Anthropic's does: `input_tokens` are those prefilled now, `cache_read_input_tokens`
 those a cache held (memory, the store or a peer), `cache_creation_input_tokens` 0 (every prompt's
 cache is kept, at no extra cost). A reasoning model's thinking comes back as `thinking` blocks
-(with an empty `signature`: there is nobody to sign them). Accepted without effect: `metadata`,
-`thinking` (a reasoning model thinks as its template says; earlier thinking blocks are dropped from
-the history, as the templates drop them), `service_tier`,
+(with an empty `signature`: there is nobody to sign them); `thinking` turns it on or off
+("enabled", "disabled"; `budget_tokens` is not kept to), and earlier thinking blocks are dropped
+from the history, as the templates drop them. Accepted without effect: `metadata`, `service_tier`,
 `context_management`, `cache_control` on blocks (caching is automatic), and fields this server
 does not know; refused: images and documents, server tools, `mcp_servers`, `container`.
 """
@@ -41,6 +41,7 @@ SERVED = {
     "top_p",
     "top_k",
     "stream",
+    "thinking",
 }
 REFUSED = {
     "mcp_servers": "MCP servers are not served",
@@ -190,7 +191,19 @@ def turn_of(body: dict, vocab: int) -> Turn:
         stop=stop_strings(body.get("stop_sequences"), "stop_sequences", limit=64),
         sampling=sampling(body, vocab),
         ignored=sorted(k for k in body if k not in SERVED),
+        thinking=thinking_switch(body.get("thinking")),
     )
+
+
+def thinking_switch(value: Any) -> bool | None:
+    """`thinking` as a reasoning model's switch: "disabled" turns its thinking off, "enabled" on
+    (`budget_tokens` is not kept to: the model thinks as long as it does); absent, as its template
+    does."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise refuse('thinking must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}', "thinking")
+    return {"enabled": True, "disabled": False}.get(value["type"])
 
 
 def sampling(body: dict, vocab: int) -> Sampling:

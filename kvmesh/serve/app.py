@@ -222,7 +222,11 @@ def make_app(
         holds the output from its first token, so there is no thinking to hold it to."""
         if turn.messages is None:
             return list(tokenizer.encode(turn.prompt or ""))
-        extra: dict[str, Any] = {"tools": [t.spec for t in turn.tools]} if turn.tools else {}
+        extra: dict[str, Any] = dict(turn.template_kwargs)
+        if turn.tools:
+            extra["tools"] = [t.spec for t in turn.tools]
+        if turn.thinking is not None:
+            extra["enable_thinking"] = turn.thinking
         if not thinking:
             extra["enable_thinking"] = False
         try:

@@ -10,8 +10,11 @@ effect here and named in the response's `x-kvmesh-ignored` header (and `usage.kv
   legacy `functions`;
 - no effect: `user`, `metadata`, `store` (nothing is kept), `service_tier`, `prompt_cache_key`
   (the cache is found by prefix), `safety_identifier`, `parallel_tool_calls` (a forced call is one
-  call; otherwise the model's calls are all read), `reasoning_effort`, `stream_options.include_obfuscation`,
-  and any field this server does not know.
+  call; otherwise the model's calls are all read), `stream_options.include_obfuscation`, and any
+  field this server does not know.
+- for a reasoning model: `reasoning_effort` "none" turns its thinking off (other efforts leave it
+  on: the model thinks as long as it does), as does `chat_template_kwargs: {"enable_thinking":
+  false}` (variables for the chat template, as mlx-lm's server and vLLM take them).
 """
 
 from typing import Any
@@ -19,7 +22,7 @@ from typing import Any
 from kvmesh.serve.api_errors import refuse
 from kvmesh.serve.engine import TokenLogprob
 from kvmesh.serve.tools import ToolCall, ToolChoice, openai_tool_choice, openai_tools, template_messages
-from kvmesh.serve.turns import Turn, number, response_format_of, sampling_of, stop_strings
+from kvmesh.serve.turns import Turn, number, response_format_of, sampling_of, stop_strings, thinking_of
 
 SERVED = {
     "model",
@@ -48,6 +51,8 @@ SERVED = {
     "n",
     "best_of",
     "echo",
+    "reasoning_effort",
+    "chat_template_kwargs",
 }
 REFUSED = {
     "audio": "audio output is not served",
@@ -127,7 +132,24 @@ def chat_turn(body: dict, vocab: int) -> Turn:
         sampling=sampling_of(body, vocab),
         top_logprobs=top,
         ignored=ignored_fields(body, SERVED),
+        thinking=thinking_of(body.get("reasoning_effort"), "reasoning_effort"),
+        template_kwargs=template_kwargs_of(body.get("chat_template_kwargs")),
     )
+
+
+def template_kwargs_of(value: Any) -> dict[str, Any]:
+    """`chat_template_kwargs`: an object of template variables (`enable_thinking`, ...)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise refuse(
+            'chat_template_kwargs must be an object such as {"enable_thinking": false}', "chat_template_kwargs"
+        )
+    if reserved := sorted(set(value) & {"messages", "tools", "add_generation_prompt", "tokenize"}):
+        raise refuse(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the request does", "chat_template_kwargs"
+        )
+    return dict(value)
 
 
 def completion_turn(body: dict, vocab: int) -> Turn:

@@ -9,9 +9,9 @@ assistant turn, as the model wrote them, so the next prompt extends the last.
 
 This server keeps no responses: `previous_response_id` and `conversation` are refused (send the
 whole input, as Codex CLI does with `store: false`), and `store` has no effect. Also without
-effect: `include`, `reasoning` (a reasoning model thinks as its template says, its thinking comes
-back as a `reasoning` item of `reasoning_text`; earlier reasoning items are dropped, as the
-templates drop them),
+effect: `include`, `reasoning.summary` (a reasoning model's thinking comes back whole, as a
+`reasoning` item of `reasoning_text`; `reasoning.effort` "none" turns it off; earlier reasoning
+items are dropped, as the templates drop them),
 `parallel_tool_calls`, `prompt_cache_key` (the cache is found by prefix), `metadata`, `user`,
 `service_tier`, `truncation`, `safety_identifier`, `text.verbosity`, and fields this server does
 not know. Refused: tools other than functions, images and files, `background`, `top_logprobs`.
@@ -27,7 +27,7 @@ from kvmesh.serve.answer import Reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
 from kvmesh.serve.engine import Done
 from kvmesh.serve.tools import Tool, ToolCall, function_tool, openai_tool_choice, template_messages, unique
-from kvmesh.serve.turns import Outcome, Text, Turn, number, response_format_of, sampling_of
+from kvmesh.serve.turns import Outcome, Text, Turn, number, response_format_of, sampling_of, thinking_of
 
 SERVED = {
     "model",
@@ -40,6 +40,7 @@ SERVED = {
     "temperature",
     "top_p",
     "stream",
+    "reasoning",
 }
 REFUSED = {
     "previous_response_id": "this server keeps no responses: send the whole conversation as input",
@@ -124,7 +125,11 @@ def turn_of(body: dict, vocab: int) -> Turn:
     if not isinstance(text, dict):
         raise refuse('text must be an object such as {"format": {"type": "text"}}', "text", "invalid_type")
     tools = tools_of(body.get("tools"))
+    reasoning = body.get("reasoning") or {}
+    if not isinstance(reasoning, dict):
+        raise refuse('reasoning must be an object such as {"effort": "low"}', "reasoning", "invalid_type")
     ignored = sorted(k for k in body if k not in SERVED)
+    ignored += [f"reasoning.{k}" for k in sorted(reasoning) if k != "effort"]  # (summary: none is written)
     if set(text) - {"format"}:
         ignored.append("text.verbosity" if "verbosity" in text else "text")
     return Turn(
@@ -135,6 +140,7 @@ def turn_of(body: dict, vocab: int) -> Turn:
         max_tokens=number(body, "max_output_tokens", int, None, 1, 1 << 20),
         sampling=sampling_of({k: body.get(k) for k in ("temperature", "top_p")}, vocab),
         ignored=ignored,
+        thinking=thinking_of(reasoning.get("effort"), "reasoning.effort"),
     )
 
 

@@ -49,6 +49,10 @@ class Turn:
     top_logprobs: int | None = None
     partition: bytes | None = None
     ignored: list[str] = field(default_factory=list)
+    # Whether a reasoning model thinks first (the template's `enable_thinking`); None: as its template
+    # does by default. And variables for the template (chat's `chat_template_kwargs`, as mlx-lm's).
+    thinking: bool | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,6 +66,15 @@ class Outcome:
     done: Done
     # What a reasoning model thought before its answer (kvmesh.serve.answer).
     reasoning: str = ""
+
+
+def thinking_of(effort: Any, param: str) -> bool | None:
+    """OpenAI's reasoning effort as a thinking switch: "none" turns it off, an effort leaves it on."""
+    if effort is None:
+        return None
+    if effort not in ("none", "minimal", "low", "medium", "high", "xhigh"):
+        raise refuse('a reasoning effort is "none", "minimal", "low", "medium", "high" or "xhigh"', param)
+    return None if effort != "none" else False
 
 
 def number(body: dict, name: str, kind: type, default: Any, low: float, high: float) -> Any:
