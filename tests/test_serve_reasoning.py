@@ -77,6 +77,103 @@ def test_the_splitter_finds_markers_split_across_pieces(think):
     assert raw.feed("a</think>b") + raw.finish() == ["a</think>b"]
 
 
+def split(splitter: AnswerSplitter, text: str) -> list:
+    return [*splitter.feed(text), *splitter.finish()]
+
+
+def test_markup_in_the_thinking_stays_thinking_and_a_call_made_there_goes_on_thinking(think):
+    _, tokenizer = think
+    opened = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+    musing = "I could write <tool_call>x</tool_call> but I won't.</think>Answer"
+    no_tools = split(AnswerSplitter(tokenizer, [], calls=True, reasoning=True, prompt=opened), musing)
+    assert no_tools == [Reasoning("I could write <tool_call>x</tool_call> but I won't."), "Answer"]
+    tools = [function_tool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}}, "t")]
+    interleaved = 'Look it up: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    pieces = split(
+        AnswerSplitter(tokenizer, tools, calls=True, reasoning=True, prompt=opened), interleaved + " then.</think>Rain."
+    )
+    assert [type(p).__name__ for p in pieces] == ["Reasoning", "ToolCall", "Reasoning", "str"]
+    assert (pieces[2], pieces[3]) == (Reasoning(" then."), "Rain.")
+
+
+def test_the_responses_stream_keeps_its_items_in_the_order_written():
+    """Text, then thinking, then text again: three items, each event at its item's index."""
+    import asyncio
+
+    from kvmesh.generation import CachedPrefix
+    from kvmesh.serve.engine import Done
+    from kvmesh.serve.responses import Answer
+    from kvmesh.serve.turns import Text
+
+    async def pieces():
+        for piece in [
+            Text("Hm."),
+            Reasoning("think"),
+            Text(""),
+            Reasoning(" more"),
+            Text("Rain."),
+            Done("stop", 5, 4, CachedPrefix("none")),
+        ]:
+            yield piece
+
+    async def run(answer: Answer) -> list[dict]:
+        return [json.loads(e["data"]) for e in [e async for e in answer.events(pieces())]]
+
+    answer = Answer({"model": "m"}, "resp_1", 0)
+    events = asyncio.run(run(answer))
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(0, "message"), (1, "reasoning"), (2, "message")]
+    for e in events:
+        if "item_id" in e and "output_index" in e:
+            assert answer.output[e["output_index"]]["id"] == e["item_id"], e
+    [reasoning] = [i for i in answer.output if i["type"] == "reasoning"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "think more"}]
+
+
+def test_thinking_sent_back_reaches_the_template_through_every_api():
+    from kvmesh.serve import anthropic, openai_api, responses
+
+    chat = openai_api.chat_turn(
+        {"model": "m", "messages": [*QUESTION, {"role": "assistant", "content": "Rain.", "reasoning": "It rains."}]},
+        512,
+    )
+    claude = anthropic.turn_of(
+        {
+            "model": "claude-x",
+            "max_tokens": 8,
+            "messages": [
+                *QUESTION,
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "It rains.", "signature": ""},
+                        {"type": "text", "text": "Rain."},
+                    ],
+                },
+            ],
+        },
+        512,
+    )
+    codex = responses.turn_of(
+        {
+            "model": "m",
+            "input": [
+                {"type": "message", "role": "user", "content": QUESTION[0]["content"]},
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "It rains."}],
+                },
+                {"type": "message", "role": "assistant", "content": "Rain."},
+            ],
+        },
+        512,
+    )
+    for turn in (chat, claude, codex):
+        assert turn.messages[-1] == {"role": "assistant", "content": "Rain.", "reasoning_content": "It rains."}
+
+
 @pytest.mark.slow
 def test_each_api_returns_the_thinking_apart_from_the_answer(think, think_dir, tmp_path):
     server = start_server(tmp_path / "data", think_dir, "--no-mesh", log=tmp_path / "serve.log")

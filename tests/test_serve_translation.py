@@ -154,9 +154,10 @@ def test_the_three_apis_render_one_conversation_alike(tools_model):
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": []}, "functions"),
-        ({"reasoning_effort": "max"}, "reasoning_effort"),
+        ({"reasoning_effort": "hard"}, "reasoning_effort"),
         ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"return_tensors": "np"}}, "chat_template_kwargs"),
     ],
 )
 def test_chat_fields_refused_with_their_name(body, param):
@@ -181,6 +182,8 @@ def test_each_apis_thinking_switch():
     claude = {"model": "claude-x", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     assert anthropic.turn_of({**claude, "thinking": {"type": "disabled"}}, 512).thinking is False
     assert anthropic.turn_of({**claude, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 512).thinking
+    assert anthropic.turn_of({**claude, "thinking": {"type": "between_tools"}}, 512).thinking
+    assert openai_api.chat_turn({**chat, "reasoning_effort": "max"}, 512).thinking is None
     with pytest.raises(ApiError) as e:
         anthropic.turn_of({**claude, "thinking": {"type": "on"}}, 512)
     assert e.value.param == "thinking"

@@ -3,17 +3,17 @@ text, and tool calls.
 
 mlx-lm's TextStateMachine finds the markers in the text (a marker split across tokens, or merged
 with the next byte, is found all the same), with the transitions mlx-lm's own server uses
-(`make_text_state_machine`): a reasoning model's thinking between the tokenizer's `think_start`
-and `think_end` (mlx-lm reads them from the vocabulary), a call between `tool_call_start` and
-`tool_call_end`, read by the tokenizer's `tool_parser`. A prompt that ends inside `think_start` (the template opened the
-thinking, as DeepSeek R1's and Qwen3's thinking models' do) starts in reasoning, as mlx-lm's server
-decides it.
+(`make_text_state_machine`; `transitions` says where they differ): a reasoning model's thinking
+between the tokenizer's `think_start` and `think_end` (mlx-lm reads them from the vocabulary), a
+call between `tool_call_start` and `tool_call_end`, read by the tokenizer's `tool_parser`. A
+prompt that ends inside `think_start` (the template opened the thinking, as DeepSeek R1's and
+Qwen3's thinking models' do) starts in reasoning, as mlx-lm's server decides it.
 """
 
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.generate import TextStateMachine, make_text_state_machine
+from mlx_lm.generate import TextStateMachine
 
 from kvmesh.serve.tools import Tool, ToolCall, parse_calls
 
@@ -36,22 +36,54 @@ def starts_in_reasoning(tokenizer: Any, prompt: list[int]) -> bool:
     return (start if start is not None else -1) > (end if end is not None else -1)
 
 
+# A call the model makes inside its thinking (interleaved thinking) is read in a state of its own, so
+# that the thinking goes on after it (mlx-lm's machine goes back to the answer after any call).
+TOOL_STATES = {"tool": "normal", "reasoning_tool": "reasoning"}
+
+
+def transitions(tokenizer: Any, *, reasoning: bool, calls: bool) -> dict[str, list[tuple[str, str]]]:
+    """The markers to follow, as mlx-lm's server's `make_text_state_machine` has them (thinking,
+    tool calls, a model's response format and structural markers), but tool markers only when the
+    request reads calls (otherwise markup stays text, where it is), and a call made inside the
+    thinking back into the thinking (TOOL_STATES)."""
+    edges: dict[str, list[tuple[str, str]]] = {}
+    if reasoning and tokenizer.has_thinking:
+        edges["normal"] = [(tokenizer.think_start, "reasoning")]
+        edges["reasoning"] = [(tokenizer.think_end, "normal")]
+    if calls and tokenizer.has_tool_calling:
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        formats = {dst for found in tokenizer.response_transitions.values() for _, dst in found}
+        if "tool" not in formats:  # (a response format that reaches "tool" says itself where calls start)
+            edges.setdefault("normal", []).append((start, "tool"))
+        edges["tool"] = [(end, "normal")] if end else []
+        if "reasoning" in edges:
+            edges["reasoning"].append((start, "reasoning_tool"))
+            edges["reasoning_tool"] = [(end, "reasoning")] if end else []
+    if reasoning:
+        for marker in tokenizer.structural_markers:
+            edges.setdefault("normal", []).append((marker, "normal"))
+        for state, found in tokenizer.response_transitions.items():
+            edges.setdefault(state, []).extend(found)
+    return edges
+
+
 class AnswerSplitter:
-    """Splits the model's text as it streams into reasoning, plain text and tool calls, with the
-    state machine mlx-lm's server builds for the tokenizer (`make_text_state_machine`: its thinking
-    and tool-call markers, and the response formats and structural markers some models have; text
-    of other states, a format's headers, is dropped as mlx-lm drops it). A call that does not parse
-    (cut short by max_tokens), or one in a request that reads no calls (no tools, tool_choice
-    "none"), comes back as the text it was, so nothing is lost. `reasoning` False (a raw
-    completion) returns the text as written."""
+    """Splits the model's text as it streams into reasoning, plain text and tool calls (see
+    `transitions`; text of other states, a response format's headers, is dropped as mlx-lm drops
+    it). A call that does not parse (cut short by max_tokens), or markup in a request that reads no
+    calls, comes back as the text it was, where it was, so nothing is lost. With neither `reasoning`
+    nor `calls` (a raw completion, a JSON response format) the text comes back as written."""
 
     def __init__(self, tokenizer: Any, tools: list[Tool], *, calls: bool, reasoning: bool, prompt: list[int]):
         self._tokenizer, self._tools = tokenizer, [t.spec for t in tools]
         self._read_calls = calls and bool(tools)
-        self._machine = make_text_state_machine(tokenizer) if reasoning else None
-        initial = tokenizer.response_initial_state or (
-            "reasoning" if starts_in_reasoning(tokenizer, prompt) else "normal"
-        )
+        edges = transitions(tokenizer, reasoning=reasoning, calls=self._read_calls)
+        self._machine = TextStateMachine(edges) if edges else None
+        initial = "normal"
+        if reasoning:
+            initial = tokenizer.response_initial_state or (
+                "reasoning" if starts_in_reasoning(tokenizer, prompt) else "normal"
+            )
         if self._machine is not None:
             self._state = self._machine.make_state(initial)
         self._previous = initial
@@ -71,18 +103,18 @@ class AnswerSplitter:
             return []
         self._state, rest, state = TextStateMachine.flush(self._state)
         out = self._read([(state, rest)])
-        if self._previous == "tool":
-            out += self._close(complete=False)
+        if self._previous in TOOL_STATES:
+            out += self._close(self._previous, complete=False)
         return out
 
     def _read(self, segments: list[tuple[str | None, str]]) -> list[Piece]:
         out: list[Piece] = []
         for state, text in segments:
-            if state == "tool":
+            if state in TOOL_STATES:
                 self._call += text
             else:
-                if self._previous == "tool":
-                    out += self._close(complete=True)
+                if self._previous in TOOL_STATES:
+                    out += self._close(self._previous, complete=True)
                 if text and state == "reasoning":
                     out.append(Reasoning(text))
                 elif text and state in ("normal", None):
@@ -90,11 +122,14 @@ class AnswerSplitter:
             self._previous = state or "normal"
         return out
 
-    def _close(self, complete: bool) -> list[Piece]:
+    def _close(self, state: str, complete: bool) -> list[Piece]:
+        """The call read in `state`, or its markup as the text it was (in the thinking, when it was
+        made there)."""
         text, self._call = self._call, ""
-        calls = parse_calls(self._tokenizer, text, self._tools) if self._read_calls else None
+        calls = parse_calls(self._tokenizer, text, self._tools)
         if calls is None:
             end = self._tokenizer.tool_call_end if complete else ""
-            return [f"{self._tokenizer.tool_call_start}{text}{end or ''}"]
+            markup = f"{self._tokenizer.tool_call_start}{text}{end or ''}"
+            return [Reasoning(markup) if TOOL_STATES[state] == "reasoning" else markup]
         self.calls += len(calls)
         return list(calls)

@@ -11,8 +11,9 @@ model name is the served model (kvmesh.serve.app.ServedModel.serves).
 those a cache held (memory, the store or a peer), `cache_creation_input_tokens` 0 (every prompt's
 cache is kept, at no extra cost). A reasoning model's thinking comes back as `thinking` blocks
 (with an empty `signature`: there is nobody to sign them); `thinking` turns it on or off
-("enabled", "disabled"; `budget_tokens` is not kept to), and earlier thinking blocks are dropped
-from the history, as the templates drop them. Accepted without effect: `metadata`, `service_tier`,
+("enabled", "disabled"; `budget_tokens` and `display` are not kept to), and thinking blocks sent
+back go to the template as the assistant's `reasoning_content` (which Qwen3's and DeepSeek's
+templates render, or drop, as they do for the chat API). Accepted without effect: `metadata`, `service_tier`,
 `context_management`, `cache_control` on blocks (caching is automatic), and fields this server
 does not know; refused: images and documents, server tools, `mcp_servers`, `container`.
 """
@@ -104,10 +105,12 @@ def chat_of(body: dict) -> list[dict]:
 
 
 def assistant_message(blocks: list[dict]) -> dict:
-    text, calls = [], []
+    text, calls, thoughts = [], [], []
     for block in blocks:
         kind = block.get("type")
-        if kind == "text":
+        if kind == "thinking":  # this model's own thinking, for the templates that render it
+            thoughts.append(str(block.get("thinking", "")))
+        elif kind == "text":
             text.append(str(block.get("text", "")))
         elif kind == "tool_use":
             calls.append(
@@ -117,9 +120,11 @@ def assistant_message(blocks: list[dict]) -> dict:
                     "function": {"name": block.get("name"), "arguments": block.get("input") or {}},
                 }
             )
-        elif kind not in ("thinking", "redacted_thinking"):  # this model's own: none to render
+        elif kind != "redacted_thinking":  # (another model's, encrypted: nothing to render)
             raise refuse(f"an assistant's {kind!r} block is not served", "messages")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if thoughts:
+        message["reasoning"] = "".join(thoughts)  # (template_messages names it reasoning_content)
     if calls:
         message["tool_calls"] = calls
     return message
@@ -201,9 +206,9 @@ def thinking_switch(value: Any) -> bool | None:
     does."""
     if value is None:
         return None
-    if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled", "adaptive"):
+    if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled", "adaptive", "between_tools"):
         raise refuse('thinking must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}', "thinking")
-    return {"enabled": True, "disabled": False}.get(value["type"])
+    return {"enabled": True, "between_tools": True, "disabled": False}.get(value["type"])
 
 
 def sampling(body: dict, vocab: int) -> Sampling:

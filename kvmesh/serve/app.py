@@ -280,11 +280,14 @@ def make_app(
             processors=(lambda: [processor]) if processor is not None else None,
             top_logprobs=turn.top_logprobs,
         )
+        # A raw completion's text comes back as written, and so does JSON a response format holds
+        # to (a string in it may hold any marker); a forced call is read as a call, with no thinking.
+        free = grammar is None
         splitter = AnswerSplitter(
             tokenizer,
             turn.tools,
-            calls=turn.tool_choice.mode != "none",
-            reasoning=turn.messages is not None,  # a raw completion's text comes back as written
+            calls=turn.tool_choice.mode != "none" and (free or turn.tool_choice.forced),
+            reasoning=turn.messages is not None and free,
             prompt=tokens,
         )
         return job, splitter

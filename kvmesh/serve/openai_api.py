@@ -137,6 +137,17 @@ def chat_turn(body: dict, vocab: int) -> Turn:
     )
 
 
+# apply_chat_template's own arguments (transformers'): set by the request or by the server, never by
+# `chat_template_kwargs`, which are the template's variables.
+RENDER_ARGUMENTS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
 def template_kwargs_of(value: Any) -> dict[str, Any]:
     """`chat_template_kwargs`: an object of template variables (`enable_thinking`, ...)."""
     if value is None:
@@ -145,7 +156,7 @@ def template_kwargs_of(value: Any) -> dict[str, Any]:
         raise refuse(
             'chat_template_kwargs must be an object such as {"enable_thinking": false}', "chat_template_kwargs"
         )
-    if reserved := sorted(set(value) & {"messages", "tools", "add_generation_prompt", "tokenize"}):
+    if reserved := sorted(set(value) & RENDER_ARGUMENTS):
         raise refuse(
             f"chat_template_kwargs may not set {', '.join(reserved)}: the request does", "chat_template_kwargs"
         )

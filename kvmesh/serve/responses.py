@@ -10,8 +10,8 @@ assistant turn, as the model wrote them, so the next prompt extends the last.
 This server keeps no responses: `previous_response_id` and `conversation` are refused (send the
 whole input, as Codex CLI does with `store: false`), and `store` has no effect. Also without
 effect: `include`, `reasoning.summary` (a reasoning model's thinking comes back whole, as a
-`reasoning` item of `reasoning_text`; `reasoning.effort` "none" turns it off; earlier reasoning
-items are dropped, as the templates drop them),
+`reasoning` item of `reasoning_text`; `reasoning.effort` "none" turns it off; a reasoning item sent
+back goes to the template as the next assistant turn's `reasoning_content`),
 `parallel_tool_calls`, `prompt_cache_key` (the cache is found by prefix), `metadata`, `user`,
 `service_tier`, `truncation`, `safety_identifier`, `text.verbosity`, and fields this server does
 not know. Refused: tools other than functions, images and files, `background`, `top_logprobs`.
@@ -73,6 +73,7 @@ def chat_of(body: dict) -> list[dict]:
         items = [{"type": "message", "role": "user", "content": items}]
     if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
         raise refuse("input must be a string or a non-empty list of items", "input")
+    thought = ""  # a reasoning item's text, for the assistant turn after it
     for item in items:
         kind = item.get("type", "message")
         if kind == "message":
@@ -80,6 +81,8 @@ def chat_of(body: dict) -> list[dict]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise refuse(f"a message's role must be user, assistant, system or developer, not {role!r}", "input")
             out.append({"role": role, "content": part_text(item.get("content", ""), "input")})
+            if role == "assistant" and thought:
+                out[-1]["reasoning"], thought = thought, ""
         elif kind == "function_call":
             call = {
                 "id": item.get("call_id"),
@@ -91,11 +94,16 @@ def chat_of(body: dict) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if thought:
+                out[-1]["reasoning"], thought = thought, ""
         elif kind == "function_call_output":
             output = item.get("output", "")
             content = output if isinstance(output, str) else part_text(output, "input")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
-        elif kind != "reasoning":  # this model's own reasoning: none to render
+        elif kind == "reasoning":  # this model's own thinking (its text; an encrypted one has none)
+            parts = item.get("content") or item.get("summary") or []
+            thought += "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
+        else:
             raise refuse(f"input items of type {kind!r} are not served", "input")
     return out
 
@@ -250,11 +258,16 @@ class Answer:
         thought, reasoning = "", None  # the open reasoning item's text and id
         try:
             async for piece in pieces:
-                if reasoning is not None and not isinstance(piece, Reasoning):
+                goes_on = isinstance(piece, Reasoning) or (isinstance(piece, Text) and not piece.text)
+                if reasoning is not None and not goes_on:  # the thinking's item ends
                     for e in self.close_reasoning(reasoning, thought):
                         yield e
                     thought, reasoning = "", None
                 if isinstance(piece, Reasoning) and piece.text:
+                    if message is not None:  # (thinking after some text: the text's item ends first)
+                        for e in self.close_message(message, text):
+                            yield e
+                        text, message = "", None
                     if reasoning is None:
                         reasoning = new_id("rs")
                         item = reasoning_item(reasoning, "", "added")

@@ -72,8 +72,8 @@ def thinking_of(effort: Any, param: str) -> bool | None:
     """OpenAI's reasoning effort as a thinking switch: "none" turns it off, an effort leaves it on."""
     if effort is None:
         return None
-    if effort not in ("none", "minimal", "low", "medium", "high", "xhigh"):
-        raise refuse('a reasoning effort is "none", "minimal", "low", "medium", "high" or "xhigh"', param)
+    if effort not in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
+        raise refuse('a reasoning effort is "none", "minimal", "low", "medium", "high", "xhigh" or "max"', param)
     return None if effort != "none" else False
 
 
