@@ -126,7 +126,7 @@ class AnswerSplitter:
         """The call read in `state`, or its markup as the text it was (in the thinking, when it was
         made there)."""
         text, self._call = self._call, ""
-        calls = parse_calls(self._tokenizer, text, self._tools)
+        calls = parse_calls(self._tokenizer, text, self._tools) if self._read_calls else None
         if calls is None:
             end = self._tokenizer.tool_call_end if complete else ""
             markup = f"{self._tokenizer.tool_call_start}{text}{end or ''}"

@@ -63,7 +63,7 @@ class ServedModel:
 
 __all__ = ["ApiError", "ServedModel", "make_app"]
 
-# What a running turn yields: the prefix found, text, calls, and the end.
+# What a running turn yields: the prefix found, reasoning, text, calls, and the end.
 Piece = Started | Reasoning | Text | ToolCall | Done
 
 
@@ -251,6 +251,7 @@ def make_app(
         parsing thread: rendering and compiling a grammar take a while)."""
         try:
             grammar = grammar_of(turn)
+            processor = grammars.processor(grammar) if grammar is not None else None
         except GrammarError as e:
             param = "tools" if turn.tool_choice.forced else "response_format"
             raise refuse(f"the grammar cannot be made: {e}", param) from None
@@ -266,11 +267,6 @@ def make_app(
             )
         if not tokens:
             raise ApiError(400, "the prompt is empty", "prompt", "invalid_value")
-        try:
-            processor = grammars.processor(grammar) if grammar is not None else None
-        except GrammarError as e:
-            param = "tools" if turn.tool_choice.forced else "response_format"
-            raise refuse(f"the grammar cannot be made: {e}", param) from None
         job = Job(
             tokens,
             max_tokens,
