@@ -42,6 +42,7 @@ _EXPORTS = {
     "CacheStore": "kvmesh.store.cache_store",
     "PeerClient": "kvmesh.net.client",
     "start_server": "kvmesh.net.server",
+    "CachedPrefix": "kvmesh.generation",
     "Fetched": "kvmesh.generation",
     "fetch_cache": "kvmesh.generation",
     "generate": "kvmesh.generation",
@@ -63,6 +64,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "CacheRejected",
     "CacheStore",
+    "CachedPrefix",
     "EncodeOptions",
     "Fetched",
     "Generation",
@@ -125,7 +127,15 @@ if TYPE_CHECKING:
         StoreError,
         UnsupportedCacheError,
     )
-    from kvmesh.generation import Fetched, Generation, fetch_cache, find_prefix, generate, load_prefix
+    from kvmesh.generation import (
+        CachedPrefix,
+        Fetched,
+        Generation,
+        fetch_cache,
+        find_prefix,
+        generate,
+        load_prefix,
+    )
     from kvmesh.model.fingerprint import ModelFingerprint, fingerprint
     from kvmesh.model.testmodels import make_test_model
     from kvmesh.net.client import PeerClient

@@ -15,12 +15,14 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvmesh.codec.basis import Basis, BasisError
-from kvmesh.codec.coded import bases_for
 from kvmesh.codec.limits import is_sha256_hex
 from kvmesh.errors import IntegrityError, StoreError
 from kvmesh.v1 import cache_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvmesh.codec.basis import Basis
 
 
 def _check_id(digest: str) -> str:
@@ -111,9 +113,12 @@ def artifact_store(store_root: Path) -> ArtifactStore:
     return ArtifactStore(Path(store_root) / "artifacts")
 
 
-def stored_bases(store_root: Path, manifest: pb.CacheManifest) -> dict[str, Basis]:
+def stored_bases(store_root: Path, manifest: pb.CacheManifest) -> dict[str, "Basis"]:
     """The transform bases a stored cache needs, from the artefacts of the store at `store_root`
     (StoreError when one is missing or does not parse)."""
+    from kvmesh.codec.basis import BasisError  # (bases are MLX arrays: the store itself loads no MLX)
+    from kvmesh.codec.coded import bases_for
+
     try:
         return bases_for(manifest, artifact_store(store_root).get)
     except BasisError as e:
