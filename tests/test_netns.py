@@ -205,20 +205,27 @@ def test_a_peer_on_two_links_is_reached_over_the_fast_one_and_the_slow_one_when_
             return json.loads(out)["prefix_from"]
 
         wait_for(lambda: peers() == [[fast, slow]], seconds=30, what="the fast link chosen of both")
-        shown = cli("peers", data_dir=client, prefix=namespaces.inside(links.client)).stdout
         measured = r"[\d.]+ ms, [\d.,]+ MB/s"
         both = rf"{re.escape(fast)} \(in use: {measured}\), {re.escape(slow)} \({measured}\)"
-        assert re.search(both, shown), shown
-        assert socket.gethostname().removesuffix(".local") in shown  # the peer's machine, from its Info
+        host = socket.gethostname().removesuffix(".local")  # the peer's machine, from its Info
+        shown = ""
+
+        def listed() -> bool:  # (each link is shown once a probe measured it, and while it answers)
+            nonlocal shown
+            shown = cli("peers", data_dir=client, prefix=namespaces.inside(links.client)).stdout
+            return bool(re.search(both, shown)) and f"  {host}  " in shown
+
+        wait_for(listed, seconds=30, what="both links measured and the peer's host name in `kvmesh peers`")
         [peer] = json.loads(cli("peers", "--json", data_dir=client, prefix=namespaces.inside(links.client)).stdout)
         rates = {link["address"]: link["bytes_per_s"] for link in peer["links"]}
-        assert rates[fast] > 2 * rates[slow] > 0
+        assert rates[fast] > 2 * rates[slow] > 0, shown
         assert fetched_from(documents[0]) == f"peer {fast}"
         explained = cli(
             "generate", str(tiny_dir), "--file", str(documents[0]), "--max-tokens", "1", "--explain",
             data_dir=client, prefix=namespaces.inside(links.client),
         ).stderr  # fmt: skip
-        assert re.search(rf"link: {peer['node_id']} \(.+\): {both}", explained), explained
+        in_use = rf"{re.escape(fast)} \(in use: {measured}\)"  # (the slow one may miss a check meanwhile)
+        assert re.search(rf"link: {peer['node_id']} \({re.escape(host)}\): {in_use}, {re.escape(slow)}", explained)
         namespaces.ip("-n", links.server, "link", "set", "eth1", "down")  # the fast link is cut
         wait_for(lambda: peers() == [[slow, fast]], seconds=20, what="the slow link chosen")
         assert fetched_from(documents[1]) == f"peer {slow}"

@@ -57,8 +57,10 @@ LINK_PROBE_BYTES = 1 << 20
 LINK_PROBE_TIMEOUT = 5.0
 LINK_PROBE_EVERY = 300.0
 SWITCH_FACTOR = 1.5
-# A peer that gave no machine name (a version without one, an Info that failed) is asked again after this.
-NAME_RETRY_S = 60.0
+# A peer that gave no machine name (a version without one, an Info that failed) is asked again after
+# this, each time within NAME_TIMEOUT_S (longer than a health check's: Info reads the peer's store).
+NAME_RETRY_S = 10.0
+NAME_TIMEOUT_S = 2.0
 # Why a certificate (PEM) the mesh CA signed is refused all the same (a removed node), or None.
 Refuse = Callable[[bytes], str | None]
 
@@ -614,13 +616,13 @@ class HealthChecker:
 
     def _name(self, peer: Peer, address: str) -> None:
         """Ask a peer that answers for its machine's name (over the checked channel): once, or
-        again after NAME_RETRY_S when it gave none (a check loop held by a peer's every Info would
-        hold every other peer's checks)."""
+        again after NAME_RETRY_S when it gave none (the checks of every peer wait on it: not at
+        every check)."""
         if time.monotonic() - self._named_at.get(peer.node_id, float("-inf")) < NAME_RETRY_S:
             return
         self._named_at[peer.node_id] = time.monotonic()
         try:
-            info = service_pb2_grpc.KvMeshStub(self._channel(address)).Info(spb.InfoRequest(), timeout=self.interval)
+            info = service_pb2_grpc.KvMeshStub(self._channel(address)).Info(spb.InfoRequest(), timeout=NAME_TIMEOUT_S)
         except grpc.RpcError:
             return
         self.table.named(peer.node_id, info.host_name)
