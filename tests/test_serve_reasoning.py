@@ -247,3 +247,36 @@ def test_each_api_returns_the_thinking_apart_from_the_answer(think, think_dir, t
         assert "reasoning" not in (structured.model_extra or {})
     finally:
         server.stop()
+
+
+def test_a_response_formats_calls_are_read_or_given_back(think):
+    """A tokenizer with a response format of its own (mlx-lm's Muse Spark: a header state, calls
+    reached from it), as mlx-lm's TokenizerWrapper carries it: its call is read when the request
+    reads calls, comes back as text when it reads none, and a forced call (no format, the grammar
+    writes the call first) is read too."""
+    from mlx_lm.chat_templates import muse_spark
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from mlx_lm.tool_parsers import muse_spark as parser
+
+    tokenizer = TokenizerWrapper(
+        think[1]._tokenizer,
+        tool_parser=parser.parse_tool_call,
+        tool_call_start=parser.tool_call_start,
+        tool_call_end=parser.tool_call_end,
+        response_format=muse_spark.RESPONSE_FORMAT,
+    )
+    tools = [function_tool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}}, "t")]
+    call = (
+        '<atem:function_calls><atem:invoke name="get_weather"><atem:parameter name="city">Paris'
+        "</atem:parameter></atem:invoke></atem:function_calls>"
+    )
+    answer = "<|eom|>to=user<|message|>Rain."  # (the header, dropped, then the answer)
+    read = split(AnswerSplitter(tokenizer, tools, calls=True, reasoning=True, prompt=[]), call + answer)
+    assert [(c.name, json.loads(c.arguments)) for c in read if isinstance(c, ToolCall)] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert "".join(p for p in read if isinstance(p, str)) == "Rain."
+    given_back = split(AnswerSplitter(tokenizer, [], calls=False, reasoning=True, prompt=[]), call + answer)
+    assert "".join(p for p in given_back if isinstance(p, str)) == call + "Rain."
+    forced = split(AnswerSplitter(tokenizer, tools, calls=True, reasoning=False, prompt=[]), call)
+    assert [type(p).__name__ for p in forced] == ["ToolCall"]

@@ -43,27 +43,31 @@ TOOL_STATES = {"tool": "normal", "reasoning_tool": "reasoning"}
 
 def transitions(tokenizer: Any, *, reasoning: bool, calls: bool) -> dict[str, list[tuple[str, str]]]:
     """The markers to follow, as mlx-lm's server's `make_text_state_machine` has them (thinking,
-    tool calls, a model's response format and structural markers), but tool markers only when the
-    request reads calls (otherwise markup stays text, where it is), and a call made inside the
-    thinking back into the thinking (TOOL_STATES)."""
+    tool calls, a model's response format and structural markers), but: the answer's own tool
+    markers only when the request reads calls (otherwise markup stays text, where it is); a call
+    made inside the thinking back into the thinking (TOOL_STATES); and without `reasoning` (a
+    forced call's grammar, which writes the call first) no response format, only the call."""
     edges: dict[str, list[tuple[str, str]]] = {}
     if reasoning and tokenizer.has_thinking:
         edges["normal"] = [(tokenizer.think_start, "reasoning")]
         edges["reasoning"] = [(tokenizer.think_end, "normal")]
-    if calls and tokenizer.has_tool_calling:
-        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-        formats = {dst for found in tokenizer.response_transitions.values() for _, dst in found}
-        if "tool" not in formats:  # (a response format that reaches "tool" says itself where calls start)
-            edges.setdefault("normal", []).append((start, "tool"))
-        edges["tool"] = [(end, "normal")] if end else []
-        if "reasoning" in edges:
-            edges["reasoning"].append((start, "reasoning_tool"))
-            edges["reasoning_tool"] = [(end, "reasoning")] if end else []
     if reasoning:
         for marker in tokenizer.structural_markers:
             edges.setdefault("normal", []).append((marker, "normal"))
         for state, found in tokenizer.response_transitions.items():
             edges.setdefault(state, []).extend(found)
+    if tokenizer.has_tool_calling:
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        # A response format that reaches "tool" says itself where calls start (and reaches it
+        # whether or not this request reads calls: what it writes there then comes back as text).
+        formatted = any(dst == "tool" for found in edges.values() for _, dst in found)
+        if calls and not formatted:
+            edges.setdefault("normal", []).append((start, "tool"))
+            if "reasoning" in edges:
+                edges["reasoning"].append((start, "reasoning_tool"))
+                edges["reasoning_tool"] = [(end, "reasoning")] if end else []
+        if calls or formatted:
+            edges["tool"] = [(end, "normal")] if end else []
     return edges
 
 
