@@ -18,7 +18,6 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from kvmesh.generation import CachedPrefix
 from kvmesh.serve.jobs import Abandoned, Job, Output
@@ -70,19 +69,8 @@ class Batch:
     def add(self, job: Job, hit: CachedPrefix) -> None:
         sampling = job.sampling
         # Greedy jobs share mlx-lm's default sampler (None): the whole batch is sampled in one call.
-        sampler = (
-            None
-            if sampling.temperature == 0
-            else make_sampler(
-                temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p
-            )
-        )
-        processors = make_logits_processors(
-            dict(sampling.logit_bias) or None,
-            sampling.repetition_penalty,
-            presence_penalty=sampling.presence_penalty or None,
-            frequency_penalty=sampling.frequency_penalty or None,
-        )
+        sampler = None if sampling.temperature == 0 else sampling.sampler()
+        processors = sampling.logits_processors()
         (uid,) = self.generator.insert(
             [job.tokens[hit.tokens :]],
             max_tokens=[job.max_tokens],

@@ -32,7 +32,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from kvmesh.generation import CachedPrefix, calibrate
 from kvmesh.serve.batch import Batch, batchable, batchable_model
@@ -293,16 +292,8 @@ class Engine:
         cache = hit.cache if hit.cache is not None else make_prompt_cache(self.model)
         if job.sampling.seed is not None:
             mx.random.seed(job.sampling.seed)
-        sampling = job.sampling
-        sampler = make_sampler(
-            temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p
-        )
-        processors = make_logits_processors(
-            dict(sampling.logit_bias) or None,
-            sampling.repetition_penalty,
-            presence_penalty=sampling.presence_penalty or None,
-            frequency_penalty=sampling.frequency_penalty or None,
-        )
+        sampler = job.sampling.sampler()
+        processors = job.sampling.logits_processors()
         if job.processors is not None:
             processors += job.processors()
 

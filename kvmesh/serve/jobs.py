@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from kvmesh.generation import CachedPrefix
 
@@ -33,6 +34,19 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def sampler(self) -> Callable[[mx.array], mx.array]:
+        """mlx-lm's sampler for these settings."""
+        return make_sampler(temp=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+
+    def logits_processors(self) -> list["LogitsProcessor"]:
+        """mlx-lm's logits processors for these settings (logit bias, penalties)."""
+        return make_logits_processors(
+            dict(self.logit_bias) or None,
+            self.repetition_penalty,
+            presence_penalty=self.presence_penalty or None,
+            frequency_penalty=self.frequency_penalty or None,
+        )
 
 
 # A logits processor as mlx-lm's generate_step calls it: (the tokens so far, logits) -> logits.
