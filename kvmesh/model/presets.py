@@ -62,23 +62,6 @@ PRESETS = {
         512,
         "float32",
     ),
-    # The tiny llama's weights and tokenizer, with a template that renders tools: mlx-lm infers its
-    # tool parser (json_tools) from the template, as it does for Qwen 2.5, so `kvmesh serve` can be
-    # tested with tool calls (forced by a grammar: random weights never choose one on their own).
-    "tiny-tools": Preset(
-        "llama like tiny, with a tool-calling chat template (Qwen 2.5 / Hermes <tool_call> JSON): for "
-        "the server's tool calls",
-        "llama",
-        256,
-        4,
-        512,
-        4,
-        2,
-        64,
-        512,
-        "float32",
-        chat_template="chatml-tools",
-    ),
     "tiny-qwen3": Preset(
         "qwen3 (q/k norms), 3 layers, GQA 4 heads / 2 kv heads of 64: a second family for tests",
         "qwen3",
@@ -227,6 +210,15 @@ PRESETS = {
     ),
 }
 
+# The tiny llama's weights and tokenizer, with a template that renders tools: mlx-lm infers its tool
+# parser (json_tools) from the template, as it does for Qwen 2.5, so `kvmesh serve` can be tested with
+# tool calls (forced by a grammar: random weights never choose one on their own).
+PRESETS["tiny-tools"] = replace(
+    PRESETS["tiny"],
+    description="llama like tiny, with a tool-calling chat template (Qwen 2.5 / Hermes <tool_call> JSON): for "
+    "the server's tool calls",
+    chat_template="chatml-tools",
+)
 # tiny-tools as a reasoning model: its turn opens with <think> (mlx-lm reads the thinking markers from
 # the vocabulary), so `kvmesh serve` can be tested returning reasoning apart from the answer.
 PRESETS["tiny-think"] = replace(

@@ -27,7 +27,16 @@ from starlette.responses import JSONResponse
 from kvmesh.serve.answer import Reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
 from kvmesh.serve.engine import Done, Sampling, Started
-from kvmesh.serve.tools import Tool, ToolCall, ToolChoice, checked, function_tool, template_messages, unique
+from kvmesh.serve.tools import (
+    Tool,
+    ToolCall,
+    ToolChoice,
+    checked,
+    function_tool,
+    template_messages,
+    tool_objects,
+    unique,
+)
 from kvmesh.serve.turns import Outcome, Text, Turn, number, stop_strings
 
 SERVED = {
@@ -156,12 +165,8 @@ def user_messages(blocks: list[dict]) -> list[dict]:
 
 def tools_of(value: Any) -> list[Tool]:
     """Anthropic's tools: `{"name", "description", "input_schema"}` (client tools only)."""
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise refuse("tools must be a list of objects", "tools", "invalid_type")
     tools = []
-    for tool in value:
+    for tool in tool_objects(value):
         if tool.get("type", "custom") != "custom":
             raise refuse(f"server tools ({tool.get('type')!r}) are not served; client tools are", "tools")
         tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), "tools"))

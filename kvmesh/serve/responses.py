@@ -26,7 +26,15 @@ from typing import Any
 from kvmesh.serve.answer import Reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
 from kvmesh.serve.engine import Done
-from kvmesh.serve.tools import Tool, ToolCall, function_tool, openai_tool_choice, template_messages, unique
+from kvmesh.serve.tools import (
+    Tool,
+    ToolCall,
+    function_tool,
+    openai_tool_choice,
+    template_messages,
+    tool_objects,
+    unique,
+)
 from kvmesh.serve.turns import Outcome, Text, Turn, number, response_format_of, sampling_of, thinking_of
 
 SERVED = {
@@ -110,12 +118,8 @@ def chat_of(body: dict) -> list[dict]:
 
 def tools_of(value: Any) -> list[Tool]:
     """The Responses API's tools: `{"type": "function", "name", "description", "parameters"}`."""
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise refuse("tools must be a list of objects", "tools", "invalid_type")
     tools = []
-    for tool in value:
+    for tool in tool_objects(value):
         if tool.get("type") != "function":
             raise refuse(f"only function tools are served, not {tool.get('type')!r}", "tools", "unsupported_value")
         tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), "tools"))

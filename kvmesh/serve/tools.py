@@ -76,14 +76,19 @@ def function_tool(name: Any, description: Any, parameters: Any, param: str) -> T
     return Tool(name, parameters, {"type": "function", "function": function})
 
 
-def openai_tools(value: Any, param: str = "tools") -> list[Tool]:
-    """Chat completions' `tools`: `[{"type": "function", "function": {"name", "description", "parameters"}}]`."""
+def tool_objects(value: Any, param: str = "tools") -> list[dict]:
+    """A request's `tools` as the list of objects every API sends (none: an empty list)."""
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise refuse("tools must be a list of objects", param, "invalid_type")
+    return value
+
+
+def openai_tools(value: Any, param: str = "tools") -> list[Tool]:
+    """Chat completions' `tools`: `[{"type": "function", "function": {"name", "description", "parameters"}}]`."""
     tools = []
-    for tool in value:
+    for tool in tool_objects(value, param):
         if tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
             raise refuse(f"only function tools are served, not {tool.get('type')!r}", param, "unsupported_value")
         f = tool["function"]
