@@ -215,20 +215,17 @@ def make_app(
             )
         return body
 
-    def render(turn: Turn, *, thinking: bool = True) -> list[int]:
+    def render(turn: Turn, *, thinking: bool | None) -> list[int]:
         """The prompt's tokens: the chat through the template, tools and all (on a parsing thread:
-        a long prompt takes seconds). Without `thinking`, a reasoning model's template is asked not
-        to open its thinking (`enable_thinking`, as mlx-lm names it for every template): a grammar
-        holds the output from its first token, so there is no thinking to hold it to."""
+        a long prompt takes seconds). `thinking` sets a reasoning model's `enable_thinking` (as
+        mlx-lm names it for every template); None leaves the template's default."""
         if turn.messages is None:
             return list(tokenizer.encode(turn.prompt or ""))
         extra: dict[str, Any] = dict(turn.template_kwargs)
         if turn.tools:
             extra["tools"] = [t.spec for t in turn.tools]
-        if turn.thinking is not None:
-            extra["enable_thinking"] = turn.thinking
-        if not thinking:
-            extra["enable_thinking"] = False
+        if thinking is not None:
+            extra["enable_thinking"] = thinking
         try:
             return list(tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, **extra))
         except Exception as e:  # the template's own error, about these messages
@@ -255,7 +252,8 @@ def make_app(
         except GrammarError as e:
             param = "tools" if turn.tool_choice.forced else "response_format"
             raise refuse(f"the grammar cannot be made: {e}", param) from None
-        tokens = render(turn, thinking=grammar is None)
+        # A grammar holds the output from its first token: there is no thinking to hold it to.
+        tokens = render(turn, thinking=turn.thinking if grammar is None else False)
         max_tokens = turn.max_tokens or default_max_tokens
         if len(tokens) + max_tokens > model.context_length:
             raise ApiError(
@@ -553,7 +551,7 @@ def make_app(
         try:
             body = await body_of(request, claude_names=True)
             turn = anthropic.turn_of({**body, "max_tokens": body.get("max_tokens", 1)}, vocab)
-            tokens = await off_loop(lambda: render(turn))
+            tokens = await off_loop(lambda: render(turn, thinking=turn.thinking))
         except ApiError as e:
             return anthropic.error_response(e)
         return JSONResponse({"input_tokens": len(tokens)})
