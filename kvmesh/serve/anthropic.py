@@ -37,7 +37,7 @@ from kvmesh.serve.tools import (
     tool_objects,
     unique,
 )
-from kvmesh.serve.turns import Outcome, Text, Turn, number, stop_strings
+from kvmesh.serve.turns import Outcome, Text, Turn, number, refuse_given, stop_strings
 
 SERVED = {
     "model",
@@ -185,11 +185,7 @@ def tool_choice_of(value: Any, tools: list[Tool]) -> ToolChoice:
 
 def turn_of(body: dict, vocab: int) -> Turn:
     """A Messages body as a Turn."""
-    for name, why in REFUSED.items():
-        if body.get(name):
-            raise refuse(why, name, "unsupported_value")
-    if not isinstance(body.get("stream", False), bool):
-        raise refuse("stream must be true or false", "stream", "invalid_type")
+    refuse_given(body, REFUSED)
     if body.get("max_tokens") is None:
         raise refuse("max_tokens is required", "max_tokens")
     tools = tools_of(body.get("tools"))

@@ -22,7 +22,7 @@ from typing import Any
 from kvmesh.serve.api_errors import refuse
 from kvmesh.serve.engine import TokenLogprob
 from kvmesh.serve.tools import ToolCall, ToolChoice, openai_tool_choice, openai_tools, template_messages
-from kvmesh.serve.turns import Turn, number, response_format_of, sampling_of, stop_strings, thinking_of
+from kvmesh.serve.turns import Turn, number, response_format_of, sampling_of, stop_strings, stream_flag, thinking_of
 
 SERVED = {
     "model",
@@ -89,8 +89,7 @@ def refuse_unserved(body: dict, chat: bool) -> None:
 
 def stream_options_of(body: dict) -> bool:
     """stream_options.include_usage (include_obfuscation is accepted: there is no padding to add)."""
-    if not isinstance(body.get("stream", False), bool):
-        raise refuse("stream must be true or false", "stream", "invalid_type")
+    stream_flag(body)
     options = body.get("stream_options")
     if options is None:
         return False

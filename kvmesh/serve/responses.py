@@ -35,7 +35,7 @@ from kvmesh.serve.tools import (
     tool_objects,
     unique,
 )
-from kvmesh.serve.turns import Outcome, Text, Turn, number, response_format_of, sampling_of, thinking_of
+from kvmesh.serve.turns import Outcome, Text, Turn, number, refuse_given, response_format_of, sampling_of, thinking_of
 
 SERVED = {
     "model",
@@ -128,11 +128,7 @@ def tools_of(value: Any) -> list[Tool]:
 
 def turn_of(body: dict, vocab: int) -> Turn:
     """A Responses body as a Turn."""
-    for name, why in REFUSED.items():
-        if body.get(name):
-            raise refuse(why, name, "unsupported_value")
-    if not isinstance(body.get("stream", False), bool):
-        raise refuse("stream must be true or false", "stream", "invalid_type")
+    refuse_given(body, REFUSED)
     text = body.get("text") or {}
     if not isinstance(text, dict):
         raise refuse('text must be an object such as {"format": {"type": "text"}}', "text", "invalid_type")

@@ -68,6 +68,22 @@ class Outcome:
     reasoning: str = ""
 
 
+def refuse_given(body: dict, refused: dict[str, str]) -> None:
+    """Refuse a body that gives any of the `refused` fields (name -> why not), or a `stream` that is
+    not a boolean."""
+    for name, why in refused.items():
+        if body.get(name):
+            raise refuse(why, name, "unsupported_value")
+    stream_flag(body)
+
+
+def stream_flag(body: dict) -> bool:
+    """The body's `stream`, which must be true or false when given."""
+    if not isinstance(body.get("stream", False), bool):
+        raise refuse("stream must be true or false", "stream", "invalid_type")
+    return bool(body.get("stream"))
+
+
 def thinking_of(effort: Any, param: str) -> bool | None:
     """OpenAI's reasoning effort as a thinking switch: "none" turns it off, an effort leaves it on."""
     if effort is None:
