@@ -119,7 +119,7 @@ def test_the_responses_stream_keeps_its_items_in_the_order_written():
     async def run(answer: Answer) -> list[dict]:
         return [json.loads(e["data"]) for e in [e async for e in answer.events(pieces())]]
 
-    answer = Answer({"model": "m"}, "resp_1", 0)
+    answer = Answer({"model": "m"}, "resp_1", 0, count_tokens=lambda text: len(text.split()))
     events = asyncio.run(run(answer))
     added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
     assert added == [(0, "message"), (1, "reasoning"), (2, "message")]

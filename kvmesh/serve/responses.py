@@ -198,7 +198,7 @@ class Answer:
     created: int
     # Tokens of a text by the model's tokenizer: usage's reasoning_tokens are the reasoning's text
     # tokenized again (the engine counts a completion's tokens, not which part each went to).
-    count_tokens: Callable[[str], int] = len
+    count_tokens: Callable[[str], int]
     output: list[dict] = field(default_factory=list)
     sequence: int = 0
 
