@@ -158,3 +158,71 @@ def test_commands_that_read_a_model_take_a_repo_id_from_the_local_hub_cache(tiny
     missing = run("model", "info", "kvtest/other", env=hub, check=False)
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1
     assert "kvtest/other: no such model directory, nor a model in the local Hugging Face cache" in missing.stderr
+
+
+@pytest.fixture
+def short_context_model(tiny_dir, tmp_path):
+    """The tiny model with a 64-token context (its config's max_position_embeddings)."""
+    import shutil
+
+    model = tmp_path / "short"
+    shutil.copytree(tiny_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    return model
+
+
+def test_a_prompt_longer_than_the_context_is_refused_by_every_command_and_nothing_is_stored(
+    short_context_model, tmp_path
+):
+    long_prompt = "The river runs to the sea. " * 30  # well over 64 tokens
+    data = tmp_path / "node"
+    for command in ("prefill", "generate"):
+        result = run(command, short_context_model, "--prompt", long_prompt, data_dir=data, check=False)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith("kvmesh: error: the prompt has ")
+        assert "this model's context is 64: shorten the --file or --prompt" in result.stderr
+    short = run(
+        "generate",
+        short_context_model,
+        "--prompt",
+        "The river",
+        "--max-tokens",
+        "80",
+        "--no-mesh",
+        data_dir=data,
+        check=False,
+    )
+    assert short.returncode == 1 and "and 80 more were asked for (--max-tokens); this model's context is 64" in (
+        short.stderr
+    )
+    assert json.loads(run("cache", "list", "--json", data_dir=data).stdout) == []
+    fits = run(
+        "generate", short_context_model, "--prompt", "The river", "--max-tokens", "4", "--no-mesh", data_dir=data
+    )
+    assert fits.returncode == 0
+
+
+def test_a_mistyped_model_path_is_named_without_dialling_the_hub_and_a_cached_repo_id_loads(tiny_dir, tmp_path):
+    """Online, with the Hub at a port where nothing listens: a dial would end in a ConnectError."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--kvtest--tiny"
+    shutil.copytree(tiny_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    online = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    data = tmp_path / "node"
+    for typo, why in (
+        ("./modles/x", "no such model directory"),
+        ("models/typo", "no such model directory, nor a model in the local Hugging Face cache"),
+    ):
+        for command in ("prefill", "generate"):
+            result = run(command, typo, "--prompt", "hi", data_dir=data, env=online, check=False)
+            assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+            assert result.stderr.startswith(f"kvmesh: error: {typo}: {why}") and "Connect" not in result.stderr
+    assert "(if it is a repo id, `hf download models/typo` fetches it)" in result.stderr
+    made = json.loads(run("prefill", "kvtest/tiny", "--prompt", "hi there", "--json", data_dir=data, env=online).stdout)
+    [entry] = json.loads(run("cache", "list", "--json", data_dir=data).stdout)
+    assert entry["cache_id"] == made["cache_id"] and entry["model"].startswith("kvtest/tiny")

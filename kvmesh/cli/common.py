@@ -175,6 +175,22 @@ def prompt_texts(args: Args) -> tuple[str, str]:
     return (read_text(args.file) if args.file else ""), (args.prompt or "")
 
 
+def within_context(model: str, prompt_tokens: int, max_tokens: int = 0) -> None:
+    """Refuse a prompt (and the tokens to generate after it) longer than the model's context, as
+    `kvmesh serve` refuses it (its context_length): past it mlx-lm only warns and goes on, and the
+    cache it makes is of no use."""
+    from kvmesh.model.loaded import local_model_dir
+    from kvmesh.serve.server import context_length
+
+    limit = context_length(local_model_dir(model))
+    if prompt_tokens + max_tokens > limit:
+        more = f" and {max_tokens} more were asked for (--max-tokens)" if max_tokens else ""
+        raise KvmeshError(
+            f"the prompt has {prompt_tokens} tokens{more}; this model's context is {limit}: "
+            "shorten the --file or --prompt" + (" or lower --max-tokens" if max_tokens else "")
+        )
+
+
 def max_kl_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-kl",

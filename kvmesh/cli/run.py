@@ -19,6 +19,7 @@ from kvmesh.cli.common import (
     prompt_texts,
     store_option,
     stored,
+    within_context,
 )
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
@@ -28,7 +29,7 @@ def prefill(args: Args) -> int:
     import time
 
     from kvmesh.caches.prefill import prefill
-    from kvmesh.caches.presses import make_press
+    from kvmesh.caches.presses import press_named
     from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
     from kvmesh.codec.encode import EncodeOptions, encode_cache
     from kvmesh.codec.manifest import compression_name, transform_coded
@@ -41,11 +42,12 @@ def prefill(args: Args) -> int:
     }
     if args.compress and (args.method or config):
         raise KvmeshError("--compress chooses the codec itself: give it alone, or --method with its options")
-    press = make_press(args.method or "full", config)
+    press = press_named(args.method, config)
     store = open_store(args)
     loaded = load_model(args.model)
     fp = loaded.fingerprint
     tokens = prompt_tokens(loaded.tokenizer, *texts, chat=args.chat)
+    within_context(args.model, len(tokens))
     # Known before the work: a store whose disk cannot take the cache (counted uncompressed).
     itemsize = 4 if fp.dtype == "float32" else 2
     if problem := store.lacks_space(2 * fp.num_layers * fp.num_kv_heads * fp.head_dim * itemsize * len(tokens)):
@@ -130,7 +132,9 @@ def prefill_arguments(parser: Any) -> None:
     prompt_options(parser)
     store_option(parser)
     parser.add_argument(
-        "--method", help="compression method: full (the default), quantize, streaming_llm, snapkv, knorm, kvzip"
+        "--method",
+        help="compression method: full (the default; quantize when only --kv-bits is given), quantize, "
+        "streaming_llm, snapkv, knorm, kvzip",
     )
     levels = "; ".join(
         f"{name}: {lv.ratio:.1f}x smaller than fp16 at KL {lv.kl:.4f} (bar {lv.max_kl})" for name, lv in LEVELS.items()
@@ -238,6 +242,7 @@ def generate(args: Args) -> int:
     loaded = load_model(args.model)
     tokenizer = loaded.tokenizer
     tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
+    within_context(args.model, len(tokens), args.max_tokens)
     if args.seed is not None:
         mx.random.seed(args.seed)
     peers = mesh_peers(args)

@@ -103,7 +103,8 @@ def _descriptor_limit_within_hard_limit() -> Iterator[None]:
 
 def local_model_dir(path: str) -> Path:
     """A model directory: `path` itself, or the local Hugging Face cache's snapshot of the repo id
-    `path` (never downloaded here: commands that only read a model's files work offline)."""
+    `path`. Never downloaded: a mistyped directory that looks like a repo id (`models/typo`) would
+    otherwise dial the Hub and fail with a network error that names neither the path nor the fix."""
     local = Path(path).expanduser()
     if local.exists():
         return local
@@ -116,7 +117,7 @@ def local_model_dir(path: str) -> Path:
     except Exception:  # huggingface_hub raises several kinds for "not cached" and bad ids
         raise KvmeshError(
             f"{path}: no such model directory, nor a model in the local Hugging Face cache "
-            f"(`kvmesh prefill {path} ...` downloads it, or `hf download {path}`)"
+            f"(if it is a repo id, `hf download {path}` fetches it)"
         ) from None
 
 
@@ -126,21 +127,17 @@ def model_fingerprint(path: str) -> ModelFingerprint:
 
 
 def load_model(path: str) -> LoadedModel:
-    """Model, tokenizer and fingerprint of a local directory or a Hugging Face repo id (via its cache)."""
+    """Model, tokenizer and fingerprint of a local directory or a Hugging Face repo id in the local
+    cache (local_model_dir: nothing is downloaded)."""
     tolerate_mlx_lm_descriptor_limit()
     import mlx_lm
 
-    if not Path(path).exists() and path.startswith(("/", "./", "../", "~")):
-        raise KvmeshError(f"{path}: no such model directory")
-    fp = fingerprint(path) if Path(path).exists() else None
+    model_dir = local_model_dir(path)
+    fp = fingerprint(model_dir)  # a hub snapshot's path names its repo and revision
     try:
-        model, tokenizer = mlx_lm.load(path)[:2]  # (its type also allows a third item, the config)
+        model, tokenizer = mlx_lm.load(str(model_dir))[:2]  # (its type also allows a third item, the config)
     except Exception as e:  # mlx-lm raises plain exceptions for missing files and unknown models
         raise KvmeshError(f"{path}: cannot load the model: {e}") from e
-    if fp is None:
-        from mlx_lm.utils import hf_repo_to_path
-
-        fp = fingerprint(hf_repo_to_path(path), repo_id=path)
     return LoadedModel(model, tokenizer, fp)
 
 
