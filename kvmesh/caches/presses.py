@@ -48,6 +48,10 @@ class Press:
             )
         if self.kv_bits is not None and self.kv_bits not in QUANT_BITS:
             raise PressConfigError(f"{self.method}: kv_bits must be one of {QUANT_BITS}")
+        if type(self) is Press and self.kv_bits is not None:
+            # Recorded as `full`, a quantized cache would pass as lossless: never measured, ranked
+            # with exact caches and let through every quality floor.
+            raise PressConfigError("full keeps every value as computed: kv_bits needs quantize or a method that evicts")
         if self.kv_group_size not in QUANT_GROUP_SIZES:
             raise PressConfigError(f"{self.method}: kv_group_size must be one of {QUANT_GROUP_SIZES}")
 
@@ -296,6 +300,14 @@ def press_shown_by(cache: list) -> Press:
     if quantized:
         return QuantizePress(kv_bits=quantized[0].bits, kv_group_size=quantized[0].group_size)
     return Press()
+
+
+def press_named(method: str | None, config: dict | None = None) -> Press:
+    """The press a user's options name (`kvmesh prefill`): without a method, bits alone quantize, so
+    that they are recorded, measured and ranked as the lossy press they are; nothing at all is `full`."""
+    if method is None:
+        method = "quantize" if (config or {}).get("kv_bits") is not None else "full"
+    return make_press(method, config)
 
 
 def make_press(method: str, config: dict | None = None) -> Press:
