@@ -56,6 +56,9 @@ class CachedPrefix:
     skipped: list[str] = field(default_factory=list)
     # Each choice between fetching a peer's cache and prefilling its tokens here, with its figures.
     fetch_or_prefill: list[str] = field(default_factory=list)
+    # What prefilling the cached tokens here was expected to take, by the prefill rate the choices
+    # weigh with (None without one): the time saved is reckoned from it, so the two never disagree.
+    expected_prefill_s: float | None = None
     # The cache itself, None when none was found; generation takes it (`released` drops it).
     cache: list | None = field(default=None, repr=False)
 
@@ -89,9 +92,14 @@ class Generation:
 
     @property
     def estimated_saving_s(self) -> float | None:
-        """Prefill time the cached tokens would have cost at this run's prefill rate, minus getting them."""
+        """Prefill time the cached tokens would have cost, minus getting them: by the prefill rate the
+        fetch was weighed with when there is one, else at this run's prefill rate of the rest."""
+        if not self.prefix.tokens:
+            return None
+        if self.prefix.expected_prefill_s is not None:
+            return self.prefix.expected_prefill_s - self.prefix.seconds
         fed = self.prompt_tokens - self.prefix.tokens
-        if not self.prefix.tokens or fed < 8 or self.prefill_s <= 0:
+        if fed < 8 or self.prefill_s <= 0:
             return None
         return self.prefix.tokens * self.prefill_s / fed - self.prefix.seconds
 
@@ -252,6 +260,7 @@ def find_prefix(
     def found(
         where: str, cache: list | None = None, n: int = 0, wire_bytes: int = 0, cache_id: str = ""
     ) -> CachedPrefix:
+        model = rates.prefill_model(model_fp.model_id) if rates is not None and n else None
         return CachedPrefix(
             where,
             tokens=n,
@@ -260,6 +269,7 @@ def find_prefix(
             cache_id=cache_id,
             skipped=skipped,
             fetch_or_prefill=choices,
+            expected_prefill_s=model.seconds(n) if model is not None else None,
             cache=cache,
         )
 

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 from importlib import resources
 
 import pytest
@@ -139,17 +140,61 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
     assert [m for m, _, _ in fresh.prefill[tiny_fp.model_id][:2]] == [128, 512]
 
 
-def test_the_cli_explains_its_choice(tiny_fp, tiny_dir, peer_with_a_cache, tmp_path):
-    address, text, _ = peer_with_a_cache
-    rates = Rates(tmp_path / "b")
-    rates.record_prefill(tiny_fp.model_id, 128, 128e-7)
-    rates.record_prefill(tiny_fp.model_id, 512, 512e-7)
+def timed(data_dir, model_id, tokens_per_s):
+    """A data dir whose rates say this machine prefills the model at `tokens_per_s`."""
+    rates = Rates(data_dir)
+    rates.record_prefill(model_id, 128, 128 / tokens_per_s)
+    rates.record_prefill(model_id, 512, 512 / tokens_per_s)
+    return data_dir
+
+
+def explained(*args, data_dir):
+    """`kvmesh generate ARGS --explain`'s lines on stderr, by their first word."""
+    lines = cli(*args, "--explain", data_dir=data_dir).stderr.splitlines()
+    return {word: [line for line in lines if line.startswith(word)] for word in ("prefix:", "choice:", "estimated")}
+
+
+def test_the_cli_explains_its_choice_and_every_line_agrees_with_it(tiny_fp, tiny_dir, peer_with_a_cache, tmp_path):
+    address, text, prompt = peer_with_a_cache
     args = ["generate", tiny_dir, "--prompt", text, "--peer", address, "--max-tokens", 2]
-    shown = cli(*args, "--explain", data_dir=tmp_path / "b")
-    assert f"choice: 384 cached tokens at {address}: fetching" in shown.stderr
-    assert "prefill" in shown.stderr.splitlines()[-1] and "prefix: none cached" in shown.stderr
-    forced = json.loads(cli(*args, "--fetch", "always", "--json", data_dir=tmp_path / "b").stdout)
+
+    # 10 tokens/s here: fetched; the time saved is reckoned from the prefill time the choice weighed.
+    fetched = explained(*args, data_dir=timed(tmp_path / "slow", tiny_fp.model_id, 10))
+    [choice] = fetched["choice:"]
+    weighed = re.fullmatch(rf"choice: 384 cached tokens at {address}: fetching .* about ([\d.]+) s: fetch", choice)
+    [prefix] = fetched["prefix:"]
+    took = re.fullmatch(
+        rf"prefix: 384 of {len(prompt)} tokens from peer {address} \([\d,]+ bytes on the wire, ([\d.]+) s\)", prefix
+    )
+    [saved] = fetched["estimated"]
+    saving = re.fullmatch(
+        r"estimated time saved: ([\d.]+) s \(prefilling the 384 cached tokens here takes about ([\d.]+) s at this "
+        r"Mac's measured rate; getting them took ([\d.]+) s\)",
+        saved,
+    )
+    assert weighed and took and saving, (choice, prefix, saved)
+    assert weighed[1] == saving[2] == "38.40" and took[1] == saving[3]
+    assert float(saving[1]) == pytest.approx(float(saving[2]) - float(saving[3]), abs=0.011)
+
+    # Ten million tokens/s here: prefilled, and no line says there was nothing cached or time saved.
+    prefilled = explained(*args, data_dir=timed(tmp_path / "fast", tiny_fp.model_id, 1e7))
+    assert [line.endswith(": prefill") for line in prefilled["choice:"]] == [True]
+    assert prefilled["prefix:"] == [
+        f"prefix: a peer's cache was weighed but not used (--explain says why); all {len(prompt)} tokens prefilled here"
+    ]
+    assert prefilled["estimated"] == []
+
+    # --fetch always weighs nothing, and says so, both of the fetch and of the local store's copy after it.
+    always = [*args, "--fetch", "always"]
+    forced = json.loads(cli(*always, "--json", data_dir=tmp_path / "b").stdout)
     assert forced["prefix_from"] == f"peer {address}" and forced["fetch_or_prefill"] == []
+    again = explained(*always, data_dir=tmp_path / "b")
+    assert again["prefix:"][0].startswith(f"prefix: 384 of {len(prompt)} tokens from local store")
+    assert again["choice:"] == ["choice: no peer had a longer cached prefix than the local store's: nothing to choose"]
+    other = explained(*always, data_dir=tmp_path / "c")
+    assert other["choice:"] == [
+        f"choice: --fetch always: the cache at {address} was fetched without weighing a prefill here"
+    ]
 
 
 def test_a_probe_measures_the_link_within_its_cap(tmp_path, serve):

@@ -156,16 +156,39 @@ def test_a_body_over_the_limit_is_refused_unread(tiny_dir, http_server):
     assert chat(client, QUESTION, max_tokens=2).usage.completion_tokens == 2
 
 
-def test_a_loopback_server_answers_only_loopback_hosts_and_origins(tiny_dir, http_server):
-    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+def test_a_loopback_server_answers_loopback_and_container_hosts_and_refuses_rebinding(tiny_dir, http_server):
+    # As Open WebUI in Docker calls it: http://host.docker.internal:PORT/v1, with its API key.
+    client, _ = http_server(tiny_dir, "a", "--no-mesh", "--api-key", "sk-local", "--allowed-host", "Studio.lan")
     url = str(client.base_url)
+    port = url.split("//")[1].split("/")[0].rsplit(":", 1)[1]
+    key = {"Authorization": "Bearer sk-local"}
     body = json.dumps({"model": "tiny", "messages": QUESTION, "max_tokens": 1}).encode()
-    for headers in ({"Host": "attacker.example:8080"}, {"Origin": "http://attacker.example"}):
-        status, answer = raw_post(url, body, headers)
+    refused = (
+        {"Host": f"attacker.example:{port}"},  # a page on a name rebound to 127.0.0.1
+        {"Host": f"host.docker.internal.attacker.example:{port}"},
+        {"Origin": "http://attacker.example"},  # a page's script
+        {"Host": f"host.docker.internal:{port}", "Origin": "http://attacker.example"},
+    )
+    for headers in refused:
+        status, answer = raw_post(url, body, {**key, **headers})
         assert status == 403 and answer["error"]["code"] == "forbidden", headers
-    for headers in ({"Host": "localhost:8080"}, {"Origin": "http://127.0.0.1:3000"}, {}):
-        status, answer = raw_post(url, body, headers)
+    served = (
+        {"Host": f"localhost:{port}"},
+        {"Origin": "http://127.0.0.1:3000"},
+        {},
+        {"Host": f"host.docker.internal:{port}"},
+        {"Host": f"studio.lan:{port}"},  # --allowed-host, in any case
+    )
+    for headers in served:
+        status, answer = raw_post(url, body, {**key, **headers})
         assert status == 200 and answer["usage"]["completion_tokens"] == 1, headers
+    status, answer = raw_post(url, body, {"Host": f"host.docker.internal:{port}"})
+    assert status == 401  # the key is still asked for
+    # The official client, as a container's app holds it (its Host header names the container's name).
+    docker = openai.OpenAI(
+        base_url=url, api_key="sk-local", max_retries=0, default_headers={"Host": f"host.docker.internal:{port}"}
+    )
+    assert [m.id for m in docker.models.list().data] == ["tiny"]
 
 
 def open_stream(url: str, body: dict) -> socket.socket:

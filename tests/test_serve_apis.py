@@ -310,3 +310,120 @@ def test_cors_for_the_configured_origin_only(server):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(other, timeout=30)
     assert refused.value.code == 403
+
+
+# A forced call takes ~60 tokens: cut at this many, it has its name and part of its arguments
+# (`{"cit`, on this model).
+CUT_TOKENS = 40
+
+
+def cut_arguments(arguments: str) -> None:
+    """Arguments that max_tokens cut: the start of the call's JSON object, never the template's markup."""
+    assert arguments.startswith("{") and "<tool_call>" not in arguments
+    with pytest.raises(ValueError):
+        json.loads(arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_cut_by_max_tokens_comes_back_as_each_api_returns_one(client, claude, stream):
+    # Chat completions: tool_calls with the arguments so far, finish_reason "length", no markup as text.
+    options = dict(model="tiny-tools", messages=chat_messages(), tools=CHAT_TOOLS, tool_choice="required")
+    if stream:
+        deltas = [c.choices[0] for c in client.chat.completions.create(max_tokens=CUT_TOKENS, stream=True, **options)]
+        assert "".join(d.delta.content or "" for d in deltas) == ""
+        calls = [call for d in deltas for call in d.delta.tool_calls or []]
+        (call,) = calls
+        name, arguments, finish = call.function.name, call.function.arguments, deltas[-1].finish_reason
+    else:
+        choice = client.chat.completions.create(max_tokens=CUT_TOKENS, **options).choices[0]
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls
+        name, arguments, finish = call.function.name, call.function.arguments, choice.finish_reason
+    assert (name, finish) == ("get_weather", "length")
+    cut_arguments(arguments)
+
+    # Anthropic: a tool_use block (its input read as far as it goes), stop_reason "max_tokens".
+    tools = [{"name": "get_weather", "description": FUNCTION["description"], "input_schema": CITY}]
+    asked = dict(model="claude-sonnet-4-5", max_tokens=CUT_TOKENS, tools=tools, tool_choice={"type": "any"})
+    asked["messages"] = [{"role": "user", "content": QUESTION}]
+    if stream:
+        with claude.messages.stream(**asked) as events:
+            kinds = [e.type for e in events]
+            message = events.get_final_message()
+        assert kinds[-1] == "message_stop"
+    else:
+        message = claude.messages.create(**asked)
+    (use,) = message.content
+    assert (use.type, use.name, message.stop_reason) == ("tool_use", "get_weather", "max_tokens")
+    assert isinstance(use.input, dict)
+
+    # Responses: a function_call item with status "incomplete"; the response incomplete, and ended.
+    items = dict(model="tiny-tools", input=QUESTION, tools=[{"type": "function", **FUNCTION}], tool_choice="required")
+    if stream:
+        events = list(client.responses.create(max_output_tokens=CUT_TOKENS, stream=True, **items))
+        assert events[-1].type == "response.incomplete"
+        response = events[-1].response
+    else:
+        response = client.responses.create(max_output_tokens=CUT_TOKENS, **items)
+    (item,) = response.output
+    assert (item.type, item.name, item.status, response.status) == (
+        "function_call",
+        "get_weather",
+        "incomplete",
+        "incomplete",
+    )
+    cut_arguments(item.arguments)
+
+
+def test_a_request_without_a_limit_generates_past_512_tokens_and_completes(client):
+    # As Codex CLI asks: no max_output_tokens. A schema holds the random model to a long answer that
+    # ends by itself (600 digits, each its own token or two), so the stream must end "completed".
+    digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}
+    schema = {**digits, "minItems": 600, "maxItems": 600}
+    text = {"format": {"type": "json_schema", "name": "digits", "schema": schema}}
+    events = list(client.responses.create(model="tiny-tools", input="Count.", text=text, stream=True))
+    assert events[-1].type == "response.completed"
+    done = events[-1].response
+    assert done.usage.output_tokens > 512 and len(json.loads(done.output_text)) == 600
+    model = client.models.retrieve("tiny-tools")
+    assert model.model_extra["max_model_len"] == 8192 and "max_tokens" not in model.model_extra
+
+
+def test_an_anthropic_prefill_is_continued(claude, tools_dir):
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import stream_generate
+
+    model, tokenizer = mlx_lm.load(str(tools_dir))
+    chat = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": '{"city":'}]
+    # The chat rendered to the end of the assistant's words (transformers' continue_final_message).
+    prompt = tokenizer.apply_chat_template(chat, continue_final_message=True, add_generation_prompt=False)
+    assert tokenizer.decode(prompt).endswith('{"city":')
+    expected = "".join(r.text for r in stream_generate(model, tokenizer, mx.array(prompt), 8))
+    made = claude.messages.create(model="claude-sonnet-4-5", max_tokens=8, messages=chat)
+    assert [(b.type, b.text) for b in made.content] == [("text", expected)]
+    assert made.usage.input_tokens + made.usage.cache_read_input_tokens == len(prompt)
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        claude.messages.create(
+            model="claude-sonnet-4-5", max_tokens=8, messages=[chat[0], {"role": "assistant", "content": "The "}]
+        )
+
+
+def test_reasoning_settings_on_a_model_that_does_not_reason_are_named_as_ignored(client, claude):
+    chat = client.chat.completions.with_raw_response.create(
+        model="tiny-tools", messages=chat_messages(), max_tokens=2, reasoning_effort="none"
+    )
+    assert chat.headers["x-kvmesh-ignored"] == "reasoning_effort"
+    high = client.chat.completions.with_raw_response.create(
+        model="tiny-tools", messages=chat_messages(), max_tokens=2, reasoning_effort="high"
+    )
+    assert high.headers["x-kvmesh-ignored"] == "reasoning_effort"
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    message = claude.messages.with_raw_response.create(
+        model="claude-sonnet-4-5", max_tokens=2, messages=[{"role": "user", "content": QUESTION}], thinking=thinking
+    )
+    assert message.headers["x-kvmesh-ignored"] == "thinking"
+    response = client.responses.with_raw_response.create(
+        model="tiny-tools", input=QUESTION, max_output_tokens=2, reasoning={"effort": "low", "summary": "auto"}
+    )
+    assert response.headers["x-kvmesh-ignored"] == "reasoning.effort, reasoning.summary"

@@ -24,6 +24,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 # holds both parts on this model).
 END_BIAS = 2.0
 TOKENS = 24
+BUDGET = 8
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +212,23 @@ def test_each_api_returns_the_thinking_apart_from_the_answer(think, think_dir, t
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
         [done] = [e for e in events if e.type == "response.completed" or e.type == "response.incomplete"]
         assert [c.text for i in done.response.output if i.type == "reasoning" for c in i.content] == [thought]
+
+        # A thinking budget is kept: after BUDGET tokens of thinking only </think> may come, and the
+        # answer follows (the random model never closes its thinking by itself).
+        model_, tokenizer = think
+        prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+        thinking = [r.token for r in stream_generate(model_, tokenizer, mx.array(prompt), BUDGET)]
+        rest = stream_generate(model_, tokenizer, mx.array(prompt + thinking + [end]), TOKENS - BUDGET - 1)
+        budgeted = (tokenizer.decode(thinking), "".join(r.text for r in rest))
+        assert budgeted[1] and thought.startswith(budgeted[0]) and len(budgeted[0]) < len(thought)
+        kept = claude.messages.create(
+            model="claude-sonnet-4-5",
+            max_tokens=TOKENS,
+            messages=QUESTION,
+            thinking={"type": "enabled", "budget_tokens": BUDGET},
+        )
+        assert [b.type for b in kept.content] == ["thinking", "text"]
+        assert (kept.content[0].thinking, kept.content[1].text) == budgeted
 
         # Thinking turned off, as each API says it: the template closes the thinking, all is answer.
         quiet = reference(think, thinking=False)[1]

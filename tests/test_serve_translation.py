@@ -44,9 +44,17 @@ def test_mlx_lm_reads_the_presets_tool_calls(tools_model):
     calls = [p for p in pieces if isinstance(p, ToolCall)]
     assert "".join(p for p in pieces if isinstance(p, str)) == "Let me look.Done"
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
-    # A call cut short comes back as its text; with tool_choice "none" nothing is read.
-    cut = AnswerSplitter(tokenizer, openai_tools(CHAT_TOOLS), calls=True, reasoning=True, prompt=[])
-    assert "".join(map(str, cut.feed('<tool_call>\n{"name": "get_') + cut.finish())) == '<tool_call>\n{"name": "get_'
+    # A call cut short is a call that is not complete, its arguments as far as they were written
+    # (never the markup); one cut before its name was written is nothing; with tool_choice "none"
+    # nothing is read.
+    def cut(text):
+        splitter = AnswerSplitter(tokenizer, openai_tools(CHAT_TOOLS), calls=True, reasoning=True, prompt=[])
+        return splitter.feed(text) + splitter.finish()
+
+    (partial,) = cut('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')[1:]
+    assert (partial.name, partial.arguments, partial.complete) == ("get_weather", '{"city": "Par', False)
+    assert cut('<tool_call>\n{"name": "get_') == []
+    assert cut('<tool_call>\n{"name": "no_such_tool", "arguments": {') == []
     plain = AnswerSplitter(tokenizer, openai_tools(CHAT_TOOLS), calls=False, reasoning=True, prompt=[])
     assert "".join(map(str, plain.feed(text) + plain.finish())) == text
 

@@ -2,7 +2,7 @@
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.cli.common import (
     Args,
@@ -23,6 +23,9 @@ from kvmesh.cli.common import (
 )
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
+
+if TYPE_CHECKING:  # generation loads MLX: only its types here
+    from kvmesh.generation import CachedPrefix, Generation
 
 
 def prefill(args: Args) -> int:
@@ -271,7 +274,6 @@ def generate(args: Args) -> int:
             rates=rates,
         )
     text = tokenizer.decode(result.tokens)
-    source = result.prefix
     saving = result.estimated_saving_s
     if args.json:
         print(
@@ -280,7 +282,7 @@ def generate(args: Args) -> int:
                     "text": text,
                     "tokens": result.tokens,
                     "prompt_tokens": result.prompt_tokens,
-                    **source.report(),
+                    **result.prefix.report(),
                     "prefill_s": round(result.prefill_s, 4),
                     "generate_s": round(result.generate_s, 4),
                     "estimated_saving_s": None if saving is None else round(saving, 3),
@@ -291,29 +293,59 @@ def generate(args: Args) -> int:
         return 0
     print(text)
     print(file=sys.stderr)
-    if source.tokens:
-        print(
-            f"prefix: {source.tokens} of {result.prompt_tokens} tokens from {source.where} "
-            f"({source.wire_bytes:,} bytes on the wire, {source.seconds:.2f} s)",
-            file=sys.stderr,
-        )
-    else:
-        print(f"prefix: none cached; all {result.prompt_tokens} tokens prefilled here", file=sys.stderr)
-    print(
-        f"prefill of the remaining {result.prompt_tokens - source.tokens} tokens: {result.prefill_s:.2f} s; "
-        f"{len(result.tokens)} tokens generated in {result.generate_s:.2f} s",
-        file=sys.stderr,
-    )
-    if saving is not None:
-        print(f"estimated time saved against prefilling the cached tokens here: {saving:.2f} s", file=sys.stderr)
-    for reason in source.skipped:
-        print(f"skipped: {reason}", file=sys.stderr)
+    for line in summary_lines(result):
+        print(line, file=sys.stderr)
     if args.explain:
         for line in link_lines(args):
             print(f"link: {line}", file=sys.stderr)
-        for choice in source.fetch_or_prefill or ["no peer had a longer cached prefix: nothing to choose"]:
+        for choice in choice_lines(result.prefix):
             print(f"choice: {choice}", file=sys.stderr)
     return 0
+
+
+def summary_lines(result: "Generation") -> list[str]:
+    """What generate says of its prompt's prefix, from the one record of it (CachedPrefix): where it
+    came from, the prefill of the rest, the time saved (by the prefill rate the choices weighed with,
+    when they did) and what was skipped."""
+    source, saving = result.prefix, result.estimated_saving_s
+    if source.tokens:
+        where = (
+            f"prefix: {source.tokens} of {result.prompt_tokens} tokens from {source.where} "
+            f"({source.wire_bytes:,} bytes on the wire, {source.seconds:.2f} s)"
+        )
+    elif source.fetch_or_prefill:
+        where = (
+            "prefix: a peer's cache was weighed but not used (--explain says why); "
+            f"all {result.prompt_tokens} tokens prefilled here"
+        )
+    else:
+        where = f"prefix: none cached; all {result.prompt_tokens} tokens prefilled here"
+    lines = [
+        where,
+        f"prefill of the remaining {result.prompt_tokens - source.tokens} tokens: {result.prefill_s:.2f} s; "
+        f"{len(result.tokens)} tokens generated in {result.generate_s:.2f} s",
+    ]
+    if saving is not None and source.expected_prefill_s is not None:
+        lines.append(
+            f"estimated time saved: {saving:.2f} s (prefilling the {source.tokens} cached tokens here takes about "
+            f"{source.expected_prefill_s:.2f} s at this Mac's measured rate; getting them took {source.seconds:.2f} s)"
+        )
+    elif saving is not None:
+        lines.append(
+            f"estimated time saved against prefilling the cached tokens here at this run's rate: {saving:.2f} s"
+        )
+    return lines + [f"skipped: {reason}" for reason in source.skipped]
+
+
+def choice_lines(source: "CachedPrefix") -> list[str]:
+    """Each choice between a peer's cache and a prefill here, or why there was none to make."""
+    if source.fetch_or_prefill:
+        return list(source.fetch_or_prefill)
+    if source.where.startswith("peer "):
+        return [f"--fetch always: the cache at {source.where[5:]} was fetched without weighing a prefill here"]
+    if source.tokens:
+        return [f"no peer had a longer cached prefix than the {source.where}'s: nothing to choose"]
+    return ["no peer offered a cached prefix of this prompt: nothing to choose"]
 
 
 def link_lines(args: Args) -> list[str]:

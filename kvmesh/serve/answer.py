@@ -15,7 +15,7 @@ from typing import Any
 
 from mlx_lm.generate import TextStateMachine
 
-from kvmesh.serve.tools import Tool, ToolCall, parse_calls
+from kvmesh.serve.tools import Tool, ToolCall, parse_calls, partial_call
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,10 @@ def transitions(tokenizer: Any, *, reasoning: bool, calls: bool) -> dict[str, li
 class AnswerSplitter:
     """Splits the model's text as it streams into reasoning, plain text and tool calls (see
     `transitions`; text of other states, a response format's headers, is dropped as mlx-lm drops
-    it). A call that does not parse (cut short by max_tokens), or markup in a request that reads no
-    calls, comes back as the text it was, where it was, so nothing is lost. With neither `reasoning`
+    it). A call that max_tokens cut comes back as a call that is not complete (its name and
+    arguments so far, as the official APIs return one), or as nothing when not even its name was
+    written: never as the template's markup. A complete call that does not parse, or markup in a
+    request that reads no calls, comes back as the text it was, where it was. With neither `reasoning`
     nor `calls` (a raw completion, a JSON response format) the text comes back as written."""
 
     def __init__(self, tokenizer: Any, tools: list[Tool], *, calls: bool, reasoning: bool, prompt: list[int]):
@@ -131,6 +133,9 @@ class AnswerSplitter:
         made there)."""
         text, self._call = self._call, ""
         calls = parse_calls(self._tokenizer, text, self._tools) if self._read_calls else None
+        if calls is None and self._read_calls and not complete:
+            cut = partial_call(text, self._tools)
+            calls = [cut] if cut is not None else []
         if calls is None:
             end = self._tokenizer.tool_call_end if complete else ""
             markup = f"{self._tokenizer.tool_call_start}{text}{end or ''}"

@@ -11,8 +11,8 @@ model name is the served model (kvmesh.serve.app.ServedModel.serves).
 those a cache held (memory, the store or a peer), `cache_creation_input_tokens` 0 (every prompt's
 cache is kept, at no extra cost). A reasoning model's thinking comes back as `thinking` blocks
 (with an empty `signature`: there is nobody to sign them); `thinking` turns it on or off
-("enabled", "disabled"; `budget_tokens` and `display` are not kept to), and thinking blocks sent
-back go to the template as the assistant's `reasoning_content` (which Qwen3's and DeepSeek's
+("enabled", "disabled"; `budget_tokens` is kept to: kvmesh.serve.thinking_budget; `display` is not),
+and thinking blocks sent back go to the template as the assistant's `reasoning_content` (which Qwen3's and DeepSeek's
 templates render, or drop, as they do for the chat API). Accepted without effect: `metadata`, `service_tier`,
 `context_management`, `cache_control` on blocks (caching is automatic), and fields this server
 does not know; refused: images and documents, server tools, `mcp_servers`, `container`.
@@ -22,6 +22,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import jiter
 from starlette.responses import JSONResponse
 
 from kvmesh.serve.answer import Reasoning
@@ -32,6 +33,7 @@ from kvmesh.serve.tools import (
     ToolCall,
     ToolChoice,
     checked,
+    cut_short,
     function_tool,
     template_messages,
     tool_objects,
@@ -189,27 +191,46 @@ def turn_of(body: dict, vocab: int) -> Turn:
     if body.get("max_tokens") is None:
         raise refuse("max_tokens is required", "max_tokens")
     tools = tools_of(body.get("tools"))
-    return Turn(
-        messages=template_messages(chat_of(body)),
+    messages = template_messages(chat_of(body))
+    turn = Turn(
+        messages=messages,
         tools=tools,
         tool_choice=tool_choice_of(body.get("tool_choice"), tools),
         max_tokens=number(body, "max_tokens", int, None, 1, 1 << 20),
         stop=stop_strings(body.get("stop_sequences"), "stop_sequences", limit=64),
         sampling=sampling(body, vocab),
         ignored=sorted(k for k in body if k not in SERVED),
-        thinking=thinking_switch(body.get("thinking")),
+        continues=prefill_of(messages),
     )
+    return thinking_served(turn, body.get("thinking"))
 
 
-def thinking_switch(value: Any) -> bool | None:
-    """`thinking` as a reasoning model's switch: "disabled" turns its thinking off, "enabled" on
-    (`budget_tokens` is not kept to: the model thinks as long as it does); absent, as its template
-    does."""
-    if value is None:
+def prefill_of(messages: list[dict]) -> str | None:
+    """The text a chat's last assistant message puts in the model's mouth (Anthropic continues it:
+    Claude Code and structured-output users rely on it), or None when the chat ends otherwise."""
+    last = messages[-1]
+    if last["role"] != "assistant" or last.get("tool_calls") or not last.get("content"):
         return None
+    text = last["content"]
+    if text != text.rstrip():  # (as Anthropic's API says it)
+        raise refuse("final assistant content cannot end with trailing whitespace", "messages")
+    return text
+
+
+def thinking_served(turn: Turn, value: Any) -> Turn:
+    """`turn` with what `thinking` does to a reasoning model: "disabled" turns its thinking off,
+    "enabled" (with `budget_tokens`, which is kept to), "adaptive" and "between_tools" on; absent, as
+    its template does. A model that does not reason has it named as ignored, as is `display`."""
+    if value is None:
+        return turn
     if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled", "adaptive", "between_tools"):
         raise refuse('thinking must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}', "thinking")
-    return {"enabled": True, "between_tools": True, "disabled": False}.get(value["type"])
+    turn.thinking = {"enabled": True, "between_tools": True, "disabled": False}.get(value["type"])
+    if value["type"] == "enabled" and value.get("budget_tokens") is not None:
+        turn.thinking_budget = number(value, "budget_tokens", int, None, 1, 1 << 20)
+    turn.reasoning_fields.append("thinking")
+    turn.ignored += [f"thinking.{k}" for k in sorted(value) if k not in ("type", "budget_tokens")]
+    return turn
 
 
 def sampling(body: dict, vocab: int) -> Sampling:
@@ -221,13 +242,16 @@ def sampling(body: dict, vocab: int) -> Sampling:
     )
 
 
-def stop_reason(done: Done, calls: int) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence."""
-    if done.finish_reason == "length":
+def stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence: "max_tokens" when it cut a call, "tool_use" when
+    the answer made calls (all complete)."""
+    if cut_short(calls):
         return "max_tokens", None
     if done.stop_string is not None:
         return "stop_sequence", done.stop_string
-    return ("tool_use" if calls else "end_turn"), None
+    if calls:
+        return "tool_use", None
+    return ("max_tokens" if done.finish_reason == "length" else "end_turn"), None
 
 
 def usage(prompt_tokens: int, cached: int, output: int) -> dict:
@@ -240,9 +264,13 @@ def usage(prompt_tokens: int, cached: int, output: int) -> dict:
 
 
 def tool_use(call: ToolCall) -> dict:
+    """A tool_use block; a call that max_tokens cut has the input written so far (its JSON read as far
+    as it goes, as Anthropic's clients read a streamed one)."""
     try:
-        arguments = json.loads(call.arguments)
+        arguments = jiter.from_json(call.arguments.encode(), partial_mode="trailing-strings")
     except ValueError:
+        arguments = {}
+    if not isinstance(arguments, dict):
         arguments = {}
     return {"type": "tool_use", "id": f"toolu_{call.id}", "name": call.name, "input": arguments}
 
@@ -253,7 +281,7 @@ def message_of(outcome: Outcome, model: str, ident: str) -> dict:
     content: list[dict] = [thinking(outcome.reasoning)] if outcome.reasoning else []
     content += [{"type": "text", "text": outcome.text}] if outcome.text else []
     content += [tool_use(c) for c in outcome.calls]
-    reason, sequence = stop_reason(done, len(outcome.calls))
+    reason, sequence = stop_reason(done, outcome.calls)
     return {
         "id": ident,
         "type": "message",
@@ -281,7 +309,7 @@ async def events(pieces: AsyncIterator[Any], model: str, ident: str) -> AsyncIte
     prefix is found), then per block content_block_start, its deltas (thinking_delta and an empty
     signature_delta, text_delta, or the call's arguments as one input_json_delta) and
     content_block_stop, then message_delta (stop_reason, usage) and message_stop."""
-    index, calls = 0, 0
+    index, calls = 0, []
     open_block: str | None = None  # the kind of the block being written: "thinking" or "text"
 
     def close() -> list[dict]:
@@ -338,7 +366,8 @@ async def events(pieces: AsyncIterator[Any], model: str, ident: str) -> AsyncIte
                 delta = {"type": "input_json_delta", "partial_json": piece.arguments}
                 yield event("content_block_delta", {"index": index, "delta": delta})
                 yield event("content_block_stop", {"index": index})
-                index, calls = index + 1, calls + 1
+                index = index + 1
+                calls.append(piece)
             elif isinstance(piece, Done):
                 for e in close():
                     yield e

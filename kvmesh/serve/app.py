@@ -38,10 +38,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvmesh.serve import anthropic, openai_api, responses
-from kvmesh.serve.answer import AnswerSplitter, Reasoning
+from kvmesh.serve.answer import AnswerSplitter, Reasoning, starts_in_reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
 from kvmesh.serve.engine import RETRY_AFTER_S, Abandoned, Busy, Delta, Done, Engine, Job, Started, TokenLogprob
 from kvmesh.serve.grammar import GrammarError, Grammars, json_object_grammar, json_schema_grammar
+from kvmesh.serve.thinking_budget import ThinkingBudget, marker_ids
 from kvmesh.serve.tools import ToolCall, check_model_calls_tools, forced_call_grammar
 from kvmesh.serve.turns import Outcome, Text, Turn
 
@@ -73,6 +74,19 @@ DISCONNECT_CHECK_S = 0.5
 # Host (DNS rebinding) or from another Origin (a page's script) is refused: without an API key the
 # loopback API is open to whatever reaches it, and a browser reaches it for any page it shows.
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+# The names by which a container on this Mac reaches its loopback (Docker Desktop's and OrbStack's,
+# Podman's, Lima's and so Colima's): Open WebUI in Docker calls http://host.docker.internal:8080/v1.
+# No public DNS name is one of them (.internal is reserved for private use), so a rebinding page
+# cannot take them; and a browser's request under them still carries its Origin, which is checked.
+CONTAINER_HOSTS = frozenset(
+    {
+        "host.docker.internal",
+        "gateway.docker.internal",
+        "host.orb.internal",
+        "host.containers.internal",
+        "host.lima.internal",
+    }
+)
 # Threads that parse bodies and tokenize prompts, off the event loop. Few: each may hold a huge
 # prompt, and tokenizing is the tokenizer's (Rust) work, which more threads would not speed up here.
 PARSE_THREADS = 2
@@ -125,15 +139,19 @@ def make_app(
     read_timeout: float = 30.0,
     loopback: bool = True,
     cors_origins: tuple[str, ...] = (),
+    allowed_hosts: tuple[str, ...] = (),
 ) -> Starlette:
     """The ASGI application; requests go to `engine` (a 429 past its bound). A body over `max_body_bytes`
     is refused unread, one that pauses for `read_timeout` seconds gets a 408; on `loopback`,
-    requests under another Host or from another Origin are refused too, except from `cors_origins`
-    ("*": any), which browsers may call (CORS)."""
+    requests under a Host other than a loopback name, a container's name for the host or one of
+    `allowed_hosts` are refused too, and so are those from another Origin, except from `cors_origins`
+    ("*": any), which browsers may call (CORS). `default_max_tokens` 0: a request that gives no
+    limit may generate to the end of the context."""
     tokenizer = engine.tokenizer
     vocab = len(tokenizer.get_vocab())
     grammars = Grammars(tokenizer)
     parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="kvmesh-parse")
+    host_names = LOOPBACK_NAMES | CONTAINER_HOSTS | {name.lower() for name in allowed_hosts}
 
     async def off_loop(work: Callable[[], T]) -> T:
         """`work`'s result, made on a parsing thread while the loop serves others."""
@@ -146,12 +164,19 @@ def make_app(
         if loopback:
             host = host_name(request.headers.get("host", ""))
             origin = request.headers.get("origin")
-            if host not in LOOPBACK_NAMES or (origin is not None and not origin_allowed(origin)):
+            if host not in host_names:
                 raise ApiError(
                     403,
-                    "this server answers loopback requests only (Host and Origin must be 127.0.0.1, localhost "
-                    "or [::1], or an origin of --web-origin): serve with --host and --api-key to be reached "
-                    "otherwise",
+                    f"this server answers loopback requests only, and {host!r} is not a name of this machine: "
+                    "call it as 127.0.0.1, localhost, [::1] or host.docker.internal (from a container), or "
+                    "give --allowed-host NAME; serve with --host and --api-key to be reached from elsewhere",
+                    code="forbidden",
+                )
+            if origin is not None and not origin_allowed(origin):
+                raise ApiError(
+                    403,
+                    f"this server does not answer web pages of {origin}: give --web-origin {origin} to let "
+                    "that page call it from a browser",
                     code="forbidden",
                 )
         if api_key is None:
@@ -227,9 +252,24 @@ def make_app(
         if thinking is not None:
             extra["enable_thinking"] = thinking
         try:
-            return list(tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, **extra))
+            if turn.continues is None:
+                return list(tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, **extra))
+            text = tokenizer.apply_chat_template(turn.messages, add_generation_prompt=False, tokenize=False, **extra)
         except Exception as e:  # the template's own error, about these messages
             raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from None
+        return continued(text, turn.continues)
+
+    def continued(text: str, prefill: str) -> list[int]:
+        """The chat rendered up to the end of its last (assistant) message, without the end of the
+        turn the template writes after it: what transformers' `continue_final_message` does."""
+        at = text.rfind(prefill)
+        if at < 0:
+            raise ApiError(
+                400,
+                "the chat template does not write the last assistant message as given: it cannot be continued",
+                "messages",
+            )
+        return list(tokenizer.encode(text[: at + len(prefill)], add_special_tokens=False))
 
     def grammar_of(turn: Turn) -> str | None:
         """The grammar the output is held to: a forced call's, else the response format's."""
@@ -243,6 +283,18 @@ def make_app(
             return json_schema_grammar(turn.response_format.schema or {})
         return None
 
+    def processors_of(turn: Turn, tokens: list[int], grammar: Any) -> Callable[[], list[Any]] | None:
+        """What makes the job's own logits processors (on the generation thread): the grammar's, or
+        the thinking budget's, which keeps state of its own for each job."""
+        if grammar is not None:
+            return lambda: [grammar]
+        if turn.thinking_budget is None or not tokenizer.has_thinking or turn.thinking is False:
+            return None
+        start, end = marker_ids(tokenizer)
+        thinking = starts_in_reasoning(tokenizer, tokens)
+        budget = turn.thinking_budget
+        return lambda: [ThinkingBudget(budget, start_id=start, end_id=end, thinking=thinking)]
+
     def job_of(turn: Turn) -> tuple[Job, AnswerSplitter]:
         """The engine's job for `turn`, and the splitter that reads its reasoning and calls (on a
         parsing thread: rendering and compiling a grammar take a while)."""
@@ -254,8 +306,9 @@ def make_app(
             raise refuse(f"the grammar cannot be made: {e}", param) from None
         # A grammar holds the output from its first token: there is no thinking to hold it to.
         tokens = render(turn, thinking=turn.thinking if grammar is None else False)
-        max_tokens = turn.max_tokens or default_max_tokens
-        if len(tokens) + max_tokens > model.context_length:
+        room = model.context_length - len(tokens)
+        max_tokens = turn.max_tokens or (min(default_max_tokens, room) if default_max_tokens else room)
+        if max_tokens < 1 or len(tokens) + max_tokens > model.context_length:
             raise ApiError(
                 400,
                 f"the prompt has {len(tokens)} tokens and {max_tokens} more were asked for; this "
@@ -271,7 +324,7 @@ def make_app(
             turn.sampling,
             turn.stop,
             partition=turn.partition,
-            processors=(lambda: [processor]) if processor is not None else None,
+            processors=processors_of(turn, tokens, processor),
             top_logprobs=turn.top_logprobs,
         )
         # A raw completion's text comes back as written, and so does JSON a response format holds
@@ -292,6 +345,8 @@ def make_app(
         body = await body_of(request, claude_names)
         turn = await off_loop(lambda: make_turn(body))  # (copies the messages: a long chat takes a while)
         turn.partition = cache_partition(body)
+        if not tokenizer.has_thinking:  # (this model does not reason: what acts on reasoning does nothing)
+            turn.ignored = sorted({*turn.ignored, *turn.reasoning_fields})
         job, splitter = await off_loop(lambda: job_of(turn))
         if not engine.alive:
             raise ApiError(503, "the generation thread has stopped; restart the server", code="unavailable")
@@ -435,7 +490,7 @@ def make_app(
                 choice: dict[str, Any] = {
                     "index": 0,
                     "message": message,
-                    "finish_reason": openai_api.chat_finish(done.finish_reason, len(outcome.calls)),
+                    "finish_reason": openai_api.chat_finish(done.finish_reason, outcome.calls),
                     "logprobs": openai_api.chat_logprobs(tokenizer, outcome.logprobs)
                     if turn.top_logprobs is not None
                     else None,
@@ -477,7 +532,8 @@ def make_app(
                     }
                 )
 
-            calls, offset = 0, 0
+            calls: list[ToolCall] = []
+            offset = 0
             try:
                 async for piece in pieces(ticket, splitter):
                     delta: dict[str, Any]
@@ -499,9 +555,9 @@ def make_app(
                         delta = {
                             "role": "assistant",
                             "content": None,
-                            "tool_calls": openai_api.tool_calls_json([piece], calls, streaming=True),
+                            "tool_calls": openai_api.tool_calls_json([piece], len(calls), streaming=True),
                         }
-                        calls += 1
+                        calls.append(piece)
                         yield chunk([{"index": 0, "delta": delta, "finish_reason": None}])
                     elif isinstance(piece, Done):
                         finish = openai_api.chat_finish(piece.finish_reason, calls) if chat else piece.finish_reason
@@ -582,7 +638,12 @@ def make_app(
         )
 
     def model_object() -> dict:
-        return {"id": model.name, "object": "model", "created": 0, "owned_by": "kvmesh"}
+        # vLLM's name for the context; a request without a limit may generate all of it that its
+        # prompt leaves, or up to the server's --max-tokens.
+        limits = {"max_model_len": model.context_length}
+        if default_max_tokens:
+            limits["max_tokens"] = default_max_tokens
+        return {"id": model.name, "object": "model", "created": 0, "owned_by": "kvmesh", **limits}
 
     async def models(request: Request) -> Response:
         try:

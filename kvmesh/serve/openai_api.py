@@ -13,7 +13,8 @@ effect here and named in the response's `x-kvmesh-ignored` header (and `usage.kv
   call; otherwise the model's calls are all read), `stream_options.include_obfuscation`, and any
   field this server does not know.
 - for a reasoning model: `reasoning_effort` "none" turns its thinking off (other efforts leave it
-  on: the model thinks as long as it does), as does `chat_template_kwargs: {"enable_thinking":
+  on, and are named as ignored: the model thinks as long as it does; on a model that does not
+  reason, "none" is named as ignored too), as does `chat_template_kwargs: {"enable_thinking":
   false}` (variables for the chat template, as mlx-lm's server and vLLM take them).
 """
 
@@ -21,8 +22,16 @@ from typing import Any
 
 from kvmesh.serve.api_errors import refuse
 from kvmesh.serve.engine import TokenLogprob
-from kvmesh.serve.tools import ToolCall, ToolChoice, openai_tool_choice, openai_tools, template_messages
-from kvmesh.serve.turns import Turn, number, response_format_of, sampling_of, stop_strings, stream_flag, thinking_of
+from kvmesh.serve.tools import ToolCall, ToolChoice, cut_short, openai_tool_choice, openai_tools, template_messages
+from kvmesh.serve.turns import (
+    Turn,
+    effort_served,
+    number,
+    response_format_of,
+    sampling_of,
+    stop_strings,
+    stream_flag,
+)
 
 SERVED = {
     "model",
@@ -121,7 +130,7 @@ def chat_turn(body: dict, vocab: int) -> Turn:
         top = number(body, "top_logprobs", int, 0, 0, 20)
     elif body.get("top_logprobs") is not None:
         raise refuse("top_logprobs needs logprobs: true", "top_logprobs")
-    return Turn(
+    turn = Turn(
         messages=template_messages(body.get("messages")),
         tools=tools,
         tool_choice=openai_tool_choice(body.get("tool_choice"), tools),
@@ -131,9 +140,9 @@ def chat_turn(body: dict, vocab: int) -> Turn:
         sampling=sampling_of(body, vocab),
         top_logprobs=top,
         ignored=ignored_fields(body, SERVED),
-        thinking=thinking_of(body.get("reasoning_effort"), "reasoning_effort"),
         template_kwargs=template_kwargs_of(body.get("chat_template_kwargs")),
     )
+    return effort_served(turn, body.get("reasoning_effort"), "reasoning_effort")
 
 
 # apply_chat_template's own arguments (transformers'): set by the request or by the server, never by
@@ -199,9 +208,12 @@ def tool_calls_json(calls: list[ToolCall], first_index: int = 0, streaming: bool
     return out
 
 
-def chat_finish(finish: str, calls: int) -> str:
-    """The finish reason: "tool_calls" when the turn ended on its own after a call (as mlx-lm's server says)."""
-    return "tool_calls" if calls and finish == "stop" else finish
+def chat_finish(finish: str, calls: list[ToolCall]) -> str:
+    """The finish reason: "length" when max_tokens cut a call, else "tool_calls" when the answer made
+    calls (all complete), else mlx-lm's."""
+    if cut_short(calls):
+        return "length"
+    return "tool_calls" if calls else finish
 
 
 def token_text(tokenizer: Any, token: int) -> str:

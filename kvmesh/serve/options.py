@@ -31,7 +31,11 @@ class ServeOptions:
     memory_bytes: int = setting(2 << 30, help="bytes of live caches kept in memory, least recently used out")
     memory_caches: int = setting(16, help="live caches kept in memory at most (mlx-lm's --prompt-cache-size)")
     min_store_tokens: int = setting(512, help="caches of at least this many tokens also go to the store")
-    max_tokens: int = setting(512, help="max_tokens of a request that gives none")
+    # OpenAI's and vLLM's default is the rest of the context: an agent that sends no limit (Codex CLI)
+    # would read an answer cut at any fixed number as broken.
+    max_tokens: int = setting(
+        0, help="max_tokens of a request that gives none (0: as many as the model's context leaves)"
+    )
     # Timeouts.stream_idle says why (shorter than the daemon's: a request waits on it).
     idle_timeout: float = setting(
         TIMEOUTS.stream_idle, help="seconds a peer's transfer may stall before the request prefills", metavar="SECONDS"
@@ -80,18 +84,29 @@ class ServeOptions:
         metavar="ORIGIN",
     )
 
+    # A container on this Mac reaches a loopback server under the host name its runtime gives it;
+    # CONTAINER_HOSTS are always answered, these too.
+    allowed_hosts: tuple[str, ...] = setting(
+        (),
+        help="a host name a loopback server answers to besides 127.0.0.1, localhost, [::1] and the container "
+        "names (host.docker.internal, ...)",
+        flag="--allowed-host",
+        metavar="NAME",
+    )
+
     def __post_init__(self) -> None:
         for name in (
             "memory_bytes",
             "memory_caches",
             "min_store_tokens",
-            "max_tokens",
             "max_body_bytes",
             "max_connections",
             "max_requests",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.max_tokens < 0:
+            raise ConfigError(f"max_tokens must be 0 (the rest of the context) or more, not {self.max_tokens}")
         for name in ("read_header_timeout", "read_timeout", "local_daemon_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be more than 0 seconds, not {getattr(self, name)}")

@@ -29,13 +29,23 @@ from kvmesh.serve.engine import Done
 from kvmesh.serve.tools import (
     Tool,
     ToolCall,
+    cut_short,
     function_tool,
     openai_tool_choice,
     template_messages,
     tool_objects,
     unique,
 )
-from kvmesh.serve.turns import Outcome, Text, Turn, number, refuse_given, response_format_of, sampling_of, thinking_of
+from kvmesh.serve.turns import (
+    Outcome,
+    Text,
+    Turn,
+    effort_served,
+    number,
+    refuse_given,
+    response_format_of,
+    sampling_of,
+)
 
 SERVED = {
     "model",
@@ -140,7 +150,7 @@ def turn_of(body: dict, vocab: int) -> Turn:
     ignored += [f"reasoning.{k}" for k in sorted(reasoning) if k != "effort"]  # (summary: none is written)
     if set(text) - {"format"}:
         ignored.append("text.verbosity" if "verbosity" in text else "text")
-    return Turn(
+    turn = Turn(
         messages=template_messages(chat_of(body), "input"),
         tools=tools,
         tool_choice=openai_tool_choice(body.get("tool_choice"), tools),
@@ -148,8 +158,8 @@ def turn_of(body: dict, vocab: int) -> Turn:
         max_tokens=number(body, "max_output_tokens", int, None, 1, 1 << 20),
         sampling=sampling_of({k: body.get(k) for k in ("temperature", "top_p")}, vocab),
         ignored=ignored,
-        thinking=thinking_of(reasoning.get("effort"), "reasoning.effort"),
     )
+    return effort_served(turn, reasoning.get("effort"), "reasoning.effort")
 
 
 def new_id(prefix: str) -> str:
@@ -179,13 +189,15 @@ def reasoning_item(ident: str, text: str, status: str) -> dict:
 
 
 def call_item(ident: str, call: ToolCall, status: str) -> dict:
+    """A function_call item; one that max_tokens cut is "incomplete", with the arguments written so far."""
+    done = "completed" if call.complete else "incomplete"
     return {
         "type": "function_call",
         "id": ident,
         "call_id": f"call_{call.id}",
         "name": call.name,
         "arguments": call.arguments if status != "added" else "",
-        "status": "in_progress" if status == "added" else "completed",
+        "status": "in_progress" if status == "added" else done,
     }
 
 
@@ -201,6 +213,7 @@ class Answer:
     count_tokens: Callable[[str], int]
     output: list[dict] = field(default_factory=list)
     sequence: int = 0
+    _calls: list[ToolCall] = field(default_factory=list)
 
     def response(self, status: str, done: Done | None = None) -> dict:
         """The Response object (`status`: in_progress, completed or incomplete)."""
@@ -230,6 +243,10 @@ class Answer:
             "usage": usage(done, self.count_tokens(self.reasoning())) if done is not None else None,
         }
 
+    def calls(self) -> list[ToolCall]:
+        """The calls written so far."""
+        return list(self._calls)
+
     def reasoning(self) -> str:
         """The reasoning written so far (its items' text)."""
         return "".join(c["text"] for i in self.output if i["type"] == "reasoning" for c in i["content"])
@@ -241,7 +258,8 @@ class Answer:
         if outcome.text or not outcome.calls:
             self.output.append(message_item(new_id("msg"), outcome.text, "done"))
         self.output += [call_item(new_id("fc"), c, "done") for c in outcome.calls]
-        return self.response(status_of(outcome.done), outcome.done)
+        self._calls += outcome.calls
+        return self.response(status_of(outcome.done, outcome.calls), outcome.done)
 
     def event(self, kind: str, **data: Any) -> dict:
         self.sequence += 1
@@ -302,7 +320,7 @@ class Answer:
                         for e in self.call_events(piece):
                             yield e
                     else:
-                        status = status_of(piece)
+                        status = status_of(piece, self.calls())
                         yield self.event(f"response.{status}", response=self.response(status, piece))
         except ApiError as e:
             error = {"code": e.code or "server_error", "message": e.message}
@@ -330,6 +348,7 @@ class Answer:
 
     def call_events(self, call: ToolCall) -> list[dict]:
         ident, index = new_id("fc"), len(self.output)
+        self._calls.append(call)
         item = call_item(ident, call, "done")
         self.output.append(item)
         return [
@@ -348,8 +367,10 @@ class Answer:
         ]
 
 
-def status_of(done: Done) -> str:
-    return "incomplete" if done.finish_reason == "length" else "completed"
+def status_of(done: Done, calls: list[ToolCall]) -> str:
+    """ "incomplete" when max_tokens cut the answer, unless it made calls and all of them are whole."""
+    cut = cut_short(calls) or (done.finish_reason == "length" and not calls)
+    return "incomplete" if cut else "completed"
 
 
 def usage(done: Done, reasoning_tokens: int) -> dict:

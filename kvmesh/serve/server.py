@@ -125,6 +125,7 @@ def serve(
         read_timeout=options.read_timeout,
         loopback=is_loopback(options.host),
         cors_origins=options.web_origins,
+        allowed_hosts=options.allowed_hosts,
     )
     server, backlog = http_server(app, options, on_stop=engine.stop)
     sock.listen(backlog)  # before the URL is announced: a client that reads it can connect at once
@@ -134,6 +135,8 @@ def serve(
     announce(f"kvmesh serve: {name} at {url} (model id {fp.model_id})")
     if mesh:
         announce(f"  mesh: {mesh}")
+    limit = f"up to {options.max_tokens}" if options.max_tokens else "to the end of the context"
+    announce(f"  a request without max_tokens generates {limit} ({served.context_length:,} tokens in all)")
     if calibrating:
         announce('  calibrating the prefill rate here (once): /health says "starting" until done; requests wait')
     try:

@@ -15,6 +15,7 @@ call the model made renders as the model wrote it and the next prompt extends th
 
 import copy
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,11 +55,18 @@ class ToolChoice:
 @dataclass(frozen=True)
 class ToolCall:
     """A call the model made: `arguments` is JSON text, as OpenAI sends it; `id` is bare hex, each
-    API prefixes it in its own way (call_, toolu_)."""
+    API prefixes it in its own way (call_, toolu_). A call cut short by max_tokens is not
+    `complete`: its arguments are what was written of them, as the official APIs return such a call."""
 
     name: str
     arguments: str
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    complete: bool = True
+
+
+def cut_short(calls: list[ToolCall]) -> bool:
+    """Whether the answer ends in a call that max_tokens cut: each API then says its answer was cut."""
+    return any(not c.complete for c in calls)
 
 
 def function_tool(name: Any, description: Any, parameters: Any, param: str) -> Tool:
@@ -205,3 +213,25 @@ def parse_calls(tokenizer: Any, text: str, tools: list[dict]) -> list[ToolCall] 
             arguments = json.dumps(arguments, ensure_ascii=False)
         calls.append(ToolCall(call["name"], arguments))
     return calls
+
+
+# A JSON call's name, and where its arguments begin (json_tools' "arguments", some templates' "parameters").
+CALL_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+CALL_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+def partial_call(text: str, tools: list[dict]) -> ToolCall | None:
+    """The call that `text` began before max_tokens cut it: its name, and its arguments as far as
+    they were written. Read only where the call is JSON that names one of `tools` (the json_tools
+    format and its kin); None otherwise, when nothing of a call can be told."""
+    name = CALL_NAME.search(text)
+    if name is None:
+        return None
+    try:
+        called = json.loads(f'"{name.group(1)}"')
+    except ValueError:
+        return None
+    if called not in {t["function"]["name"] for t in tools}:
+        return None
+    arguments = CALL_ARGUMENTS.search(text, name.end())
+    return ToolCall(called, text[arguments.end() :].rstrip() if arguments else "", complete=False)

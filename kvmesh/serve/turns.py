@@ -53,6 +53,13 @@ class Turn:
     # does by default. And variables for the template (chat's `chat_template_kwargs`, as mlx-lm's).
     thinking: bool | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The last message's text when the request's chat ends in the assistant's own words (an Anthropic
+    # prefill such as `{"city":`): the answer goes on from it instead of starting a new turn.
+    continues: str | None = None
+    # Tokens the thinking may take before it is ended (Anthropic's budget_tokens); None: no bound.
+    thinking_budget: int | None = None
+    # Fields that act on a reasoning model only: on any other, they are named as ignored too.
+    reasoning_fields: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -91,6 +98,16 @@ def thinking_of(effort: Any, param: str) -> bool | None:
     if effort not in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
         raise refuse('a reasoning effort is "none", "minimal", "low", "medium", "high", "xhigh" or "max"', param)
     return None if effort != "none" else False
+
+
+def effort_served(turn: Turn, effort: Any, param: str) -> Turn:
+    """`turn` with what a reasoning effort does: "none" turns a reasoning model's thinking off (and
+    is ignored by any other model); any other effort changes nothing here (the model thinks as long
+    as it does), so it is named as ignored."""
+    turn.thinking = thinking_of(effort, param)
+    if effort is not None:
+        (turn.reasoning_fields if effort == "none" else turn.ignored).append(param)
+    return turn
 
 
 def number(body: dict, name: str, kind: type, default: Any, low: float, high: float) -> Any:
