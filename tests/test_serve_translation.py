@@ -44,6 +44,7 @@ def test_mlx_lm_reads_the_presets_tool_calls(tools_model):
     calls = [p for p in pieces if isinstance(p, ToolCall)]
     assert "".join(p for p in pieces if isinstance(p, str)) == "Let me look.Done"
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
     # A call cut short is a call that is not complete, its arguments as far as they were written
     # (never the markup); one cut before its name was written is nothing; with tool_choice "none"
     # nothing is read.
