@@ -61,9 +61,17 @@ def transform_coded(manifest: pb.CacheManifest) -> bool:
     return any(layer.kind == pb.CACHE_KIND_TRANSFORM_KV for _, layer in leaf_layers(manifest.layers))
 
 
+def layer_bits(manifest: pb.CacheManifest) -> set[int]:
+    """The bits of its quantized layers (empty: none is quantized)."""
+    return {layer.bits for _, layer in leaf_layers(manifest.layers) if layer.bits}
+
+
 def lossy(manifest: pb.CacheManifest) -> bool:
-    """A press that dropped or rounded something, or a transform-coded layer."""
-    return manifest.compression.method != "full" or transform_coded(manifest)
+    """A press that dropped or rounded something, or a transform-coded or quantized layer. The bits
+    are read from the config and the layers too, not only from the method: older kvmesh recorded
+    bits alone (`prefill --kv-bits`) as `full`."""
+    quantized = manifest.compression.config.HasField("kv_bits") or bool(layer_bits(manifest))
+    return manifest.compression.method != "full" or quantized or transform_coded(manifest)
 
 
 def measured_loss(manifest: pb.CacheManifest) -> float | None:
@@ -74,16 +82,18 @@ def measured_loss(manifest: pb.CacheManifest) -> float | None:
 
 
 def compression_name(manifest: pb.CacheManifest) -> str:
-    """The press with what it kept and its bits, and `+ transform` when layers are transform coded:
-    `full`, `quantize 3-bit`, `snapkv 50% 8-bit`, `full + transform`, for people."""
+    """The press with what it kept and its bits (its layers' when the config names none), and
+    `+ transform` when layers are transform coded: `full`, `quantize 3-bit`, `snapkv 50% 8-bit`,
+    `full + transform`, for people."""
     config = manifest.compression.config
     parts = [manifest.compression.method]
     if config.HasField("budget"):
         parts.append(f"{config.budget} kept")
     elif manifest.compression.method not in ("full", "quantize") and config.ratio:
         parts.append(f"{1 - config.ratio:.0%} kept")
-    if config.HasField("kv_bits"):
-        parts.append(f"{config.kv_bits}-bit")
+    bits = config.kv_bits if config.HasField("kv_bits") else max(layer_bits(manifest), default=0)
+    if bits:
+        parts.append(f"{bits}-bit")
     return " ".join(parts) + (" + transform" if transform_coded(manifest) else "")
 
 

@@ -50,8 +50,10 @@ from kvmesh.store.budget import AUTO_BUDGET, resolve_budget
 from kvmesh.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
-# Raised whenever the index's tables change; an index of another version is rebuilt from the files.
-INDEX_VERSION = 4
+# Raised whenever the index's tables change, or what a column is derived from; an index of another
+# version is rebuilt from the files (5: `lossy` reads quantized layers, not only the method, so
+# entries of bits alone recorded as `full` lose their lossless mark).
+INDEX_VERSION = 5
 INDEX = "index.sqlite3"
 
 
