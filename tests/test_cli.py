@@ -226,3 +226,25 @@ def test_a_mistyped_model_path_is_named_without_dialling_the_hub_and_a_cached_re
     made = json.loads(run("prefill", "kvtest/tiny", "--prompt", "hi there", "--json", data_dir=data, env=online).stdout)
     [entry] = json.loads(run("cache", "list", "--json", data_dir=data).stdout)
     assert entry["cache_id"] == made["cache_id"] and entry["model"].startswith("kvtest/tiny")
+
+
+def test_a_prefill_outside_a_terminal_says_how_far_it_is_in_plain_lines(tiny_dir, tmp_path):
+    """stderr a pipe (as under `| tee`): no bar is drawn, so lines say it, each tenth or so and at the end."""
+    import re
+    from importlib import resources
+
+    document = tmp_path / "doc.txt"
+    document.write_text(resources.files("kvmesh").joinpath("data/corpus.txt").read_text() * 3)  # 512-token steps
+    made = run("prefill", tiny_dir, "--file", document, "--json", data_dir=tmp_path / "node")
+    tokens = json.loads(made.stdout)["tokens"]
+    assert tokens > 5 * 512
+    lines = made.stderr.splitlines()
+    done = [
+        re.fullmatch(
+            rf"prefill: ([\d,]+) of {tokens:,} tokens \((\d+)%\), [\d,]+ tokens/s(, about [\d,]+ s left)?", line
+        )
+        for line in lines
+    ]
+    assert all(done), lines
+    counts = [int(m[1].replace(",", "")) for m in done if m]
+    assert len(counts) >= 5 and counts == sorted(counts) and counts[-1] == tokens

@@ -5,8 +5,11 @@ stay fast.
 """
 
 import argparse
+import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from kvmesh import paths
@@ -200,10 +203,53 @@ def max_kl_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Outside a terminal, a progress line each time another tenth is done, or this many seconds after the last.
+PLAIN_STEP, PLAIN_EVERY_S = 0.1, 10.0
+
+
+class PlainProgress:
+    """Progress as plain lines on stderr, for a pipe or a log (`kvmesh prefill ... 2>&1 | tee`), where
+    a bar is not drawn: a long prefill was minutes of silence. A line each time another PLAIN_STEP of
+    the work is done or PLAIN_EVERY_S seconds have passed, and one when it is all done; with the rate
+    and the time left, as the bar shows them."""
+
+    def __init__(self, description: str, unit: str):
+        self.description, self.unit = description, unit
+        self.start = self.last_at = time.monotonic()
+        self.last_share = 0.0
+
+    def __enter__(self) -> "PlainProgress":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        return None
+
+    def update(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        share = done / total if total > 0 else 0.0
+        if share < 1 and share - self.last_share < PLAIN_STEP and now - self.last_at < PLAIN_EVERY_S:
+            return
+        if share == self.last_share == 1:
+            return  # the end was said
+        self.last_share, self.last_at = share, now
+        print(f"{self.description}: {self.amount(done, total, now - self.start)}", file=sys.stderr, flush=True)
+
+    def amount(self, done: int, total: int, seconds: float) -> str:
+        """'1,536 of 3,012 tokens (51%), 1,234 tokens/s, about 1 s left' (bytes in MB)."""
+        scale, unit, digits = (1e6, "MB", ",.1f") if self.unit == "bytes" else (1.0, self.unit, ",.0f")
+        line = f"{done / scale:{digits}} of {total / scale:{digits}} {unit} ({100 * done / max(total, 1):.0f}%)"
+        if seconds > 0 and done > 0:
+            rate = done / seconds
+            line += f", {rate / scale:{digits}} {unit}/s"
+            if done < total:
+                line += f", about {(total - done) / rate:,.0f} s left"
+        return line
+
+
 def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int], None]]:
-    """A rich progress bar on stderr (quiet when stderr is not a terminal) and its update function:
-    how much of how much, in `unit` ("bytes", or a count such as "tokens"), at what rate, and how
-    long is left."""
+    """A rich progress bar on stderr and its update function: how much of how much, in `unit`
+    ("bytes", or a count such as "tokens"), at what rate, and how long is left. When stderr is not a
+    terminal, plain lines say the same now and then (PlainProgress)."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -222,6 +268,9 @@ def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int],
             return Text(f"{task.speed:,.0f} {unit}/s" if task.speed else "", style="progress.data.speed")
 
     console = Console(stderr=True)
+    if not console.is_terminal:
+        plain = PlainProgress(description, unit)
+        return plain, plain.update
     amounts = (
         [DownloadColumn(), TransferSpeedColumn()]
         if unit == "bytes"
@@ -234,7 +283,6 @@ def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int],
         TimeRemainingColumn(),
         console=console,
         transient=True,
-        disable=not console.is_terminal,
     )
     task = bar.add_task(description, total=None)
     return bar, lambda done, total: bar.update(task, completed=done, total=total)
