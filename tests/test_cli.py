@@ -248,3 +248,20 @@ def test_a_prefill_outside_a_terminal_says_how_far_it_is_in_plain_lines(tiny_dir
     assert all(done), lines
     counts = [int(m[1].replace(",", "")) for m in done if m]
     assert len(counts) >= 5 and counts == sorted(counts) and counts[-1] == tokens
+
+
+def test_a_data_dir_that_is_a_file_is_one_clear_line_for_every_command(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a directory")
+    for given in (a_file, a_file / "sub"):
+        for command in (["status"], ["cache", "list"], ["daemon", "--no-discovery", "--port", "0"]):
+            result = run(*command, data_dir=given, check=False)
+            assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+            assert result.stderr.startswith(f"kvmesh: error: data directory {given} ") and "Errno" not in result.stderr
+            assert f"{a_file}, which is a file" in result.stderr if given != a_file else " is a file" in result.stderr
+    config = tmp_path / "config.toml"
+    config.write_text(f"data_dir = {str(a_file)!r}\n")
+    from_file = run("daemon", "--config", config, "--no-discovery", "--port", "0", check=False)
+    assert from_file.returncode == 1 and from_file.stderr.startswith(
+        f"kvmesh: error: data directory {a_file} is a file"
+    )

@@ -11,7 +11,7 @@ import sqlite3
 import sys
 
 from kvmesh.cli import cache, daemon, demo, mesh, model, run, serve
-from kvmesh.cli.common import data_dir_option
+from kvmesh.cli.common import check_data_dir, data_dir, data_dir_option
 from kvmesh.errors import KvmeshError
 from kvmesh.versions import __version__
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_allocator()
     tolerate_mlx_lm_descriptor_limit()  # before any handler imports mlx-lm
     try:
+        check_data_dir(data_dir(args))
         return args.func(args)
     except KvmeshError as e:
         print(f"kvmesh: error: {e}", file=sys.stderr)

@@ -104,6 +104,18 @@ def data_dir(args: Args) -> Path:
     return Path(args.data_dir) if args.data_dir else paths.data_dir()
 
 
+def check_data_dir(path: Path) -> None:
+    """Refuse a data directory that is a file (or lies under one) in one line, before a command
+    trips on it with "[Errno 17] File exists" or "[Errno 20] Not a directory"."""
+    there = next((p for p in (path, *path.parents) if p.exists()), None)
+    if there is not None and not there.is_dir():
+        where = "is" if there == path else f"would be under {there}, which is"
+        raise KvmeshError(
+            f"data directory {path} {where} a file, not a directory: give a directory to --data-dir "
+            "(or $KVMESH_DATA_DIR, or data_dir in the config file); a missing one is made"
+        )
+
+
 def store_option(parser: argparse.ArgumentParser, *, after_command: bool = False) -> None:
     """--store; `after_command` as for --data-dir (a group's subcommands: `kvmesh cache list --store X`)."""
     parser.add_argument(

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvmesh.cli.common import Args, Commands, command, data_dir, print_table, store_option
+from kvmesh.cli.common import Args, Commands, check_data_dir, command, data_dir, print_table, store_option
 from kvmesh.daemon.config import DaemonConfig
 from kvmesh.net.policy import Policy
 from kvmesh.settings import add_flags, from_flags
@@ -33,6 +33,7 @@ def daemon(args: Args) -> int:
     from kvmesh.serve.options import load_serve_options
 
     config = daemon_config(args)
+    check_data_dir(config.data_dir)  # the config file's data_dir too
     setup_logging(config.log_format, config.log_level)
     config_file = Path(args.config) if args.config else None
     serve_command = None
