@@ -265,3 +265,15 @@ def test_a_data_dir_that_is_a_file_is_one_clear_line_for_every_command(tmp_path)
     assert from_file.returncode == 1 and from_file.stderr.startswith(
         f"kvmesh: error: data directory {a_file} is a file"
     )
+
+
+def test_cache_list_names_a_model_by_the_directory_it_was_loaded_from(tiny_dir, tmp_path):
+    model_id = json.loads(run("model", "info", tiny_dir, "--json").stdout)["model_id"]
+    data = tmp_path / "node"
+    run("prefill", tiny_dir, "--prompt", "Rivers run to the sea.", data_dir=data)
+    assert f"  {tiny_dir.name} ({model_id[:8]})  " in run("cache", "list", data_dir=data).stdout
+    [entry] = json.loads(run("cache", "list", "--json", data_dir=data).stdout)
+    assert entry["model"] == f"{tiny_dir.name} ({model_id[:8]})"
+    # A Mac that never loaded the model names it by its type, as the manifest does.
+    [elsewhere] = json.loads(run("cache", "list", "--json", "--store", data / "store", data_dir=tmp_path / "b").stdout)
+    assert elsewhere["model"] == f"llama ({model_id[:8]})"

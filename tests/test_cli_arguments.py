@@ -128,11 +128,12 @@ def test_cache_list_has_a_header_the_model_name_and_the_press_with_its_bits(
     for method, config in (("quantize", {"kv_bits": 3}), ("snapkv", {"ratio": 0.5, "window": 16})):
         press = make_press(method, config)
         put(store, prefill(tiny[0], prompt_ids, press).cache, tiny_fp, prompt_ids, press)
-    assert main(["cache", "--store", str(tmp_path / "store"), "list"]) == 0
+    data = ["--data-dir", str(tmp_path / "node")]  # where no model's name was kept: named by its type
+    assert main([*data, "cache", "--store", str(tmp_path / "store"), "list"]) == 0
     header, *lines = capsys.readouterr().out.splitlines()
     assert header.split() == ["CACHE", "ID", "MODEL", "TOKENS", "COMPRESSION", "SERVES", "BYTES", "LAST", "USED"]
     assert len(lines) == 2 and all(f"llama ({tiny_fp.model_id[:8]})" in line for line in lines)
     assert {("quantize 3-bit" in line, "snapkv 50% kept" in line) for line in lines} == {(True, False), (False, True)}
-    assert main(["cache", "--store", str(tmp_path / "store"), "list", "--json"]) == 0
+    assert main([*data, "cache", "--store", str(tmp_path / "store"), "list", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert sorted(e["compression"] for e in listed) == ["quantize 3-bit", "snapkv 50% kept"]

@@ -6,11 +6,13 @@ Neither records the prompt's tokens, so both take the model and prompt the cache
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvmesh.cli.common import (
     Args,
     Commands,
+    data_dir,
     open_store,
     print_table,
     prompt_options,
@@ -26,11 +28,12 @@ from kvmesh.errors import KvmeshError
 def listing(args: Args) -> int:
     from datetime import datetime
 
-    from kvmesh.codec.manifest import compression_name, model_name
+    from kvmesh.codec.manifest import compression_name
 
     store = open_store(args)
     entries = store.entries()
     manifests = {e.cache_id: store.manifest(e.cache_id) for e in entries}
+    model_name = known_names(args)
     if args.json:
         described = [
             {
@@ -62,6 +65,22 @@ def listing(args: Args) -> int:
     ]
     print_table(header, rows, right=frozenset({2, 5}))
     return 0
+
+
+def known_names(args: Args) -> Callable[[Any], str]:
+    """A manifest's model for people: the name this Mac loaded it by (kvmesh.model.names: a
+    directory's name, a repo id), else its repo id or type (codec.manifest.model_name); with its
+    short id."""
+    from kvmesh.codec.manifest import model_name
+    from kvmesh.model.names import model_names
+
+    names = model_names(data_dir(args))
+
+    def name(model: Any) -> str:
+        known = names.get(model.model_id)
+        return f"{known} ({model.model_id[:8]})" if known else model_name(model)
+
+    return name
 
 
 def show(args: Args) -> int:
@@ -146,10 +165,12 @@ def import_mlx(args: Args) -> int:
     from kvmesh.errors import PromptMismatch
     from kvmesh.files.mlx_prompt_cache import import_prompt_cache
     from kvmesh.model.loaded import load_tokenizer
+    from kvmesh.model.names import remember_name
     from kvmesh.model.prompt import cache_prompt_tokens
 
     text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
     tokenizer, fp = load_tokenizer(args.model)
+    remember_name(data_dir(args), fp, args.model)
 
     def tokens(plain: bool) -> list[int]:
         return tokenizer.encode(text) if plain else cache_prompt_tokens(tokenizer, text)
@@ -177,10 +198,12 @@ def export_mlx(args: Args) -> int:
 def wp30_tokens(args: Args) -> tuple[list[int], Any]:
     """The prompt's tokens and the model's fingerprint, for a wp30 file (no weights are loaded)."""
     from kvmesh.model.loaded import load_tokenizer
+    from kvmesh.model.names import remember_name
     from kvmesh.model.prompt import prompt_tokens
 
     texts = prompt_texts(args)
     tokenizer, fp = load_tokenizer(args.model)
+    remember_name(data_dir(args), fp, args.model)
     return prompt_tokens(tokenizer, *texts, chat=args.chat), fp
 
 

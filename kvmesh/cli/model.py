@@ -3,7 +3,17 @@
 import json
 from typing import Any
 
-from kvmesh.cli.common import Args, Commands, command, group, open_store, positive_int, progress_bar, read_text
+from kvmesh.cli.common import (
+    Args,
+    Commands,
+    command,
+    data_dir,
+    group,
+    open_store,
+    positive_int,
+    progress_bar,
+    read_text,
+)
 
 
 def make_test(args: Args) -> int:
@@ -31,10 +41,12 @@ def info(args: Args) -> int:
 def calibrate(args: Args) -> int:
     from kvmesh.compression import model_basis
     from kvmesh.model.loaded import load_model
+    from kvmesh.model.names import remember_name
 
     texts = {path: read_text(path) for path in args.text} if args.text else None
     store = open_store(args)
     loaded = load_model(args.model)
+    remember_name(data_dir(args), loaded.fingerprint, args.model)
     bar, update = progress_bar("calibration prefills", "texts")
     with bar:
         basis, calibrated = model_basis(

@@ -37,6 +37,7 @@ def prefill(args: Args) -> int:
     from kvmesh.codec.encode import EncodeOptions, encode_cache
     from kvmesh.codec.manifest import compression_name, transform_coded
     from kvmesh.model.loaded import load_model
+    from kvmesh.model.names import remember_name
     from kvmesh.model.prompt import prompt_tokens
 
     texts = prompt_texts(args)
@@ -49,6 +50,7 @@ def prefill(args: Args) -> int:
     store = open_store(args)
     loaded = load_model(args.model)
     fp = loaded.fingerprint
+    remember_name(data_dir(args), fp, args.model)
     tokens = prompt_tokens(loaded.tokenizer, *texts, chat=args.chat)
     within_context(args.model, len(tokens))
     # Known before the work: a store whose disk cannot take the cache (counted uncompressed).
@@ -165,13 +167,16 @@ def fetch(args: Args) -> int:
     from kvmesh.codec.compat import ReceiverProfile
     from kvmesh.generation import fetch_cache
     from kvmesh.model.loaded import model_fingerprint
+    from kvmesh.model.names import remember_name
     from kvmesh.net.client import PeerClient
 
     store = open_store(args)
     if not args.tokens and (held := held_entry(store, args.cache_id)):
         print(f"{args.cache_id} is already in the local store ({held.num_tokens} tokens): nothing fetched")
         return 0
-    profile = ReceiverProfile(model_fingerprint(args.model), max_kl=args.max_kl)
+    fp = model_fingerprint(args.model)
+    remember_name(data_dir(args), fp, args.model)
+    profile = ReceiverProfile(fp, max_kl=args.max_kl)
     bar, update = progress_bar("fetch", "bytes")
     with bar, PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
         fetched = fetch_cache(client, args.cache_id, profile, num_tokens=args.tokens, store=store, progress=update)
@@ -239,10 +244,12 @@ def generate(args: Args) -> int:
     from kvmesh.fetch_or_prefill import Rates
     from kvmesh.generation import calibrate, generate
     from kvmesh.model.loaded import load_model
+    from kvmesh.model.names import remember_name
     from kvmesh.model.prompt import prompt_tokens
 
     texts = prompt_texts(args)
     loaded = load_model(args.model)
+    remember_name(data_dir(args), loaded.fingerprint, args.model)
     tokenizer = loaded.tokenizer
     tokens = prompt_tokens(tokenizer, *texts, chat=args.chat)
     within_context(args.model, len(tokens), args.max_tokens)

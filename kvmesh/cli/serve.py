@@ -42,6 +42,7 @@ def serve(args: Args) -> int:
     from kvmesh.errors import KvmeshError
     from kvmesh.fetch_or_prefill import Rates
     from kvmesh.model.loaded import load_model
+    from kvmesh.model.names import remember_name
     from kvmesh.serve.server import bind, check_exposure, serve
 
     options = serve_options(args)
@@ -52,6 +53,7 @@ def serve(args: Args) -> int:
     setup_logging("text", "info", native=False)  # one line per request, and the calibration's
     store = None if args.no_store else open_store(args)
     loaded = load_model(options.model)
+    remember_name(data_dir(args), loaded.fingerprint, options.model)
     peers: Any
     if options.peers or args.no_mesh:
         peers = [] if args.no_mesh else list(options.peers)
