@@ -102,3 +102,13 @@ def test_status_shows_the_budget_the_uptime_and_what_was_sent_with_numbers_in_js
     assert store == {"entries": 0, "bytes": 0, "budget_bytes": 2000000}
     assert transfers["fetches_rejected"] == 0 and transfers["chunk_bytes_sent"] == 0
     assert isinstance(status["uptime_s"], int) and status["uptime_s"] >= 0
+
+
+def test_status_and_peers_name_a_peer_alike_in_json(daemons, tmp_path):
+    first = daemons.start(tmp_path / "a")
+    daemons.start(tmp_path / "b", "--peer", first.address)
+    status = json.loads(cli("status", "--json", data_dir=tmp_path / "b").stdout)
+    listed = json.loads(cli("peers", "--all", "--json", data_dir=tmp_path / "b").stdout)
+    [peer], [same] = status["peers"], listed
+    assert peer.keys() == same.keys() and "source" not in peer
+    assert (peer["found_by"], peer["address"]) == (same["found_by"], same["address"]) == ("static", first.address)

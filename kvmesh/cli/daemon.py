@@ -55,7 +55,8 @@ def status(args: Args) -> int:
     uptime_s = max(0.0, time.time() - state_file(data_dir(args)).stat().st_mtime)
     info = status.info
     if args.json:
-        print(json.dumps({**message_dict(status), "uptime_s": round(uptime_s)}, indent=2))
+        described = {**message_dict(status), "peers": [peer_dict(p) for p in status.peers]}
+        print(json.dumps({**described, "uptime_s": round(uptime_s)}, indent=2))
         return 0
     print(f"node {info.node_id} (kvmesh {info.version}) on {', '.join(status.listen)}, up {duration(uptime_s)}")
     budget = info.store.budget_bytes
@@ -120,26 +121,29 @@ def source_name(source: int) -> str:
     return cpb.PeerSource.Name(source).removeprefix("PEER_SOURCE_").lower()
 
 
+def peer_dict(peer: Any) -> dict:
+    """A peer as `peers --json` and `status --json` both print it (one set of names: found_by
+    "mdns", not PEER_SOURCE_MDNS in one and mdns in the other)."""
+    return {
+        "node_id": peer.node_id,
+        "host_name": peer.host_name,
+        # The one dialled: the fastest working link of a peer on several (measured by the daemon).
+        "address": peer.addresses[0] if peer.addresses else "",
+        "addresses": list(peer.addresses),
+        "links": [message_dict(link) for link in peer.links],
+        "found_by": source_name(peer.source),  # mdns or static
+        "healthy": peer.healthy,
+        "failures": peer.failures,
+        "version": peer.version,
+    }
+
+
 def peers(args: Args) -> int:
     from kvmesh.daemon.control import control_status, describe_links
 
     known = [p for p in control_status(data_dir(args)).peers if args.all or p.healthy]
     if args.json:
-        described = [
-            {
-                "node_id": p.node_id,
-                "host_name": p.host_name,
-                # The one dialled: the fastest working link of a peer on several (measured by the daemon).
-                "address": p.addresses[0] if p.addresses else "",
-                "addresses": list(p.addresses),
-                "links": [message_dict(link) for link in p.links],
-                "found_by": source_name(p.source),  # mdns or static
-                "healthy": p.healthy,
-                "version": p.version,
-            }
-            for p in known
-        ]
-        print(json.dumps(described, indent=2))
+        print(json.dumps([peer_dict(p) for p in known], indent=2))
         return 0
     if not known:
         print("no live peers" if not args.all else "no peers known")
