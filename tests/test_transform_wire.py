@@ -315,15 +315,15 @@ def test_a_blob_that_disagrees_with_its_manifest_is_refused_before_any_allocatio
 def test_a_basis_of_the_right_digest_but_malformed_is_refused_in_one_line(calibrated):
     import hashlib
 
-    from kvmesh.codec.basis import FORMAT, _read_safetensors, _safetensors_bytes
+    from kvmesh.codec.basis_file import FORMAT, read_safetensors, safetensors_bytes
 
-    tensors, meta = _read_safetensors(calibrated.basis.to_bytes())
+    tensors, _, meta = read_safetensors(calibrated.basis.to_bytes())
     for broken_meta, broken_tensors, words in (
         ({"format": FORMAT}, tensors, "basis lacks rotaries"),
         ({**meta, "rotaries": "[{}]"}, tensors, "basis lacks dims"),
         ({**meta, "info": "not json"}, tensors, "unreadable basis metadata"),
         (meta, {**tensors, "layers.0.k.rms": tensors["layers.0.k.rms"][:3]}, "basis tensors layers.0.k."),
     ):
-        data = _safetensors_bytes(broken_tensors, broken_meta)
+        data = safetensors_bytes(broken_tensors, broken_meta)
         with pytest.raises(BasisError, match=words):
             parse_basis(data, hashlib.sha256(data).hexdigest())

@@ -6,8 +6,8 @@ calibration caches of ordinary text (`fit_basis`) and travels as bytes with a sh
 cannot recompute it bit for bit (BLAS sums in other orders), so a receiver checks the bytes against
 the id the sender names (`Basis.from_bytes(data, digest)`).
 
-The bytes are a safetensors file (readable by `mx.load` or `safetensors`), written here with sorted
-names and a canonical JSON header so the same basis always gives the same bytes:
+The bytes are a safetensors file (readable by `mx.load` or `safetensors`; written, read and checked
+sane by kvmesh.codec.basis_file, without MLX), the same basis always giving the same bytes:
 `layers.{i}.{k|v}.mean` (float32, F), `.components` (float16 by default, (F, F): row j is component
 j, in order of decreasing calibration variance), `.rms` (float32, F: the calibration RMS of each
 component's coefficient); the metadata holds each layer's rotary settings and how it was fitted.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,15 +24,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvmesh.codec.basis_file import FORMAT, BasisError, read_basis, safetensors_bytes
 from kvmesh.codec.rotary import Rotary, remove_rope
-
-FORMAT = "kvmesh-transform-basis/1"
-_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
-_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-
-
-class BasisError(ValueError):
-    """Basis bytes that do not match their id, or cannot be read, or do not fit a cache."""
 
 
 @dataclass
@@ -146,7 +138,7 @@ class Basis:
                 "rotaries": json.dumps([r.to_dict() for r in self.rotaries], sort_keys=True, separators=(",", ":")),
                 "info": json.dumps(self.info, sort_keys=True, separators=(",", ":")),
             }
-            self._bytes = _safetensors_bytes(tensors, meta)
+            self._bytes = safetensors_bytes(tensors, meta)
         return self._bytes
 
     @property
@@ -160,15 +152,20 @@ class Basis:
     def nbytes(self) -> int:
         return len(self.to_bytes())
 
+    def covered(self) -> list[int]:
+        """The model layer each layer of the basis codes (the fit's `layers`; one each, in order, for
+        a basis that does not say)."""
+        return list(self.info.get("layers", range(len(self))))
+
     @classmethod
     def from_bytes(cls, data: bytes, digest: str) -> Basis:
-        """The basis of `data`, refused unless its sha256 is `digest` (hex)."""
+        """The basis of `data`, refused unless its sha256 is `digest` (hex) and its numbers are sane
+        (kvmesh.codec.basis_file.read_basis: the digest proves whose bytes they are, not that they are
+        a basis)."""
         got = hashlib.sha256(data).hexdigest()
         if got != digest.lower():
             raise BasisError(f"basis bytes do not match their id: sha256 {got[:16]}..., expected {digest[:16]}...")
-        tensors, meta = _read_safetensors(data)
-        if meta.get("format") != FORMAT:
-            raise BasisError(f"not a transform basis (format {meta.get('format')!r}, want {FORMAT!r})")
+        tensors, meta = read_basis(data)
         try:
             rotaries = [Rotary.from_dict(r) for r in json.loads(meta["rotaries"])]
             info = json.loads(meta.get("info", "{}"))
@@ -190,6 +187,9 @@ class Basis:
             raise BasisError(f"unreadable basis metadata: {e}") from None
         if not isinstance(info, dict):
             raise BasisError("unreadable basis metadata: info is not an object")
+        layers = info.get("layers", [])
+        if not isinstance(layers, list) or not all(type(x) is int for x in layers):
+            raise BasisError(f"unreadable basis metadata: the layers it covers are {layers!r:.80}")
         return cls(keys, values, rotaries, info, _bytes=bytes(data))
 
 
@@ -235,36 +235,3 @@ def fit_basis(
     values_b = [fit_tensor_basis(moments=tuple(a[1]), dtype=dtype) for a in acc]
     meta = {"caches": caches, "skip": skip, **(info or {})}
     return Basis(keys_b, values_b, list(rotaries), meta)
-
-
-def _safetensors_bytes(tensors: dict[str, np.ndarray], meta: dict[str, str]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": dict(sorted(meta.items()))}
-    offset = 0
-    blobs = []
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        raw = a.tobytes()
-        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        blobs.append(raw)
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(blobs)
-
-
-def _read_safetensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    try:
-        (n,) = struct.unpack_from("<Q", data, 0)
-        header = json.loads(bytes(data[8 : 8 + n]))
-        meta = header.pop("__metadata__", {})
-        body = memoryview(data)[8 + n :]
-        out = {}
-        for name, spec in header.items():
-            start, end = spec["data_offsets"]
-            dt = np.dtype(_DTYPES[spec["dtype"]]).newbyteorder("<")
-            out[name] = np.frombuffer(body[start:end], dtype=dt).reshape(spec["shape"]).astype(dt.newbyteorder("="))
-    except (struct.error, ValueError, KeyError, TypeError) as e:
-        raise BasisError(f"unreadable basis bytes: {e}") from None
-    return out, meta
