@@ -21,7 +21,7 @@ from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, Raw, ordered_map
 from kvmesh.codec.coded import decode_coded
 from kvmesh.codec.manifest import ITEMSIZE, leaf_layers, tensor_dtype, token_major
-from kvmesh.codec.transform import TransformCodecError
+from kvmesh.codec.transform import TransformCodecError, finite
 from kvmesh.errors import IntegrityError
 from kvmesh.model.fingerprint import dtype_name
 from kvmesh.v1 import cache_pb2 as pb
@@ -91,7 +91,8 @@ class CacheDecoder:
         `threads` threads while the caller brings the next; only the order check runs here, so a
         chunk out of place never lands outside its announced rows and still fails the transfer.
         What this yields may go to a store as it comes (`store.add(manifest, decoder.feed_iter(...))`):
-        a bad chunk or digest raises before the store's write completes, so nothing is kept.
+        a bad chunk or digest, or a tensor of numbers that are not finite, raises before the store's
+        write completes, so nothing is kept.
         """
 
         def decode(chunk: Chunk) -> Chunk:
@@ -104,6 +105,15 @@ class CacheDecoder:
                 self._decode_coded(*self.coded_at[chunk.index])
             yield chunk
         self.checker.finish()
+        self._check_finite()
+
+    def _check_finite(self) -> None:
+        """Every float tensor that arrived as it is holds finite numbers (coded layers are checked as
+        they decode): checksums prove the bytes are the sender's, not that they are a cache."""
+        for i, (spec, buffer) in enumerate(zip(self.checker.specs, self.buffers, strict=True)):
+            dtype = DTYPES[tensor_dtype(spec)]
+            if buffer is not None and mx.issubdtype(dtype, mx.floating) and not finite(buffer.view(dtype)):
+                raise IntegrityError(f"tensor {i} ({spec.name}) of the cache holds NaN or infinite numbers")
 
     def _decode_coded(self, tensor: int, layer: pb.LayerSpec) -> None:
         """A transform-coded layer whose bytes are all in (each chunk checked) into its SparseKVCache."""

@@ -450,17 +450,28 @@ def decode_layer(
     With `expect` (what the manifest says: `check_header`), a blob that says otherwise is refused
     before anything is allocated.
 
-    Raises TransformCodecError for bytes that do not decode (their digest was checked before: this
-    guards against a sender's bug or a lie, not the link), BasisError for a blob of another basis."""
+    Raises TransformCodecError for bytes that do not decode, or decode to numbers that are not
+    finite (their digest was checked before: this guards against a sender's bug or a lie, not the
+    link), BasisError for a blob of another basis."""
     header, body = read_header(data)
     if expect is not None:
         check_header(header, expect)
     try:
-        return _decode_layer(header, body, basis, {} if memo is None else memo)
+        with np.errstate(over="ignore", invalid="ignore"):  # (what overflows is refused just below)
+            keys, values = _decode_layer(header, body, basis, {} if memo is None else memo)
     except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
         if isinstance(e, (TransformCodecError, BasisError)):
             raise
         raise TransformCodecError(f"a malformed layer blob: {type(e).__name__}: {e}") from None
+    if not finite(keys, values):
+        raise TransformCodecError("the layer decodes to NaN or infinite numbers")
+    return keys, values
+
+
+def finite(*arrays: mx.array) -> bool:
+    """Every number of `arrays` is finite: one mx.isfinite reduction each, so that a cache of NaNs
+    (a lying sender's steps or raw rows, a basis that passed its checks) is never kept."""
+    return all(bool(mx.isfinite(a).all()) for a in arrays)
 
 
 def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> tuple[mx.array, mx.array]:
