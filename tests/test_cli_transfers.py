@@ -112,3 +112,15 @@ def test_status_and_peers_name_a_peer_alike_in_json(daemons, tmp_path):
     [peer], [same] = status["peers"], listed
     assert peer.keys() == same.keys() and "source" not in peer
     assert (peer["found_by"], peer["address"]) == (same["found_by"], same["address"]) == ("static", first.address)
+
+
+def test_cache_show_json_gives_hashes_in_hex_and_numbers_as_numbers(stored, tiny_dir):
+    local, cache_id = stored
+    shown = json.loads(cli("cache", "show", cache_id, "--json", "--store", local).stdout)
+    info = json.loads(cli("model", "info", tiny_dir, "--json").stdout)
+    model, prefix, encoding = shown["model"], shown["prefix"], shown["encoding"]
+    assert model["weights_sha256"] == info["weights_sha256"] and model["config_sha256"] == info["config_sha256"]
+    assert all(re.fullmatch(r"[0-9a-f]{64}", h) for h in [prefix["sha256"], *prefix["block_hashes"]])
+    assert len(prefix["block_hashes"]) == prefix["num_tokens"] // prefix["block_size"] >= 1
+    assert isinstance(prefix["num_tokens"], int) and isinstance(encoding["raw_bytes"], int)
+    assert encoding["raw_bytes"] == CacheStore(local).manifest(cache_id).encoding.raw_bytes

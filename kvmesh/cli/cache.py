@@ -13,6 +13,7 @@ from kvmesh.cli.common import (
     Args,
     Commands,
     data_dir,
+    message_dict,
     open_store,
     print_table,
     prompt_options,
@@ -92,8 +93,7 @@ def show(args: Args) -> int:
     manifest = store.manifest(cache_id)
     layers = layer_report(manifest)
     if args.json:
-        summary = MessageToDict(manifest, preserving_proto_field_name=True)
-        print(json.dumps({**summary, "layers": layers}, indent=2))
+        print(json.dumps({**message_dict(manifest), "layers": layers}, indent=2))
         return 0
     config = MessageToDict(manifest.compression.config, preserving_proto_field_name=True)
     encoding = manifest.encoding

@@ -100,6 +100,45 @@ def bounded(low: float, high: float | None, *, low_open: bool = False) -> Callab
     return parse
 
 
+def message_dict(message: Any) -> dict:
+    """A protobuf message as JSON-ready values, as scripts read them: every field, zeros included,
+    64-bit integers as numbers and bytes (hashes) as hex (proto3's JSON mapping writes them as
+    strings and base64, which scripts then have to parse)."""
+    import base64
+
+    from google.protobuf.descriptor import FieldDescriptor
+    from google.protobuf.json_format import MessageToDict
+
+    wide = {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+
+    def plain(field: Any, v: Any) -> Any:
+        if field.type in wide:
+            return int(v)
+        return base64.b64decode(v).hex() if field.type == FieldDescriptor.TYPE_BYTES else v
+
+    def values(descriptor: Any, value: dict) -> dict:
+        for field in descriptor.fields:
+            if field.name not in value:
+                continue
+            v = value[field.name]
+            kind = field.message_type
+            if kind is not None and not kind.GetOptions().map_entry and not kind.full_name.startswith("google."):
+                for item in v if field.is_repeated else [v]:
+                    values(kind, item)
+            elif kind is None:
+                value[field.name] = [plain(field, x) for x in v] if field.is_repeated else plain(field, v)
+        return value
+
+    raw = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return values(message.DESCRIPTOR, raw)
+
+
 def data_dir(args: Args) -> Path:
     return Path(args.data_dir) if args.data_dir else paths.data_dir()
 

@@ -5,7 +5,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvmesh.cli.common import Args, Commands, check_data_dir, command, data_dir, print_table, store_option
+from kvmesh.cli.common import (
+    Args,
+    Commands,
+    check_data_dir,
+    command,
+    data_dir,
+    message_dict,
+    print_table,
+    store_option,
+)
 from kvmesh.daemon.config import DaemonConfig
 from kvmesh.net.policy import Policy
 from kvmesh.settings import add_flags, from_flags
@@ -81,37 +90,6 @@ def duration(seconds: float) -> str:
     if hours:
         return f"{hours}h {minutes}m"
     return f"{minutes}m {s % 60}s" if minutes else f"{s}s"
-
-
-def message_dict(message: Any) -> dict:
-    """A protobuf message as JSON-ready values: every field, zeros included, 64-bit integers as
-    numbers (proto3's JSON mapping writes them as strings, which scripts then have to parse)."""
-    from google.protobuf.descriptor import FieldDescriptor
-    from google.protobuf.json_format import MessageToDict
-
-    wide = {
-        FieldDescriptor.TYPE_INT64,
-        FieldDescriptor.TYPE_UINT64,
-        FieldDescriptor.TYPE_SINT64,
-        FieldDescriptor.TYPE_FIXED64,
-        FieldDescriptor.TYPE_SFIXED64,
-    }
-
-    def numbers(descriptor: Any, value: dict) -> dict:
-        for field in descriptor.fields:
-            if field.name not in value:
-                continue
-            if field.message_type is not None:
-                items = value[field.name] if field.is_repeated else [value[field.name]]
-                for item in items:
-                    numbers(field.message_type, item)
-            elif field.type in wide:
-                v = value[field.name]
-                value[field.name] = [int(x) for x in v] if isinstance(v, list) else int(v)
-        return value
-
-    raw = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    return numbers(message.DESCRIPTOR, raw)
 
 
 def source_name(source: int) -> str:
