@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvmesh.caches.prefill import generate_from_cache, greedy, time_prefills
 from kvmesh.codec.arrays import Layer
 from kvmesh.codec.basis import Basis, BasisError
+from kvmesh.codec.basis_file import basis_bytes_bound, geometry_problem
 from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.coded import parse_basis
 from kvmesh.codec.compat import ReceiverProfile, basis_problem, loss_rank, quality_problem
@@ -30,7 +31,7 @@ from kvmesh.net.client import PeerClient, Progress, Transfer
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.store import CacheStore
-from kvmesh.store.artifacts import ArtifactStore, artifact_store, stored_bases
+from kvmesh.store.artifacts import ArtifactStore, Incoming, artifact_store, stored_bases
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1.service_pb2 import Candidate
 
@@ -164,33 +165,70 @@ def fetch_cache(
 
 def fetch_bases(client: PeerClient, fetch: Transfer, artifacts: ArtifactStore | None) -> dict[str, Basis]:
     """The transform bases a fetched manifest names: from `artifacts`, or else from the sender (and
-    kept in `artifacts`), all before the cache is accepted. One that cannot be got, does not match its
-    sha256 or does not fit the manifest refuses the cache (REJECT_REASON_ARTIFACT): no chunk moves."""
+    kept in `artifacts`), all before the cache is accepted. One that cannot be got, is larger than a
+    basis of the cache's geometry can be, does not match its sha256, is not a sane basis or does not
+    fit the manifest refuses the cache (REJECT_REASON_ARTIFACT): no chunk moves, nothing is kept."""
     bases = {}
     for a in fetch.manifest.artifacts:
-        what = f"the cache is coded with basis {a.sha256[:12]} ({a.nbytes / 1e6:.1f} MB)"
+        held = held_basis(fetch, a, artifacts)
+        bases[a.sha256] = held if held is not None else fetched_basis(client, fetch, a, artifacts)
+    return bases
+
+
+def held_basis(fetch: Transfer, artifact: pb.Artifact, artifacts: ArtifactStore | None) -> Basis | None:
+    """The basis from the local `artifacts`, checked against the manifest; None when it is not here
+    (or its copy was damaged or poisoned, and removed: ArtifactStore.get)."""
+    try:
+        data = artifacts.get(artifact.sha256) if artifacts is not None else None
+    except (IntegrityError, StoreError) as e:
+        log.warning("%s", e)
+        return None
+    if data is None:
+        return None
+    try:
+        basis = parse_basis(data, artifact.sha256)
+    except BasisError as e:
+        fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"the cache is coded with basis {artifact.sha256[:12]}: {e}"))
+    return fits(fetch, basis)
+
+
+def fetched_basis(client: PeerClient, fetch: Transfer, artifact: pb.Artifact, artifacts: ArtifactStore | None) -> Basis:
+    """The basis from the sender: its announced size held to the cache's geometry before a byte is
+    asked for, streamed to a temporary file (hashed as it comes), checked, then kept in `artifacts`."""
+    what = f"the cache is coded with basis {artifact.sha256[:12]} ({artifact.nbytes:,} bytes)"
+    if artifact.nbytes > (bound := basis_bytes_bound(fetch.manifest)):
+        m = fetch.manifest
+        geometry = f"{len(m.layers)} layers of {m.num_kv_heads}x{m.head_dim}"
+        fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}: a basis of {geometry} takes at most {bound:,}"))
+    try:
+        incoming = artifacts.receive() if artifacts is not None else Incoming()
+    except StoreError as e:
+        fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which cannot be kept here: {e}"))
+    with incoming:
         try:
-            data = artifacts.get(a.sha256) if artifacts is not None else None
-        except (IntegrityError, StoreError) as e:
-            log.warning("%s", e)
-            data = None
-        fetched = data is None
-        try:
-            if data is None:
-                log.info("fetching basis %s (%d bytes) from %s", a.sha256[:12], a.nbytes, client.address)
-                data = client.artifact(a.sha256, a.nbytes, deadline=TIMEOUTS.artifact)
-            basis = parse_basis(data, a.sha256)
-        except (PeerError, IntegrityError, BasisError) as e:
+            log.info("fetching basis %s (%d bytes) from %s", artifact.sha256[:12], artifact.nbytes, client.address)
+            client.artifact(artifact.sha256, artifact.nbytes, incoming.write, deadline=TIMEOUTS.artifact)
+            basis = parse_basis(incoming.read(artifact.sha256), artifact.sha256)
+        except (PeerError, IntegrityError, BasisError, StoreError) as e:
             fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which {client.address} could not give: {e}"))
-        if rejection := basis_problem(fetch.manifest, basis):
-            fetch.refuse(rejection)
-        if fetched and artifacts is not None:  # kept only once it is known to fit
+        fits(fetch, basis)
+        if artifacts is not None:  # kept only once it is known to be sane and to fit
             try:
-                artifacts.put(data, a.sha256)
+                artifacts.keep(incoming, artifact.sha256)
             except (StoreError, IntegrityError) as e:
                 fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which cannot be kept here: {e}"))
-        bases[a.sha256] = basis
-    return bases
+    return basis
+
+
+def fits(fetch: Transfer, basis: Basis) -> Basis:
+    """`basis`, once it fits the manifest (its coded layers, and its geometry as a whole); else the
+    cache is refused (REJECT_REASON_ARTIFACT)."""
+    if rejection := basis_problem(fetch.manifest, basis):
+        fetch.refuse(rejection)
+    features = [k.features for k in basis.keys]
+    if problem := geometry_problem(fetch.manifest, basis.digest, basis.covered(), features):
+        fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"basis {basis.digest[:12]}: {problem}"))
+    return basis
 
 
 @dataclass(frozen=True)

@@ -422,17 +422,24 @@ class PeerClient:
             call.cancel()
 
     def artifact(
-        self, sha256: str, nbytes: int, *, idle_timeout: float = TIMEOUTS.stream_idle, deadline: float | None = None
-    ) -> bytes:
-        """The bytes of the artefact `sha256` (announced as `nbytes` long) from this peer, within
-        `deadline` seconds (default: Timeouts.transfer_deadline of its size); PeerError when it does
-        not hold it, stalls for `idle_timeout`, overruns, or sends more than announced. The caller
-        checks the bytes against their sha256 (kvmesh.store.artifacts)."""
+        self,
+        sha256: str,
+        nbytes: int,
+        write: Callable[[bytes], None],
+        *,
+        idle_timeout: float = TIMEOUTS.stream_idle,
+        deadline: float | None = None,
+    ) -> None:
+        """The artefact `sha256` (announced as `nbytes` long) from this peer, each piece handed to
+        `write` as it arrives (held nowhere here: kvmesh.store.artifacts.Incoming writes it to a file
+        and hashes it), within `deadline` seconds (default: Timeouts.transfer_deadline of its size);
+        PeerError when the peer does not hold it, stalls for `idle_timeout`, overruns, or sends more
+        or less than announced. The caller checks the bytes against their sha256 and for sanity."""
         seconds = deadline if deadline is not None else TIMEOUTS.transfer_deadline(nbytes)
         call = self._artifact(spb.ArtifactRequest(sha256=sha256), timeout=seconds)
         watchdog = Watchdog(call, idle_timeout, seconds)
         watchdog.measure_rate(TIMEOUTS.min_receive_rate, rate_window(ARTIFACT_PIECE_BYTES))
-        pieces, received, stream = [], 0, iter(call)
+        received, stream = 0, iter(call)
         try:
             while True:
                 watchdog.waiting()
@@ -442,18 +449,17 @@ class PeerClient:
                 watchdog.alive(len(message.data))
                 received += len(message.data)
                 if received > nbytes:
-                    call.cancel()
                     raise PeerError(self.address, f"sent more than the {nbytes:,} bytes of artefact {sha256[:12]}")
-                pieces.append(message.data)
+                write(message.data)
         except grpc.RpcError as e:
             if watchdog.why:
                 raise PeerError(self.address, watchdog.why) from None
             raise self._error(e) from None
         finally:
             watchdog.stop()
+            call.cancel()  # (a call that ended is not affected; one this side gave up on is ended)
         if received != nbytes:
             raise PeerError(self.address, f"sent {received:,} of the {nbytes:,} bytes of artefact {sha256[:12]}")
-        return b"".join(pieces)
 
     def probe(self, nbytes: int = 4 << 20, *, timeout: float | None = None) -> float:
         """The link's rate to this peer in bytes per second, measured by receiving `nbytes` (at
