@@ -124,3 +124,32 @@ def test_cache_show_json_gives_hashes_in_hex_and_numbers_as_numbers(stored, tiny
     assert len(prefix["block_hashes"]) == prefix["num_tokens"] // prefix["block_size"] >= 1
     assert isinstance(prefix["num_tokens"], int) and isinstance(encoding["raw_bytes"], int)
     assert encoding["raw_bytes"] == CacheStore(local).manifest(cache_id).encoding.raw_bytes
+
+
+def test_fetch_takes_a_unique_start_of_a_peers_cache_id_and_lists_those_an_ambiguous_one_names(
+    tiny, tiny_fp, tiny_dir, daemons, tmp_path
+):
+    from collections import defaultdict
+
+    from kvmesh.caches.prefill import prefill
+    from support.stores import put
+
+    theirs = CacheStore(tmp_path / "peer")
+    # 17 caches: two of them at least start with the same hex digit.
+    ids = [put(theirs, prefill(tiny[0], [1, 2, n]).cache, tiny_fp, [1, 2, n]).cache_id for n in range(3, 20)]
+    by_digit = defaultdict(list)
+    for cache_id in ids:
+        by_digit[cache_id[0]].append(cache_id)
+    digit, named = max(by_digit.items(), key=lambda item: len(item[1]))
+    wanted = ids[0]
+    start = next(wanted[:n] for n in range(1, 33) if sum(i.startswith(wanted[:n]) for i in ids) == 1)
+    peer = daemons.start(tmp_path / "peer.data", "--store", tmp_path / "peer")
+    mine = ["--peer", peer.address, "--model", tiny_dir, "--store", tmp_path / "mine"]
+    ambiguous = cli("fetch", digit, *mine, data_dir=tmp_path / "me", check=False)
+    assert ambiguous.returncode == 1 and ambiguous.stderr.count("\n") == 1, ambiguous.stderr
+    assert f"{digit} names {len(named)} caches (" in ambiguous.stderr and "give more of the id" in ambiguous.stderr
+    assert all(cache_id in ambiguous.stderr for cache_id in sorted(named)[:4])
+    assert CacheStore(tmp_path / "mine").entries() == []
+    fetched = cli("fetch", start, *mine, data_dir=tmp_path / "me")
+    assert fetched.stdout.startswith(f"fetched {wanted} from {peer.address}: 3 tokens")
+    assert [e.cache_id for e in CacheStore(tmp_path / "mine").entries()] == [wanted]

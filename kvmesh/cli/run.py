@@ -172,7 +172,7 @@ def fetch(args: Args) -> int:
 
     store = open_store(args)
     if not args.tokens and (held := held_entry(store, args.cache_id)):
-        print(f"{args.cache_id} is already in the local store ({held.num_tokens} tokens): nothing fetched")
+        print(f"{held.cache_id} is already in the local store ({held.num_tokens} tokens): nothing fetched")
         return 0
     fp = model_fingerprint(args.model)
     remember_name(data_dir(args), fp, args.model)
@@ -188,7 +188,8 @@ def fetch(args: Args) -> int:
 
 
 def held_entry(store: Any, cache_id: str) -> Any:
-    """The store's entry of that id, or None."""
+    """The store's entry of that id, or None (the start of an id is the peer's to resolve: a cache
+    here that starts so may be another one)."""
     from kvmesh.errors import NotFoundError
 
     try:
@@ -198,7 +199,7 @@ def held_entry(store: Any, cache_id: str) -> Any:
 
 
 def fetch_arguments(parser: Any) -> None:
-    parser.add_argument("cache_id", help="the cache's id on the peer")
+    parser.add_argument("cache_id", help="the cache's id on the peer, or enough of its start to name one there")
     parser.add_argument("--peer", required=True, help="host:port of the peer")
     parser.add_argument("--model", required=True, help="the local model the cache must fit")
     parser.add_argument("--tokens", type=int, default=0, help="only a block-aligned prefix of this many tokens")

@@ -395,8 +395,8 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
 
         Reading the records starts only when the receiver has accepted.
         """
-        cache_id = opened.cache_id
         try:
+            cache_id = self.store.resolve(opened.cache_id, self.policy.shares)  # a unique start will do
             manifest = self.store.manifest(cache_id)
             if not self.policy.shares(manifest.model.model_id):
                 raise NotFoundError(f"no cache {cache_id} in the store")  # unshared looks absent

@@ -32,7 +32,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -701,13 +701,15 @@ class CacheStore:
             raise NotFoundError(f"no cache {cache_id} in the store")
         return found[0]
 
-    def resolve(self, given: str) -> str:
+    def resolve(self, given: str, shared: Callable[[str], bool] | None = None) -> str:
         """The id of the one cache whose id starts with `given` (as git takes a commit's prefix): a
-        person types `46f0c5a6`, not 32 digits. None or several matching is a NotFoundError saying so."""
+        person types `46f0c5a6`, not 32 digits. None or several matching is a NotFoundError saying so.
+        `shared`: which models' caches count (a daemon's share_models: the others look absent)."""
         prefix = given.strip().lower()
         if not prefix or not all(c in "0123456789abcdef" for c in prefix) or len(prefix) > 32:
             raise NotFoundError(f"no cache {given!r} in the store (ids are hex digits: `kvmesh cache list`)")
-        matches = [e.cache_id for e in self._select("WHERE cache_id >= ? AND cache_id < ?", _prefix_range(prefix))]
+        found = self._select("WHERE cache_id >= ? AND cache_id < ?", _prefix_range(prefix))
+        matches = [e.cache_id for e in found if shared is None or shared(e.model_id)]
         if len(matches) == 1:
             return matches[0]
         if not matches:
