@@ -27,6 +27,7 @@ MLX_FREE = [
     "kvmesh.model.presets",
     "kvmesh.codec.prefix",
     "kvmesh.codec.limits",
+    "kvmesh.codec.basis_file",
     "kvmesh.codec.manifest",
     "kvmesh.codec.compat",
     "kvmesh.codec.chunks",

@@ -281,7 +281,7 @@ def test_a_layer_that_decodes_to_numbers_not_finite_never_reaches_the_store(hone
     """Decoded with a poisoned basis handed over as it is (past every check of its bytes), or sent as
     plain float16 holding a NaN: the decoder refuses, and the store keeps nothing."""
     basis, cache = honest
-    bad = altered(basis, huge_rms)
+    bad = altered(basis, nan_component)
     manifest, chunks = encode_cache(recoded(cache, bad), tiny_fp, prompt_ids)
     chunks = list(chunks)
     with pytest.raises(IntegrityError, match="NaN or infinite numbers"):
