@@ -13,8 +13,8 @@ import platformdirs
 APP = "kvmesh"
 # Written by a running daemon in its data directory: how the CLI finds it (kvmesh.daemon.control).
 STATE_FILE = "daemon.json"
-# Written by a running `kvmesh serve` in its data directory: its URL and model (kvmesh.serve.state).
-SERVE_STATE_FILE = "serve.json"
+# Written by each running `kvmesh serve` in its data directory, a file each: its URL and model (kvmesh.serve.state).
+SERVE_STATE_DIR = "servers"
 NODE_ID_FILE = "node-id"
 
 
@@ -51,9 +51,10 @@ def state_file(data: Path | str) -> Path:
     return Path(data) / STATE_FILE
 
 
-def serve_state_file(data: Path | str) -> Path:
-    """Where `kvmesh serve` says, while it runs, at which URL it serves which model."""
-    return Path(data) / SERVE_STATE_FILE
+def serve_state_file(data: Path | str, pid: int) -> Path:
+    """Where the `kvmesh serve` of process `pid` says, while it runs, at which URL it serves which
+    model: a file per server, so that two servers of one data directory keep their own."""
+    return Path(data) / SERVE_STATE_DIR / f"{pid}.json"
 
 
 def node_id_file(data: Path | str) -> Path:

@@ -239,6 +239,20 @@ def test_off_loopback_needs_an_api_key(tiny_dir, tmp_path):
     assert result.returncode == 1 and "needs an API key" in result.stderr and result.stderr.count("\n") == 1
 
 
+def test_localhost_is_served_on_both_loopbacks(tiny_dir, http_server):
+    # macOS resolves localhost to ::1 first: clients that take the first address must find it there.
+    client, _ = http_server(tiny_dir, "a", "--no-mesh", "--host", "localhost")
+    port = int(str(client.base_url).split("//")[1].split("/")[0].rsplit(":", 1)[1])
+    for address in ("127.0.0.1", "::1"):
+        connection = http.client.HTTPConnection(address, port, timeout=60)
+        try:
+            connection.request("GET", "/v1/models", headers={"Host": f"localhost:{port}"})
+            answer = connection.getresponse()
+            assert answer.status == 200 and json.loads(answer.read())["data"][0]["id"] == "tiny", address
+        finally:
+            connection.close()
+
+
 def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(tiny, tiny_dir, http_server):
     client, _ = http_server(tiny_dir, "a", "--no-mesh")
     model, tokenizer = tiny

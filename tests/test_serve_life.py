@@ -20,10 +20,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvmesh.paths import serve_state_file
 from kvmesh.serve.engine import Abandoned, Engine, Job, Started
 from kvmesh.serve.prompt_cache import MeshPromptCache
-from kvmesh.serve.state import read_serve_state
+from kvmesh.serve.state import read_serve_state, serve_states
 from support.daemons import loopback_daemon, start_server
 from support.processes import ENV, cli
 
@@ -92,7 +91,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tiny_dir, tmp_path):
     assert result.returncode == 1, result.stderr  # not 134 (an abort after the model loaded)
     assert "cannot listen on 127.0.0.1:" in result.stderr and "terminate called" not in result.stderr
     assert time.monotonic() - start < 20
-    assert not serve_state_file(tmp_path).exists()
+    assert serve_states(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -103,7 +102,7 @@ def test_the_banner_state_file_and_health_say_how_it_serves(tiny_dir, tmp_path, 
     assert state.mesh.startswith("off (--no-mesh)")
     status, body = health(alone.url)
     assert status == 200 and body["status"] == "ok" and body["max_requests"] == 64
-    assert alone.stop() == 0 and not serve_state_file(tmp_path / "alone").exists()
+    assert alone.stop() == 0 and serve_states(tmp_path / "alone") == []
     assert "mesh: off (--no-mesh)" in alone.process.stdout.read()
 
     # No daemon runs for its data directory: the mesh is off for now, and it calibrates (visibly).
@@ -145,7 +144,53 @@ def test_sigterm_and_ctrl_c_stop_it_within_a_second(tiny_dir, serving):
         answers.shutdown()
         log = server.log.read_text()
         assert "terminate called" not in log and "ASGI callable returned without completing" not in log
-        assert not serve_state_file(server.log.with_suffix("").with_suffix("")).exists()
+        assert serve_states(server.log.with_suffix("").with_suffix("")) == []
+
+
+@pytest.mark.slow
+def test_two_servers_of_one_data_dir_keep_their_own_state(tiny_dir, tmp_path):
+    first = start_server(tmp_path / "data", tiny_dir, "--no-mesh", log=tmp_path / "first.log")
+    second = start_server(tmp_path / "data", tiny_dir, "--no-mesh", log=tmp_path / "second.log")
+    try:
+        assert [(s.pid, s.url) for s in serve_states(tmp_path / "data")] == [
+            (first.process.pid, first.url),
+            (second.process.pid, second.url),
+        ]
+        assert read_serve_state(tmp_path / "data").url == second.url  # the one started last
+        assert first.stop() == 0
+        assert [s.url for s in serve_states(tmp_path / "data")] == [second.url]  # the other's stays
+    finally:
+        first.stop()
+        second.stop()
+    # A server killed leaves its file behind, which readers pass over.
+    killed = start_server(tmp_path / "data", tiny_dir, "--no-mesh", log=tmp_path / "killed.log")
+    killed.process.kill()
+    killed.process.wait()
+    assert serve_states(tmp_path / "data") == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_prefill_says_what_it_stopped(tiny_dir, serving):
+    # A prompt that takes the tiny model seconds to prefill: Ctrl-C comes in the middle of it.
+    server = serving("prefill", tiny_dir, "--no-mesh")
+    client = client_of(server.url)
+    answers = ThreadPoolExecutor(1)
+    asked = answers.submit(
+        client.chat.completions.create,
+        model="tiny",
+        messages=[{"role": "user", "content": "hi " * 7000}],
+        max_tokens=4,
+    )
+    wait_for(lambda: held(server.url, "generating") == 1, what="the prefill")
+    server.process.send_signal(signal.SIGINT)
+    assert server.process.wait(timeout=60) == 0
+    with pytest.raises(openai.APIStatusError) as stopped:  # told at once, not cut off
+        asked.result(timeout=60)
+    answers.shutdown()
+    assert stopped.value.status_code == 503 and "the server is stopping" in stopped.value.message
+    log = server.log.read_text()
+    assert "SIGINT: stopping; the requests held end now (0 finding their prefix, 0 waiting, 1 generating)" in log
+    assert "calibration" not in log and "ERROR" not in log and "Traceback" not in log, log
 
 
 def test_a_stop_abandons_a_prefill_within_a_chunk(tiny, tiny_fp):

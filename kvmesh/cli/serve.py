@@ -49,7 +49,7 @@ def serve(args: Args) -> int:
     if not options.model:
         raise KvmeshError("give a model (kvmesh serve MODEL), or set `model` in the config's [serve] table")
     check_exposure(options.host, options.api_key)  # before the model loads
-    sock = bind(options.host, options.port)  # so is the port: one in use costs no model load
+    sockets = bind(options.host, options.port)  # so is the port: one in use costs no model load
     setup_logging("text", "info", native=False)  # one line per request, and the calibration's
     store = None if args.no_store else open_store(args)
     loaded = load_model(options.model)
@@ -72,7 +72,7 @@ def serve(args: Args) -> int:
         credentials=mesh_credentials(args),
         announce=lambda line: print(line, flush=True),
         rates=None if args.no_mesh else Rates(data_dir(args)),
-        sock=sock,
+        sockets=sockets,
         data_dir=data_dir(args),
         mesh=mesh_words(args, options),
     )

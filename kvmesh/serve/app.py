@@ -367,7 +367,8 @@ def make_app(
         news = asyncio.Event()
 
         def notify() -> None:  # on the generation thread
-            loop.call_soon_threadsafe(news.set)
+            with contextlib.suppress(RuntimeError):  # the loop has closed (the server stopped): nobody waits
+                loop.call_soon_threadsafe(news.set)
 
         job.listener = notify
         try:

@@ -104,6 +104,8 @@ class Engine:
         # Set once the engine can answer (after calibration): /health says "starting" until then.
         self.ready = threading.Event()
         self._served = 0
+        # What the generation thread is doing, in words: a stop that it outlasts says so.
+        self.doing = "starting"
         self._thread = threading.Thread(target=self._run, name="kvmesh-generate", daemon=True)
         self._thread.start()
 
@@ -136,11 +138,16 @@ class Engine:
         return job
 
     def stop(self) -> None:
-        """Take no more jobs: those generating end within a token or a prefill chunk, and every
-        held one is answered Abandoned."""
+        """Take no more jobs, and answer every held one Abandoned now: its client is told at once,
+        even while the generation thread finishes a prefill chunk or a token (it then drops it)."""
         self._stopping.set()
         self._lookups.shutdown(wait=False)
         self._jobs.put(None)
+        with self._lock:
+            held = [job for job, _ in self._held.values()]
+        for job in held:
+            if not job.cancelled.is_set():
+                job.put(Abandoned("the server is stopping"))
 
     def close(self, timeout: float = 1.0) -> bool:
         """Stop, and wait for the generation thread: whether it ended within `timeout` seconds."""
@@ -185,6 +192,7 @@ class Engine:
         rates = self.prompt_cache.rates
         if rates is not None and rates.prefill_model(self.prompt_cache.model_fp.model_id) is None:
             log.info("calibrating this machine's prefill rate (a few prefills) before the first request")
+            self.doing = "calibrating this machine's prefill rate"
             start = time.monotonic()
             calibrate(self.model, self.prompt_cache.model_fp, rates)  # before the first request's choice
             log.info("calibrated in %.1f s", time.monotonic() - start)
@@ -200,6 +208,7 @@ class Engine:
         try:
             while not self._stopping.is_set():
                 busy = bool(alone) or (batch is not None and len(batch) > 0)
+                self.doing = "waiting for requests"
                 for job in self._arrivals(block=not busy):
                     if not self._wanted(job):
                         self._drop(job)
@@ -217,6 +226,7 @@ class Engine:
                     else:
                         alone.append((job, hit))
                 if batch is not None and len(batch) > 0:
+                    self.doing = f"prefilling or generating {len(batch)} batched request(s)"
                     try:
                         batch.step()
                     except Exception as e:  # every job of the batch is told; the engine goes on
@@ -233,6 +243,7 @@ class Engine:
                             finished=self._complete,
                         )
                 elif alone:
+                    self.doing = "prefilling or generating a request alone"
                     self._serve_alone(*alone.popleft())
         finally:
             if batch is not None:
@@ -336,6 +347,7 @@ class Engine:
                 job.put(Abandoned("the server is stopping"))
             return
         output.flush()
+        self.doing = "keeping a request's cache"
         covered = self.prompt_cache.insert(job.tokens + output.generated, cache, partition=job.partition)
         if job.partition is None:  # a salted request's cache stays in its own partition of memory
             self.prompt_cache.persist(covered, cache)
@@ -350,7 +362,7 @@ class Engine:
             done.prefix.where,
             done.prefix.seconds,
             done.completion_tokens,
-            done.finish_reason if self._wanted(job) else "client left",
+            done.finish_reason if self._wanted(job) else "stopped" if self._stopping.is_set() else "client left",
             f"in a batch of up to {output.batch_size}" if output.batch_size else "alone",
             (output.first_token or time.monotonic()) - job.submitted,
             output.tokens_per_second(),

@@ -1,7 +1,7 @@
 """`kvmesh serve`: load a model, wire the prompt cache to the store and the mesh, serve HTTP.
 
 Its life: the port is taken before the model loads (a port in use costs no load); the banner says
-where it serves and how it reaches the mesh, and serve.json says so for programs
+where it serves and how it reaches the mesh, and its state file says so for programs
 (kvmesh.serve.state); /health says "starting" while it calibrates; SIGINT or SIGTERM stops it within
 a second or so: open requests get STOP_GRACE_S to end, the one generating stops within a token or a
 prefill chunk.
@@ -11,6 +11,7 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -73,17 +74,17 @@ def serve(
     credentials: MeshCredentials | None,
     announce: Callable[[str], None] = print,
     rates: Rates | None = None,
-    sock: socket.socket | None = None,
+    sockets: list[socket.socket] | None = None,
     data_dir: Path | None = None,
     mesh: str = "",
 ) -> None:
     """Serve `loaded` (the model of `options.model`) until interrupted. With `rates` and
     `options.fetch` "auto", peers' caches are fetched only when faster than prefilling them here;
     `peers` may be a function, asked again for each request (the local daemon's live peers).
-    `sock`: bound to options' host and port before the model loaded (else bound here); `data_dir`:
-    where serve.json goes; `mesh`: the banner's words for how the mesh is reached."""
+    `sockets`: bound to options' host and port before the model loaded (else bound here); `data_dir`:
+    where its state file goes; `mesh`: the banner's words for how the mesh is reached."""
     check_exposure(options.host, options.api_key)
-    sock = sock if sock is not None else bind(options.host, options.port)
+    sockets = sockets if sockets is not None else bind(options.host, options.port)
     model, tokenizer, fp = loaded.model, loaded.tokenizer, loaded.fingerprint
     model_path = options.model
     prompt_cache = MeshPromptCache(
@@ -127,9 +128,22 @@ def serve(
         cors_origins=options.web_origins,
         allowed_hosts=options.allowed_hosts,
     )
-    server, backlog = http_server(app, options, on_stop=engine.stop)
-    sock.listen(backlog)  # before the URL is announced: a client that reads it can connect at once
-    url = f"http://{host_port(options.host, sock.getsockname()[1])}/v1"
+
+    def stop(signal_name: str) -> None:
+        held = engine.held()
+        log.info(
+            "%s: stopping; the requests held end now (%d finding their prefix, %d waiting, %d generating)",
+            signal_name,
+            held["lookup"],
+            held["waiting"],
+            held["generating"],
+        )
+        engine.stop()
+
+    server, backlog = http_server(app, options, on_stop=stop)
+    for sock in sockets:  # before the URL is announced: a client that reads it can connect at once
+        sock.listen(backlog)
+    url = f"http://{host_port(options.host, sockets[0].getsockname()[1])}/v1"
     if data_dir is not None:
         write_serve_state(data_dir, ServeState(os.getpid(), url, name, fp.model_id, mesh))
     announce(f"kvmesh serve: {name} at {url} (model id {fp.model_id})")
@@ -140,27 +154,44 @@ def serve(
     if calibrating:
         announce('  calibrating the prefill rate here (once): /health says "starting" until done; requests wait')
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=sockets)
     finally:
         if data_dir is not None:
             remove_serve_state(data_dir)
         app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
-        sock.close()
-        if not engine.close(timeout=1.0):
-            # Calibration's prefills cannot be interrupted; a thread left inside MLX at exit aborts
-            # the process (exit 134), so leave now, the way it would have ended.
-            log.warning("stopping during calibration: leaving it unfinished")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+        for sock in sockets:
+            sock.close()
+        stopped = engine.close(timeout=1.0)
+    if not stopped:  # calibration's prefills and a prefill chunk cannot be interrupted
+        log.warning("stopped while %s: leaving it unfinished", engine.doing)
+    # The way a stop would have ended, without the interpreter's exit: MLX aborts a process (exit
+    # 134) whose exit finds a thread inside MLX, or frees a stopped step's arrays on another thread.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, not yet listening: taken before the model loads, so that a
-    port in use is said at once, with no model loaded in vain."""
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to host:port, not yet listening: taken before the model loads, so that a port
+    in use is said at once, with no model loaded in vain. `localhost` is both loopbacks, 127.0.0.1
+    and [::1] on the same port (macOS resolves it to ::1 first: a client of `localhost` must find the
+    server there too), or the first alone where [::1] cannot be had (said in the log)."""
+    if host == "localhost":
+        first = bind_one("127.0.0.1", port)
+        try:
+            return [first, bind_one("::1", first.getsockname()[1])]
+        except KvmeshError as e:
+            log.warning("serving localhost on 127.0.0.1 only: %s", e)
+            return [first]
+    return [bind_one(host, port)]
+
+
+def bind_one(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # (127.0.0.1 has its own socket)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -172,30 +203,30 @@ def bind(host: str, port: int) -> socket.socket:
 def listen(host: str, port: int, backlog: int) -> socket.socket:
     """A socket listening on host:port, before the URL is announced: a client that reads it can
     connect at once."""
-    sock = bind(host, port)
+    sock = bind_one(host, port)
     sock.listen(backlog)
     return sock
 
 
 class StoppingServer(uvicorn.Server):
-    """uvicorn, which on SIGINT or SIGTERM also calls `on_stop` at once (the engine's stop: the
-    requests it holds end now, rather than after uvicorn's grace), and then returns."""
+    """uvicorn, which on SIGINT or SIGTERM also calls `on_stop` at once, with the signal's name (the
+    engine's stop: the requests it holds end now, rather than after uvicorn's grace), and then returns."""
 
-    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None] | None = None):
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[str], None] | None = None):
         super().__init__(config)
         self.on_stop = on_stop
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.on_stop is not None:
-            self.on_stop()
+        if self.on_stop is not None and not self.should_exit:  # (a second Ctrl-C says nothing new)
+            self.on_stop(signal.Signals(sig).name)
         super().handle_exit(sig, frame)
         # uvicorn raises the signal again once it has stopped, which kills the process before
-        # `serve` removes serve.json and stops the engine: a graceful stop exits 0 instead.
+        # `serve` removes its state file and stops the engine: a graceful stop exits 0 instead.
         self._captured_signals.clear()
 
 
 def http_server(
-    app: Any, options: ServeOptions, on_stop: Callable[[], None] | None = None
+    app: Any, options: ServeOptions, on_stop: Callable[[str], None] | None = None
 ) -> tuple[uvicorn.Server, int]:
     """uvicorn serving `app` with the connection bounds of `options` (kvmesh.serve.connections), and
     the listen backlog that keeps them within the descriptor limit; `on_stop` is called when it is

@@ -64,16 +64,16 @@ class ServerProcess:
 
 def start_server(data_dir, model_dir, *args, log, env=None) -> ServerProcess:
     """`kvmesh --data-dir DATA_DIR serve MODEL_DIR --port 0 ARGS`, returned once it serves: its
-    banner's first line is the moment, its state file (DATA_DIR/serve.json) says where. Its stderr
+    banner's first line is the moment, its state file (DATA_DIR/servers/PID.json) says where. Its stderr
     goes to `log`. In ENV unless `env` is given."""
     command = [KVMESH, "--data-dir", str(data_dir), "serve", str(model_dir), "--port", "0", *map(str, args)]
     with open(log, "w") as out:  # the server keeps its own copy
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=out, text=True, env=ENV if env is None else env
         )
-    line = process.stdout.readline() if process.stdout else ""  # written after serve.json
+    line = process.stdout.readline() if process.stdout else ""  # written after the state file
     try:
-        state = read_serve_state(data_dir)
+        state = read_serve_state(data_dir, process.pid)
     except KvmeshError:
         state = None
     if not line or state is None or state.pid != process.pid:
