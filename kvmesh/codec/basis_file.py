@@ -102,7 +102,7 @@ def tensor_problem(name: str, array: np.ndarray) -> str | None:
     *_, kind, what = ["", *name.split(".")]
     x = array.astype(np.float64)
     if not np.isfinite(x).all():
-        return f"{int(np.size(x) - np.isfinite(x).sum()):,} values are NaN or infinite"
+        return f"{int(x.size - np.isfinite(x).sum()):,} of its {x.size:,} values are NaN or infinite"
     limit = FEATURE_LIMITS.get(kind, FLOAT16_MAX)
     if what == "mean" and x.size and (top := float(np.abs(x).max())) > limit:
         return f"a mean of {top:.4g}, beyond what float16 KV holds ({limit:.6g})"
