@@ -144,7 +144,6 @@ class Incoming:
         except OSError as e:
             raise StoreError(f"cannot make a file for an artefact in {directory}: {e.strerror or e}") from e
         self._hash = hashlib.sha256()
-        self.nbytes = 0
         # The digest `read` found the bytes to have, and sane.
         self.checked: str | None = None
 
@@ -154,7 +153,6 @@ class Incoming:
         except OSError as e:
             raise StoreError(f"cannot write an arriving artefact: {e.strerror or e}") from e
         self._hash.update(piece)
-        self.nbytes += len(piece)
 
     def read(self, digest: str) -> bytes:
         """All the bytes, refused (IntegrityError) unless their sha256 (hashed as they came: wrong
