@@ -39,6 +39,24 @@ def test_publish_gives_the_cache_to_the_peer_byte_for_byte(stored, tmp_path):
     assert list(theirs.chunk_records(cache_id)) == list(ours.chunk_records(cache_id))
 
 
+def test_publishing_a_cache_the_peer_holds_sends_nothing(stored, tmp_path):
+    local, cache_id = stored
+    daemon = loopback_daemon(tmp_path / "peer.data", "--store", tmp_path / "peer")
+    try:
+        publish = ["publish", cache_id, daemon.address, "--store", local]
+        first = cli(*publish, data_dir=tmp_path / "me").stdout
+        entry = next((tmp_path / "peer").rglob(f"{cache_id}*"))
+        written = entry.stat().st_mtime_ns
+        second = cli(*publish, data_dir=tmp_path / "me").stdout
+        transfers = json.loads(cli("status", "--json", data_dir=tmp_path / "peer.data").stdout)["info"]["transfers"]
+    finally:
+        daemon.stop()
+    assert first.startswith(f"published {cache_id} to {daemon.address} (")
+    assert second == f"{daemon.address} holds {cache_id} already: nothing sent\n"
+    assert (transfers["publishes_accepted"], transfers["publishes_rejected"]) == (1, 0)
+    assert entry.stat().st_mtime_ns == written  # not written again
+
+
 def test_a_read_only_peer_refuses_in_one_line_and_stores_nothing(stored, tmp_path):
     local, cache_id = stored
     daemon = loopback_daemon(tmp_path / "peer.data", "--store", tmp_path / "peer", "--read-only")

@@ -212,11 +212,14 @@ def publish(args: Args) -> int:
 
     store, cache_id = stored(args)
     with PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
-        stored_as = client.publish(store, cache_id)
+        published = client.offer(store, cache_id)
+    if not published.sent:
+        print(f"{client.address} holds {cache_id} already: nothing sent")
+        return 0
     manifest = store.manifest(cache_id)
     print(
         f"published {cache_id} to {client.address} ({manifest.prefix.num_tokens} tokens, "
-        f"{manifest.encoding.encoded_bytes:,} bytes); stored there as {stored_as}"
+        f"{manifest.encoding.encoded_bytes:,} bytes); stored there as {published.cache_id}"
     )
     return 0
 

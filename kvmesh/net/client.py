@@ -251,6 +251,15 @@ class Transfer:
         check_trailer(self._response("trailer"), self.manifest)
 
 
+@dataclass(frozen=True)
+class Published:
+    """What a publish did: the id the peer keeps the cache under, and whether its chunks were sent
+    (not when the peer held that cache already)."""
+
+    cache_id: str
+    sent: bool
+
+
 class PeerClient:
     """A client of one peer's KvMesh service: `info`, `lookup`, `fetch`, `publish`, `probe`.
 
@@ -377,7 +386,13 @@ class PeerClient:
         return transfer
 
     def publish(self, store: CacheStore, cache_id: str) -> str:
-        """Offer a stored cache to the peer; returns the id it stored it under.
+        """Offer a stored cache to the peer; returns the id it stored it under (`offer` also says
+        whether its bytes were sent)."""
+        return self.offer(store, cache_id).cache_id
+
+    def offer(self, store: CacheStore, cache_id: str) -> "Published":
+        """Offer a stored cache to the peer: its manifest first, and its chunks once the peer accepts;
+        a peer that holds that cache already answers so at once, and nothing more is sent.
 
         A local entry found damaged on the way raises IntegrityError (and is quarantined here).
         """
@@ -401,6 +416,8 @@ class PeerClient:
         call = self._publish(requests(), timeout=TIMEOUTS.transfer_deadline(manifest.encoding.encoded_bytes))
         try:
             first = next(iter(call))
+            if first.WhichOneof("msg") == "result":  # held there already
+                return Published(first.result.cache_id, sent=False)
             rejection = (
                 older_protocol(first.protocol_version, "the peer")
                 if first.decision.accept
@@ -411,7 +428,7 @@ class PeerClient:
                 raise CacheRejected(rejection)
             for response in call:
                 if response.WhichOneof("msg") == "result":
-                    return response.result.cache_id
+                    return Published(response.result.cache_id, sent=True)
             raise PeerError(self.address, "closed the publish without a result")
         except (grpc.RpcError, PeerError) as e:
             if local_error:

@@ -413,6 +413,16 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         raise AssertionError("context.abort raises")
 
+    def holds(self, manifest: pb.CacheManifest) -> bool:
+        """Whether the store holds the cache of that id, of a model it shares (the others look absent)."""
+        if not self.policy.shares(manifest.model.model_id):
+            return False
+        try:
+            self.store.entry(manifest.cache_id)
+        except NotFoundError:
+            return False
+        return True
+
     def Publish(self, requests: Iterator[bytes], context) -> Iterator[spb.PublishResponse]:
         """A manifest, this peer's decision, then (after an accept) raw chunk frames and a trailer."""
         peer = self._admit(context)
@@ -429,6 +439,10 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             refusal = reject(Rejection(pb.REJECT_REASON_POLICY, f"this peer does not accept publishes from {peer}"))
         elif rejection := validate_manifest(manifest):
             refusal = reject(rejection)
+        elif self.holds(manifest):  # a cache's id names its content: nothing to send (publishing twice)
+            log.info("%s published %s, held here already: nothing sent", peer, manifest.cache_id)
+            yield spb.PublishResponse(result=spb.PublishResult(cache_id=manifest.cache_id))
+            return
         elif (size := manifest.encoding.raw_bytes) > (limit := self.policy.max_publish_bytes):
             message = f"{size:,} bytes exceed the publish limit of {limit:,}"
             refusal = reject(Rejection(pb.REJECT_REASON_SIZE_LIMIT, message))
