@@ -6,10 +6,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError, fit_basis, fit_tensor_basis
+from kvmesh.codec.coded import TransformCoding, decoded, transform_code
 from kvmesh.codec.rotary import Rotary, apply_rope, model_rotaries, remove_rope, rotary_of
 from kvmesh.codec.transform import (
     ESCAPE,
+    MAGIC,
+    MAGIC_RAW_DTYPE,
     TransformCodecError,
     bit_allocation,
     component_groups,
@@ -280,11 +284,11 @@ def test_round_trip_error_bounded_by_step():
     decoded = decode_layers(enc.blobs, basis)
     assert len(decoded) == 2
     for (k, v, pos), (dk, dv), i in zip(layers, decoded, range(2)):
-        assert dk.dtype == mx.float16 and dk.shape == k.shape and dv.shape == v.shape
-        # Sinks and the recent window are the float16 originals.
+        assert dk.dtype == mx.float32 and dk.shape == k.shape and dv.shape == v.shape  # the layers' own
+        # Sinks and the recent window are the originals.
         for raw, got in ((k, dk), (v, dv)):
-            assert np.array_equal(np.asarray(got[:, :, :4]), raw[:, :, :4].astype(np.float16))
-            assert np.array_equal(np.asarray(got[:, :, -3:]), raw[:, :, -3:].astype(np.float16))
+            assert np.array_equal(np.asarray(got[:, :, :4]), raw[:, :, :4])
+            assert np.array_equal(np.asarray(got[:, :, -3:]), raw[:, :, -3:])
         rot = basis.rotaries[i]
         for raw, got, tb, un in (
             (k, dk, basis.keys[i], True),
@@ -300,7 +304,8 @@ def test_round_trip_error_bounded_by_step():
             n = kept_components(tb.rms / tb.scale, kstep)
             assert 0 < n < 32
             c, got_c = tb.project(rows), tb.project(got_rows)
-            # The float16 output's rounding, carried into a coefficient (unit-norm analysis columns).
+            # A float16 output's rounding, carried into a coefficient (unit-norm analysis columns): a
+            # bound for this float32 one too.
             fp16_slack = 2.0**-11 * math.sqrt(32) * np.abs(rows).max() * 1.5
             assert fp16_slack < 0.25 * kstep * tb.scale
             # Within half a step of the bin's centre, moved by at most the centroid offset.
@@ -313,6 +318,26 @@ def test_round_trip_error_bounded_by_step():
     # Finer steps, smaller errors and more bytes.
     finer = encode_layers(layers, basis, step=step / 8, sinks=4, recent=3)
     assert finer.nbytes > enc.nbytes
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
+def test_raw_rows_travel_in_the_cache_s_own_dtype(dtype):
+    """A bfloat16 cache's sink beyond float16's range comes back as it was (as float16 it was
+    infinite), a float32 cache's exactly; a float16 cache's blobs are those kvmesh always read."""
+    rng = np.random.default_rng(9)
+    basis = small_basis(rng)
+    layers = [(mx.array(k).astype(dtype), mx.array(v).astype(dtype), pos) for k, v, pos in random_layers(rng)]
+    if dtype == mx.bfloat16:
+        layers[0][0][:, :, 0, 0] = 3e5  # float16 holds at most 65504
+    enc = encode_layers(layers, basis, step=0.2, sinks=4, recent=3)
+    assert all(blob.startswith(MAGIC if dtype == mx.float16 else MAGIC_RAW_DTYPE) for blob in enc.blobs)
+    cache = [SparseKVCache.from_arrays(k, v, k.shape[2]) for k, v, _ in layers]
+    through_cache = [c.keys_and_values() for c in decoded(transform_code(cache, TransformCoding(basis, 0.2, recent=3)))]
+    for (k, v, _), *decodes in zip(layers, decode_layers(enc.blobs, basis), through_cache, strict=True):
+        for got_k, got_v in decodes:
+            assert got_k.dtype == got_v.dtype == dtype
+            for raw, got in ((k, got_k), (v, got_v)):
+                assert mx.array_equal(got[:, :, :4], raw[:, :, :4]) and mx.array_equal(got[:, :, -3:], raw[:, :, -3:])
 
 
 def test_target_ratio_bisection():

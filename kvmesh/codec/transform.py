@@ -5,7 +5,8 @@ Per layer and tensor (keys, values), rows are tokens with the layer's heads conc
 basis fits every position. Then:
 
 1. the first `sinks` rows (attention sinks: outliers that take much of the attention) and an optional
-   recent window of `recent` rows travel raw, as float16;
+   recent window of `recent` rows travel raw, in the cache's own dtype (a bfloat16 cache's outliers
+   may lie beyond float16's range, a float32 cache's are kept exact);
 2. the other rows are centred and projected on the model's per-layer PCA basis
    (`kvmesh.codec.basis`), and the coefficients divided by the tensor's calibration RMS (of all its
    components together, so one step means the same relative error in every layer; dividing each
@@ -24,12 +25,13 @@ basis fits every position. Then:
 `encode_layers(..., ratio=r)` searches the step (secant steps inside a bisected bracket) until the
 bytes are 1/r of the fp16 cache's. `key_factor` makes the keys' step that much coarser than the
 values' (2 measured best on SmolLM2 at 4-8x).
-`decode_layers` gives float16 arrays in mlx-lm's KVCache layout (batch, kv_heads, tokens, head_dim),
+`decode_layers` gives arrays of that dtype in mlx-lm's KVCache layout (batch, kv_heads, tokens, head_dim),
 keys with RoPE re-applied at their positions. Everything is vectorized (NumPy, MLX); no Python loop
 runs per value, only per layer.
 
-Each layer is its own blob (so a layer decodes as soon as its bytes arrive): `MAGIC`, a
-little-endian u32 header length, a canonical JSON header (the basis's sha256 and the basis layer, the
+Each layer is its own blob (so a layer decodes as soon as its bytes arrive): `MAGIC` (`MAGIC_RAW_DTYPE`
+when its raw rows are not float16, which a kvmesh reading only float16 ones refuses rather than
+misreads), a little-endian u32 header length, a canonical JSON header (the basis's sha256 and the basis layer, the
 shape, positions, steps and component counts, and the segments' offsets), then the segments. The
 basis itself does not travel with each cache: the receiver needs the one whose id the header names.
 """
@@ -51,6 +53,10 @@ from kvmesh.codec.basis import Basis, BasisError, LayerKV, TensorBasis
 from kvmesh.codec.rotary import Rotary, rotate, rotation_table
 
 MAGIC = b"KVTC\x01"
+MAGIC_RAW_DTYPE = b"KVTC\x02"
+# The dtypes raw rows travel in (a header without one: float16), and the NumPy type each decodes into
+# (NumPy has no bfloat16: its bits travel as uint16 and decode through MLX into float32).
+RAW_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 ESCAPE = 255
 SQRT12 = math.sqrt(12.0)
 
@@ -219,7 +225,32 @@ class _Prepared:
 
     coeffs: np.ndarray  # (N, F) coefficients / tensor scale
     basis: TensorBasis
-    raw: bytes  # the sink and recent rows, float16, (B, H, rows, D)
+    raw: bytes  # the sink and recent rows, (B, H, rows, D), in `raw_dtype`
+    raw_dtype: str
+
+
+def _raw_rows(x: Any, sinks: int, recent: int) -> tuple[bytes, str]:
+    """The first `sinks` and last `recent` rows of one tensor (B, H, T, D), as bytes of the tensor's
+    own dtype, and its name."""
+    if not isinstance(x, mx.array):
+        a = np.asarray(x)
+        x = mx.array(a if a.dtype == np.float16 else a.astype(np.float32))
+    name = str(x.dtype).rsplit(".", 1)[-1]
+    if name not in RAW_DTYPES:
+        raise TransformCodecError(f"a {name} cache: the transform codec takes float16, bfloat16 or float32 ones")
+    t = x.shape[2]
+    rows = mx.concatenate([x[:, :, :sinks], x[:, :, t - recent :]], axis=2)
+    return np.asarray(rows.view(mx.uint16) if x.dtype == mx.bfloat16 else rows).tobytes(), name
+
+
+def _raw_array(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw rows from their bytes: float16 as they are, the others as float32 (which holds them exactly)."""
+    if dtype not in RAW_DTYPES:
+        raise TransformCodecError(f"raw rows of an unknown dtype {dtype!r}")
+    if dtype == "bfloat16":
+        bits = mx.array(np.frombuffer(data, dtype="<u2").reshape(shape))
+        return np.asarray(bits.view(mx.bfloat16).astype(mx.float32))
+    return np.frombuffer(data, dtype="<f2" if dtype == "float16" else "<f4").reshape(shape)
 
 
 def _split(x: np.ndarray, sinks: int, recent: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -251,7 +282,7 @@ def _prepare(
         meta: dict[str, Any] = {"layer": j, "shape": [b, h, t, d], "sinks": s, "recent": r}
         layer = []
         for kind, x, tb in (("k", keys, basis.keys[j]), ("v", values, basis.values[j])):
-            head, mid, tail = _split(x, s, r)
+            _, mid, _ = _split(x, s, r)
             m = mid.shape[2]
             if m:
                 block = mid.transpose(0, 2, 1, 3)  # (B, T', H, D): token-major
@@ -262,8 +293,7 @@ def _prepare(
                 coeffs = _matmul(rows - tb.mean, tb.on_mlx("analysis")) * np.float32(1.0 / tb.scale)
             else:
                 coeffs = np.zeros((0, h * d), np.float32)
-            raw = np.concatenate([head, tail], axis=2).astype(np.float16).tobytes()
-            layer.append(_Prepared(coeffs, tb, raw))
+            layer.append(_Prepared(coeffs, tb, *_raw_rows(k if kind == "k" else v, s, r)))
         contiguous = t == 0 or bool((pos == pos.flat[0] + np.arange(t, dtype=np.int32)).all())
         meta["positions"] = {"start": int(pos.flat[0]) if t else 0} if contiguous else {"shape": list(pos.shape)}
         prepared.append((layer, pos if not contiguous else None))
@@ -295,14 +325,15 @@ def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: flo
             delta = _centroid_offset(scaled[at : at + count], q[at : at + count])
             groups.append([count, width, add(plane, True), add(esc, True) if esc else None, delta])
             at += count
-        lm[kind] = {"step": kstep, "n": n, "groups": groups, "raw": add(p.raw, False)}
+        lm[kind] = {"step": kstep, "n": n, "groups": groups, "raw": add(p.raw, False), "raw_dtype": p.raw_dtype}
     offsets, at = [], 0
     for seg in segments:
         offsets.append([at, len(seg)])
         at += len(seg)
     header = {"basis": basis.digest, **lm, "segments": offsets}
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return MAGIC + struct.pack("<I", len(text)) + text + b"".join(segments)
+    magic = MAGIC if all(p.raw_dtype == "float16" for p in layer) else MAGIC_RAW_DTYPE
+    return magic + struct.pack("<I", len(text)) + text + b"".join(segments)
 
 
 def _assemble(prepared, metas, basis: Basis, step: float, key_factor: float, level: int) -> list[bytes]:
@@ -352,7 +383,7 @@ def encode_layers(
     the bytes `ratio` times smaller than fp16 (searched to `tolerance`: the largest encoding within
     the target size, or the coarsest step's if even that exceeds it). Layer i is coded with the
     basis's layer `basis_layers[i]` (default: i). The keys' step is `key_factor` times the values'.
-    `sinks` leading and `recent` trailing rows travel raw (float16)."""
+    `sinks` leading and `recent` trailing rows travel raw (in the layers' own dtype)."""
     if (step is None) == (ratio is None):
         raise TransformCodecError("give either step or ratio")
     if step is not None and not (math.isfinite(step) and step > 0):
@@ -410,7 +441,7 @@ def encode_layers(
 def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
     """The header of a layer's blob and the segments' bytes."""
     view = memoryview(data)
-    if bytes(view[: len(MAGIC)]) != MAGIC:
+    if bytes(view[: len(MAGIC)]) not in (MAGIC, MAGIC_RAW_DTYPE):
         raise TransformCodecError("not a transform-coded layer (bad magic)")
     try:
         (n,) = struct.unpack_from("<I", view, len(MAGIC))
@@ -446,7 +477,7 @@ def check_header(header: dict, expect: dict[str, Any]) -> None:
 def decode_layer(
     data: bytes | memoryview, basis: Basis, memo: dict | None = None, *, expect: dict[str, Any] | None = None
 ) -> tuple[mx.array, mx.array]:
-    """One layer's (keys, values) as float16 (B, kv_heads, tokens, head_dim), keys rotated back.
+    """One layer's (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated back.
     With `expect` (what the manifest says: `check_header`), a blob that says otherwise is refused
     before anything is allocated.
 
@@ -510,8 +541,9 @@ def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> t
     for kind, tb in (("k", basis.keys[j]), ("v", basis.values[j])):
         km = header[kind]
         n = km["n"]
-        raw = np.frombuffer(seg(km["raw"], 2 * b * h * (s + r) * d), dtype=np.float16).reshape(b, h, s + r, d)
-        out_arr = np.empty((b, h, t, d), dtype=np.float16)
+        raw_dtype = km.get("raw_dtype", "float16")
+        raw = _raw_array(seg(km["raw"], 4 * b * h * (s + r) * d), raw_dtype, (b, h, s + r, d))
+        out_arr = np.empty((b, h, t, d), dtype=raw.dtype)
         out_arr[:, :, :s] = raw[:, :, :s]
         out_arr[:, :, t - r :] = raw[:, :, s:]
         if m:
@@ -541,13 +573,13 @@ def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> t
                     at_h = min(hh, cos.shape[2] - 1)
                     block = rotate(block, cos[:, :, at_h], sin[:, :, at_h], basis.rotaries[j])
                 out_arr[:, hh, s : t - r] = block
-        tensors.append(mx.array(out_arr))
+        tensors.append(mx.array(out_arr).astype(RAW_DTYPES[raw_dtype]))
     mx.eval(tensors)
     return tensors[0], tensors[1]
 
 
 def decode_layers(blobs: Sequence[bytes], basis: Basis) -> list[tuple[mx.array, mx.array]]:
-    """Per layer, (keys, values) as float16 (B, kv_heads, tokens, head_dim), keys rotated back."""
+    """Per layer, (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated back."""
     memo: dict = {}
     return [decode_layer(blob, basis, memo) for blob in blobs]
 
