@@ -167,3 +167,28 @@ def test_a_removed_node_proving_its_old_certificate_is_not_bound(tmp_path, daemo
     refused = f"node {node_id(removed)} at {daemon_x.address} is refused: node {node_id(removed)} was removed"
     wait_for(lambda: log_says(daemon_b, refused), seconds=15, what="b to refuse the removed node's advert")
     assert node_id(removed) not in peers_of(b)
+
+
+def test_a_member_answering_at_a_peers_address_is_not_taken_for_that_peer(tmp_path, daemons):
+    """Y, found by mDNS, dies (SIGKILL: no goodbye), and X, another member (or a removed one),
+    starts at Y's address. Before: B's health checks dialled the address by the mesh-wide name, so
+    X answered them and Y was live again, at X's address. Now B pins each channel to the node
+    proven there: Y stays lost, and B says who answers instead."""
+    b, y, x = tmp_path / "b", tmp_path / "y", tmp_path / "x"
+    make_mesh(b, y, x)
+    daemon_b = daemons.start(b, "--health-interval", "0.3", discovery=True, log=tmp_path / "b.log")
+    daemon_y = daemons.start(y, "--health-interval", "0.3", discovery=True, log=tmp_path / "y.log")
+    wait_for(lambda: peers_of(b).get(node_id(y)) == (True, [daemon_y.address]), seconds=20, what="b to see y")
+    daemon_y.process.kill()
+    daemon_y.process.wait()
+    wait_for(lambda: peers_of(b)[node_id(y)][0] is False, seconds=20, what="b to lose y")
+    port = daemon_y.address.rsplit(":", 1)[1]
+    daemons.start(x, "--port", port, log=tmp_path / "x.log")  # no mDNS: it only answers there
+    said = f"peer {node_id(y)} at {daemon_y.address} proves to be node {node_id(x)}; ignored"
+    came_back = []
+    deadline = time.monotonic() + 20
+    while not log_says(daemon_b, said) and time.monotonic() < deadline:
+        came_back += [peers_of(b)[node_id(y)][0]]
+        time.sleep(0.05)  # another process's state: polled (support.waiting)
+    assert not any(came_back), "b took x for y"
+    assert log_says(daemon_b, said)

@@ -4,20 +4,35 @@ certificate, and a removed node is refused by every member once the revocation l
 
 import concurrent.futures
 import datetime
+import json
 import time
 
 import grpc
 import pytest
 from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.errors import CredentialsError, PeerError
 from kvmesh.net import authority
 from kvmesh.net.client import PeerClient
-from kvmesh.net.credentials import MeshCredentials, init_mesh, issue_node_cert, join_mesh, make_request, renew
+from kvmesh.net.credentials import (
+    MeshCredentials,
+    init_mesh,
+    issue_node_cert,
+    join_mesh,
+    make_request,
+    names_node,
+    renew,
+)
+from kvmesh.net.discovery import routable_addresses
+from kvmesh.net.membership import request_join
 from kvmesh.net.node_id import node_id
 from kvmesh.net.revocation import Revocations, read_list, sign_list
+from kvmesh.net.transport import open_channel
 from kvmesh.paths import mesh_dir
-from support.membership import credentials, join, join_address, minted
+from kvmesh.v1 import membership_pb2 as mpb
+from support.idle_calls import IdleCalls
+from support.membership import credentials, join, join_address, make_legacy, minted
 from support.processes import cli
 from support.waiting import wait_for
 
@@ -49,11 +64,17 @@ def test_a_token_is_redeemed_once_and_a_bad_proof_leaves_it_for_the_real_joiner(
     _, other = make_request("fedcba9876543210")
     with pytest.raises(authority.JoinRefused, match="this join token was used at"):
         authority.admit(a, token.token_id, other, authority.join_proof(token.secret, token.token_id, other), days=30)
-    # A second token cannot take over an identity already issued.
+    # A second token cannot take over an identity already issued: another key for it is refused.
     second, _ = authority.make_token(a)
-    again = authority.join_proof(second.secret, second.token_id, csr)
-    with pytest.raises(authority.JoinRefused, match="already a member"):
-        authority.admit(a, second.token_id, csr, again, days=30)
+    _, takeover = make_request("0123456789abcdef")
+    proof = authority.join_proof(second.secret, second.token_id, takeover)
+    with pytest.raises(authority.JoinRefused, match="already a member, with another key"):
+        authority.admit(a, second.token_id, takeover, proof, days=30)
+    # The joiner's own key, though, is answered again (its first answer never arrived), with either token.
+    for retry in (token, second):
+        again = authority.join_proof(retry.secret, retry.token_id, csr)
+        assert authority.admit(a, retry.token_id, csr, again, days=30)[0] != cert
+    assert len(authority.members(a)["0123456789abcdef"]["serials"]) == 3  # one member, signed thrice
     expired, _ = authority.make_token(a, hours=-1)
     with pytest.raises(authority.JoinRefused, match="expired"):
         authority.admit(
@@ -167,6 +188,50 @@ def test_a_join_token_works_once_and_only_once(mesh, tmp_path):
     assert log.count("admitted a new member") == 4 and "refused a join" in log
 
 
+def test_a_join_that_fails_after_the_authority_signed_can_be_retried(mesh, tmp_path):
+    """Before: a join refused by the joiner after the authority signed (here: the token's CA
+    fingerprint is not the mesh's) spent the token and recorded the node, and every later join of
+    that Mac said "already a member". Now the Mac keeps the key it sent until it has joined, and
+    the authority answers the same node's same key again: the same token, or a fresh one, works."""
+    a, b, daemon_a = mesh
+    c = tmp_path / "c"
+    good = authority.JoinToken.parse(cli("mesh", "token", data_dir=a).stdout)
+    wrong = str(authority.JoinToken(good.token_id, good.secret, bytes(32)))
+    address = join_address(a)
+    failures = [cli("mesh", "join", wrong, address, data_dir=c, check=False) for _ in range(2)]  # the same token twice
+    assert [f.returncode for f in failures] == [1, 1] and not (mesh_dir(c) / "node.pem").exists()
+    joined = cli("mesh", "join", cli("mesh", "token", data_dir=a).stdout.strip(), address, data_dir=c, check=False)
+    assert joined.returncode == 0 and "joined the mesh" in joined.stdout, joined.stderr
+    for failed in failures:  # the same answer, checked the same way, and what to do
+        assert "is not the one the join token names" in failed.stderr, failed.stderr
+        assert "make a new token on the authority (`kvmesh mesh token`), and join again" in failed.stderr
+    assert "Start this Mac's daemon (`kvmesh daemon`" in joined.stdout  # none runs there: not "Restart"
+    assert info_code(daemon_a.address, credentials(c)) == "ok"
+    assert not (mesh_dir(c) / "join-pending.key").exists()
+    # Another Mac claiming c's node id (another key) is refused, with what to do.
+    impostor = tmp_path / "impostor"
+    impostor.mkdir()
+    (impostor / "node-id").write_text(node_id(c))
+    refused = cli(
+        "mesh", "join", cli("mesh", "token", data_dir=a).stdout.strip(), address, data_dir=impostor, check=False
+    )
+    assert refused.returncode == 1 and "already a member, with another key" in refused.stderr
+    assert "delete the node-id file in its kvmesh data dir" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_token_made_while_the_daemon_is_down_names_a_real_address_and_says_to_start_it(tmp_path):
+    """Before: `kvmesh mesh token` without the authority's daemon printed THIS_MAC_ADDRESS where
+    the address goes. Now: this Mac's own address (its daemon takes joins on port 7078 there)."""
+    a = tmp_path / "a"
+    init_mesh(a, node_id(a))
+    made = cli("mesh", "token", data_dir=a).stderr
+    own = routable_addresses(None)
+    line = next(line for line in made.splitlines() if line.startswith("On the new Mac: kvmesh mesh join"))
+    assert line.endswith(f" {own[0] if own else 'ADDRESS'}") and "THIS_MAC_ADDRESS" not in made
+    assert "This Mac's daemon is not running: start it (`kvmesh daemon`) before the new Mac joins" in made
+
+
 def test_a_member_cannot_mint_identities(mesh, tmp_path):
     """Before: every member held the CA key, so B published as another member and passed a 5 calls/s
     limit 100 of 100 times with 100 made-up ids. Now B has only its own key: every certificate it
@@ -238,10 +303,6 @@ def test_a_removed_node_is_refused_by_every_member_once_the_list_spreads(mesh, t
 
 def test_the_health_service_refuses_a_removed_node_too(mesh, tmp_path):
     """The check runs before every service of the peer port, not only kvmesh's own."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from kvmesh.net.transport import open_channel
-
     a, b, daemon_a = mesh
     authority.remove(a, node_id(b))
     with open_channel(daemon_a.address, credentials(b)) as channel:
@@ -255,3 +316,105 @@ def test_the_health_service_refuses_a_removed_node_too(mesh, tmp_path):
                 return e.code() == grpc.StatusCode.PERMISSION_DENIED
 
         wait_for(refused, 10, 0.1, "A to refuse B's health checks")
+
+
+def peers_of(data_dir) -> dict[str, bool]:
+    """node id (or "static:ADDRESS") -> healthy, of every peer `kvmesh peers --all --json` lists."""
+    listed = json.loads(cli("peers", "--all", "--json", data_dir=data_dir).stdout)
+    return {p["node_id"]: p["healthy"] for p in listed}
+
+
+def test_a_removed_node_is_no_source_and_its_refusals_are_logged_once(mesh, tmp_path, daemons):
+    """Before: after `mesh remove X`, B (which dials X as a static peer) listed X as live for good,
+    so requests fetched from it, and A logged X's refused health check every 0.3 s. Now B checks
+    who answers at X's address against its revocation list and stops dialling X; A logs X once."""
+    a, b, daemon_a = mesh
+    x = tmp_path / "x"
+    join(a, x)
+    daemon_x = daemons.start(x, *FAST, "--peer", daemon_a.address, log=tmp_path / "x.log")
+    daemon_b = daemons.start(b, *FAST, "--peer", daemon_a.address, "--peer", daemon_x.address, log=tmp_path / "b.log")
+    as_x = f"static:{daemon_x.address}"
+    wait_for(lambda: peers_of(b).get(as_x) is True, 20, 0.1, "B to see X live")
+
+    cli("mesh", "remove", node_id(x), data_dir=a)
+    wait_for(lambda: node_id(x) in read_list(b).node_ids, 20, 0.1, "B to learn of the removal")
+    wait_for(lambda: peers_of(b).get(as_x) is False, 20, 0.1, "B to stop taking X for a live peer")
+    assert f"is not dialled: node {node_id(x)} was removed from the mesh" in daemon_b.log.read_text()
+    assert cli("peers", data_dir=b).stdout.count(daemon_x.address) == 0  # no source: not among the live
+
+    refused = f"node {node_id(x)} was removed from the mesh"
+    wait_for(lambda: refused in daemon_a.log.read_text(), 20, 0.1, "A to refuse X's health checks")
+    assert [info_code(daemon_a.address, credentials(x)) for _ in range(20)] == ["permission_denied"] * 20
+    lines = [line for line in daemon_a.log.read_text().splitlines() if "refused a call from" in line]
+    assert len(lines) == 1 and refused in lines[0], lines
+    wait_for(lambda: "refuses this node" in daemon_x.log.read_text(), 20, 0.1, "X to hear that A refuses it")
+
+
+def test_a_channel_pinned_to_a_node_reaches_that_node_only(mesh, tmp_path):
+    """Each certificate holds its node's own name, so a member that expects node N at an address
+    fails the handshake when another member (a removed one) answers there."""
+    a, b, daemon_a = mesh
+    assert names_node(credentials(b).cert_pem, node_id(b)) and names_node(credentials(a).cert_pem, node_id(a))
+    assert info_code(daemon_a.address, credentials(b)) == "ok"
+    for expected, outcome in ((node_id(a), grpc.StatusCode.OK), (node_id(b), grpc.StatusCode.UNAVAILABLE)):
+        with open_channel(daemon_a.address, credentials(b), expected) as channel:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                code = e.code()
+        assert code == outcome, expected
+
+
+def test_a_certificate_without_its_node_name_is_renewed_at_start_and_dialled_unpinned_meanwhile(
+    mesh, tmp_path, daemons
+):
+    """Certificates from before node names: a daemon renews its own at start (the new one is
+    pinnable); one that cannot renew yet (C: it knows no authority) is still a live peer of B,
+    dialled by the mesh-wide name, and B says so."""
+    a, b, daemon_a = mesh
+    c = tmp_path / "c"
+    join(a, c)
+    for member in (b, c):
+        make_legacy(a, member)
+        assert not names_node(credentials(member).cert_pem, node_id(member))
+    (mesh_dir(c) / "authority.json").unlink()
+    daemon_c = daemons.start(c, *FAST, log=tmp_path / "c.log")
+    assert "holds no name of its own (an older kvmesh issued it), not renewed" in daemon_c.log.read_text()
+    daemon_b = daemons.start(b, *FAST, "--peer", daemon_c.address, log=tmp_path / "b.log")
+    assert names_node(credentials(b).cert_pem, node_id(b))
+    assert "the new one holds its node's name" in daemon_b.log.read_text()
+    wait_for(lambda: peers_of(b).get(f"static:{daemon_c.address}") is True, 20, 0.1, "B to see C live")
+    assert "holds a certificate without its node's name" in daemon_b.log.read_text()
+
+
+def test_idle_calls_on_the_join_port_block_no_join_nor_renewal(mesh, tmp_path):
+    """Before: eight calls opened on the join port without their request (a stranger, no
+    credentials) held its two threads and its eight call slots: every join and renewal failed
+    while they stayed. Now one address has at most ten calls open (the rest are refused at once),
+    each cut when its request has not come within JOIN_MESSAGE_WAIT, and waiting holds no thread."""
+    a, b, daemon_a = mesh
+    host, port = join_address(a).rsplit(":", 1)
+    with IdleCalls(host, int(port), source="127.0.0.2") as stranger:
+        stranger.open("/kvmesh.v1.Membership/Join", 8)
+        stranger.open("/kvmesh.v1.Membership/Renew", 8)
+        token = cli("mesh", "token", data_dir=a).stdout.strip()
+        joined = cli("mesh", "join", token, join_address(a), data_dir=tmp_path / "c", check=False)
+        assert joined.returncode == 0, joined.stderr
+        before = credentials(b).cert_pem
+        assert renew(b, node_id(b)).cert_pem != before
+        assert stranger.wait_ended(16, 30), f"{len(stranger.ended)} of 16 idle calls ended"
+
+
+def test_wrong_join_proofs_in_a_loop_are_logged_once(mesh, tmp_path):
+    """Before: each wrong proof wrote a line (1,423 a second, 176 bytes each). Now a reason is
+    logged once a minute, however often it is earned."""
+    a, b, daemon_a = mesh
+    token = authority.JoinToken.parse(cli("mesh", "token", data_dir=a).stdout)
+    _, csr = make_request("0123456789abcdef")
+    wrong = mpb.JoinRequest(token_id=token.token_id, csr=csr, proof=bytes(32))
+    for _ in range(50):
+        with pytest.raises(authority.JoinRefused, match="the join token does not match"):
+            request_join(join_address(a), wrong)
+    lines = [line for line in daemon_a.log.read_text().splitlines() if "refused a join" in line]
+    assert len(lines) == 1, lines

@@ -1,6 +1,7 @@
 """`kvmesh mesh`: create the mesh of a user's Macs, let Macs join it or remove them, renew certificates."""
 
 import sys
+from pathlib import Path
 
 from kvmesh.cli.common import Args, Commands, command, data_dir, group
 
@@ -18,19 +19,28 @@ def init(args: Args) -> int:
 
 def token(args: Args) -> int:
     from kvmesh.net.authority import make_token
+    from kvmesh.net.credentials import DEFAULT_JOIN_PORT
+    from kvmesh.net.discovery import routable_addresses
     from kvmesh.net.member import join_addresses
 
     made, expires = make_token(data_dir(args), args.hours)
     print(made)
     addresses = join_addresses(data_dir(args))
-    where = addresses[0] if addresses else "THIS_MAC_ADDRESS"
+    # No daemon: this Mac's own addresses, where its daemon will take joins once started.
+    own = routable_addresses(None)
+    where = addresses[0] if addresses else (own[0] if own else "ADDRESS")
     print(f"On the new Mac: kvmesh mesh join {made} {where}", file=sys.stderr)
     print(
         f"It works once, until {expires:%Y-%m-%d %H:%M} UTC. Whoever holds it can join: send it only to your own Mac.",
         file=sys.stderr,
     )
     if not addresses:
-        print("This Mac's daemon is not running: start it (`kvmesh daemon`), it takes the join.", file=sys.stderr)
+        on = f"of {', '.join(own)} (the one the new Mac reaches)" if own else "of this Mac's LAN address (ADDRESS)"
+        print(
+            f"This Mac's daemon is not running: start it (`kvmesh daemon`) before the new Mac joins; "
+            f"it takes joins on port {DEFAULT_JOIN_PORT} {on}.",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -41,8 +51,20 @@ def join(args: Args) -> int:
     text = sys.stdin.read() if args.token == "-" else args.token
     creds = join_mesh(data_dir(args), node_id(data_dir(args)), text, args.authority, replace=args.replace)
     print(f"joined the mesh; this node's certificate runs to {creds.expires:%Y-%m-%d}.")
-    print("Restart the daemon to serve the network.")
+    print(f"{_daemon_step(data_dir(args))} to serve the network.")
     return 0
+
+
+def _daemon_step(directory: Path) -> str:
+    """What this Mac's daemon needs to take new credentials: a restart if it runs, else a start."""
+    from kvmesh.daemon.control import read_state
+    from kvmesh.errors import DaemonNotRunning
+
+    try:
+        read_state(directory)
+    except DaemonNotRunning:
+        return "Start this Mac's daemon (`kvmesh daemon`, or its service: `kvmesh service`)"
+    return "Restart this Mac's daemon (it serves loopback only until then)"
 
 
 def renew(args: Args) -> int:

@@ -23,9 +23,18 @@ from kvmesh.daemon.control import DaemonState, write_state
 from kvmesh.daemon.limits import raise_descriptor_limit
 from kvmesh.errors import CredentialsError, DaemonAlreadyRunning, ListenError, StoreError
 from kvmesh.net.addresses import host_port
-from kvmesh.net.admission import refusal
-from kvmesh.net.credentials import RenewingCredentials, renew_if_due
-from kvmesh.net.discovery import Discovery, HealthChecker, Link, Peer, PeerTable, Refuse, routable_addresses
+from kvmesh.net.admission import node_refusal, refusal
+from kvmesh.net.credentials import RenewingCredentials, renew_if_due, renew_if_unnamed
+from kvmesh.net.discovery import (
+    Discovery,
+    HealthChecker,
+    Link,
+    Peer,
+    PeerTable,
+    Refuse,
+    RefuseNode,
+    routable_addresses,
+)
 from kvmesh.net.member import MemberRuntime, join_port_for
 from kvmesh.net.node_id import node_id
 from kvmesh.net.server import RunningServer, start_server
@@ -117,6 +126,8 @@ class Daemon:
         self.store = CacheStore(config.store_dir, max_bytes=config.store_budget)
         days, before = config.certificate_days, config.renew_before_days
         current = renew_if_due(data_dir, self.node_id, days=days, renew_before_days=before)
+        if current:
+            current = renew_if_unnamed(data_dir, self.node_id, current, days=days)
         self.credentials = (
             RenewingCredentials(data_dir, self.node_id, current, days=days, renew_before_days=before)
             if current
@@ -171,7 +182,13 @@ class Daemon:
                 refuse=self._refusal(),
             )
             self.discovery.start()
-        self.health = HealthChecker(self.peers, interval=config.health_interval, credentials=self.credentials)
+        self.health = HealthChecker(
+            self.peers,
+            interval=config.health_interval,
+            credentials=self.credentials,
+            refuse=self._refusal(),
+            refuse_node=self._node_refusal(),
+        )
         self.health.start()
         if self.membership and self.credentials:
             joins = self.membership.start(
@@ -226,6 +243,13 @@ class Daemon:
         if self.membership is None:
             return None
         return partial(refusal, revocations=self.membership.revocations, max_days=self.config.max_certificate_days)
+
+    def _node_refusal(self) -> RefuseNode | None:
+        """Why a peer's node id may not be dialled (a removed node), for the health checks to ask at
+        every check: the revocation list changes while their channels stay open."""
+        if self.membership is None:
+            return None
+        return partial(node_refusal, revocations=self.membership.revocations)
 
     def _keep_renewing(self, credentials: RenewingCredentials) -> None:
         """Renew this node's certificate before it ends, for as long as the daemon runs: checked

@@ -19,6 +19,7 @@ import grpc
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
+from kvmesh.net.quiet import Quiet
 from kvmesh.net.revocation import Revocations
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,18 @@ def peer_certificate(pem: bytes) -> PeerCertificate:
     return PeerCertificate(node_id, cert.serial_number, cert.not_valid_after_utc - cert.not_valid_before_utc)
 
 
+def node_refusal(node_id: str, revocations: Revocations) -> str | None:
+    """Why node `node_id` may neither call nor be dialled (one line), or None."""
+    if revocations.revoked(node_id):
+        return f"node {node_id} was removed from the mesh (revocation list version {revocations.version})"
+    return None
+
+
 def refusal(pem: bytes, revocations: Revocations, max_days: float) -> str | None:
     """Why the holder of this certificate may not call (one line for the caller), or None."""
     peer = peer_certificate(pem)
-    if revocations.revoked(peer.node_id):
-        return f"node {peer.node_id} was removed from the mesh (revocation list version {revocations.version})"
+    if why := node_refusal(peer.node_id, revocations):
+        return why
     if peer.lifetime > datetime.timedelta(days=max_days):
         return (
             f"the certificate of {peer.node_id} lasts {peer.lifetime.total_seconds() / 86400:.0f} days, "
@@ -56,10 +64,12 @@ def refusal(pem: bytes, revocations: Revocations, max_days: float) -> str | None
 
 
 class Admission(grpc.ServerInterceptor):
-    """A server interceptor that refuses removed nodes and over-long certificates at every call."""
+    """A server interceptor that refuses removed nodes and over-long certificates at every call,
+    and logs each refused node once an hour: a removed Mac's daemon calls every member each second."""
 
     def __init__(self, revocations: Revocations, max_days: float):
         self.revocations, self.max_days = revocations, max_days
+        self.quiet = Quiet()
 
     def check(self, context: grpc.ServicerContext) -> None:
         """Abort the call when its peer may not make it; plaintext (loopback) callers pass."""
@@ -67,7 +77,10 @@ class Admission(grpc.ServerInterceptor):
         if not pems:
             return
         if why := refusal(pems[0], self.revocations, self.max_days):
-            log.warning("refused a call from %s: %s", context.peer(), why)
+            if self.quiet.due(why):
+                log.warning(
+                    "refused a call from %s: %s (its next refusals are logged once an hour)", context.peer(), why
+                )
             context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
     def intercept_service(

@@ -7,9 +7,10 @@ key, so no member can make a certificate for another identity, or one that outla
 limit: identities, rate limits and publisher rights are the authority's to give.
 
 Its state lives in `<data dir>/mesh/` beside the CA key, readable by its owner only: `tokens.json`
-(each token's secret, expiry and whether it was used) and `members.json` (every node id it issued a
-certificate to, and the serials). Changes to them are made under a file lock, so a token is redeemed
-once even when two joins race, or when the daemon and a command write at once.
+(each token's secret, expiry, and when and by which node it was used) and `members.json` (every node
+id it issued a certificate to, the serials, and the key it last signed for it). Changes to them are
+made under a file lock, so a token is redeemed once even when two joins race, or when the daemon and
+a command write at once.
 """
 
 import base64
@@ -177,13 +178,21 @@ def _check_csr(csr_der: bytes) -> tuple[x509.CertificateSigningRequest, str]:
     return csr, node_id
 
 
+def key_id(public_key: Any) -> str:
+    """The SHA-256 of a public key (its DER SubjectPublicKeyInfo), in hex: which key a member holds."""
+    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()
+
+
 def _sign(directory: Path, csr: x509.CertificateSigningRequest, node_id: str, days: float) -> bytes:
+    """Sign the CSR, and record the member's serials and current key (`members.json`)."""
     trust = (directory / "trust.pem").read_bytes()
     signer = x509.load_pem_x509_certificates(trust)[-1].public_bytes(serialization.Encoding.PEM)
     cert = sign_node_cert((directory / "ca.key").read_bytes(), signer, node_id, csr.public_key(), days=days)
     members = _read_json(directory / "members.json")
     entry = members.setdefault(node_id, {"joined": _now().isoformat(timespec="seconds"), "serials": []})
     entry["serials"] = [*entry["serials"], str(x509.load_pem_x509_certificate(cert).serial_number)][-10:]
+    entry["key"] = key_id(csr.public_key())
     _write_json(directory / "members.json", members)
     return cert
 
@@ -192,8 +201,11 @@ def admit(data_dir: Path, token_id: str, csr_der: bytes, proof: bytes, *, days: 
     """Redeem a join token for the CSR's node: (its certificate PEM, the HMAC of the reply).
 
     The token is used up only when a certificate is issued: a wrong proof or a bad CSR leaves it
-    for the real joiner. A node id already issued, or removed, is refused: no join can take over
-    another member's identity.
+    for the real joiner. A node id already issued with another key, or removed, is refused: no join
+    can take over another member's identity. A join of a member with the very key the authority
+    last signed for it (the CSR proves the joiner holds it) is answered again, with the token that
+    admitted it or a new one: that Mac's earlier join failed after the authority signed (its answer
+    lost, or refused by the joiner: a wrong address or CA fingerprint), and it may retry.
     """
     directory = _require_authority(data_dir, "admit a new Mac")
     with _locked(directory):
@@ -204,24 +216,36 @@ def admit(data_dir: Path, token_id: str, csr_der: bytes, proof: bytes, *, days: 
         secret = _unb64(entry["secret"])
         if not hmac.compare_digest(join_proof(secret, token_id, csr_der), proof):
             raise JoinRefused("the join token does not match: copy the whole line `kvmesh mesh token` printed")
-        if entry["used"]:
+        csr, node_id = _check_csr(csr_der)
+        again = _joined_with(directory, node_id, key_id(csr.public_key()))
+        if entry["used"] and not (again and entry.get("node") == node_id):
             raise JoinRefused(
                 f"this join token was used at {entry['used']}: make a new one on the authority (`kvmesh mesh token`)"
             )
         if datetime.datetime.fromisoformat(entry["expires"]) <= _now():
             raise JoinRefused(f"this join token expired at {entry['expires']}: make a new one (`kvmesh mesh token`)")
-        csr, node_id = _check_csr(csr_der)
         if node_id in revocation.read_list(data_dir).node_ids:
             raise JoinRefused(
-                f"node {node_id} was removed from this mesh: give the Mac a new node id (delete its "
-                "<data dir>/node-id) and join again"
+                f"node {node_id} was removed from this mesh: give the Mac a new node id (delete the node-id file "
+                "in its kvmesh data dir) and join again"
             )
-        if node_id in _read_json(directory / "members.json"):
-            raise JoinRefused(f"node {node_id} is already a member: a member renews its certificate, it does not join")
-        entry["used"] = _now().isoformat(timespec="seconds")
-        _write_json(directory / "tokens.json", tokens)
+        if not again and node_id in _read_json(directory / "members.json"):
+            raise JoinRefused(
+                f"node {node_id} is already a member, with another key: a member renews, it does not join; a Mac "
+                "that is not that member needs a new node id (delete the node-id file in its kvmesh data dir) to join"
+            )
+        if not entry["used"]:
+            entry["used"], entry["node"] = _now().isoformat(timespec="seconds"), node_id
+            _write_json(directory / "tokens.json", tokens)
         cert = _sign(directory, csr, node_id, days)
     return cert, secret
+
+
+def _joined_with(directory: Path, node_id: str, key: str) -> bool:
+    """Whether the authority admitted `node_id` and last signed a certificate for `key` (its join
+    went wrong after it was signed, and it tries again)."""
+    entry = _read_json(directory / "members.json").get(node_id)
+    return entry is not None and not entry.get("removed") and entry.get("key") == key
 
 
 def renew_member(data_dir: Path, cert_pem: bytes, csr_der: bytes, signature: bytes, *, days: float) -> bytes:

@@ -37,7 +37,8 @@ if TYPE_CHECKING:  # gRPC loads when credentials are made, so settings tables ca
     import grpc
 
 log = logging.getLogger(__name__)
-# Every node certificate names this host, and clients check for it, whatever address they dial.
+# Every node certificate names this host, and its node's own (`node_name`): a client that knows
+# which node it dials checks for that one, so no other member (a removed one) can answer for it.
 SERVER_NAME = "kvmesh.mesh"
 NODE_CERT_DAYS = 30
 RENEW_BEFORE_DAYS = 7
@@ -47,6 +48,8 @@ DEFAULT_JOIN_PORT = 7078
 MAX_CERT_DAYS = 31
 # Where a member keeps the authority's join address and node id (for renewals).
 AUTHORITY_FILE = "authority.json"
+# The key a join sends until it has joined (`pending_key`).
+PENDING_KEY = "join-pending.key"
 
 
 def _now() -> datetime.datetime:
@@ -67,6 +70,22 @@ def write_private(path: Path, data: bytes) -> None:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     tmp.replace(path)
+
+
+def node_name(node_id: str) -> str:
+    """The DNS name a node's certificate holds for that node alone: the name a client that expects
+    `node_id` at an address checks the server's certificate against (TLS hostname verification)."""
+    return f"{node_id}.{SERVER_NAME}"
+
+
+def names_node(cert_pem: bytes, node_id: str) -> bool:
+    """Whether the certificate holds `node_id`'s own name (those issued before it was added do not)."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return False
+    return node_name(node_id) in names.get_values_for_type(x509.DNSName)
 
 
 def ca_fingerprint(trust_pem: bytes) -> bytes:
@@ -117,7 +136,9 @@ def sign_node_cert(
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
         .not_valid_after(start + datetime.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME), x509.DNSName(node_name(node_id))]), critical=False
+        )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]),
@@ -140,15 +161,37 @@ def issue_node_cert(
     return _pem_key(key), sign_node_cert(ca_key_pem, ca_cert_pem, node_id, key.public_key(), not_before, days)
 
 
-def make_request(node_id: str) -> tuple[bytes, bytes]:
-    """(key PEM, CSR DER) of a new key for `node_id`: what a node sends to be signed; the key stays here."""
-    key = ec.generate_private_key(ec.SECP256R1())
+def make_request(node_id: str, key_pem: bytes | None = None) -> tuple[bytes, bytes]:
+    """(key PEM, CSR DER) for `node_id` of `key_pem` (default: a new key): what a node sends to be
+    signed; the key stays here."""
+    key = ec.generate_private_key(ec.SECP256R1()) if key_pem is None else _load_key(key_pem)
     csr = (
         x509.CertificateSigningRequestBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
         .sign(key, hashes.SHA256())
     )
     return _pem_key(key), csr.public_bytes(serialization.Encoding.DER)
+
+
+def _load_key(key_pem: bytes) -> ec.EllipticCurvePrivateKey:
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise CredentialsError("a kvmesh node key is an EC key: this one is not (delete it and join again)")
+    return key
+
+
+def pending_key(directory: Path) -> bytes:
+    """The key of this node's join: the one an earlier join that did not finish sent (kept in
+    `PENDING_KEY`), or a new one kept there. The authority answers a join again for the node's same
+    key, so a join that failed after the authority signed (a lost answer, a wrong address or CA
+    fingerprint) can be retried with the same token or a new one."""
+    path = directory / PENDING_KEY
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        key_pem = _pem_key(ec.generate_private_key(ec.SECP256R1()))
+        write_private(path, key_pem)
+        return key_pem
 
 
 @dataclass(frozen=True)
@@ -234,7 +277,7 @@ def join_mesh(
             f"this node already belongs to a mesh ({directory}); `kvmesh mesh join --replace` leaves it for the new one"
         )
     address = join_address(authority_address)
-    key_pem, csr = make_request(node_id)
+    key_pem, csr = make_request(node_id, pending_key(directory))
     answer = membership.request_join(
         address,
         mpb.JoinRequest(
@@ -243,7 +286,10 @@ def join_mesh(
     )
     _check_answer(answer.certificate, answer.trust, key_pem, node_id, parsed.ca_fingerprint)
     if not hmac.compare_digest(authority.reply_proof(parsed.secret, answer.certificate, answer.trust), answer.proof):
-        raise CredentialsError(f"the answer from {address} does not match the token: it is not this mesh's authority")
+        raise CredentialsError(
+            f"the answer from {address} does not match the token: it is not this mesh's authority; check the "
+            "address and join again"
+        )
     return install(
         data_dir, answer.trust, key_pem, answer.certificate, address, answer.authority_node_id, answer.revocations
     )
@@ -269,6 +315,7 @@ def install(
         (directory / stale).unlink(missing_ok=True)
     (directory / "trust.pem").write_bytes(trust_pem)
     _store(directory, key_pem, cert_pem)
+    (directory / PENDING_KEY).unlink(missing_ok=True)
     write_authority(data_dir, authority_address, authority_node_id)
     if revocations:
         signed = RevocationList.from_bytes(revocations)
@@ -296,7 +343,8 @@ def _check_answer(cert_pem: bytes, trust_pem: bytes, key_pem: bytes, node_id: st
         raise CredentialsError(f"the authority answered with no valid certificate: {e}") from None
     if fingerprint is not None and ca_fingerprint(trust_pem) != fingerprint:
         raise CredentialsError(
-            "the mesh CA the authority sent is not the one the join token names: wrong address, or someone in between"
+            "the mesh CA the authority sent is not the one the join token names (a wrong address, or someone in "
+            "between): check the address, or make a new token on the authority (`kvmesh mesh token`), and join again"
         )
     key = serialization.load_pem_private_key(key_pem, password=None)
     same_key = cert.public_key().public_bytes(
@@ -404,6 +452,21 @@ def renew_if_due(
             "cannot renew this node's certificate yet (it runs to %s): %s", f"{creds.expires:%Y-%m-%d %H:%M} UTC", e
         )
         return creds
+
+
+def renew_if_unnamed(data_dir: Path, node_id: str, creds: MeshCredentials, *, days: float) -> MeshCredentials:
+    """`creds`, renewed once if its certificate lacks its node's own name (an older kvmesh issued
+    it), so that peers can pin this node's identity when they dial it; kept when the authority
+    cannot renew it now (peers dial it unpinned meanwhile, and say so)."""
+    if names_node(creds.cert_pem, node_id):
+        return creds
+    try:
+        renewed = renew(data_dir, node_id, days=days)
+    except CredentialsError as e:
+        log.warning("this node's certificate holds no name of its own (an older kvmesh issued it), not renewed: %s", e)
+        return creds
+    log.info("renewed this node's certificate: the new one holds its node's name, so peers pin its identity")
+    return renewed
 
 
 class Membership(Protocol):

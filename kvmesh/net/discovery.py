@@ -32,7 +32,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zeroconf import DNSQuestionType, IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 from kvmesh.net.addresses import host_port
-from kvmesh.net.credentials import SERVER_NAME, Membership, MeshCredentials
+from kvmesh.net.credentials import SERVER_NAME, Membership, MeshCredentials, node_name
+from kvmesh.net.quiet import Quiet
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import SERVICE_NAME, as_bytes, method, open_channel, serialize
 from kvmesh.v1 import service_pb2 as spb
@@ -48,8 +49,6 @@ MAX_PENDING_HINTS = 64
 # once it heals).
 MAX_RETRY_DELAY = 60.0
 PENDING_FOR = 600.0
-# A stranger (or an unproven goodbye) is logged once an hour, per node id and address.
-REPEAT_LOG_AFTER = 3600.0
 # A peer with several addresses has each link's rate measured with a probe of this size, at most
 # this long, this often (and when a link comes back); another link is taken when it is this many
 # times faster than the one in use.
@@ -63,6 +62,11 @@ NAME_RETRY_S = 10.0
 NAME_TIMEOUT_S = 2.0
 # Why a certificate (PEM) the mesh CA signed is refused all the same (a removed node), or None.
 Refuse = Callable[[bytes], str | None]
+# The same for a node id.
+RefuseNode = Callable[[str], str | None]
+# A peer that refused this node (PERMISSION_DENIED: the authority removed it) is asked again after
+# this, not at every check: it refuses each call, and each refusal costs it a call.
+REFUSED_RETRY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -173,28 +177,6 @@ def dial_address(address: str, port: int) -> str | None:
     return host_port(host, port)
 
 
-class Quiet:
-    """Says whether something is worth a log line: once per key per `every` seconds, so a stranger
-    repeating itself fills no log."""
-
-    def __init__(self, every: float = REPEAT_LOG_AFTER, keep: int = 1024):
-        self.every, self.keep = every, keep
-        self._last: dict[object, float] = {}
-        self._lock = threading.Lock()
-
-    def due(self, key: object) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last < self.every:
-                return False
-            if len(self._last) >= self.keep:  # forget the oldest: bounded, whatever a stranger sends
-                for old in sorted(self._last, key=self._last.__getitem__)[: self.keep // 2]:
-                    del self._last[old]
-            self._last[key] = now
-            return True
-
-
 @dataclass(frozen=True)
 class Hint:
     """What an mDNS advert claims: node `node_id` at `addresses` ("host:port"). Believed once proven."""
@@ -206,10 +188,14 @@ class Hint:
 
 @dataclass(frozen=True)
 class Proof:
-    """Who the peer at an address proved to be (`node_id`), or why it could not (`why`)."""
+    """Who the peer at an address proved to be (`node_id`), or why it could not (`why`; `answered`:
+    something answered there); `named`: its certificate holds its node's own name, so a channel can
+    be pinned to it (`open_channel`)."""
 
     node_id: str | None
     why: str = ""
+    named: bool = False
+    answered: bool = True
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -273,17 +259,18 @@ class Prover:
         try:
             with socket.create_connection((host, port), timeout=self.timeout) as raw:
                 with self._tls(pems).wrap_socket(raw, server_hostname=SERVER_NAME) as tls:
-                    common_name = certificate_name(tls.getpeercert() or {})
+                    certificate = tls.getpeercert() or {}
                     presented = tls.getpeercert(binary_form=True)
         except ssl.SSLCertVerificationError:
             return Proof(None, "is not a member of this mesh")
         except (OSError, ssl.SSLError) as e:
-            return Proof(None, f"does not answer ({getattr(e, 'strerror', None) or e})")
+            return Proof(None, f"does not answer ({getattr(e, 'strerror', None) or e})", answered=False)
+        common_name = certificate_name(certificate)
         if not common_name:
             return Proof(None, "presents a certificate without a node id")
         if self.refuse and presented and (why := self.refuse(ssl.DER_cert_to_PEM_cert(presented).encode())):
             return Proof(None, f"is refused: {why}")
-        return Proof(common_name)
+        return Proof(common_name, named=("DNS", node_name(common_name)) in certificate.get("subjectAltName", ()))
 
     def _by_info(self, address: str) -> Proof:
         try:
@@ -510,6 +497,15 @@ def check_health(address: str, timeout: float, credentials: Membership | None = 
         return False
 
 
+@dataclass(frozen=True)
+class _Dialled:
+    """A health-check channel, and who proved to be at its address when it was opened ("" on a
+    plaintext mesh)."""
+
+    channel: grpc.Channel
+    node_id: str
+
+
 @dataclass
 class Link:
     """What the health checks measured of one address of a peer: whether it answers, its round
@@ -550,7 +546,14 @@ class HealthChecker:
     second). A failed check closes its channel; the next one dials afresh. A peer with several
     addresses (Wi-Fi and a Thunderbolt bridge, say) is probed on each now and then, and the fastest
     answering one is dialled first (`dialling_order`): a fetch takes the fast link, and the next
-    one when that fails."""
+    one when that fails.
+
+    Over mutual TLS a channel is opened only to the node proven to be at the address (`Prover`:
+    an mDNS peer's own id, whoever a static peer is), pinned to it (`open_channel`), and only while
+    that node is not refused (`refuse_node`: removed from the mesh): a removed node is neither
+    checked nor healthy, so no request fetches from it, and no other node can answer in its place.
+    A peer that refuses this node (PERMISSION_DENIED: this node was removed) is asked again only
+    every REFUSED_RETRY_S."""
 
     def __init__(
         self,
@@ -560,10 +563,17 @@ class HealthChecker:
         drop_after: int = 2,
         forget_after: float = 600.0,
         credentials: Membership | None = None,
+        refuse: Refuse | None = None,
+        refuse_node: RefuseNode | None = None,
     ):
+        """`refuse`: why a certificate the CA signed is refused (a removed node), or None;
+        `refuse_node`: the same for a node id (the revocation list changes while channels are open)."""
         self.table, self.interval, self.drop_after, self.forget_after = table, interval, drop_after, forget_after
-        self.credentials = credentials
-        self._channels: dict[str, grpc.Channel] = {}
+        self.credentials, self.refuse_node = credentials, refuse_node
+        self.prover = Prover(credentials, timeout=max(1.0, interval), refuse=refuse)
+        self.quiet = Quiet()
+        self._channels: dict[str, _Dialled] = {}
+        self._refused_until: dict[str, float] = {}  # address -> when to ask a peer that refused this node
         self.links: dict[str, Link] = {}
         self._named_at: dict[str, float] = {}  # node id -> when its name was last asked
         self._stop = threading.Event()
@@ -573,16 +583,66 @@ class HealthChecker:
         self._thread.start()
 
     def _channel(self, address: str) -> grpc.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = open_channel(address, self.credentials)
-        return channel
+        """The open channel of an address that answered its last check."""
+        return self._channels[address].channel
 
-    def _check(self, address: str) -> bool:
+    def _dial(self, peer: Peer, address: str) -> grpc.Channel | None:
+        """The channel to check `peer` at `address` on: the one open, or a new one to the node proven
+        to be there (None, said once, when none may be dialled)."""
+        dialled = self._channels.get(address)
+        if dialled is None:
+            node, pinned = self._identify(peer, address)
+            if node is None:
+                return None
+            dialled = self._channels[address] = _Dialled(open_channel(address, self.credentials, pinned), node)
+        if dialled.node_id and self.refuse_node and (why := self.refuse_node(dialled.node_id)):
+            self._close(address)
+            self._say(
+                ("refused", dialled.node_id, address), "peer %s at %s is not dialled: %s", peer.node_id, address, why
+            )
+            return None
+        return dialled.channel
+
+    def _identify(self, peer: Peer, address: str) -> tuple[str | None, str | None]:
+        """(who is at `address`, the node id to pin its channel to): ("", None) on a plaintext mesh;
+        (None, None) when no node may be dialled there."""
+        if certificate_pems(self.credentials) is None:
+            return "", None
+        proof = self.prover.prove(address)
+        if proof.node_id is None or (peer.source == "mdns" and proof.node_id != peer.node_id):
+            why = proof.why or f"proves to be node {proof.node_id}"
+            if proof.answered:  # a peer that is down is only that: its checks fail, and it is dropped
+                self._say(
+                    ("proof", peer.node_id, address, why), "peer %s at %s %s; ignored", peer.node_id, address, why
+                )
+            return None, None
+        if not proof.named:
+            self._say(
+                ("unnamed", proof.node_id),
+                "peer %s at %s holds a certificate without its node's name (an older kvmesh issued it): "
+                "dialled without pinning its identity until it renews (`kvmesh mesh renew` there)",
+                proof.node_id,
+                address,
+            )
+            return proof.node_id, None
+        return proof.node_id, proof.node_id
+
+    def _say(self, key: object, message: str, *args: object) -> None:
+        if self.quiet.due(key):
+            log.warning(message, *args)
+
+    def _close(self, address: str) -> None:
+        if (dialled := self._channels.pop(address, None)) is not None:
+            dialled.channel.close()
+
+    def _check(self, peer: Peer, address: str) -> bool:
         link = self.links.setdefault(address, Link())
+        if time.monotonic() < self._refused_until.get(address, 0.0) or (channel := self._dial(peer, address)) is None:
+            link.ok = False
+            return False
         start = time.perf_counter()
         try:
-            response = health_pb2_grpc.HealthStub(self._channel(address)).Check(
+            response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=self.interval
             )
             if response.status == health_pb2.HealthCheckResponse.SERVING:
@@ -592,10 +652,14 @@ class HealthChecker:
                     link.probed_at = float("-inf")  # back: measure it again
                 link.ok = True
                 return True
-        except grpc.RpcError:
-            pass
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                self._refused_until[address] = time.monotonic() + REFUSED_RETRY_S
+                self._say(
+                    ("refuses us", address), "peer %s at %s refuses this node: %s", peer.node_id, address, e.details()
+                )
         link.ok = False
-        self._channels.pop(address).close()
+        self._close(address)
         return False
 
     def _probe(self, address: str) -> None:
@@ -629,7 +693,7 @@ class HealthChecker:
 
     def _check_peer(self, peer: Peer) -> tuple[bool, tuple[str, ...]]:
         """Whether the peer answers on any address, and its addresses in dialling order."""
-        answered = [a for a in peer.addresses if self._check(a)]
+        answered = [a for a in peer.addresses if self._check(peer, a)]
         if answered and not peer.host_name:
             self._name(peer, answered[0])
         if len(peer.addresses) > 1:
@@ -653,6 +717,9 @@ class HealthChecker:
         while not self._stop.wait(self.interval):
             peers = self.table.all()
             for peer in peers:
+                if peer.source == "mdns" and self.refuse_node and (why := self.refuse_node(peer.node_id)):
+                    self.table.remove(peer.node_id, why)
+                    continue
                 ok, order = self._check_peer(peer)
                 if order[0] != peer.addresses[0]:
                     log.info("peer %s: dialled at %s now (%s)", peer.node_id, order[0], self._describe(order))
@@ -661,15 +728,15 @@ class HealthChecker:
                     self.table.remove(peer.node_id, f"silent for {self.forget_after:.0f} s")
             known = {a for p in peers for a in p.addresses}
             for address in [a for a in self._channels if a not in known]:
-                self._channels.pop(address).close()
+                self._close(address)
             for address in [a for a in self.links if a not in known]:
                 del self.links[address]
+                self._refused_until.pop(address, None)
             for node in set(self._named_at) - {p.node_id for p in peers}:
                 del self._named_at[node]
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
+        for address in list(self._channels):
+            self._close(address)

@@ -8,7 +8,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvmesh.codec.limits import MAX_CHUNK_SIZE, max_encoded_length
-from kvmesh.net.credentials import SERVER_NAME, Membership
+from kvmesh.net.credentials import SERVER_NAME, Membership, node_name
 from kvmesh.net.timeouts import TIMEOUTS
 
 SERVICE_NAME = "kvmesh.v1.KvMesh"
@@ -51,14 +51,16 @@ def server_options(*, connection_idle: float, max_connections: int) -> list[tupl
     ]
 
 
-def open_channel(address: str, credentials: Membership | None = None) -> grpc.Channel:
-    """A channel to a peer: mutual TLS with mesh credentials (the peer must prove it is a member)."""
+def open_channel(address: str, credentials: Membership | None = None, node_id: str | None = None) -> grpc.Channel:
+    """A channel to a peer: mutual TLS with mesh credentials (the peer must prove it is a member);
+    with `node_id`, the peer must prove it is that node (its certificate holds `node_name(node_id)`),
+    at every handshake of the channel: gRPC's Python API shows a client no server certificate, so
+    only the TLS hostname check can pin who answers."""
     if credentials is None:
         return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    name = node_name(node_id) if node_id else SERVER_NAME
     return grpc.secure_channel(
-        address,
-        credentials.channel_credentials(),
-        options=[*GRPC_OPTIONS, ("grpc.ssl_target_name_override", SERVER_NAME)],
+        address, credentials.channel_credentials(), options=[*GRPC_OPTIONS, ("grpc.ssl_target_name_override", name)]
     )
 
 

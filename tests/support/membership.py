@@ -59,3 +59,28 @@ def minted(member: MeshCredentials, identity: str, *, chain: bool = False) -> Me
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     return MeshCredentials(member.trust_pem, key_pem, pem)
+
+
+def make_legacy(authority_dir: Path, member_dir: Path) -> None:
+    """Give the member a certificate as kvmesh issued them before node names: for its own key and
+    node id, signed by the mesh CA, naming only the mesh-wide SERVER_NAME."""
+    ca = mesh_dir(authority_dir)
+    ca_key = serialization.load_pem_private_key((ca / "ca.key").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    ca_cert = x509.load_pem_x509_certificates((ca / "trust.pem").read_bytes())[-1]
+    key = serialization.load_pem_private_key((mesh_dir(member_dir) / "node.key").read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id(member_dir))]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    (mesh_dir(member_dir) / "node.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
