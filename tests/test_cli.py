@@ -234,10 +234,10 @@ def test_a_prefill_outside_a_terminal_says_how_far_it_is_in_plain_lines(tiny_dir
     from importlib import resources
 
     document = tmp_path / "doc.txt"
-    document.write_text(resources.files("kvmesh").joinpath("data/corpus.txt").read_text() * 3)  # 512-token steps
+    document.write_text(resources.files("kvmesh").joinpath("data/corpus.txt").read_text())  # ~1,750 tokens
     made = run("prefill", tiny_dir, "--file", document, "--json", data_dir=tmp_path / "node")
     tokens = json.loads(made.stdout)["tokens"]
-    assert tokens > 5 * 512
+    assert tokens > 3 * 512  # prefilled in steps of 512
     lines = made.stderr.splitlines()
     done = [
         re.fullmatch(
@@ -247,7 +247,7 @@ def test_a_prefill_outside_a_terminal_says_how_far_it_is_in_plain_lines(tiny_dir
     ]
     assert all(done), lines
     counts = [int(m[1].replace(",", "")) for m in done if m]
-    assert len(counts) >= 5 and counts == sorted(counts) and counts[-1] == tokens
+    assert len(counts) >= 4 and counts == sorted(counts) and counts[-1] == tokens
 
 
 def test_a_data_dir_that_is_a_file_is_one_clear_line_for_every_command(tmp_path):
