@@ -453,6 +453,7 @@ def generate(
     max_kl: float | None = None,
     rates: Rates | None = None,
     mesh_budget: float | None = None,
+    prefill_progress: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Generation after `tokens` (greedy, or with an mlx-lm `sampler`), reusing the longest cached
     prefix found on the mesh; it ends at `max_tokens` or at one of `stop_tokens` (the tokenizer's
@@ -462,7 +463,8 @@ def generate(
     model's prefill rate is measured first if it never was), and this prefill refreshes the rate.
 
     The mesh part takes at most `mesh_budget` seconds (default: `default_budget`): the mesh cannot save
-    more than prefilling the whole prompt costs, so after that the prompt is prefilled."""
+    more than prefilling the whole prompt costs, so after that the prompt is prefilled.
+    `progress` follows a fetch (bytes), `prefill_progress` the prefill of the rest (tokens)."""
     if rates is not None and peers:
         calibrate(model, model_fp, rates)
     prefix = find_prefix(
@@ -482,7 +484,10 @@ def generate(
     out, first_at = [], None
     prompt_cache = prefix.cache or make_prompt_cache(model)
     prefix = prefix.released()
-    for token, _ in generate_from_cache(model, prompt_cache, suffix, max_tokens=max_tokens, sampler=sampler):
+    steps = generate_from_cache(
+        model, prompt_cache, suffix, max_tokens=max_tokens, sampler=sampler, progress=prefill_progress
+    )
+    for token, _ in steps:
         if first_at is None:
             first_at = time.perf_counter()
         if token in stop_tokens:

@@ -277,3 +277,16 @@ def test_cache_list_names_a_model_by_the_directory_it_was_loaded_from(tiny_dir, 
     # A Mac that never loaded the model names it by its type, as the manifest does.
     [elsewhere] = json.loads(run("cache", "list", "--json", "--store", data / "store", data_dir=tmp_path / "b").stdout)
     assert elsewhere["model"] == f"llama ({model_id[:8]})"
+
+
+def test_generate_outside_a_terminal_says_how_far_its_prefill_is_in_plain_lines(tiny_dir, tmp_path):
+    import re
+    from importlib import resources
+
+    document = tmp_path / "doc.txt"
+    document.write_text(resources.files("kvmesh").joinpath("data/corpus.txt").read_text())
+    made = run("generate", tiny_dir, "--file", document, "--max-tokens", "1", "--no-mesh", data_dir=tmp_path / "n")
+    lines = [line for line in made.stderr.splitlines() if line.startswith("prefill: ")]
+    [total] = {int(n.replace(",", "")) for n in re.findall(r"^prefill: [\d,]+ of ([\d,]+) tokens", made.stderr, re.M)}
+    assert lines and lines[-1].startswith(f"prefill: {total:,} of {total:,} tokens (100%), "), made.stderr
+    assert f"prefill of the remaining {total} tokens: " in made.stderr

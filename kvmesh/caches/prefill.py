@@ -104,16 +104,20 @@ def greedy(logits: mx.array) -> mx.array:
 
 
 def generate_from_cache(
-    model: nn.Module, cache: list, suffix, *, max_tokens: int, sampler=greedy
+    model: nn.Module, cache: list, suffix, *, max_tokens: int, sampler=greedy, progress: ProgressFn | None = None
 ) -> Iterator[tuple[int, mx.array]]:
-    """Continue a prompt whose prefix is in `cache` by feeding only `suffix`: yields (token, logprobs)."""
+    """Continue a prompt whose prefix is in `cache` by feeding only `suffix`: yields (token, logprobs).
+    `progress(done, total)` follows the prefill of `suffix` (mlx-lm's prompt_progress_callback)."""
     suffix = mx.array(suffix)
     if suffix.size == 0:
         raise ValueError(
             "the prompt adds no token to the cached prefix: generation needs at least one new "
             "token to feed (use the prefill's logits, or a cache of a shorter prefix)"
         )
-    for token, logprobs in generate_step(suffix, model, prompt_cache=cache, max_tokens=max_tokens, sampler=sampler):
+    steps = generate_step(
+        suffix, model, prompt_cache=cache, max_tokens=max_tokens, sampler=sampler, prompt_progress_callback=progress
+    )
+    for token, logprobs in steps:
         yield int(token), logprobs
 
 

@@ -270,6 +270,7 @@ class PlainProgress:
         self.last_share = 0.0
 
     def __enter__(self) -> "PlainProgress":
+        self.start = self.last_at = time.monotonic()  # the work starts now, not when the bar was made
         return self
 
     def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
@@ -295,6 +296,39 @@ class PlainProgress:
             if done < total:
                 line += f", about {(total - done) / rate:,.0f} s left"
         return line
+
+
+class Stages:
+    """The progress of a command's stages (a fetch, then the prefill of the rest), one bar at a time:
+    rich draws one live display at once. A stage's bar starts at its first update, ending the one
+    before it; leaving the context ends the last."""
+
+    def __init__(self) -> None:
+        self.shown: Any = None
+
+    def __enter__(self) -> "Stages":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.show(None)
+
+    def show(self, bar: Any) -> None:
+        if self.shown is not None:
+            self.shown.__exit__(None, None, None)
+        self.shown = bar
+        if bar is not None:
+            bar.__enter__()
+
+    def stage(self, description: str, unit: str) -> Callable[[int, int], None]:
+        """The update function of a stage (progress_bar's)."""
+        bar, update = progress_bar(description, unit)
+
+        def on(done: int, total: int) -> None:
+            if self.shown is not bar:
+                self.show(bar)
+            update(done, total)
+
+        return on
 
 
 def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int], None]]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.cli.common import (
     Args,
     Commands,
+    Stages,
     bounded,
     command,
     data_dir,
@@ -268,8 +269,7 @@ def generate(args: Args) -> int:
             file=sys.stderr,
         )
         calibrate(loaded.model, loaded.fingerprint, rates)
-    bar, update = progress_bar("fetch", "bytes")
-    with bar:
+    with Stages() as stages:
         result = generate(
             loaded.model,
             loaded.fingerprint,
@@ -277,7 +277,8 @@ def generate(args: Args) -> int:
             open_store(args),
             peers=peers,
             max_tokens=args.max_tokens,
-            progress=update,
+            progress=stages.stage("fetch", "bytes"),
+            prefill_progress=stages.stage("prefill", "tokens"),
             credentials=mesh_credentials(args),
             sampler=make_sampler(temp=args.temp, top_p=args.top_p),
             stop_tokens=set(tokenizer.eos_token_ids),
