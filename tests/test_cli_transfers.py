@@ -171,3 +171,15 @@ def test_fetch_takes_a_unique_start_of_a_peers_cache_id_and_lists_those_an_ambig
     fetched = cli("fetch", start, *mine, data_dir=tmp_path / "me")
     assert fetched.stdout.startswith(f"fetched {wanted} from {peer.address}: 3 tokens")
     assert [e.cache_id for e in CacheStore(tmp_path / "mine").entries()] == [wanted]
+
+
+def test_a_start_of_an_unshared_models_cache_id_finds_nothing_and_names_no_id(stored, tiny_dir, tmp_path):
+    local, cache_id = stored
+    daemon = loopback_daemon(tmp_path / "peer.data", "--store", local, "--share-model", "0" * 16)
+    try:
+        mine = ["--peer", daemon.address, "--model", tiny_dir, "--store", tmp_path / "mine"]
+        result = cli("fetch", cache_id[:6], *mine, data_dir=tmp_path / "me", check=False)
+    finally:
+        daemon.stop()
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert f"no cache {cache_id[:6]} in the store" in result.stderr and cache_id not in result.stderr
