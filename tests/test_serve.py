@@ -430,7 +430,7 @@ def test_the_daemon_runs_the_server_its_config_describes(tiny_dir, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[serve]\nmodle = 'x'\n")
     result = cli("serve", "--config", bad, check=False)
-    assert result.returncode == 1 and "[serve]: unknown setting 'modle'; known: api_key" in result.stderr
+    assert result.returncode == 1 and "[serve]: unknown setting 'modle'; known: allowed_hosts, api_key" in result.stderr
 
 
 def test_the_engine_ends_at_an_end_of_turn_token(tiny, tiny_dir, tiny_fp):

@@ -315,3 +315,87 @@ def test_four_concurrent_clients_get_the_texts_of_one_at_a_time(tiny_dir, servin
     assert stats == {"lookup": 0, "waiting": 0, "generating": 0}
     server.stop()
     assert max(batch_sizes(server.log)) > 1, "no two requests were decoded together"
+
+
+SYSTEM = "You answer questions about rivers, briefly and plainly. " * 24  # a long shared prefix
+QUESTIONS = ["Where do rivers go?", "What is a delta?", "Why do rivers bend?", "What feeds a river?"]
+
+
+def request_lines(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if "kvmesh.serve.engine: request " in line]
+
+
+def concurrent_answers(url: str) -> list[str]:
+    """Four clients at once, each asking one of QUESTIONS after the shared system prompt."""
+    barrier = threading.Barrier(len(QUESTIONS))
+
+    def ask(question: str) -> str:
+        client = client_of(url)
+        barrier.wait()
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=16).choices[0].message.content
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        return list(pool.map(ask, QUESTIONS))
+
+
+@pytest.mark.slow
+def test_prefixes_from_the_store_and_a_peer_batch_as_one_made_here(tiny, tiny_dir, tiny_fp, tmp_path, serving):
+    from kvmesh.caches.prefill import prefill
+    from kvmesh.store import CacheStore
+    from support.references import mlx_lm_text
+    from support.stores import put
+
+    model, tokenizer = tiny
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True) for chat in chats]
+    shared = next(i for i, column in enumerate(zip(*prompts)) if len(set(column)) > 1)
+    # The system prompt's cache, as another Mac made it, in this Mac's store and in a peer's.
+    for root in (tmp_path / "store" / "store", tmp_path / "peer" / "store"):
+        put(CacheStore(root), prefill(model, prompts[0][:shared]).cache, tiny_fp, prompts[0][:shared], codec="none")
+    expected = [mlx_lm_text(tiny, chat, max_tokens=16) for chat in chats]
+
+    # From the store: each request's prefix is the stored cache, and they decode together.
+    server = serving("store", tiny_dir, "--no-mesh")
+    assert concurrent_answers(server.url) == expected
+    server.stop()
+    lines = request_lines(server.log)
+    assert len(lines) == 4 and all("cached from local store" in line for line in lines), lines
+    assert max(batch_sizes(server.log)) > 1, "the store's caches were not decoded together"
+
+    # From a peer, the same.
+    daemon = loopback_daemon(tmp_path / "peer")
+    try:
+        server = serving("fetched", tiny_dir, "--peer", daemon.address, "--fetch", "always", "--no-store")
+        assert concurrent_answers(server.url) == expected
+        server.stop()
+    finally:
+        daemon.stop()
+    lines = request_lines(server.log)
+    assert len(lines) == 4 and all(f"cached from peer {daemon.address}" in line for line in lines), lines
+    assert max(batch_sizes(server.log)) > 1, "the peer's caches were not decoded together"
+
+
+@pytest.mark.slow
+def test_a_request_that_must_run_alone_holds_no_batchable_one_behind_it(tiny_dir, serving):
+    # A seeded request runs alone (mlx-lm's random state is one for a whole batch) and long; plain
+    # requests that come meanwhile decode in the batch, between its tokens, and end first.
+    server = serving("alone", tiny_dir, "--no-mesh")
+    client = client_of(server.url)
+    ended: list[str] = []
+    pool = ThreadPoolExecutor(4)
+
+    def ask(name: str, **options) -> None:
+        messages = [{"role": "user", "content": f"{name}: where do rivers go?"}]
+        client.chat.completions.create(model="tiny", messages=messages, **options)
+        ended.append(name)
+
+    seeded = pool.submit(ask, "seeded", max_tokens=1500, seed=7, temperature=0.8)
+    wait_for(lambda: held(server.url, "generating") == 1, what="the seeded request")
+    plain = [pool.submit(ask, f"plain {i}", max_tokens=8) for i in range(3)]
+    for future in [*plain, seeded]:
+        future.result(timeout=300)
+    pool.shutdown()
+    assert ended[-1] == "seeded" and sorted(ended[:3]) == ["plain 0", "plain 1", "plain 2"]
+    server.stop()
+    assert sorted(batch_sizes(server.log))[0] == 0  # (the seeded one, alone)

@@ -6,8 +6,10 @@ its prefix from the prompt cache (`BatchGenerator.insert` takes it, and the toke
 history the penalties see), its stop strings and log probabilities (kvmesh.serve.jobs.Output), and
 its cache back into the prompt cache when it ends. Prompts are prefilled in chunks of
 `prefill_step` tokens, one chunk per step, so a job whose client left is dropped within a chunk.
-Jobs it cannot take (a sparse or quantized cache, a seed: mlx-lm's random state is one for the
-whole batch, a grammar) are generated one at a time by the engine, in turn with the batch.
+A cache from the store or a peer joins as one made here (`merge_ready`). Jobs it cannot take (a
+cache with evicted or quantized positions, a seed: mlx-lm's random state is one for the whole
+batch, a grammar) are generated one at a time by the engine (kvmesh.serve.solo), a token at a time
+between the batch's steps.
 Every method runs on the generation thread.
 """
 
@@ -17,8 +19,9 @@ from typing import Any
 
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
+from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.generation import CachedPrefix
 from kvmesh.serve.jobs import Abandoned, Job, Output
 
@@ -26,6 +29,24 @@ from kvmesh.serve.jobs import Abandoned, Job, Output
 def batchable_model(model: nn.Module) -> bool:
     """Whether mlx-lm can batch this model's caches at all (as mlx_lm.server decides)."""
     return all(hasattr(c, "merge") for c in make_prompt_cache(model))
+
+
+def merge_ready(cache: list[Any] | None) -> list[Any] | None:
+    """`cache` with each layer that holds every position it processed (a cache from the store or a
+    peer that evicted nothing comes as kvmesh's SparseKVCache) as mlx-lm's own KVCache, which
+    BatchGenerator merges: such a cache then joins a batch as one prefilled here does. Layers that
+    evicted positions, or hold them quantized, stay as they are (mlx-lm merges neither)."""
+    return None if cache is None else [dense_layer(layer) for layer in cache]
+
+
+def dense_layer(layer: Any) -> Any:
+    if isinstance(layer, CacheList):
+        return CacheList(*(dense_layer(part) for part in layer.caches))
+    if type(layer) is SparseKVCache and layer.keys is not None and layer.n_kept == layer.offset:
+        dense = KVCache()
+        dense.state = (*layer.keys_and_values(), layer.offset)
+        return dense
+    return layer
 
 
 def batchable(job: Job, hit: CachedPrefix) -> bool:

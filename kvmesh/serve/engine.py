@@ -7,9 +7,10 @@ turn for the generation thread, in the order the lookups end: a request behind a
 served meanwhile. A request's text streams as it is made; the request completes (finish reason,
 usage) once its cache is in memory and, when long enough, in the local store.
 Jobs whose caches mlx-lm can merge decode together in mlx-lm's `BatchGenerator`
-(kvmesh.serve.batch); the others (a sparse or quantized cache from the mesh, a seed, a grammar) are
-generated alone with `stream_generate`, in turn with the batch: while one waits the batch takes no
-new job, so neither starves. At most `max_held` requests are held at
+(kvmesh.serve.batch), those from the store and the peers as well as those made here; the others (a
+cache with evicted or quantized positions, a seed, a grammar or thinking budget) are generated one
+at a time with `stream_generate` (kvmesh.serve.solo), a token of it after each step of the batch:
+neither waits for the other. At most `max_held` requests are held at
 once (looking up, waiting or generating); past that `submit` raises `Busy`, which the API answers
 with a 429 and Retry-After rather than a queue that only grows. A job whose client left holds no
 place: it is skipped when its turn comes, or stopped within a token (within a prefill chunk of
@@ -26,15 +27,14 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import GenerationResponse
 
 from kvmesh.generation import CachedPrefix, calibrate
-from kvmesh.serve.batch import Batch, batchable, batchable_model
+from kvmesh.serve.batch import Batch, batchable, batchable_model, merge_ready
 from kvmesh.serve.jobs import (  # (the engine's vocabulary: importers take it from here too)
     Abandoned,
     Delta,
@@ -49,6 +49,7 @@ from kvmesh.serve.jobs import (  # (the engine's vocabulary: importers take it f
     token_logprob,
 )
 from kvmesh.serve.prompt_cache import MeshPromptCache
+from kvmesh.serve.solo import Solo
 
 __all__ = [
     "Abandoned",
@@ -202,12 +203,13 @@ class Engine:
             if self.batching and batchable_model(self.model)
             else None
         )
-        # Jobs the batch cannot take, in arrival order: while one waits, the batch takes no new
-        # job and drains, then they are served one at a time (neither side starves).
+        # Jobs the batch cannot take, in arrival order, and the one of them generating: a token of
+        # it after each step of the batch, so neither holds the other.
         alone: deque[tuple[Job, CachedPrefix]] = deque()
+        solo: Solo | None = None
         try:
             while not self._stopping.is_set():
-                busy = bool(alone) or (batch is not None and len(batch) > 0)
+                busy = solo is not None or bool(alone) or (batch is not None and len(batch) > 0)
                 self.doing = "waiting for requests"
                 for job in self._arrivals(block=not busy):
                     if not self._wanted(job):
@@ -221,7 +223,7 @@ class Engine:
                         self._release(job)
                         job.put(e)
                         continue
-                    if batch is not None and not alone and batchable(job, hit):
+                    if batch is not None and batchable(job, hit):
                         batch.add(job, hit)
                     else:
                         alone.append((job, hit))
@@ -242,15 +244,19 @@ class Engine:
                             wanted=self._wanted,
                             finished=self._complete,
                         )
-                elif alone:
+                if solo is None and alone:
+                    solo = self._solo(*alone.popleft())
+                if solo is not None:
                     self.doing = "prefilling or generating a request alone"
-                    self._serve_alone(*alone.popleft())
+                    solo = solo if self._step(solo) else None
         finally:
             if batch is not None:
                 for slot in batch.slots.values():
                     self._release(slot.job)
                 batch.abandon()
                 batch.close()
+            if solo is not None:
+                self._drop(solo.job)
             for job, _ in alone:
                 self._drop(job)
             while True:  # stopping: those still queued are told so
@@ -279,63 +285,48 @@ class Engine:
     def _start(self, job: Job) -> CachedPrefix:
         """The job's prefix, from memory or as its lookup found it; its Started event."""
         hit = self.prompt_cache.fetch(job.tokens, partition=job.partition, found=job.found)
+        hit = replace(hit, cache=merge_ready(hit.cache))  # a cache from the mesh batches as one made here
         job.found = None  # (the engine keeps no cache past its request)
         job.put(Started(len(job.tokens), hit.tokens))
         return hit
 
-    def _serve_alone(self, job: Job, hit: CachedPrefix) -> None:
+    def _solo(self, job: Job, hit: CachedPrefix) -> Solo | None:
+        """The job's generation on its own, or None when it is no longer wanted."""
         if not self._wanted(job):
             self._drop(job)
-            return
-        try:
-            self._generate(job, hit)
-        except Abandoned:
-            log.info("request abandoned in its prefill (%s)", "stopping" if self._stopping.is_set() else "left")
-            job.put(Abandoned("the server is stopping"))
-        except Exception as e:  # reported to this request; the thread serves the next one
-            log.exception("generation failed")
-            job.put(e)
-        finally:
-            self._release(job)
-
-    def _generate(self, job: Job, hit: CachedPrefix) -> None:
-        """One job alone, with mlx-lm's stream_generate."""
-        cache = hit.cache if hit.cache is not None else make_prompt_cache(self.model)
-        if job.sampling.seed is not None:
-            mx.random.seed(job.sampling.seed)
-        sampler = job.sampling.sampler()
-        processors = job.sampling.logits_processors()
-        if job.processors is not None:
-            processors += job.processors()
-
-        def still_wanted(done: int, total: int) -> None:  # between prefill chunks
-            if not self._wanted(job):
-                raise Abandoned()
-
-        output = Output(job, set(self.tokenizer.eos_token_ids))
-        for response in stream_generate(
+            return None
+        return Solo(
             self.model,
             self.tokenizer,
-            mx.array(job.tokens[hit.tokens :]),
-            max_tokens=job.max_tokens,
-            sampler=sampler,
-            logits_processors=processors or None,
-            prompt_cache=cache,
-            prefill_step_size=PREFILL_STEP,
-            prompt_progress_callback=still_wanted,
-        ):
-            if not output.generated and self.prompt_cache.rates is not None:  # the prefill is done: its rate
-                self.prompt_cache.rates.record_prefill(
-                    self.prompt_cache.model_fp.model_id,
-                    response.prompt_tokens,
-                    response.prompt_tokens / response.prompt_tps if response.prompt_tps else 0.0,
-                    context=hit.tokens,
-                )
-            if output.add(response.token, response.text, response.logprobs, response.finish_reason):
-                break
-            if not self._wanted(job):
-                break
-        self._complete(job, output, hit, cache)
+            job,
+            hit,
+            prefill_step=PREFILL_STEP,
+            wanted=self._wanted,
+            prefilled=self._prefilled,
+            finished=self._complete,
+        )
+
+    def _step(self, solo: Solo) -> bool:
+        """A token of `solo`'s job; False once it ended (done, left, or failed: its client is told)."""
+        try:
+            return solo.step()
+        except Abandoned:
+            log.info("request abandoned in its prefill (%s)", "stopping" if self._stopping.is_set() else "left")
+        except Exception as e:  # reported to this request; the thread serves the next one
+            log.exception("generation failed")
+            self._release(solo.job)
+            solo.job.put(e)
+        return False
+
+    def _prefilled(self, response: GenerationResponse, hit: CachedPrefix) -> None:
+        """A job's prefill is done: its rate refreshes this machine's prefill rate."""
+        if self.prompt_cache.rates is not None:
+            self.prompt_cache.rates.record_prefill(
+                self.prompt_cache.model_fp.model_id,
+                response.prompt_tokens,
+                response.prompt_tokens / response.prompt_tps if response.prompt_tps else 0.0,
+                context=hit.tokens,
+            )
 
     def _complete(self, job: Job, output: Output, hit: CachedPrefix, cache: list[Any] | None) -> None:
         """A job's end: the rest of its text, its cache kept, then Done (and its log line). The text
