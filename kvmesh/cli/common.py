@@ -233,8 +233,7 @@ def within_context(model: str, prompt_tokens: int, max_tokens: int = 0) -> None:
     """Refuse a prompt (and the tokens to generate after it) longer than the model's context, as
     `kvmesh serve` refuses it (its context_length): past it mlx-lm only warns and goes on, and the
     cache it makes is of no use."""
-    from kvmesh.model.loaded import local_model_dir
-    from kvmesh.serve.server import context_length
+    from kvmesh.model.loaded import context_length, local_model_dir
 
     limit = context_length(local_model_dir(model))
     if prompt_tokens + max_tokens > limit:

@@ -7,6 +7,7 @@ snapshot in the local hub cache.
 
 import importlib.abc
 import importlib.machinery
+import json
 import logging
 import resource
 import sys
@@ -99,6 +100,15 @@ def _descriptor_limit_within_hard_limit() -> Iterator[None]:
         yield
     finally:
         resource.setrlimit = setrlimit
+
+
+def context_length(model_dir: Path) -> int:
+    """The model's context (its config's max_position_embeddings), for a directory or a cached hub
+    model's snapshot alike: every command refuses a prompt longer than it, wherever the model came
+    from (past it mlx-lm only warns, and what it makes is of no use)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", {})
+    return int(config.get("max_position_embeddings") or text.get("max_position_embeddings") or 4096)
 
 
 def local_model_dir(path: str) -> Path:

@@ -8,7 +8,6 @@ prefill chunk.
 """
 
 import ipaddress
-import json
 import logging
 import os
 import signal
@@ -25,7 +24,7 @@ from kvmesh.codec.calibration import NothingToCode
 from kvmesh.compression import model_basis
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import Rates
-from kvmesh.model.loaded import LoadedModel, local_model_dir
+from kvmesh.model.loaded import LoadedModel, context_length, local_model_dir
 from kvmesh.net.addresses import host_port
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.serve.app import ServedModel, make_app
@@ -55,14 +54,6 @@ def check_exposure(host: str, api_key: str | None) -> None:
         raise KvmeshError(
             f"serving on {host} needs an API key: give --api-key (or KVMESH_API_KEY), or serve on 127.0.0.1"
         )
-
-
-def context_length(model_dir: Path) -> int:
-    """The model's context (its config's max_position_embeddings), for a directory or a cached hub
-    model's snapshot alike: a prompt longer than it is refused, wherever the model came from."""
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config", {})
-    return int(config.get("max_position_embeddings") or text.get("max_position_embeddings") or 4096)
 
 
 def serve(
