@@ -15,10 +15,19 @@ process from a local cache of the same prefix), whose target is at most +10%. Th
 row: N clients at once (each sending `--requests` streamed requests of their own to one server),
 their throughput (completion tokens a second, all clients together) and TTFT p50/p95. Offline (the
 tiny test models), loopback only.
+
+    scripts/dev run python scripts/bench_serve.py --batching 8 [--model real] [--max-tokens 32]
+
+instead measures whether caches from elsewhere batch: N chat clients at once, each with its own
+question after one long system prompt, against the same N one after another, with the system
+prompt's cache made here (memory), in the local store, or on a peer (a daemon's store): a fresh
+server for each run, and the seconds of both and their ratio for each source. `--model real` runs
+it on SmolLM2-135M-Instruct (float32; OpenBLAS preloaded where installed).
 """
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -223,6 +232,56 @@ def concurrency(root: Path, model: Path, clients: list[int], requests: int, max_
     return rows
 
 
+def batching(root: Path, model: Path, clients: int, max_tokens: int, system: str) -> list[dict]:
+    """Per source of the system prompt's cache: `clients` requests at once and one after another."""
+    from kvmesh.caches.prefill import prefill as prefill_cache
+    from kvmesh.model.fingerprint import fingerprint
+    from kvmesh.store import CacheStore
+    from support.stores import put
+
+    loaded, tokenizer = mlx_lm.load(str(model))[:2]
+    questions = [f"Reader {i} asks: what does part {i} of the document say?" for i in range(2 * clients)]
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True) for chat in chats]
+    shared = next(i for i, column in enumerate(zip(*prompts)) if len(set(column)) > 1)
+    cache = prefill_cache(loaded, prompts[0][:shared]).cache
+    for where in ("store", "peer"):
+        put(CacheStore(root / where / "store"), cache, fingerprint(model), prompts[0][:shared], codec="none")
+    rows = []
+    for source in ("memory", "store", "peer"):
+        timings = {}
+        for mode, asked in (("one after another", chats[:clients]), ("at once", chats[clients:])):
+            daemon = loopback_daemon(root / "peer") if source == "peer" else None
+            options = ["--peer", daemon.address, "--fetch", "always", "--no-store"] if daemon else ["--no-mesh"]
+            data = root / f"{source}-{mode.replace(' ', '-')}"
+            if source == "store":  # (a copy each run: one run's own caches are not the next one's)
+                shutil.copytree(root / "store" / "store", data / "store")
+            server = start_server(data, model, *options, log=root / f"{data.name}.serve.log")
+            try:
+                until_ready(server)
+                client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=1800)
+                if source == "memory":  # the system prompt prefilled here first, as a warm server has it
+                    client.chat.completions.create(model=model.name, messages=chats[0], max_tokens=1)
+
+                def ask(chat: list[dict], client: openai.OpenAI = client) -> str:
+                    answer = client.chat.completions.create(model=model.name, messages=chat, max_tokens=max_tokens)
+                    return answer.usage.model_extra["kvmesh"]["prefix_from"]
+
+                start = time.perf_counter()
+                if mode == "at once":
+                    with ThreadPoolExecutor(clients) as pool:
+                        froms = list(pool.map(ask, asked))
+                else:
+                    froms = [ask(chat) for chat in asked]
+                timings[mode] = (time.perf_counter() - start, froms)
+            finally:
+                server.stop()
+                if daemon is not None:
+                    daemon.stop()
+        rows.append({"source": source, **timings})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=3)
@@ -232,7 +291,11 @@ def main() -> int:
     parser.add_argument("--clients", default="1,2,4", help="client counts of the concurrency row ('' for none)")
     parser.add_argument("--requests", type=int, default=6, help="requests of each client in the concurrency row")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the concurrency row's requests")
+    parser.add_argument("--batching", type=int, default=0, help="measure only whether caches from elsewhere batch")
+    parser.add_argument("--model", choices=("tiny", "real"), default="tiny", help="--batching's model")
     args = parser.parse_args()
+    if args.batching:
+        return main_batching(args)
     agent = args.workload == "agent"
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp:
         root = Path(tmp)
@@ -312,6 +375,38 @@ def main() -> int:
                 f"{row['p95']:.3f}",
             )
         console.print(table)
+    return 0
+
+
+def main_batching(args: argparse.Namespace) -> int:
+    if args.model == "real":
+        from support.real_model import MISSING, fast_blas, smollm2_dir
+
+        if MISSING:
+            print(MISSING, file=sys.stderr)
+            return 1
+        fast_blas()
+    corpus = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
+    system = "You are a careful reader. Answer from this document.\n" + corpus[: args.prefix_tokens * 4]
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-batching-") as tmp:
+        root = Path(tmp)
+        model = smollm2_dir() if args.model == "real" else make_test_model(root / "tiny", "tiny")
+        rows = batching(root, model, args.batching, args.max_tokens, system)
+    table = Table(
+        title=f"{args.batching} chat clients on one system prompt ({model.name}, max_tokens {args.max_tokens})"
+    )
+    for column in ("system prompt's cache", "one after another s", "at once s", "at once: x faster", "prefixes from"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        (alone, froms), (together, froms_at_once) = row["one after another"], row["at once"]
+        table.add_row(
+            row["source"],
+            f"{alone:.2f}",
+            f"{together:.2f}",
+            f"{alone / together:.2f}x",
+            ", ".join(sorted({f.split(" ")[0] for f in froms + froms_at_once})),
+        )
+    Console(width=140).print(table)
     return 0
 
 
