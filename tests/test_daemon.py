@@ -234,3 +234,22 @@ def test_the_daemon_raises_its_descriptor_limit_as_its_service_files_do():
         assert raise_descriptor_limit() == wanted == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+@pytest.mark.slow
+def test_a_peer_that_has_not_joined_is_named_so_not_as_an_ssl_error(tmp_path):
+    from support.daemons import loopback_daemon
+    from support.mesh import make_mesh
+    from support.waiting import wait_for
+
+    make_mesh(tmp_path / "member")
+    plain = loopback_daemon(tmp_path / "plain")  # no mesh credentials: it answers in plain text
+    member = loopback_daemon(tmp_path / "member", "--peer", plain.address, "--health-interval", "0.3")
+    try:
+        log = tmp_path / "member" / "daemon.log"
+        said = f"at {plain.address} answers without TLS: it has not joined this mesh (`kvmesh mesh join` there)"
+        wait_for(lambda: said in log.read_text(), seconds=60, what="the member's word on the peer")
+    finally:
+        member.stop()
+        plain.stop()
+    assert "WRONG_VERSION_NUMBER" not in log.read_text()

@@ -263,7 +263,11 @@ class Prover:
                     presented = tls.getpeercert(binary_form=True)
         except ssl.SSLCertVerificationError:
             return Proof(None, "is not a member of this mesh")
-        except (OSError, ssl.SSLError) as e:
+        except ssl.SSLError as e:
+            if e.reason == "WRONG_VERSION_NUMBER":  # it answered, in plain text: a daemon of no mesh
+                return Proof(None, "answers without TLS: it has not joined this mesh (`kvmesh mesh join` there)")
+            return Proof(None, f"does not answer ({e})", answered=False)
+        except OSError as e:
             return Proof(None, f"does not answer ({getattr(e, 'strerror', None) or e})", answered=False)
         common_name = certificate_name(certificate)
         if not common_name:
