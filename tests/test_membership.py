@@ -12,6 +12,8 @@ import pytest
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.daemon.config import DaemonConfig
+from kvmesh.daemon.control import control_status
 from kvmesh.errors import CredentialsError, PeerError
 from kvmesh.net import authority
 from kvmesh.net.client import PeerClient
@@ -32,6 +34,7 @@ from kvmesh.net.transport import open_channel
 from kvmesh.paths import mesh_dir
 from kvmesh.v1 import membership_pb2 as mpb
 from support.idle_calls import IdleCalls
+from support.members import make_mesh
 from support.membership import credentials, join, join_address, make_legacy, minted
 from support.processes import cli
 from support.waiting import wait_for
@@ -299,6 +302,45 @@ def test_a_removed_node_is_refused_by_every_member_once_the_list_spreads(mesh, t
         renew(d, node_id(d))
     assert "revocation list version 1 from peer" in daemon_c.log.read_text()
     assert f"node {node_id(d)} was removed from the mesh" in daemon_b.log.read_text()
+
+
+def live_count(data_dir) -> int:
+    return sum(p.healthy for p in control_status(data_dir).peers)
+
+
+def test_a_removal_is_pushed_to_every_member_before_any_could_ask(tmp_path, daemons):
+    """With the default revocation interval. Who knows whom (static peers): A (the authority) dials
+    B and D (the Mac to remove), B dials C, C nobody. Before: members only asked their peers every
+    `revocation_interval`, so B and C, which nobody of them asks, never learnt of it, and A only at
+    its next round; now `mesh remove` has A's daemon push the list to its live peers and each member
+    pushes it on: all refuse D well within one interval, and D says once that it was removed."""
+    a, b, c, d = (tmp_path / name for name in "abcd")
+    make_mesh(a, b, c, d)
+    quick = ("--health-interval", "0.3")  # `revocation_interval` stays its default
+    interval = DaemonConfig().revocation_interval
+    daemon_c = daemons.start(c, *quick, log=tmp_path / "c.log")
+    daemon_b = daemons.start(b, *quick, "--peer", daemon_c.address, log=tmp_path / "b.log")
+    daemon_d = daemons.start(d, *quick, log=tmp_path / "d.log")
+    first_round = time.monotonic() + interval  # A's first asking round, no sooner: its daemon starts now
+    daemon_a = daemons.start(a, *quick, "--peer", daemon_b.address, "--peer", daemon_d.address, log=tmp_path / "a.log")
+    wait_for(lambda: live_count(a) == 2 and live_count(b) == 1, 20, 0.1, "A to see B and D, B to see C")
+    members = {"a": daemon_a, "b": daemon_b, "c": daemon_c}
+    removed = credentials(d)
+    assert {name: info_code(m.address, removed) for name, m in members.items()} == dict.fromkeys(members, "ok")
+
+    start = time.monotonic()
+    out = cli("mesh", "remove", node_id(d), data_dir=a).stdout
+    assert f"sent the list to 2 of 2 live members; the others learn it from their peers within {interval:g} s" in out
+    for name, member in members.items():
+        refused = lambda m=member: info_code(m.address, removed) == "permission_denied"  # noqa: E731
+        wait_for(refused, interval, 0.1, f"{name} to refuse D")
+    took = time.monotonic() - start
+    print(f"A, B and C refused D {took:.2f} s after `mesh remove` (revocation_interval {interval:g} s)")
+    assert time.monotonic() < first_round  # before any daemon asked anyone: the pushes brought it
+    assert "revocation list version 1 from peer" in daemon_c.log.read_text()
+    said = f"this node ({node_id(d)}) was removed from the mesh by its authority (revocation list version 1)"
+    wait_for(lambda: said in daemon_d.log.read_text(), interval, 0.1, "D to say it was removed")
+    assert daemon_d.log.read_text().count(said) == 1
 
 
 def test_the_health_service_refuses_a_removed_node_too(mesh, tmp_path):

@@ -87,8 +87,23 @@ def remove(args: Args) -> int:
     revoked = remove(data_dir(args), args.node)
     removed = [n for n in revoked.node_ids if n.startswith(args.node)]
     print(f"removed {', '.join(removed)} from the mesh (revocation list version {revoked.version}).")
-    print("This Mac's daemon refuses it now; the members learn it from their peers within a minute or so.")
+    print(_spread_removal(data_dir(args)))
     return 0
+
+
+def _spread_removal(directory: Path) -> str:
+    """Have this Mac's daemon take the new list and push it to its live members; what it did."""
+    from kvmesh.daemon.control import spread_revocations
+    from kvmesh.errors import DaemonNotRunning
+
+    try:
+        spread = spread_revocations(directory)
+    except DaemonNotRunning:
+        return "This Mac's daemon is not running: once started, it refuses it and sends the list to the members."
+    return (
+        f"This Mac's daemon refuses it now and sent the list to {spread.sent} of {spread.live} live members; "
+        f"the others learn it from their peers within {spread.interval_s:g} s of coming back."
+    )
 
 
 def members(args: Args) -> int:

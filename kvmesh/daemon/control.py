@@ -83,6 +83,16 @@ def control_status(data_dir: Path | str, timeout: float = TIMEOUTS.control) -> c
             raise DaemonNotRunning(f"the daemon at {state.control} does not answer: {e.details()}") from None
 
 
+def spread_revocations(data_dir: Path | str, timeout: float = TIMEOUTS.control) -> cpb.SpreadResponse:
+    """Have the local daemon take the revocation list in its data dir and push it to its live peers."""
+    state = read_state(data_dir)
+    with grpc.insecure_channel(state.control) as channel:
+        try:
+            return control_pb2_grpc.ControlStub(channel).SpreadRevocations(cpb.SpreadRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise DaemonNotRunning(f"the daemon at {state.control} does not answer: {e.details()}") from None
+
+
 def describe_links(peer: cpb.PeerState) -> str:
     """A peer's addresses with what was measured of each, the one in use marked:
     "10.0.0.5:7077 (in use: 0.4 ms, 112.0 MB/s), 192.168.1.20:7077 (3.1 ms, 11.2 MB/s)"."""

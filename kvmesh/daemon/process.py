@@ -84,6 +84,14 @@ class ControlService(control_pb2_grpc.ControlServicer):
             data_dir=str(d.config.data_dir),
         )
 
+    def SpreadRevocations(self, request: cpb.SpreadRequest, context: grpc.ServicerContext) -> cpb.SpreadResponse:
+        membership = self.daemon.membership
+        if membership is None:
+            return cpb.SpreadResponse()
+        sent, live = membership.spread()
+        interval = self.daemon.config.revocation_interval
+        return cpb.SpreadResponse(version=membership.revocations.version, sent=sent, live=live, interval_s=interval)
+
 
 class Daemon:
     """The daemon of one data directory: `start`, serve, `stop` (or `run` for all three)."""
@@ -135,7 +143,9 @@ class Daemon:
         )
         if current:
             max_days = config.max_certificate_days
-            self.membership = MemberRuntime.prepare(data_dir, current.trust_pem, max_days=max_days, issue_days=days)
+            self.membership = MemberRuntime.prepare(
+                data_dir, current.trust_pem, max_days=max_days, issue_days=days, own_id=self.node_id
+            )
         interfaces = list(config.interfaces) or routable_addresses(None)
         if self.credentials is None:
             lan = [a for a in interfaces if not ipaddress.ip_address(a).is_loopback]

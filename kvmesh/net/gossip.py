@@ -1,16 +1,20 @@
-"""Spreading the revocation list: each daemon asks its live peers for a newer one, now and then.
+"""Spreading the revocation list: pushed to the live peers as soon as a daemon takes a newer one,
+and asked of them now and then, for whoever a push missed.
 
-The authority writes a new list when it removes a member (`kvmesh mesh remove`); its daemon takes it
-from its data dir, and every other member gets it from whichever peer has it, over the peers' mutual
-TLS (the Revocations call of kvmesh/v1/membership.proto). A list is adopted only if the mesh CA signed
-it and it is newer (kvmesh.net.revocation), so asking any peer, even the removed one, is safe: a
-member can withhold a list but never forge or roll one back. A mesh of N members learns a removal
-within a few `interval`s, however it is connected.
+The authority writes a new list when it removes a member (`kvmesh mesh remove`, which then asks its
+daemon to take it: the Control service's SpreadRevocations); every daemon that takes a newer list,
+from its data dir or from a peer, pushes it to its live peers at once (the Revocations call of
+kvmesh/v1/membership.proto, carrying the list), so a removal crosses the mesh in a few round trips.
+A member that was offline, or that a push did not reach, gets it from whichever peer has it when it
+next asks (every `interval`). A list is adopted only if the mesh CA signed it and it is newer
+(kvmesh.net.revocation), so taking a list from any peer, even the removed one, is safe: a member can
+withhold a list but never forge or roll one back. Each daemon pushes each new version once.
 """
 
 import logging
 import threading
 from collections.abc import Callable
+from concurrent import futures
 
 import grpc
 
@@ -22,24 +26,31 @@ from kvmesh.v1 import membership_pb2 as mpb
 from kvmesh.v1 import membership_pb2_grpc
 
 log = logging.getLogger(__name__)
+# Peers pushed to at once: a mesh is a user's Macs, so this is all of them in one round trip.
+PUSHES_AT_ONCE = 16
 
 
-def ask_peer(address: str, credentials: Membership, version: int, timeout: float = TIMEOUTS.call) -> bytes:
-    """The peer's revocation list if it is newer than `version` (b"" if not, or if it cannot answer)."""
+def ask_peer(
+    address: str, credentials: Membership, version: int, timeout: float = TIMEOUTS.call, push: bytes = b""
+) -> bytes | None:
+    """The peer's revocation list if it is newer than `version` (b"" if not), None if it cannot
+    answer; with `push`, this node's list goes with the call for the peer to adopt."""
     try:
         with open_channel(address, credentials) as channel:
             stub = membership_pb2_grpc.MembershipStub(channel)
-            return stub.Revocations(mpb.RevocationsRequest(version=version), timeout=timeout).revocations
+            request = mpb.RevocationsRequest(version=version, revocations=push)
+            return stub.Revocations(request, timeout=timeout).revocations
     except grpc.RpcError as e:
         code = e.code() if hasattr(e, "code") else None
         if code != grpc.StatusCode.UNAVAILABLE:
             log.debug("peer %s gave no revocation list: %s", address, e)
-        return b""
+        return None
 
 
 class Gossip:
     """A thread that keeps `revocations` up to date: from this node's data dir, then from each peer
-    `peers()` names (their addresses), every `interval` seconds."""
+    `peers()` names (their addresses), every `interval` seconds; and pushes each newer list it takes
+    to those peers at once (`spread`)."""
 
     def __init__(
         self,
@@ -52,8 +63,10 @@ class Gossip:
         self.revocations, self.peers, self.credentials, self.interval = revocations, peers, credentials, interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-revocations", daemon=True)
+        self._pushes = futures.ThreadPoolExecutor(PUSHES_AT_ONCE, thread_name_prefix="kvmesh-revocations-push")
 
     def start(self) -> None:
+        self.revocations.on_adopted = self.spread_soon
         self._thread.start()
 
     def round(self) -> None:
@@ -63,7 +76,31 @@ class Gossip:
             if self._stop.is_set():
                 return
             data = ask_peer(address, self.credentials, self.revocations.version, timeout=max(1.0, self.interval))
-            self.revocations.adopt(data, source=f"peer {address}")
+            self.revocations.adopt(data or b"", source=f"peer {address}")
+
+    def spread(self) -> tuple[int, int]:
+        """Push the list held to every live peer now: (peers that took the call, live peers)."""
+        data = self.revocations.current.to_bytes() if self.revocations.version else b""
+        addresses = self.peers()
+        if not data or not addresses or self._stop.is_set():
+            return 0, len(addresses)
+        version = self.revocations.version
+        calls = [self._pushes.submit(ask_peer, a, self.credentials, version, TIMEOUTS.prove, data) for a in addresses]
+        answered = sum(call.result() is not None for call in calls)
+        log.info("revocation list version %d pushed to %d of %d live peers", version, answered, len(addresses))
+        return answered, len(addresses)
+
+    def spread_soon(self) -> None:
+        """`spread` on a thread of its own: called as a list is adopted, maybe inside a peer's call."""
+        if self.revocations.revoked(self.revocations.own_id):
+            return  # its peers refuse this node's calls: they learn it from the authority instead
+        threading.Thread(target=self._spread_quietly, name="kvmesh-revocations-spread", daemon=True).start()
+
+    def _spread_quietly(self) -> None:
+        try:
+            self.spread()
+        except Exception:  # a failed push leaves the periodic asking to carry the list
+            log.exception("pushing the revocation list failed; peers get it when they next ask")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -74,5 +111,7 @@ class Gossip:
 
     def stop(self) -> None:
         self._stop.set()
+        self.revocations.on_adopted = None
         if self._thread.is_alive():
             self._thread.join()
+        self._pushes.shutdown(wait=True, cancel_futures=True)

@@ -56,10 +56,12 @@ class MemberRuntime:
     _listening: list[str] = field(default_factory=list)
 
     @staticmethod
-    def prepare(data_dir: Path, trust_pem: bytes, *, max_days: float, issue_days: float) -> "MemberRuntime":
+    def prepare(
+        data_dir: Path, trust_pem: bytes, *, max_days: float, issue_days: float, own_id: str = ""
+    ) -> "MemberRuntime":
         """`max_days`: the longest peer certificate accepted; `issue_days`: the longest this node
-        issues, if it is the authority."""
-        revocations = Revocations(data_dir, trust_pem)
+        issues, if it is the authority; `own_id`: this node's id."""
+        revocations = Revocations(data_dir, trust_pem, own_id)
         return MemberRuntime(
             data_dir,
             revocations,
@@ -94,6 +96,12 @@ class MemberRuntime:
         self.gossip = Gossip(self.revocations, peers, credentials, interval=interval)
         self.gossip.start()
         return self._listening
+
+    def spread(self) -> tuple[int, int]:
+        """Take the list in the data dir (`kvmesh mesh remove` wrote it) and push it to the live
+        peers now: (peers that took it, live peers)."""
+        self.revocations.reload()
+        return self.gossip.spread() if self.gossip else (0, 0)
 
     def stop(self) -> None:
         if self.gossip:

@@ -110,6 +110,11 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
         return mpb.RenewResponse(certificate=cert, trust=self._trust(), revocations=self._revocations())
 
     def Revocations(self, request: mpb.RevocationsRequest, context: grpc.ServicerContext) -> mpb.RevocationsResponse:
+        """On the peer port (mutual TLS: a member calls): a list the caller pushes is adopted when the
+        CA signed it and it is newer (and then pushed on: kvmesh.net.gossip); the answer is this
+        node's list if it is newer than the caller's."""
+        if request.revocations:
+            self.revocations.adopt(request.revocations, source=f"peer {context.peer()}, pushed")
         return self.newer_revocations(request)
 
     def newer_revocations(self, request: mpb.RevocationsRequest, peer: str = "") -> mpb.RevocationsResponse:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,13 +117,18 @@ def write_list(data_dir: Path, revocations: RevocationList) -> None:
 
 class Revocations:
     """The revocation list a daemon holds and enforces: the newest valid one it has seen, on disk
-    too, so a restart keeps it. Thread-safe: the server's calls read it as the gossip adopts."""
+    too, so a restart keeps it. Thread-safe: the server's calls read it as the gossip adopts.
 
-    def __init__(self, data_dir: Path, trust_pem: bytes):
-        self.data_dir, self.trust_pem = data_dir, trust_pem
+    `own_id`: this node's id, so that a list removing it says so in the log. `on_adopted` is called
+    after each newer list is taken (the daemon pushes it on to its peers then: kvmesh.net.gossip).
+    """
+
+    def __init__(self, data_dir: Path, trust_pem: bytes, own_id: str = ""):
+        self.data_dir, self.trust_pem, self.own_id = data_dir, trust_pem, own_id
         self._lock = threading.Lock()
         self._mtime_ns = -1
         self.current = EMPTY
+        self.on_adopted: Callable[[], None] | None = None
         self.reload()
 
     @property
@@ -176,4 +182,13 @@ class Revocations:
             source,
             ", ".join(newly) or "no node newly",
         )
+        if self.own_id in newly:
+            log.warning(
+                "this node (%s) was removed from the mesh by its authority (revocation list version %d): "
+                "its members refuse its calls from now on",
+                self.own_id,
+                candidate.version,
+            )
+        if self.on_adopted is not None:
+            self.on_adopted()
         return True

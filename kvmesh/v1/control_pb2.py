@@ -25,23 +25,27 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import service_pb2 as kvmesh_dot_v1_dot_service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/control.proto\x12\tkvmesh.v1\x1a\x17kvmesh/v1/service.proto\"\x0f\n\rStatusRequest\"\xc2\x01\n\tPeerState\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12%\n\x06source\x18\x03 \x01(\x0e\x32\x15.kvmesh.v1.PeerSource\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x10\n\x08\x66\x61ilures\x18\x05 \x01(\r\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x11\n\thost_name\x18\x07 \x01(\t\x12#\n\x05links\x18\x08 \x03(\x0b\x32\x14.kvmesh.v1.LinkState\"c\n\tLinkState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07\x61nswers\x18\x02 \x01(\x08\x12\x0e\n\x06rtt_ms\x18\x03 \x01(\x01\x12\x13\n\x0b\x62ytes_per_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x63hecked\x18\x05 \x01(\x08\"~\n\x0eStatusResponse\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.kvmesh.v1.InfoResponse\x12\x0e\n\x06listen\x18\x02 \x03(\t\x12#\n\x05peers\x18\x03 \x03(\x0b\x32\x14.kvmesh.v1.PeerState\x12\x10\n\x08\x64\x61ta_dir\x18\x04 \x01(\t*W\n\nPeerSource\x12\x1b\n\x17PEER_SOURCE_UNSPECIFIED\x10\x00\x12\x14\n\x10PEER_SOURCE_MDNS\x10\x01\x12\x16\n\x12PEER_SOURCE_STATIC\x10\x02\x32H\n\x07\x43ontrol\x12=\n\x06Status\x12\x18.kvmesh.v1.StatusRequest\x1a\x19.kvmesh.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/control.proto\x12\tkvmesh.v1\x1a\x17kvmesh/v1/service.proto\"\x0f\n\rSpreadRequest\"Q\n\x0eSpreadResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04sent\x18\x02 \x01(\r\x12\x0c\n\x04live\x18\x03 \x01(\r\x12\x12\n\ninterval_s\x18\x04 \x01(\x01\"\x0f\n\rStatusRequest\"\xc2\x01\n\tPeerState\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12%\n\x06source\x18\x03 \x01(\x0e\x32\x15.kvmesh.v1.PeerSource\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x10\n\x08\x66\x61ilures\x18\x05 \x01(\r\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x11\n\thost_name\x18\x07 \x01(\t\x12#\n\x05links\x18\x08 \x03(\x0b\x32\x14.kvmesh.v1.LinkState\"c\n\tLinkState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07\x61nswers\x18\x02 \x01(\x08\x12\x0e\n\x06rtt_ms\x18\x03 \x01(\x01\x12\x13\n\x0b\x62ytes_per_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x63hecked\x18\x05 \x01(\x08\"~\n\x0eStatusResponse\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.kvmesh.v1.InfoResponse\x12\x0e\n\x06listen\x18\x02 \x03(\t\x12#\n\x05peers\x18\x03 \x03(\x0b\x32\x14.kvmesh.v1.PeerState\x12\x10\n\x08\x64\x61ta_dir\x18\x04 \x01(\t*W\n\nPeerSource\x12\x1b\n\x17PEER_SOURCE_UNSPECIFIED\x10\x00\x12\x14\n\x10PEER_SOURCE_MDNS\x10\x01\x12\x16\n\x12PEER_SOURCE_STATIC\x10\x02\x32\x92\x01\n\x07\x43ontrol\x12=\n\x06Status\x12\x18.kvmesh.v1.StatusRequest\x1a\x19.kvmesh.v1.StatusResponse\x12H\n\x11SpreadRevocations\x12\x18.kvmesh.v1.SpreadRequest\x1a\x19.kvmesh.v1.SpreadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PEERSOURCE']._serialized_start=506
-  _globals['_PEERSOURCE']._serialized_end=593
-  _globals['_STATUSREQUEST']._serialized_start=63
-  _globals['_STATUSREQUEST']._serialized_end=78
-  _globals['_PEERSTATE']._serialized_start=81
-  _globals['_PEERSTATE']._serialized_end=275
-  _globals['_LINKSTATE']._serialized_start=277
-  _globals['_LINKSTATE']._serialized_end=376
-  _globals['_STATUSRESPONSE']._serialized_start=378
-  _globals['_STATUSRESPONSE']._serialized_end=504
-  _globals['_CONTROL']._serialized_start=595
-  _globals['_CONTROL']._serialized_end=667
+  _globals['_PEERSOURCE']._serialized_start=606
+  _globals['_PEERSOURCE']._serialized_end=693
+  _globals['_SPREADREQUEST']._serialized_start=63
+  _globals['_SPREADREQUEST']._serialized_end=78
+  _globals['_SPREADRESPONSE']._serialized_start=80
+  _globals['_SPREADRESPONSE']._serialized_end=161
+  _globals['_STATUSREQUEST']._serialized_start=163
+  _globals['_STATUSREQUEST']._serialized_end=178
+  _globals['_PEERSTATE']._serialized_start=181
+  _globals['_PEERSTATE']._serialized_end=375
+  _globals['_LINKSTATE']._serialized_start=377
+  _globals['_LINKSTATE']._serialized_end=476
+  _globals['_STATUSRESPONSE']._serialized_start=478
+  _globals['_STATUSRESPONSE']._serialized_end=604
+  _globals['_CONTROL']._serialized_start=696
+  _globals['_CONTROL']._serialized_end=842
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,22 @@ PEER_SOURCE_UNSPECIFIED: PeerSource
 PEER_SOURCE_MDNS: PeerSource
 PEER_SOURCE_STATIC: PeerSource
 
+class SpreadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SpreadResponse(_message.Message):
+    __slots__ = ("version", "sent", "live", "interval_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    sent: int
+    live: int
+    interval_s: float
+    def __init__(self, version: _Optional[int] = ..., sent: _Optional[int] = ..., live: _Optional[int] = ..., interval_s: _Optional[float] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

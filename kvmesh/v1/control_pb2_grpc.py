@@ -39,6 +39,11 @@ class ControlStub:
                 request_serializer=kvmesh_dot_v1_dot_control__pb2.StatusRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_control__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.SpreadRevocations = channel.unary_unary(
+                '/kvmesh.v1.Control/SpreadRevocations',
+                request_serializer=kvmesh_dot_v1_dot_control__pb2.SpreadRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_control__pb2.SpreadResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -50,6 +55,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SpreadRevocations(self, request, context):
+        """Take the revocation list in the data dir (`kvmesh mesh remove` wrote it) and push it to every
+        live peer now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +70,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=kvmesh_dot_v1_dot_control__pb2.StatusRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_control__pb2.StatusResponse.SerializeToString,
+            ),
+            'SpreadRevocations': grpc.unary_unary_rpc_method_handler(
+                    servicer.SpreadRevocations,
+                    request_deserializer=kvmesh_dot_v1_dot_control__pb2.SpreadRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_control__pb2.SpreadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +104,33 @@ class Control:
             '/kvmesh.v1.Control/Status',
             kvmesh_dot_v1_dot_control__pb2.StatusRequest.SerializeToString,
             kvmesh_dot_v1_dot_control__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SpreadRevocations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Control/SpreadRevocations',
+            kvmesh_dot_v1_dot_control__pb2.SpreadRequest.SerializeToString,
+            kvmesh_dot_v1_dot_control__pb2.SpreadResponse.FromString,
             options,
             channel_credentials,
             insecure,

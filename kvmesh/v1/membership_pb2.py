@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/v1/membership.proto\x12\tkvmesh.v1\";\n\x0bJoinRequest\x12\x10\n\x08token_id\x18\x01 \x01(\t\x12\x0b\n\x03\x63sr\x18\x02 \x01(\x0c\x12\r\n\x05proof\x18\x03 \x01(\x0c\"q\n\x0cJoinResponse\x12\x13\n\x0b\x63\x65rtificate\x18\x01 \x01(\x0c\x12\r\n\x05trust\x18\x02 \x01(\x0c\x12\x19\n\x11\x61uthority_node_id\x18\x03 \x01(\t\x12\x13\n\x0brevocations\x18\x04 \x01(\x0c\x12\r\n\x05proof\x18\x05 \x01(\x0c\"Q\n\x0cRenewRequest\x12\x13\n\x0b\x63\x65rtificate\x18\x01 \x01(\x0c\x12\x0b\n\x03\x63sr\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64\x61ys\x18\x04 \x01(\x01\"H\n\rRenewResponse\x12\x13\n\x0b\x63\x65rtificate\x18\x01 \x01(\x0c\x12\r\n\x05trust\x18\x02 \x01(\x0c\x12\x13\n\x0brevocations\x18\x03 \x01(\x0c\"%\n\x12RevocationsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"*\n\x13RevocationsResponse\x12\x13\n\x0brevocations\x18\x01 \x01(\x0c\x32\xcf\x01\n\nMembership\x12\x37\n\x04Join\x12\x16.kvmesh.v1.JoinRequest\x1a\x17.kvmesh.v1.JoinResponse\x12:\n\x05Renew\x12\x17.kvmesh.v1.RenewRequest\x1a\x18.kvmesh.v1.RenewResponse\x12L\n\x0bRevocations\x12\x1d.kvmesh.v1.RevocationsRequest\x1a\x1e.kvmesh.v1.RevocationsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/v1/membership.proto\x12\tkvmesh.v1\";\n\x0bJoinRequest\x12\x10\n\x08token_id\x18\x01 \x01(\t\x12\x0b\n\x03\x63sr\x18\x02 \x01(\x0c\x12\r\n\x05proof\x18\x03 \x01(\x0c\"q\n\x0cJoinResponse\x12\x13\n\x0b\x63\x65rtificate\x18\x01 \x01(\x0c\x12\r\n\x05trust\x18\x02 \x01(\x0c\x12\x19\n\x11\x61uthority_node_id\x18\x03 \x01(\t\x12\x13\n\x0brevocations\x18\x04 \x01(\x0c\x12\r\n\x05proof\x18\x05 \x01(\x0c\"Q\n\x0cRenewRequest\x12\x13\n\x0b\x63\x65rtificate\x18\x01 \x01(\x0c\x12\x0b\n\x03\x63sr\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64\x61ys\x18\x04 \x01(\x01\"H\n\rRenewResponse\x12\x13\n\x0b\x63\x65rtificate\x18\x01 \x01(\x0c\x12\r\n\x05trust\x18\x02 \x01(\x0c\x12\x13\n\x0brevocations\x18\x03 \x01(\x0c\":\n\x12RevocationsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0brevocations\x18\x02 \x01(\x0c\"*\n\x13RevocationsResponse\x12\x13\n\x0brevocations\x18\x01 \x01(\x0c\x32\xcf\x01\n\nMembership\x12\x37\n\x04Join\x12\x16.kvmesh.v1.JoinRequest\x1a\x17.kvmesh.v1.JoinResponse\x12:\n\x05Renew\x12\x17.kvmesh.v1.RenewRequest\x1a\x18.kvmesh.v1.RenewResponse\x12L\n\x0bRevocations\x12\x1d.kvmesh.v1.RevocationsRequest\x1a\x1e.kvmesh.v1.RevocationsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,9 +40,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RENEWRESPONSE']._serialized_start=300
   _globals['_RENEWRESPONSE']._serialized_end=372
   _globals['_REVOCATIONSREQUEST']._serialized_start=374
-  _globals['_REVOCATIONSREQUEST']._serialized_end=411
-  _globals['_REVOCATIONSRESPONSE']._serialized_start=413
-  _globals['_REVOCATIONSRESPONSE']._serialized_end=455
-  _globals['_MEMBERSHIP']._serialized_start=458
-  _globals['_MEMBERSHIP']._serialized_end=665
+  _globals['_REVOCATIONSREQUEST']._serialized_end=432
+  _globals['_REVOCATIONSRESPONSE']._serialized_start=434
+  _globals['_REVOCATIONSRESPONSE']._serialized_end=476
+  _globals['_MEMBERSHIP']._serialized_start=479
+  _globals['_MEMBERSHIP']._serialized_end=686
 # @@protoc_insertion_point(module_scope)

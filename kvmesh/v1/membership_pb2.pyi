@@ -51,10 +51,12 @@ class RenewResponse(_message.Message):
     def __init__(self, certificate: _Optional[bytes] = ..., trust: _Optional[bytes] = ..., revocations: _Optional[bytes] = ...) -> None: ...
 
 class RevocationsRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "revocations")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    revocations: bytes
+    def __init__(self, version: _Optional[int] = ..., revocations: _Optional[bytes] = ...) -> None: ...
 
 class RevocationsResponse(_message.Message):
     __slots__ = ("revocations",)

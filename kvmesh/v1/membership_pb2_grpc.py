@@ -70,7 +70,9 @@ class MembershipServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Revocations(self, request, context):
-        """This peer's revocation list, when it is newer than the caller's.
+        """This peer's revocation list, when it is newer than the caller's; a caller may push its own
+        list with the call (a removal reaches the members at once), adopted only if the CA signed it
+        and it is newer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
