@@ -131,9 +131,10 @@ def test_serve_takes_its_table_then_the_api_key_variable_then_flags(tmp_path, mo
 @pytest.mark.parametrize(
     "table, message",
     [
-        ("[serve]\nprot = 1\n", "unknown setting 'prot'; known: api_key, compress, fetch, host"),
+        ("[serve]\nprot = 1\n", "unknown setting 'prot'; known: allowed_hosts, api_key, compress, fetch"),
         ("[serve]\nfetch = 'never'\n", "fetch must be auto or always, not 'never'"),
-        ("[serve]\nmax_tokens = 0\n", "max_tokens must be at least 1, not 0"),
+        ("[serve]\nmax_tokens = -1\n", r"max_tokens must be 0 \(the rest of the context\) or more, not -1"),
+        ("[serve]\nmax_requests = 0\n", "max_requests must be at least 1, not 0"),
         ("[serve]\nport = '80'\n", "bad value '80' for port"),
         ("serve = 3\n", r"\[serve\] must be a table"),
     ],
