@@ -1,4 +1,5 @@
-"""Bounds on what a client's connections can hold: a deadline for each request's head, and a cap.
+"""Bounds on what a client's connections can hold: a deadline for each request's head and for each
+answer's bytes, and caps.
 
 uvicorn closes a connection that idles between requests (its keep-alive timeout) but gives a new
 one, or one part-way through a request's head, all the time it wants: 2,100 clients that send half
@@ -9,6 +10,18 @@ gets a 408 and is closed; and past `max_connections` open ones, the connection t
 longest on its request is closed to make room, so a client that sends whole requests is served
 whatever the others hold. (A body's pauses are bounded by the application, which reads it.)
 
+A client that asks and then never reads its answer (or reads a byte a second) holds its connection
+as long as it likes: the answer's bytes wait in the kernel and in asyncio's buffer, and the request
+is in progress, so it is never the one closed for room; a thousand such clients held every
+connection, and /health and every request got 503 for as long as they stayed. So an answer whose
+bytes cannot be written for `send_timeout` seconds (asyncio has paused writing: its buffer is over
+the high-water mark, the kernel's of SEND_BUFFER_BYTES being full) is cut: the connection is reset,
+and the application sees its client go, which cancels the job. And one address holds at most
+`max_per_address` connections: past it, that address's own connection waiting longest on its
+request is closed, or else the newcomer is refused (503), so what one client holds leaves room for
+the others (loopback clients too: every local tool comes from 127.0.0.1, which is why the default
+is generous).
+
 The protocol is uvicorn's own h11 one, with these bounds added (`guarded_protocol`).
 """
 
@@ -16,7 +29,9 @@ import asyncio
 import json
 import os
 import resource
-from collections import OrderedDict
+import socket
+import struct
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +43,11 @@ from kvmesh.errors import ConfigError
 # Descriptors kept free beyond the connections and one burst of accepts: the store, the model's
 # files, gRPC channels to peers, logs.
 SPARE_DESCRIPTORS = 128
+# The kernel's send buffer of each connection. Left to itself it grows to 4 MiB (Linux's and macOS's
+# bound), so an answer shorter than that which nobody reads looks written and its send timeout never
+# starts, and a thousand stuck clients hold 4 GiB of kernel memory. An answer's tokens need no more
+# than this: 128 KiB over a 10 ms link is 12 MB/s.
+SEND_BUFFER_BYTES = 128 << 10
 # asyncio accepts up to its backlog in one go before any connection is looked at, so a burst can
 # hold that many descriptors beyond the cap for a moment.
 LISTEN_BACKLOG = 2048
@@ -52,17 +72,30 @@ class ConnectionGuard:
 
     read_header_timeout: float
     max_connections: int
+    max_per_address: int
+    send_timeout: float
     waiting: "OrderedDict[GuardedH11Protocol, None]" = field(default_factory=OrderedDict)
     open: int = 0
+    per_address: Counter[str] = field(default_factory=Counter)
     closed_for_room: int = 0
     timed_out: int = 0
+    send_timed_out: int = 0
 
     def make_room(self, newcomer: "GuardedH11Protocol") -> bool:
-        """Close the connection waiting longest, if the cap is passed; False when none can go (every
-        open connection has a request in progress), so the newcomer itself must."""
-        if self.open <= self.max_connections:
-            return True
-        oldest = next((c for c in self.waiting if c is not newcomer), None)
+        """Close the connection waiting longest (of the newcomer's address, when that address passes
+        its cap; of all, when the cap of all is passed); False when none can go (each has a request
+        in progress), so the newcomer itself must."""
+        if self.per_address[newcomer.address] > self.max_per_address:
+            return self._close_oldest(newcomer, newcomer.address)
+        if self.open > self.max_connections:
+            return self._close_oldest(newcomer, None)
+        return True
+
+    def _close_oldest(self, newcomer: "GuardedH11Protocol", address: str | None) -> bool:
+        oldest = next(
+            (c for c in self.waiting if c is not newcomer and address in (None, c.address)),
+            None,
+        )
         if oldest is None:
             return False
         self.closed_for_room += 1
@@ -96,17 +129,26 @@ def descriptor_backlog(max_connections: int) -> int:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request's head and a cap on connections."""
+    """uvicorn's h11 protocol with deadlines on each request's head and each answer's writes, and
+    caps on connections."""
 
     guard: ConnectionGuard  # set on the subclass `guarded_protocol` makes
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._send_deadline: asyncio.TimerHandle | None = None
+        self.address = ""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        peer = transport.get_extra_info("peername")
+        self.address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         self.guard.open += 1
+        self.guard.per_address[self.address] += 1
         self.guard.waiting[self] = None
         self._arm_head_deadline()
         if not self.guard.make_room(self):
@@ -115,8 +157,40 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.open -= 1
+        self.guard.per_address[self.address] -= 1
+        if not self.guard.per_address[self.address]:
+            del self.guard.per_address[self.address]
         self._forget()
+        self._cancel_send_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """asyncio's buffer for this connection is full: its client has `send_timeout` seconds to
+        read enough of it that writing resumes."""
+        super().pause_writing()
+        if self._send_deadline is None:
+            self._send_deadline = self.loop.call_later(self.guard.send_timeout, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        self._cancel_send_deadline()
+        super().resume_writing()
+
+    def _cancel_send_deadline(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
+    def _send_timed_out(self) -> None:
+        """Reset, not closed: a close leaves the unread bytes to the kernel, which keeps offering
+        them to the client (holding their memory) for as long as it stays."""
+        self._send_deadline = None
+        if self.transport.is_closing():
+            return
+        self.guard.send_timed_out += 1
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

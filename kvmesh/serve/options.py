@@ -52,6 +52,21 @@ class ServeOptions:
     max_connections: int = setting(
         1000, help="open connections at most; past it the one waiting longest on its request is closed"
     )
+    # One client must not hold all the connections: every local tool comes from 127.0.0.1, so the
+    # bound is as many as the server holds requests by default (max_requests), each on its own
+    # connection, with nothing left waiting.
+    max_connections_per_address: int = setting(
+        64,
+        help="open connections from one address at most (loopback counts too); past it that address's "
+        "connection waiting longest on its request is closed, or the new one refused (503)",
+    )
+    # A client that asks and never reads its answer (or reads a byte a second) must not hold its
+    # connection, nor its request's place, for as long as it likes.
+    send_timeout: float = setting(
+        30.0,
+        help="seconds an answer's bytes may wait for the client to read them; then it is cut and its connection closed",
+        metavar="SECONDS",
+    )
     # A queue that only grows answers everyone late; past the bound a client is told to retry (429).
     max_requests: int = setting(
         64,
@@ -101,13 +116,14 @@ class ServeOptions:
             "min_store_tokens",
             "max_body_bytes",
             "max_connections",
+            "max_connections_per_address",
             "max_requests",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.max_tokens < 0:
             raise ConfigError(f"max_tokens must be 0 (the rest of the context) or more, not {self.max_tokens}")
-        for name in ("read_header_timeout", "read_timeout", "local_daemon_timeout"):
+        for name in ("read_header_timeout", "read_timeout", "send_timeout", "local_daemon_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be more than 0 seconds, not {getattr(self, name)}")
         if self.local_daemon_cache < 0:

@@ -223,7 +223,9 @@ def http_server(
     the listen backlog that keeps them within the descriptor limit; `on_stop` is called when it is
     told to stop."""
     backlog = descriptor_backlog(options.max_connections)
-    guard = ConnectionGuard(options.read_header_timeout, options.max_connections)
+    guard = ConnectionGuard(
+        options.read_header_timeout, options.max_connections, options.max_connections_per_address, options.send_timeout
+    )
     config = uvicorn.Config(
         app,
         log_level="warning",
