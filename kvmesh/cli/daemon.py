@@ -1,6 +1,7 @@
 """`kvmesh daemon` and what asks it: `status`, `peers`; `service` installs it as a login service."""
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -141,11 +142,18 @@ def peers(args: Args) -> int:
     return 0
 
 
+def chosen_data_dir(args: Args) -> Path | None:
+    """The data dir the user chose (--data-dir, else $KVMESH_DATA_DIR), for the service to run on:
+    a login service gets neither the flag nor the shell's environment. None: the platform's."""
+    chosen = args.data_dir or os.environ.get("KVMESH_DATA_DIR")
+    return Path(chosen) if chosen else None
+
+
 def service(args: Args) -> int:
     from kvmesh.daemon.service_files import service_file
 
     platform = args.platform or ("macos" if sys.platform == "darwin" else "linux")
-    default_path, content, enable = service_file(platform, data_dir=Path(args.data_dir) if args.data_dir else None)
+    default_path, content, enable = service_file(platform, data_dir=chosen_data_dir(args))
     if args.print:
         sys.stdout.write(content.decode())
         return 0

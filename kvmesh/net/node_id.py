@@ -4,23 +4,37 @@ import secrets
 import socket
 from pathlib import Path
 
+from kvmesh.errors import KvmeshError
 from kvmesh.paths import node_id_file
 
 
-def node_id(data_dir: Path | str) -> str:
-    """The node id stored in `data_dir`, created on first use (16 hex digits)."""
-    path = node_id_file(data_dir)
+def stored_node_id(data_dir: Path | str) -> str | None:
+    """The node id stored in `data_dir`, or None when none was made yet: writes nothing, so a
+    command that needs an id only if this node has one (mesh credentials) runs on a read-only data dir."""
     try:
-        existing = path.read_text().strip()
-    except FileNotFoundError:
-        existing = ""
-    if len(existing) == 16 and all(c in "0123456789abcdef" for c in existing):
+        existing = node_id_file(data_dir).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return existing if len(existing) == 16 and all(c in "0123456789abcdef" for c in existing) else None
+
+
+def node_id(data_dir: Path | str) -> str:
+    """The node id stored in `data_dir`, created on first use (16 hex digits); KvmeshError, in one
+    line, when the data dir cannot take it (read-only)."""
+    if existing := stored_node_id(data_dir):
         return existing
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = node_id_file(data_dir)
     new = secrets.token_hex(8)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(new + "\n")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(new + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        raise KvmeshError(
+            f"cannot keep this node's id in {path.parent}: {e.strerror or e}; give a writable --data-dir "
+            "(or $KVMESH_DATA_DIR)"
+        ) from None
     return new
 
 
