@@ -316,6 +316,12 @@ def find_prefix(
         if store is not None and (local := store.lookup(model_fp.model_id, wanted)):
             rank = loss_rank(local.entry.lossy, local.entry.tail_kl)
             sources.append(_Source(local.tokens, (rank, 0), local.entry.cache_id))
+        if store is not None and (missed := store.exact_only(model_fp.model_id, wanted, local.tokens if local else 0)):
+            match, why = missed
+            skipped.append(
+                f"{LOCAL_STORE}: {match.entry.cache_id} shares {match.tokens:,} tokens of the prompt but serves only "
+                f"its exact prefix of {match.entry.num_tokens:,} ({why})"
+            )
         for address in peers:
             if left() <= 0:
                 skipped.append(f"peer {address}: {spent}")

@@ -32,6 +32,7 @@ MLX_FREE = [
     "kvmesh.codec.compat",
     "kvmesh.codec.chunks",
     "kvmesh.codec.cut",
+    "kvmesh.codec.layer_blob",
     "kvmesh.store",
     "kvmesh.store.entry_file",
     "kvmesh.net.timeouts",

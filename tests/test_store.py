@@ -11,7 +11,7 @@ import pytest
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
-from kvmesh.generation import load_prefix
+from kvmesh.generation import find_prefix, load_prefix
 from kvmesh.store import CacheStore, entry_file
 from kvmesh.v1 import cache_pb2 as pb
 from support.references import same_tensors, tokens_after
@@ -103,6 +103,17 @@ def test_a_sparse_entry_serves_only_its_own_prefix(store, tiny, fp, long_ids):
     manifest = put(store, prefill(tiny[0], long_ids[:300], press).cache, fp, long_ids[:300], press)
     with pytest.raises(ValueError, match="it serves only its exact prefix of 300 tokens: layer 0 evicted tokens"):
         load_prefix(store, manifest.cache_id, 256)
+    # A prompt that shares its first two blocks finds nothing, and is told what was passed over.
+    prompt = long_ids[:280] + [7] * 40
+    assert store.lookup(fp.model_id, prompt) is None
+    match, why = store.exact_only(fp.model_id, prompt)
+    assert (match.entry.cache_id, match.tokens, why) == (manifest.cache_id, 256, "layer 0 evicted tokens")
+    found = find_prefix(fp, prompt, store)
+    assert found.cache is None and found.skipped == [
+        f"local store: {manifest.cache_id} shares 256 tokens of the prompt but serves only its exact prefix of 300 "
+        "(layer 0 evicted tokens)"
+    ]
+    assert store.exact_only(fp.model_id, long_ids[:300] + [7]) is None  # it serves that prompt
 
 
 def test_lru_eviction_under_a_byte_budget(tmp_path, tiny, fp, long_ids):

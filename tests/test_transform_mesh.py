@@ -97,10 +97,20 @@ def test_without_the_basis_anywhere_the_cache_is_refused_with_its_reason(coded, 
         assert client.info().transfers.publishes_rejected == 1
 
 
-def test_cache_show_prints_each_layer_codec(coded):
+def test_cache_show_prints_each_layer_codec_and_the_prefixes_it_serves(coded):
     store, cache_id, basis = coded
     shown = cli("cache", "show", cache_id, "--store", store, "--json").stdout
     layers = json.loads(shown)["layers"]
+    n = CacheStore(store).manifest(cache_id).prefix.num_tokens
+    longest = (n - 1) // 128 * 128
+    assert json.loads(shown)["serves"] == {
+        "num_tokens": n,
+        "block_size": 128,
+        "shorter": True,
+        "longest_shorter": longest,
+    }
+    text = cli("cache", "show", cache_id, "--store", store).stdout
+    assert f"serves       its prefix of {n:,} tokens and every multiple of 128 up to {longest:,}\n" in text
     assert all(layer["codec"].startswith("transform k ") for layer in layers)
     manifest = CacheStore(store).manifest(cache_id)
     assert [layer["bytes"] for layer in layers] == [layer.tensors[0].nbytes for layer in manifest.layers]
@@ -130,3 +140,48 @@ def test_serve_compress_keeps_its_caches_transform_coded(tiny_dir, tmp_path):
         assert manifest.quality.metric == "tail_kl"
     finally:
         assert server.stop() == 0
+
+
+def test_serve_compress_answers_a_second_question_on_a_document_from_its_coded_cache(tiny, tiny_dir, serve, tmp_path):
+    """Issue 30: a coded cache serves the document's blocks to the next question on it, from the store
+    of the same Mac (a server whose memory is empty) and from a peer (a daemon serving that store,
+    asked by a second server with --peer), as a dense cache does."""
+    from importlib import resources
+
+    from support.daemons import start_server
+
+    document = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
+    document_tokens = len(tiny[1].encode(document))
+    data = tmp_path / "a"
+
+    def ask(server, question):
+        import openai
+
+        client = openai.OpenAI(base_url=server.url, api_key="none")
+        messages = [{"role": "system", "content": document}, {"role": "user", "content": question}]
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens, r.usage.model_extra["kvmesh"]
+
+    first = start_server(data, tiny_dir, "--no-mesh", "--compress", log=tmp_path / "first.log")
+    try:
+        assert ask(first, "Who wrote this?")[0] == 0
+    finally:
+        assert first.stop() == 0
+    (entry,) = CacheStore(data / "store").entries()
+    assert CacheStore(data / "store").manifest(entry.cache_id).artifacts and entry.cuttable
+
+    again = start_server(data, tiny_dir, "--no-mesh", "--compress", log=tmp_path / "again.log")
+    try:
+        cached, usage = ask(again, "What is it about?")
+    finally:
+        assert again.stop() == 0
+    assert usage["prefix_from"] == "local store" and usage["cache_id"] == entry.cache_id
+    assert cached % 128 == 0 and document_tokens - 256 < cached <= document_tokens + 128
+
+    address = serve(data / "store")
+    other = start_server(tmp_path / "b", tiny_dir, "--peer", address, "--fetch", "always", log=tmp_path / "other.log")
+    try:
+        from_peer, usage = ask(other, "Where does it happen?")
+    finally:
+        assert other.stop() == 0
+    assert usage["prefix_from"] == f"peer {address}" and from_peer == cached

@@ -12,8 +12,10 @@ from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.basis import BasisError
 from kvmesh.codec.calibration import fit_model_basis
+from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis, transform_code
 from kvmesh.codec.compat import ReceiverProfile, basis_problem, check_manifest, quality_problem, validate_manifest
+from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.manifest import layer_report, lossy, uncuttable_reason
@@ -69,7 +71,7 @@ def test_the_manifest_states_the_codec_and_the_basis(coded, wire, calibrated):
         assert t.rotary.dims == manifest.head_dim and t.rotary.HasField("base")
     assert validate_manifest(manifest) is None
     assert lossy(manifest)
-    assert "transform coded" in uncuttable_reason(manifest)
+    assert uncuttable_reason(manifest) is None  # each position's row is coded: shorter prefixes are cut
     assert all(row["codec"].startswith("transform k ") for row in layer_report(manifest))
     # Smaller than the float32 cache's fp16 size even at this fine step.
     fp16 = 2 * 2 * 300 * manifest.num_kv_heads * manifest.head_dim * manifest.num_layers
@@ -177,6 +179,49 @@ def test_layers_the_codec_cannot_take_travel_as_before(tiny, calibrated, prompt_
         assert all(type(layer) is kind for layer in cache)
         manifest, _ = encode_cache(cache, tiny_fp, prompt_ids, make_press(method, config))
         assert not manifest.artifacts
+
+
+@pytest.mark.parametrize("recent", [0, 200])
+@pytest.mark.parametrize("num_tokens", [128, 256])
+def test_a_shorter_prefix_of_a_coded_cache_decodes_as_that_prefix_of_the_whole(
+    coded, calibrated, tiny_fp, prompt_ids, recent, num_tokens
+):
+    """Cut from the stored chunks (kvmesh.codec.cut), the prefix decodes array-equal to the first
+    rows of the whole cache's decoding; with 200 raw recent rows a cut at 128 or 256 reaches into
+    them (the coded rows end at 100)."""
+    full, _ = coded
+    cache = transform_code(full, TransformCoding(calibrated.basis, step=0.12, recent=recent))
+    manifest, chunks = encode_cache(cache, tiny_fp, prompt_ids)
+    records = [c.frame() for c in chunks]
+    bases = {calibrated.basis.digest: calibrated.basis}
+    whole = decode_chunks(manifest, map(parse_frame, records), bases=bases)
+    cut, stream = cut_prefix(manifest, lambda: iter(records), num_tokens)
+    assert validate_manifest(cut) is None and cut.prefix.num_tokens == num_tokens
+    assert cut.encoding.encoded_bytes < manifest.encoding.encoded_bytes
+    got = decode_chunks(cut, map(parse_frame, stream), bases=bases)
+    for part, layer in zip(got, whole, strict=True):
+        assert type(part) is SparseKVCache and part.offset == num_tokens
+        for mine, theirs in zip(part.keys_and_values(), layer.keys_and_values(), strict=True):
+            assert mine.shape[2] == num_tokens and mx.array_equal(mine, theirs[:, :, :num_tokens])
+
+
+def test_a_coded_entry_serves_a_shorter_prefix_from_the_store(wire, coded, calibrated, prompt_ids, tmp_path):
+    from kvmesh.generation import load_prefix
+    from kvmesh.store import CacheStore
+
+    manifest, chunks = wire
+    store = CacheStore(tmp_path / "store")
+    ArtifactStore(store.root / "artifacts").put(calibrated.basis.to_bytes(), calibrated.basis.digest)
+    store.add(manifest, chunks)
+    (entry,) = store.entries()
+    assert entry.cuttable
+    match = store.lookup(entry.model_id, prompt_ids[:280] + [7] * 40)
+    assert match is not None and (match.entry.cache_id, match.tokens) == (manifest.cache_id, 256)
+    assert store.exact_only(entry.model_id, prompt_ids[:280] + [7] * 40) is None
+    got = load_prefix(store, manifest.cache_id, 256)
+    for part, layer in zip(got, decoded(coded[1]), strict=True):
+        for mine, theirs in zip(part.keys_and_values(), layer.keys_and_values(), strict=True):
+            assert mx.array_equal(mine, theirs[:, :, :256])
 
 
 def test_layer_blobs_decode_alone(coded, calibrated):

@@ -87,13 +87,13 @@ def known_names(args: Args) -> Callable[[Any], str]:
 def show(args: Args) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from kvmesh.codec.manifest import CODEC_NAMES, compression_name, layer_report, uncuttable_reason
+    from kvmesh.codec.manifest import CODEC_NAMES, compression_name, layer_report, served_prefixes, served_text
 
     store, cache_id = stored(args)
     manifest = store.manifest(cache_id)
-    layers = layer_report(manifest)
+    layers, served = layer_report(manifest), served_prefixes(manifest)
     if args.json:
-        print(json.dumps({**message_dict(manifest), "layers": layers}, indent=2))
+        print(json.dumps({**message_dict(manifest), "layers": layers, "serves": served}, indent=2))
         return 0
     config = MessageToDict(manifest.compression.config, preserving_proto_field_name=True)
     encoding = manifest.encoding
@@ -108,9 +108,7 @@ def show(args: Args) -> int:
     if manifest.HasField("quality"):
         quality = manifest.quality
         print(f"  quality      {quality.metric} {quality.value:.4f} nats/token over its last {quality.tokens} tokens")
-    why = uncuttable_reason(manifest)
-    serves = f"only its exact prefix ({why})" if why else "its prefix and any shorter block-aligned one"
-    print(f"  serves       {serves}")
+    print(f"  serves       {served_text(served)}")
     for row in layers:
         if "arrays" in row:
             held = "arrays " + " ".join("x".join(map(str, shape)) for shape in row["arrays"])

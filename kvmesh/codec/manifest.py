@@ -171,13 +171,12 @@ def content_id(manifest: pb.CacheManifest) -> str:
 def uncuttable_reason(manifest: pb.CacheManifest) -> str | None:
     """Why the cache serves only its exact prefix, or None when any shorter one can be cut from it.
 
-    A shorter prefix needs every layer to hold every position of it.
+    A shorter prefix needs every layer to hold every position of it (a transform-coded layer holds
+    each position's row: `kvmesh.codec.cut` re-codes its prefix).
     """
     for i, layer in leaf_layers(manifest.layers):
         if layer.kind == pb.CACHE_KIND_ARRAYS:
             return f"layer {i} is recurrent state, which folds in every token and cannot be cut back"
-        if layer.kind == pb.CACHE_KIND_TRANSFORM_KV:
-            return f"layer {i} is transform coded as a whole"
         if layer.n_kept != layer.offset:
             if layer.kind == pb.CACHE_KIND_ROTATING_KV:
                 return f"layer {i}'s sliding window of {layer.window} has dropped earlier tokens"
@@ -185,6 +184,27 @@ def uncuttable_reason(manifest: pb.CacheManifest) -> str | None:
                 return f"layer {i}'s attention chunks of {layer.chunk_size} have dropped earlier tokens"
             return f"layer {i} evicted tokens"
     return None
+
+
+def served_prefixes(manifest: pb.CacheManifest) -> dict[str, Any]:
+    """Which prompt prefixes the cache serves, derived from its layers (`kvmesh cache show`): its own
+    `num_tokens`, and, when `shorter`, every multiple of `block_size` below it (the longest is
+    `longest_shorter`); else `exact_only` says why not."""
+    n, block = manifest.prefix.num_tokens, manifest.prefix.block_size
+    served: dict[str, Any] = {"num_tokens": n, "block_size": block}
+    if why := uncuttable_reason(manifest):
+        return {**served, "shorter": False, "exact_only": why}
+    return {**served, "shorter": True, "longest_shorter": (n - 1) // block * block}
+
+
+def served_text(served: dict[str, Any]) -> str:
+    """`served_prefixes` for people: `its prefix of 300 tokens and every multiple of 128 up to 256`."""
+    n, block = f"{served['num_tokens']:,}", served["block_size"]
+    if not served["shorter"]:
+        return f"only its exact prefix of {n} tokens ({served['exact_only']})"
+    if not served["longest_shorter"]:
+        return f"its prefix of {n} tokens (no shorter one of whole {block}-token blocks)"
+    return f"its prefix of {n} tokens and every multiple of {block} up to {served['longest_shorter']:,}"
 
 
 def cuttable(manifest: pb.CacheManifest) -> bool:

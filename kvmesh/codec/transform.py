@@ -38,9 +38,7 @@ basis itself does not travel with each cache: the receiver needs the one whose i
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,19 +48,22 @@ import numpy as np
 import zstandard
 
 from kvmesh.codec.basis import Basis, BasisError, LayerKV, TensorBasis
+from kvmesh.codec.layer_blob import (
+    ESCAPE,
+    MAGIC,
+    MAGIC_RAW_DTYPE,
+    Segments,
+    TransformCodecError,
+    Writer,
+    pack_zigzag,
+    read_header,
+)
 from kvmesh.codec.rotary import Rotary, rotate, rotation_table
 
-MAGIC = b"KVTC\x01"
-MAGIC_RAW_DTYPE = b"KVTC\x02"
 # The dtypes raw rows travel in (a header without one: float16), and the NumPy type each decodes into
 # (NumPy has no bfloat16: its bits travel as uint16 and decode through MLX into float32).
 RAW_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-ESCAPE = 255
 SQRT12 = math.sqrt(12.0)
-
-
-class TransformCodecError(ValueError):
-    """Bytes this codec cannot decode, or arrays it cannot encode."""
 
 
 def bit_allocation(rms: np.ndarray, step: float) -> np.ndarray:
@@ -85,10 +86,7 @@ def kept_components(rms: np.ndarray, step: float) -> int:
 
 def pack_integers(q: np.ndarray) -> tuple[bytes, bytes]:
     """Signed integers -> (one zigzagged byte each, the escaped ones as little-endian uint32)."""
-    zz = _zigzag(q)
-    big = zz >= ESCAPE
-    plane = np.where(big, ESCAPE, zz).astype(np.uint8)
-    return plane.tobytes(), zz[big].astype("<u4").tobytes()
+    return pack_zigzag(_zigzag(q), 8)
 
 
 def _zigzag(q: np.ndarray) -> np.ndarray:
@@ -106,18 +104,8 @@ def pack_codes(q: np.ndarray) -> tuple[int, bytes, bytes]:
     bit on each); larger ones one byte each, 255 escaping to a uint32 in `escapes`."""
     zz = _zigzag(q)
     top = int(zz.max()) if zz.size else 0
-    if top >= 16:
-        plane, esc = pack_integers(q)
-        return 8, plane, esc
-    width = 2 if top < 4 else 4
-    per = 8 // width
-    flat = np.zeros(-(-zz.size // per) * per, dtype=np.uint8)
-    flat[: zz.size] = zz
-    codes = flat.reshape(-1, per)
-    packed = codes[:, 0].copy()
-    for j in range(1, per):
-        packed |= codes[:, j] << np.uint8(width * j)
-    return width, packed.tobytes(), b""
+    width = 8 if top >= 16 else 2 if top < 4 else 4
+    return (width, *pack_zigzag(zz, width))
 
 
 def _code_table(width: int) -> np.ndarray:
@@ -302,17 +290,11 @@ def _prepare(
 
 
 def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: float, level: int) -> bytes:
-    """One layer's blob: MAGIC, a u32 header length, the canonical JSON header, the segments."""
-    compressor = zstandard.ZstdCompressor(level=level)
-    segments: list[bytes] = []
-
-    def add(blob: bytes, compress: bool) -> list[int]:
-        segments.append(compressor.compress(blob) if compress else blob)
-        return [len(segments) - 1, int(compress)]
-
+    """One layer's blob, its coefficients rounded at `step`."""
+    out = Writer(level)
     lm = dict(meta)
     if pos is not None:
-        lm["positions"] = {**meta["positions"], "seg": add(pos.astype("<i4").tobytes(), True)}
+        lm["positions"] = {**meta["positions"], "seg": out.add(pos.astype("<i4").tobytes(), True)}
     for kind, p in zip("kv", layer, strict=True):
         kstep = step * (key_factor if kind == "k" else 1.0)
         rms = p.basis.rms / p.basis.scale
@@ -323,17 +305,12 @@ def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: flo
         for count in component_groups(rms, kstep, n):
             width, plane, esc = pack_codes(q[at : at + count])
             delta = _centroid_offset(scaled[at : at + count], q[at : at + count])
-            groups.append([count, width, add(plane, True), add(esc, True) if esc else None, delta])
+            groups.append([count, width, out.add(plane, True), out.add(esc, True) if esc else None, delta])
             at += count
-        lm[kind] = {"step": kstep, "n": n, "groups": groups, "raw": add(p.raw, False), "raw_dtype": p.raw_dtype}
-    offsets, at = [], 0
-    for seg in segments:
-        offsets.append([at, len(seg)])
-        at += len(seg)
-    header = {"basis": basis.digest, **lm, "segments": offsets}
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        raw = out.add(p.raw, False)
+        lm[kind] = {"step": kstep, "n": n, "groups": groups, "raw": raw, "raw_dtype": p.raw_dtype}
     magic = MAGIC if all(p.raw_dtype == "float16" for p in layer) else MAGIC_RAW_DTYPE
-    return magic + struct.pack("<I", len(text)) + text + b"".join(segments)
+    return out.blob({"basis": basis.digest, **lm}, magic)
 
 
 def _assemble(prepared, metas, basis: Basis, step: float, key_factor: float, level: int) -> list[bytes]:
@@ -438,22 +415,6 @@ def encode_layers(
     return best
 
 
-def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
-    """The header of a layer's blob and the segments' bytes."""
-    view = memoryview(data)
-    if bytes(view[: len(MAGIC)]) not in (MAGIC, MAGIC_RAW_DTYPE):
-        raise TransformCodecError("not a transform-coded layer (bad magic)")
-    try:
-        (n,) = struct.unpack_from("<I", view, len(MAGIC))
-        start = len(MAGIC) + 4
-        header = json.loads(bytes(view[start : start + n]))
-    except (struct.error, ValueError) as e:
-        raise TransformCodecError(f"unreadable header: {e}") from None
-    if not isinstance(header, dict):
-        raise TransformCodecError("unreadable header: not an object")
-    return header, view[start + n :]
-
-
 def check_header(header: dict, expect: dict[str, Any]) -> None:
     """The blob's header says what the manifest said: its shape, basis layer, raw rows, steps and
     component counts (`expect`, the same keys as the header's), positions from 0 (a coded layer kept
@@ -513,20 +474,7 @@ def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> t
     j = header["layer"]
     if not 0 <= j < len(basis):
         raise BasisError(f"basis layer {j} of a basis of {len(basis)}")
-    decompressor = zstandard.ZstdDecompressor()
-    offsets = header["segments"]
-
-    def seg(ref: list[int], size: int) -> bytes:
-        """Segment `ref`, which must inflate to at most `size` bytes (never allocating more)."""
-        at, length = offsets[ref[0]]
-        blob = body[at : at + length]
-        if not ref[1]:
-            return bytes(blob)
-        declared = zstandard.frame_content_size(blob)
-        if declared > size:
-            raise TransformCodecError(f"a segment declares {declared:,} bytes where at most {size:,} fit")
-        return decompressor.decompress(blob, max_output_size=size)
-
+    seg = Segments(header, body)
     b, h, t, d = header["shape"]
     if h * d != basis.keys[j].features:
         raise BasisError(f"{h} heads of {d} for a basis layer of {basis.keys[j].features} features")

@@ -42,7 +42,7 @@ from typing import BinaryIO
 from kvmesh import paths
 from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, parse_frame
 from kvmesh.codec.compat import loss_rank, validate_manifest
-from kvmesh.codec.manifest import content_id, cuttable, lossy, measured_loss
+from kvmesh.codec.manifest import content_id, cuttable, lossy, measured_loss, uncuttable_reason
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, may_serve, shared_tokens, tokens_served
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
 from kvmesh.store import entry_file
@@ -52,8 +52,9 @@ from kvmesh.v1 import cache_pb2 as pb
 log = logging.getLogger(__name__)
 # Raised whenever the index's tables change, or what a column is derived from; an index of another
 # version is rebuilt from the files (5: `lossy` reads quantized layers, not only the method, so
-# entries of bits alone recorded as `full` lose their lossless mark).
-INDEX_VERSION = 5
+# entries of bits alone recorded as `full` lose their lossless mark; 6: transform-coded entries are
+# `cuttable`, their shorter prefixes re-coded by kvmesh.codec.cut).
+INDEX_VERSION = 6
 INDEX = "index.sqlite3"
 
 
@@ -818,6 +819,29 @@ class CacheStore:
             if usable and (best is None or key > best_key):
                 best, best_key = PrefixMatch(e, usable), key
         return best
+
+    def exact_only(self, model_id: str, tokens: Sequence[int], beyond: int = 0) -> tuple[PrefixMatch, str] | None:
+        """The entry that shares the most block-aligned tokens of `tokens` (more than `beyond`) yet
+        serves none of them, and why (`kvmesh.codec.manifest.uncuttable_reason`): it serves only its
+        exact prefix (a press evicted positions, a window dropped some, a layer is recurrent state),
+        which `tokens` does not extend. Its `tokens` are those it shares. So a lookup that finds
+        nothing can say what it passed over."""
+        shared = self.blocks_matched(model_id, block_hashes(tokens, BLOCK_SIZE))
+        missed = [
+            PrefixMatch(e, n)
+            for e in self.entries(model_id)
+            if not e.cuttable
+            and (n := shared_tokens(shared.get(e.cache_id, 0), e.num_tokens)) > beyond
+            and not tokens_served(tokens, e.num_tokens, e.prefix_sha256, False, n)
+        ]
+        if not missed:
+            return None
+        best = max(missed, key=lambda m: m.tokens)
+        try:
+            why = uncuttable_reason(self.manifest(best.entry.cache_id)) or "its index says so"
+        except (IntegrityError, NotFoundError) as e:
+            why = str(e)
+        return best, why
 
     def blocks_matched(self, model_id: str, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each entry of the model: how many leading blocks it shares with these hashes.

@@ -1,0 +1,174 @@
+"""A transform-coded layer's blob as bytes, without MLX: its header, its segments, its packed codes,
+and the blob of a shorter prefix of it (what the store and the daemon need to serve one).
+
+The layout (`kvmesh.codec.transform` makes and decodes blobs): `MAGIC` (`MAGIC_RAW_DTYPE` when its
+raw rows are not float16), a little-endian u32 header length, a canonical JSON header, the segments.
+"""
+
+import json
+import struct
+
+import numpy as np
+import zstandard
+
+MAGIC = b"KVTC\x01"
+MAGIC_RAW_DTYPE = b"KVTC\x02"
+ESCAPE = 255
+# Bits per packed code, and bytes per value of the dtypes raw rows travel in.
+WIDTHS = (2, 4, 8)
+RAW_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+class TransformCodecError(ValueError):
+    """Bytes this codec cannot decode, or arrays it cannot encode."""
+
+
+def pack_zigzag(zz: np.ndarray, width: int) -> tuple[bytes, bytes]:
+    """Zigzagged codes -> (packed codes of `width` bits, escapes): `kvmesh.codec.transform.pack_codes` at a
+    given width."""
+    if width == 8:
+        big = zz >= ESCAPE
+        return np.where(big, ESCAPE, zz).astype(np.uint8).tobytes(), zz[big].astype("<u4").tobytes()
+    per = 8 // width
+    flat = np.zeros(-(-zz.size // per) * per, dtype=np.uint8)
+    flat[: zz.size] = zz
+    codes = flat.reshape(-1, per)
+    packed = codes[:, 0].copy()
+    for j in range(1, per):
+        packed |= codes[:, j] << np.uint8(width * j)
+    return packed.tobytes(), b""
+
+
+def unpack_zigzag(width: int, plane: bytes, escapes: bytes, count: int) -> np.ndarray:
+    """The inverse of `pack_zigzag`: `count` zigzagged codes (uint64)."""
+    packed = np.frombuffer(plane, dtype=np.uint8)
+    per = 8 // width if width in WIDTHS else 0
+    if not per or packed.size != -(-count // per):
+        raise TransformCodecError(f"{packed.size} packed bytes for {count} codes of {width} bits")
+    if width == 8:
+        zz = packed.astype(np.uint64)
+        big = packed == ESCAPE
+        esc = np.frombuffer(escapes, dtype="<u4")
+        if esc.size != int(np.count_nonzero(big)):
+            raise TransformCodecError("escape count does not match the plane")
+        zz[big] = esc
+        return zz
+    shifts = (np.arange(per) * width).astype(np.uint8)
+    codes = (packed[:, None] >> shifts) & np.uint8((1 << width) - 1)
+    return codes.reshape(-1)[:count].astype(np.uint64)
+
+
+class Writer:
+    """A layer's blob as it is made: its segments, each added as it comes (zstd-coded or raw)."""
+
+    def __init__(self, level: int):
+        self.compressor = zstandard.ZstdCompressor(level=level)
+        self.segments: list[bytes] = []
+
+    def add(self, blob: bytes, compress: bool) -> list[int]:
+        """Add a segment; its reference in the header ([index, compressed])."""
+        self.segments.append(self.compressor.compress(blob) if compress else blob)
+        return [len(self.segments) - 1, int(compress)]
+
+    def blob(self, header: dict, magic: bytes) -> bytes:
+        """MAGIC, a u32 header length, the canonical JSON header (with the segments' offsets), the segments."""
+        offsets, at = [], 0
+        for seg in self.segments:
+            offsets.append([at, len(seg)])
+            at += len(seg)
+        text = json.dumps({**header, "segments": offsets}, sort_keys=True, separators=(",", ":")).encode()
+        return magic + struct.pack("<I", len(text)) + text + b"".join(self.segments)
+
+
+def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
+    """The header of a layer's blob and the segments' bytes."""
+    view = memoryview(data)
+    if bytes(view[: len(MAGIC)]) not in (MAGIC, MAGIC_RAW_DTYPE):
+        raise TransformCodecError("not a transform-coded layer (bad magic)")
+    try:
+        (n,) = struct.unpack_from("<I", view, len(MAGIC))
+        start = len(MAGIC) + 4
+        header = json.loads(bytes(view[start : start + n]))
+    except (struct.error, ValueError) as e:
+        raise TransformCodecError(f"unreadable header: {e}") from None
+    if not isinstance(header, dict):
+        raise TransformCodecError("unreadable header: not an object")
+    return header, view[start + n :]
+
+
+class Segments:
+    """The segments of a layer's blob, each read at most to the size it may have."""
+
+    def __init__(self, header: dict, body: memoryview):
+        self.offsets, self.body = header["segments"], body
+        self.decompressor = zstandard.ZstdDecompressor()
+
+    def __call__(self, ref: list[int], size: int) -> bytes:
+        """Segment `ref`, which must inflate to at most `size` bytes (never allocating more)."""
+        at, length = self.offsets[ref[0]]
+        blob = self.body[at : at + length]
+        if not ref[1]:
+            return bytes(blob)
+        declared = zstandard.frame_content_size(blob)
+        if declared > size:
+            raise TransformCodecError(f"a segment declares {declared:,} bytes where at most {size:,} fit")
+        return self.decompressor.decompress(blob, max_output_size=size)
+
+
+def cut_rows(tokens: int, sinks: int, recent: int, num_tokens: int) -> tuple[int, int]:
+    """(sinks, recent) of the first `num_tokens` rows of a layer of `tokens` rows of which `sinks`
+    lead and `recent` trail raw: the raw rows of the prefix are the whole's that lie in it."""
+    kept_sinks = min(sinks, num_tokens)
+    coded_end = max(kept_sinks, min(num_tokens, tokens - recent))
+    return kept_sinks, num_tokens - coded_end
+
+
+def cut_layer(data: bytes | memoryview, num_tokens: int, level: int = 1) -> bytes:
+    """The blob of a layer's first `num_tokens` rows, which decodes to exactly the first `num_tokens`
+    rows the whole blob decodes to.
+
+    Each row's coefficients are rounded on their own, so the prefix's codes are the whole's first
+    rows, re-packed at the same widths; it keeps the steps, components and groups, and each group's
+    centroid offset too (the whole layer's codes set it: an encoding of the prefix afresh would
+    measure another, and decode to other numbers). Its raw rows are the whole's that lie in it.
+    No basis is needed and nothing is decoded to numbers.
+    """
+    header, body = read_header(data)
+    try:
+        return _cut_layer(header, Segments(header, body), num_tokens, bytes(memoryview(data)[: len(MAGIC)]), level)
+    except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
+        if isinstance(e, TransformCodecError):
+            raise
+        raise TransformCodecError(f"a malformed layer blob: {type(e).__name__}: {e}") from None
+
+
+def _cut_layer(header: dict, seg: Segments, num_tokens: int, magic: bytes, level: int) -> bytes:
+    b, h, t, d = header["shape"]
+    if not 0 < num_tokens <= t:
+        raise TransformCodecError(f"a layer of {t} rows has no prefix of {num_tokens}")
+    s, r = header["sinks"], header["recent"]
+    kept_sinks, kept_recent = cut_rows(t, s, r, num_tokens)
+    mid, kept_mid = t - s - r, num_tokens - kept_sinks - kept_recent
+    out = Writer(level)
+    cut = {k: v for k, v in header.items() if k != "segments"}
+    cut.update(shape=[b, h, num_tokens, d], sinks=kept_sinks, recent=kept_recent)
+    if "seg" in header["positions"]:
+        pos = np.frombuffer(seg(header["positions"]["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)
+        rows = np.ascontiguousarray(pos[:, :, :num_tokens]).tobytes()
+        cut["positions"] = {"shape": [b, h, num_tokens], "seg": out.add(rows, True)}
+    for kind in "kv":
+        km = header[kind]
+        groups = []
+        for count, width, plane_ref, esc_ref, delta in km["groups"]:
+            if width not in WIDTHS:
+                raise TransformCodecError(f"a group of {count} components of {width} bits")
+            values = count * b * mid
+            esc = seg(esc_ref, 4 * values) if esc_ref is not None else b""
+            zz = unpack_zigzag(width, seg(plane_ref, -(-values // (8 // width))), esc, values)
+            plane, esc = pack_zigzag(zz.reshape(count, b, mid)[:, :, :kept_mid].reshape(-1), width)
+            groups.append([count, width, out.add(plane, True), out.add(esc, True) if esc else None, delta])
+        row = RAW_ITEMSIZE[km.get("raw_dtype", "float16")] * d
+        raw = np.frombuffer(seg(km["raw"], b * h * (s + r) * row), np.uint8).reshape(b, h, s + r, row)
+        kept = np.concatenate([raw[:, :, :kept_sinks], raw[:, :, s : s + kept_recent]], axis=2)
+        cut[kind] = {**km, "groups": groups, "raw": out.add(kept.tobytes(), False)}
+    return out.blob(cut, magic)
