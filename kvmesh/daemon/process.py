@@ -167,6 +167,7 @@ class Daemon:
                 credentials=self.credentials.server_credentials if self.credentials else None,
                 interceptors=self.membership.interceptors if self.membership else (),
                 services=[self.membership.add_to] if self.membership else (),
+                guarded=self.credentials is not None,
             )
         except ListenError as e:
             if holder := port_holder(e.port):

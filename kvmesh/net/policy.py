@@ -47,6 +47,13 @@ class Policy:
         0,
         help="incoming connections held at once on each address served (0: what the descriptor limit allows)",
     )
+    # A member holds one connection for its health checks and one per request in flight: a stranger
+    # at one address holding more takes no connection the members need (kvmesh.net.guard).
+    connections_per_address: int = setting(
+        16,
+        help="incoming connections one address may hold at once on the peer port (at most a quarter of "
+        "what the descriptor limit allows); more are closed as they come",
+    )
 
     def shares(self, model_id: str) -> bool:
         return not self.share_models or model_id in self.share_models

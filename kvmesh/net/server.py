@@ -32,6 +32,8 @@ from kvmesh.codec.cut import can_cut, cut_prefix
 from kvmesh.codec.prefix import BLOCK_SIZE, may_serve, shared_tokens
 from kvmesh.errors import IntegrityError, ListenError, NotFoundError, Rejection, StoreError
 from kvmesh.net.addresses import host_port
+from kvmesh.net.guard import Guard
+from kvmesh.net.guard import limits as guard_limits
 from kvmesh.net.messages import accept, check_trailer, older_protocol, profile_from_proto, reject, trailer
 from kvmesh.net.node_id import host_name
 from kvmesh.net.policy import PeerLimits, Policy
@@ -554,11 +556,14 @@ class RunningServer:
     service: KvMeshService
     port: int
     health: health.HealthServicer
+    guard: Guard | None = None
 
     def stop(self, grace: float | None = TIMEOUTS.shutdown_grace) -> None:
-        """Stop serving; calls in flight get `grace` seconds to finish."""
+        """Stop serving; calls in flight get `grace` seconds to finish (through the guard, stopped last)."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.guard is not None:
+            self.guard.stop()
 
 
 def start_server(
@@ -571,6 +576,7 @@ def start_server(
     credentials: grpc.ServerCredentials | Callable[[], grpc.ServerCredentials] | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     services: Sequence[Callable[[grpc.Server], None]] = (),
+    guarded: bool = False,
 ) -> RunningServer:
     """Serve the kvmesh service, standard health checking and reflection.
 
@@ -578,13 +584,16 @@ def start_server(
     `credentials` may be a function that makes them, called once per address: gRPC cannot serve two
     addresses with one set of certificate-reloading credentials. `interceptors` run before every
     call (membership: kvmesh.net.admission); `services` add more services to the server (the
-    Membership service).
+    Membership service). `guarded`: the addresses are served by a Guard that holds each peer address
+    to `policy.connections_per_address` connections (kvmesh.net.guard), gRPC on a loopback port
+    behind it: the daemon on a mesh, whose port a stranger reaches.
     """
     policy = policy or Policy()
     listen = [addresses] if isinstance(addresses, str) else addresses
+    per_address, total = guard_limits(connections_allowed(1), policy.connections_per_address)
     options = server_options(
         connection_idle=policy.connection_idle,
-        max_connections=policy.max_connections or connections_allowed(len(listen)),
+        max_connections=policy.max_connections or (total if guarded else connections_allowed(len(listen))),
     )
     # Calls beyond twice the worker threads are refused by gRPC itself, never queued without bound.
     workers = 4 * max_transfers + RESERVED_WORKERS
@@ -610,6 +619,27 @@ def start_server(
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    guard = None
+    if guarded:
+        inner = _bind(server, ["127.0.0.1:0"], credentials)
+        guard = Guard(("127.0.0.1", inner), per_address=per_address, total=policy.max_connections or total)
+        try:
+            port = guard.listen(listen)
+        except BaseException:
+            guard.stop()
+            raise
+    else:
+        port = _bind(server, listen, credentials)
+    server.start()
+    return RunningServer(server, service, port, health_servicer, guard)
+
+
+def _bind(
+    server: grpc.Server,
+    listen: list[str],
+    credentials: grpc.ServerCredentials | Callable[[], grpc.ServerCredentials] | None,
+) -> int:
+    """Add each of `listen` (host:port) to `server`, the first one's port for all when it is 0; the port."""
     port = 0
     for address in listen:
         host, wanted = address.rsplit(":", 1)
@@ -628,5 +658,4 @@ def start_server(
             message = f"cannot listen on {target}: is the address this machine's, and the port free?"
             raise ListenError(message, int(port or wanted))
         port = bound
-    server.start()
-    return RunningServer(server, service, port, health_servicer)
+    return port

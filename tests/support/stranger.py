@@ -20,6 +20,7 @@ class Stranger:
         self.zeroconf = Zeroconf(interfaces=[interface])
         self.adverts: list[ServiceInfo] = []
         self.connections: list[socket.socket] = []
+        self.opened = 0
         self._lock = threading.Lock()
 
     def advertise(self, claimed_id: str, address: str, port: int) -> ServiceInfo:
@@ -44,12 +45,13 @@ class Stranger:
         out.add_answer_at_time(record, 0)
         self.zeroconf.send(out)
 
-    def connect(self, address: str, opening: bytes = b"\x16\x03") -> bool:
-        """One more TCP connection to `address`, sending `opening` (the start of a TLS record) and
-        then nothing; False when it cannot connect."""
+    def connect(self, address: str, opening: bytes = b"\x16\x03", source: str = "") -> bool:
+        """One more TCP connection to `address` (from `source`, an address of this machine, if
+        given), sending `opening` (the start of a TLS record) and then nothing; False when it cannot
+        connect."""
         host, port = address.rsplit(":", 1)
         try:
-            s = socket.create_connection((host.strip("[]"), int(port)), timeout=2)
+            s = socket.create_connection((host.strip("[]"), int(port)), timeout=2, source_address=(source, 0))
             s.sendall(opening)
         except OSError:
             return False
@@ -57,18 +59,20 @@ class Stranger:
             self.connections.append(s)
         return True
 
-    def hold(self, address: str, count: int, stop: threading.Event) -> int:
+    def hold(
+        self, address: str, count: int, stop: threading.Event, openings: tuple[bytes, ...] = (b"\x16\x03",), source=""
+    ) -> int:
         """Keep `count` connections to `address` open until `stop` (opening new ones for those the
-        peer closes); the connections opened in all."""
-        opened = 0
+        peer closes), each sending the next of `openings` first, from `source` if given; the
+        connections opened in all (also counted in `opened` as it goes)."""
         while not stop.is_set():
             self._drop_closed()
             with self._lock:
                 missing = count - len(self.connections)
             for _ in range(missing):
-                opened += self.connect(address)
+                self.opened += self.connect(address, openings[self.opened % len(openings)], source)
             stop.wait(0.2)
-        return opened
+        return self.opened
 
     def _drop_closed(self) -> None:
         with self._lock:

@@ -1,0 +1,187 @@
+"""The peer port's doorman: connections counted per address before gRPC sees them.
+
+gRPC limits incoming connections per listener only (`grpc.max_allowed_incoming_connections`), and
+a stranger holding that many (TCP without TLS, or a TLS handshake it never finishes) left members
+none: new member connections were closed as they were accepted. gRPC's Python server takes no
+accepted socket, so the guard accepts on the peer port itself, on an asyncio loop of its own thread,
+closes at once a connection from an address that already holds `per_address` (or when `total` are
+open), and relays the others byte for byte to the gRPC server on a loopback port. TLS runs end to
+end between the peer and gRPC: the guard sees ciphertext only, and gRPC's handshake timeout still
+cuts a half-open connection (the guard closes its side then).
+"""
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+from collections import Counter
+
+from kvmesh.errors import ListenError
+from kvmesh.net.addresses import host_port
+from kvmesh.net.quiet import Quiet
+
+log = logging.getLogger(__name__)
+# Bytes relayed per read: large enough that a transfer's chunks cross in few reads.
+RELAY_BYTES = 1 << 18
+# Each relayed connection holds three descriptors of the daemon: the peer's, the guard's to gRPC,
+# and gRPC's end of that one.
+DESCRIPTORS_PER_CONNECTION = 3
+# Connections taken per wake of the loop (the rest wait in the kernel's queue of BACKLOG), and the
+# pause when the process is out of descriptors (accepting again at once would spin).
+ACCEPTS_PER_WAKE = 64
+BACKLOG = 128
+ACCEPT_PAUSE = 0.5
+
+
+class Guard:
+    """Accepts on the peer port's addresses and relays to `target` (host, port), at most
+    `per_address` connections per peer address and `total` in all at once.
+
+    It accepts one connection at a time and closes a refused one before the next (asyncio's own
+    servers accept a burst before their callbacks run: a stranger's flood ran the daemon out of
+    descriptors in that burst).
+    """
+
+    def __init__(self, target: tuple[str, int], *, per_address: int, total: int):
+        self.target, self.per_address, self.total = target, per_address, total
+        self.open: Counter[str] = Counter()  # touched on the loop only
+        self.count = 0
+        self.quiet = Quiet()
+        self._sockets: list[socket.socket] = []
+        self._relays: set[asyncio.Task] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvmesh-peer-port", daemon=True)
+        self._thread.start()
+
+    def listen(self, addresses: list[str]) -> int:
+        """Listen on each of `addresses` (host:port; port 0 on the first: any free port, then the
+        same on the others); the port. ListenError when one cannot be served."""
+        port = 0
+        for address in addresses:
+            host, wanted = address.rsplit(":", 1)
+            self._sockets.append(listening_socket(host.strip("[]"), port or int(wanted)))
+            port = self._sockets[-1].getsockname()[1]
+        for listener in self._sockets:
+            self._loop.call_soon_threadsafe(self._watch, listener)
+        return port
+
+    def _watch(self, listener: socket.socket) -> None:
+        self._loop.add_reader(listener.fileno(), self._accept, listener)
+
+    def _accept(self, listener: socket.socket) -> None:
+        """Take the connections waiting on `listener`, one at a time: each refused one is closed at
+        once; out of descriptors, accepting pauses for ACCEPT_PAUSE."""
+        for _ in range(ACCEPTS_PER_WAKE):
+            try:
+                connection, peer = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if self.quiet.due("accept"):
+                    log.warning("cannot accept connections for now: %s (logged once an hour)", e.strerror or e)
+                self._loop.remove_reader(listener.fileno())
+                self._loop.call_later(ACCEPT_PAUSE, self._watch, listener)
+                return
+            source = str(peer[0])
+            if self.open[source] >= self.per_address or self.count >= self.total:
+                self._refuse(source, connection)
+                continue
+            self.open[source] += 1
+            self.count += 1
+            task = self._loop.create_task(self._serve(connection, source))
+            self._relays.add(task)
+            task.add_done_callback(self._relays.discard)
+
+    async def _serve(self, connection: socket.socket, source: str) -> None:
+        try:
+            connection.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=connection)
+            await self._relay(reader, writer)
+        finally:
+            connection.close()
+            self.count -= 1
+            self.open[source] -= 1
+            if not self.open[source]:
+                del self.open[source]
+
+    def _refuse(self, source: str, connection: socket.socket) -> None:
+        """Close a connection over the limits at once (logged once an hour per address)."""
+        connection.close()
+        if self.quiet.due(source):
+            log.warning(
+                "closed a connection from %s: %s (its next ones are logged once an hour)",
+                source,
+                f"that address holds {self.per_address}, the most one address may"
+                if self.open[source] >= self.per_address
+                else f"{self.total} connections are open, all this daemon's descriptors allow",
+            )
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Copy bytes both ways until either side closes, then close both."""
+        try:
+            inner_reader, inner_writer = await asyncio.open_connection(*self.target)
+        except OSError as e:
+            log.warning("cannot reach this daemon's own gRPC server at %s: %s", host_port(*self.target), e)
+            writer.transport.abort()
+            return
+        pipes = [
+            asyncio.ensure_future(pipe(reader, inner_writer)),
+            asyncio.ensure_future(pipe(inner_reader, writer)),
+        ]
+        try:
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in pipes:
+                task.cancel()
+            for end in (writer, inner_writer):
+                end.transport.abort()
+
+    def stop(self) -> None:
+        """Stop listening and close every relayed connection (gRPC has stopped by then)."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _close(self) -> None:
+        for listener in self._sockets:
+            self._loop.remove_reader(listener.fileno())
+            listener.close()
+        for task in list(self._relays):
+            task.cancel()
+        await asyncio.gather(*self._relays, return_exceptions=True)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A non-blocking socket listening on `host:port` (no SO_REUSEPORT: one daemon per port);
+    ListenError when it cannot be had."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(BACKLOG)
+    except OSError as e:
+        listener.close()
+        raise ListenError(f"cannot listen on {host_port(host, port)}: {e.strerror or e}", port) from None
+    listener.setblocking(False)
+    return listener
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy `reader` to `writer` until its end (or an error on either side)."""
+    with contextlib.suppress(OSError):
+        while data := await reader.read(RELAY_BYTES):
+            writer.write(data)
+            await writer.drain()
+
+
+def limits(connections: int, per_address: int) -> tuple[int, int]:
+    """(per address, total) for a daemon whose descriptors allow `connections` direct connections:
+    each relayed one takes DESCRIPTORS_PER_CONNECTION; one address gets at most a quarter of them,
+    so that on a small descriptor limit (macOS gives a terminal's processes 256) one stranger still
+    leaves most to the members."""
+    total = max(8, connections // DESCRIPTORS_PER_CONNECTION)
+    return max(2, min(per_address, total // 4)), total
