@@ -10,8 +10,11 @@ server. `usage` carries the prefix that was not prefilled (`prompt_tokens_detail
 `cache_read_input_tokens`, `input_tokens_details.cached_tokens`), chat's a `kvmesh` object too.
 
 The event loop only moves bytes: a body's JSON and a prompt's tokens are made on a small pool of
-threads (a 30 MB prompt takes the tokenizer half a minute), so /health and every other request are
-answered meanwhile. A request's `cache_salt` (vLLM's field) keeps its caches apart: see
+threads, so /health and every other request are answered meanwhile. The work is counted before it
+is done: a prompt whose characters or messages alone cannot fit the context is refused before it is
+rendered (a 30 MB one took the tokenizer two minutes), a request takes its place among the held
+ones (or its 429) before its prompt is made, and a request's tools are bounded
+(kvmesh.serve.tools). A request's `cache_salt` (vLLM's field) keeps its caches apart: see
 `kvmesh.serve.prompt_cache`, which explains what a salted request shares and what it does not.
 """
 
@@ -40,7 +43,18 @@ from starlette.routing import Route
 from kvmesh.serve import anthropic, openai_api, responses
 from kvmesh.serve.answer import AnswerSplitter, Reasoning, starts_in_reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
-from kvmesh.serve.engine import RETRY_AFTER_S, Abandoned, Busy, Delta, Done, Engine, Job, Started, TokenLogprob
+from kvmesh.serve.engine import (
+    RETRY_AFTER_S,
+    Abandoned,
+    Busy,
+    Delta,
+    Done,
+    Engine,
+    Job,
+    Place,
+    Started,
+    TokenLogprob,
+)
 from kvmesh.serve.grammar import GrammarError, Grammars, json_object_grammar, json_schema_grammar
 from kvmesh.serve.thinking_budget import ThinkingBudget, marker_ids
 from kvmesh.serve.tools import ToolCall, check_model_calls_tools, forced_call_grammar
@@ -100,6 +114,10 @@ class Ticket:
     news: asyncio.Event
 
 
+# A prompt of C characters is at least C / (TOKEN_CHARS_MARGIN x the longest token's characters)
+# tokens: a byte-level vocabulary's token of k characters stands for k bytes, and a character is one
+# or more; the margin covers a normalizer that composes two characters into one (NFKC).
+TOKEN_CHARS_MARGIN = 2
 # The longest cache_salt taken (vLLM suggests 43 characters, 256 random bits in base64).
 MAX_SALT_CHARS = 1024
 T = TypeVar("T")
@@ -129,6 +147,16 @@ def cache_partition(body: dict) -> bytes | None:
     return hashlib.sha256(salt.encode()).digest()
 
 
+def prompt_chars(turn: Turn) -> int:
+    """Characters of `turn` that any rendering writes out: a raw prompt's, or the text of the
+    messages other than the assistant's (a template may drop an earlier answer's reasoning)."""
+    if turn.messages is None:
+        return len(turn.prompt or "")
+    return sum(
+        len(m["content"]) for m in turn.messages if m.get("role") != "assistant" and isinstance(m.get("content"), str)
+    )
+
+
 def make_app(
     engine: Engine,
     model: ServedModel,
@@ -148,7 +176,9 @@ def make_app(
     ("*": any), which browsers may call (CORS). `default_max_tokens` 0: a request that gives no
     limit may generate to the end of the context."""
     tokenizer = engine.tokenizer
-    vocab = len(tokenizer.get_vocab())
+    words = tokenizer.get_vocab()
+    vocab = len(words)
+    token_chars = max(map(len, words), default=1)  # (an added token's text counts: a prompt may hold it)
     grammars = Grammars(tokenizer)
     parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="kvmesh-parse")
     host_names = LOOPBACK_NAMES | CONTAINER_HOSTS | {name.lower() for name in allowed_hosts}
@@ -271,6 +301,21 @@ def make_app(
             )
         return list(tokenizer.encode(text[: at + len(prefill)], add_special_tokens=False))
 
+    def check_fits(turn: Turn) -> None:
+        """Refuse, before it is rendered or tokenized (30 MB took the tokenizer two minutes and 8 GB),
+        a prompt that even its fewest possible tokens keep out of the context: one a character count
+        allows, and one for each message (its role's marker)."""
+        chars = prompt_chars(turn)
+        fewest = max(chars // (TOKEN_CHARS_MARGIN * token_chars), len(turn.messages or ()))
+        if fewest + (turn.max_tokens or 1) > model.context_length:
+            raise ApiError(
+                400,
+                f"the prompt ({chars:,} characters, {len(turn.messages or ())} messages) has at least "
+                f"{fewest:,} tokens; this model's context is {model.context_length:,}",
+                "messages" if turn.messages is not None else "prompt",
+                "context_length_exceeded",
+            )
+
     def grammar_of(turn: Turn) -> str | None:
         """The grammar the output is held to: a forced call's, else the response format's."""
         check_model_calls_tools(tokenizer, turn.tools, turn.tool_choice)
@@ -347,10 +392,15 @@ def make_app(
         turn.partition = cache_partition(body)
         if not tokenizer.has_thinking:  # (this model does not reason: what acts on reasoning does nothing)
             turn.ignored = sorted({*turn.ignored, *turn.reasoning_fields})
-        job, splitter = await off_loop(lambda: job_of(turn))
-        if not engine.alive:
-            raise ApiError(503, "the generation thread has stopped; restart the server", code="unavailable")
-        return body, turn, start(job), splitter
+        check_fits(turn)
+        place = busy_or(engine.take_place)  # before the prompt is made: past the bound, no work is done
+        try:
+            job, splitter = await off_loop(lambda: job_of(turn))
+            if not engine.alive:
+                raise ApiError(503, "the generation thread has stopped; restart the server", code="unavailable")
+            return body, turn, start(job, place), splitter
+        finally:
+            engine.release(place)  # (nothing, once the job holds it)
 
     def usage(done: Done, ignored: list[str] | None = None) -> dict:
         return {
@@ -361,8 +411,20 @@ def make_app(
             "kvmesh": {**done.prefix.report(), "ignored": ignored or []},
         }
 
-    def start(job: Job) -> Ticket:
-        """Submit `job`, or refuse it with a 429 when the engine holds all it may."""
+    def busy_or(work: Callable[[], T]) -> T:
+        """`work`'s result, or the 429 that refuses the request when the engine holds all it may."""
+        try:
+            return work()
+        except Busy as e:
+            raise ApiError(
+                429,
+                f"{e}: try again in a moment",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+
+    def start(job: Job, place: Place) -> Ticket:
+        """Submit `job` in the place its request took (a 429 when the server is stopping)."""
         loop = asyncio.get_running_loop()
         news = asyncio.Event()
 
@@ -371,15 +433,7 @@ def make_app(
                 loop.call_soon_threadsafe(news.set)
 
         job.listener = notify
-        try:
-            engine.submit(job)
-        except Busy as e:
-            raise ApiError(
-                429,
-                f"{e}: try again in a moment",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from None
+        busy_or(lambda: engine.submit(job, place))
         return Ticket(job, news)
 
     async def events(ticket: Ticket, request: Request | None = None) -> AsyncIterator[Started | Delta | Done]:
@@ -608,6 +662,7 @@ def make_app(
         try:
             body = await body_of(request, claude_names=True)
             turn = anthropic.turn_of({**body, "max_tokens": body.get("max_tokens", 1)}, vocab)
+            check_fits(turn)
             tokens = await off_loop(lambda: render(turn, thinking=turn.thinking))
         except ApiError as e:
             return anthropic.error_response(e)

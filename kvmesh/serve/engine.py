@@ -59,6 +59,7 @@ __all__ = [
     "Engine",
     "Job",
     "LogitsProcessor",
+    "Place",
     "Sampling",
     "Started",
     "TokenLogprob",
@@ -81,6 +82,15 @@ class Busy(Exception):
     """The server holds as many requests as it may: this one is refused (429) rather than queued."""
 
 
+class Place:
+    """A request's place among the held ones, taken before its prompt is rendered and tokenized (a
+    long one takes seconds): past the bound a request is refused before that work, not after it.
+    `submit` hands it to the request's job; `release` gives it back when the request is refused."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()  # (never set: a place is held until submitted or released)
+
+
 class Engine:
     """Finds each job's prefix on a lookup thread, then generates on one thread: batched, or in turn."""
 
@@ -100,7 +110,8 @@ class Engine:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvmesh-lookup")
         self._lock = threading.Lock()
-        self._held: dict[int, tuple[Job, str]] = {}  # id(job) -> (job, "lookup" | "waiting" | "generating")
+        # id(job) -> (job, "lookup" | "waiting" | "generating"); a Place counts as "lookup"
+        self._held: dict[int, tuple[Job | Place, str]] = {}
         self._stopping = threading.Event()
         # Set once the engine can answer (after calibration): /health says "starting" until then.
         self.ready = threading.Event()
@@ -115,8 +126,8 @@ class Engine:
         return self._thread.is_alive()
 
     def held(self) -> dict[str, int]:
-        """How many requests are looking up their prefix, waiting for generation, generating
-        (a job whose client left is not counted: it holds no place)."""
+        """How many requests are making their prompt or looking up its prefix, waiting for
+        generation, generating (a job whose client left is not counted: it holds no place)."""
         counts = {"lookup": 0, "waiting": 0, "generating": 0}
         with self._lock:
             for job, stage in self._held.values():
@@ -124,11 +135,28 @@ class Engine:
                     counts[stage] += 1
         return counts
 
-    def submit(self, job: Job) -> Job:
-        """Hold `job` and look up its prefix; `Busy` when `max_held` requests are held already."""
+    def take_place(self) -> Place:
+        """A place for a request whose job is still to be made; `Busy` when `max_held` are held."""
+        place = Place()
         with self._lock:
-            if sum(not j.cancelled.is_set() for j, _ in self._held.values()) >= self.max_held:
-                raise Busy(f"the server holds {self.max_held} requests already")
+            self._check_room()
+            self._held[id(place)] = (place, "lookup")
+        return place
+
+    def release(self, place: Place) -> None:
+        """Give back the place of a request that was refused before its job was submitted."""
+        self._release(place)
+
+    def _check_room(self) -> None:
+        if sum(not j.cancelled.is_set() for j, _ in self._held.values()) >= self.max_held:
+            raise Busy(f"the server holds {self.max_held} requests already")
+
+    def submit(self, job: Job, place: Place | None = None) -> Job:
+        """Hold `job` (in `place`, when the request took one) and look up its prefix; `Busy` when
+        `max_held` requests are held already."""
+        with self._lock:
+            if place is None or self._held.pop(id(place), None) is None:
+                self._check_room()
             self._held[id(job)] = (job, "lookup")
         job.submitted = time.monotonic()
         try:
@@ -145,7 +173,7 @@ class Engine:
         self._lookups.shutdown(wait=False)
         self._jobs.put(None)
         with self._lock:
-            held = [job for job, _ in self._held.values()]
+            held = [job for job, _ in self._held.values() if isinstance(job, Job)]
         for job in held:
             if not job.cancelled.is_set():
                 job.put(Abandoned("the server is stopping"))
@@ -167,7 +195,7 @@ class Engine:
             if id(job) in self._held:
                 self._held[id(job)] = (job, stage)
 
-    def _release(self, job: Job) -> None:
+    def _release(self, job: Job | Place) -> None:
         with self._lock:
             self._held.pop(id(job), None)
 

@@ -25,6 +25,13 @@ from mlx_lm.server import process_message_content
 from kvmesh.serve.api_errors import refuse
 from kvmesh.serve.grammar import tool_call_grammar
 
+# Tools a request may define: each is rendered into the prompt, and 20,000 took the template 8 s and
+# 1.4 GB before the prompt was found too long (OpenAI's own API takes 128).
+MAX_TOOLS = 512
+# A tool's name: OpenAI's pattern (^[a-zA-Z0-9_-]{1,64}$), with the dots and colons of some MCP
+# servers' names and Anthropic's 128 characters. A name is written into the prompt and read back
+# from the model's call: one holding a template's markup (`</tool_call>`) would end the call there.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 # The parser whose call format the forcing grammar writes (mlx_lm.tool_parsers.json_tools).
 FORCEABLE_PARSERS = ("mlx_lm.tool_parsers.json_tools",)
 
@@ -73,6 +80,11 @@ def function_tool(name: Any, description: Any, parameters: Any, param: str) -> T
     """A Tool from its parts, checked."""
     if not isinstance(name, str) or not name:
         raise refuse("a tool needs a name (a non-empty string)", param, "invalid_type")
+    if not TOOL_NAME.fullmatch(name):
+        raise refuse(
+            f"the tool name {name[:200]!r} is not a function name: up to 128 letters, digits, '_', '-', '.' or ':'",
+            param,
+        )
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
@@ -88,7 +100,11 @@ def tool_objects(value: Any, param: str = "tools") -> list[dict]:
     """A request's `tools` as the list of objects every API sends (none: an empty list)."""
     if value is None:
         return []
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+    if not isinstance(value, list):
+        raise refuse("tools must be a list of objects", param, "invalid_type")
+    if len(value) > MAX_TOOLS:
+        raise refuse(f"a request may define {MAX_TOOLS} tools at most, not {len(value):,}", param)
+    if not all(isinstance(t, dict) for t in value):
         raise refuse("tools must be a list of objects", param, "invalid_type")
     return value
 
