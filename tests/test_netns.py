@@ -18,6 +18,7 @@ import pytest
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.encode import encode_cache
 from kvmesh.daemon.control import DaemonProcess
+from kvmesh.net.node_id import node_id
 from kvmesh.store import CacheStore
 from support import namespaces
 from support.daemons import start_daemon
@@ -122,6 +123,24 @@ def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tin
     lan.wait_until(1, lambda peers: f"{lan.address(2)}:{PORT}" not in peers, seconds=15)
     namespaces.ip("-n", lan.hub, "link", "set", "veth2", "up")
     lan.wait_until(1, lambda peers: f"{lan.address(2)}:{PORT}" in peers, seconds=15)
+
+
+def test_a_removal_reaches_the_hosts_at_once_and_their_logs_name_the_mac_that_sent_it(lan, tmp_path):
+    """n1 (the authority) removes n3 with the default revocation interval: n2 and n3 hear of it from
+    n1's push, and n2's log names n1's own address as the sender, not the guard that relays the
+    peer port's connections to gRPC (127.0.0.1)."""
+    make_mesh(tmp_path / "n1", tmp_path / "n2", tmp_path / "n3")
+    for i in lan.nodes:
+        lan.start(i)
+    everyone = {f"{lan.address(i)}:{PORT}" for i in lan.nodes}
+    lan.wait_until(1, lambda peers: peers == everyone - {f"{lan.address(1)}:{PORT}"}, seconds=20)
+    removed = node_id(tmp_path / "n3")
+    out = lan.kvmesh(1, "mesh", "remove", removed).stdout
+    assert "sent the list to 2 of 2 live members" in out
+    pushed = re.compile(rf"revocation list version 1 from peer ipv4:{re.escape(lan.address(1))}:\d+, pushed")
+    wait_for(lambda: pushed.search(lan.daemons[2].log.read_text()), 10, what="n2 to take n1's push")
+    said = f"this node ({removed}) was removed from the mesh by its authority"
+    wait_for(lambda: said in lan.daemons[3].log.read_text(), 10, what="n3 to say it was removed")
 
 
 class TwoLinks(namespaces.Namespaces):

@@ -19,6 +19,7 @@ import grpc
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
+from kvmesh.net.guard import caller
 from kvmesh.net.quiet import Quiet
 from kvmesh.net.revocation import Revocations
 
@@ -79,7 +80,7 @@ class Admission(grpc.ServerInterceptor):
         if why := refusal(pems[0], self.revocations, self.max_days):
             if self.quiet.due(why):
                 log.warning(
-                    "refused a call from %s: %s (its next refusals are logged once an hour)", context.peer(), why
+                    "refused a call from %s: %s (its next refusals are logged once an hour)", caller(context), why
                 )
             context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 

@@ -64,6 +64,9 @@ class Gossip:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-revocations", daemon=True)
         self._pushes = futures.ThreadPoolExecutor(PUSHES_AT_ONCE, thread_name_prefix="kvmesh-revocations-push")
+        # Pushes one at a time, each version once: (version, peers that took it, live peers).
+        self._push_lock = threading.Lock()
+        self._pushed = (0, 0, 0)
 
     def start(self) -> None:
         self.revocations.on_adopted = self.spread_soon
@@ -79,14 +82,21 @@ class Gossip:
             self.revocations.adopt(data or b"", source=f"peer {address}")
 
     def spread(self) -> tuple[int, int]:
-        """Push the list held to every live peer now: (peers that took the call, live peers)."""
-        data = self.revocations.current.to_bytes() if self.revocations.version else b""
-        addresses = self.peers()
-        if not data or not addresses or self._stop.is_set():
-            return 0, len(addresses)
-        version = self.revocations.version
-        calls = [self._pushes.submit(ask_peer, a, self.credentials, version, TIMEOUTS.prove, data) for a in addresses]
-        answered = sum(call.result() is not None for call in calls)
+        """Push the list held to every live peer, once per version (`kvmesh mesh remove` asks for the
+        push its adoption started): (peers that took it, live peers)."""
+        with self._push_lock:
+            version = self.revocations.version
+            if version and self._pushed[0] >= version:
+                return self._pushed[1], self._pushed[2]
+            addresses = self.peers()
+            if not version or not addresses or self._stop.is_set():
+                return 0, len(addresses)
+            data = self.revocations.current.to_bytes()
+            calls = [
+                self._pushes.submit(ask_peer, a, self.credentials, version, TIMEOUTS.prove, data) for a in addresses
+            ]
+            answered = sum(call.result() is not None for call in calls)
+            self._pushed = (version, answered, len(addresses))
         log.info("revocation list version %d pushed to %d of %d live peers", version, answered, len(addresses))
         return answered, len(addresses)
 

@@ -17,6 +17,8 @@ import socket
 import threading
 from collections import Counter
 
+import grpc
+
 from kvmesh.errors import ListenError
 from kvmesh.net.addresses import host_port
 from kvmesh.net.quiet import Quiet
@@ -32,6 +34,25 @@ DESCRIPTORS_PER_CONNECTION = 3
 ACCEPTS_PER_WAKE = 64
 BACKLOG = 128
 ACCEPT_PAUSE = 0.5
+# Where each relayed connection comes from ("ipv4:192.168.1.20:50123"), by the local port of the
+# guard's own connection to gRPC, which is all gRPC sees of it (`caller`).
+ORIGINS: dict[int, str] = {}
+GUARD_PEER = "ipv4:127.0.0.1:"
+
+
+def caller(context: grpc.ServicerContext) -> str:
+    """Who a call on the peer port comes from, as gRPC writes a peer: the address of the Mac that
+    called, also for a connection the guard relayed (gRPC's own `peer()` names the guard then)."""
+    peer = context.peer()
+    if peer.startswith(GUARD_PEER) and (origin := ORIGINS.get(int(peer.removeprefix(GUARD_PEER)))):
+        return origin
+    return peer
+
+
+def grpc_peer(address: tuple) -> str:
+    """A socket address as gRPC writes a peer."""
+    host, port = address[0], address[1]
+    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
 class Guard:
@@ -89,15 +110,15 @@ class Guard:
                 continue
             self.open[source] += 1
             self.count += 1
-            task = self._loop.create_task(self._serve(connection, source))
+            task = self._loop.create_task(self._serve(connection, source, grpc_peer(peer)))
             self._relays.add(task)
             task.add_done_callback(self._relays.discard)
 
-    async def _serve(self, connection: socket.socket, source: str) -> None:
+    async def _serve(self, connection: socket.socket, source: str, origin: str) -> None:
         try:
             connection.setblocking(False)
             reader, writer = await asyncio.open_connection(sock=connection)
-            await self._relay(reader, writer)
+            await self._relay(reader, writer, origin)
         finally:
             connection.close()
             self.count -= 1
@@ -117,14 +138,17 @@ class Guard:
                 else f"{self.total} connections are open, all this daemon's descriptors allow",
             )
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Copy bytes both ways until either side closes, then close both."""
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, origin: str) -> None:
+        """Copy bytes both ways until either side closes, then close both; meanwhile `caller` names
+        `origin` for the calls on this connection."""
         try:
             inner_reader, inner_writer = await asyncio.open_connection(*self.target)
         except OSError as e:
             log.warning("cannot reach this daemon's own gRPC server at %s: %s", host_port(*self.target), e)
             writer.transport.abort()
             return
+        local_port = inner_writer.get_extra_info("sockname")[1]
+        ORIGINS[local_port] = origin
         pipes = [
             asyncio.ensure_future(pipe(reader, inner_writer)),
             asyncio.ensure_future(pipe(inner_reader, writer)),
@@ -136,6 +160,7 @@ class Guard:
                 task.cancel()
             for end in (writer, inner_writer):
                 end.transport.abort()
+            ORIGINS.pop(local_port, None)
 
     def stop(self) -> None:
         """Stop listening and close every relayed connection (gRPC has stopped by then)."""

@@ -27,6 +27,7 @@ import grpc
 from kvmesh.errors import CredentialsError, ListenError
 from kvmesh.net import authority
 from kvmesh.net.addresses import host_port
+from kvmesh.net.guard import caller
 from kvmesh.net.quiet import Quiet
 from kvmesh.net.revocation import Revocations
 from kvmesh.net.timeouts import TIMEOUTS
@@ -114,7 +115,7 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
         CA signed it and it is newer (and then pushed on: kvmesh.net.gossip); the answer is this
         node's list if it is newer than the caller's."""
         if request.revocations:
-            self.revocations.adopt(request.revocations, source=f"peer {context.peer()}, pushed")
+            self.revocations.adopt(request.revocations, source=f"peer {caller(context)}, pushed")
         return self.newer_revocations(request)
 
     def newer_revocations(self, request: mpb.RevocationsRequest, peer: str = "") -> mpb.RevocationsResponse:

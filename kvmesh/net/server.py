@@ -32,7 +32,7 @@ from kvmesh.codec.cut import can_cut, cut_prefix
 from kvmesh.codec.prefix import BLOCK_SIZE, may_serve, shared_tokens
 from kvmesh.errors import IntegrityError, ListenError, NotFoundError, Rejection, StoreError
 from kvmesh.net.addresses import host_port
-from kvmesh.net.guard import Guard
+from kvmesh.net.guard import Guard, caller
 from kvmesh.net.guard import limits as guard_limits
 from kvmesh.net.messages import accept, check_trailer, older_protocol, profile_from_proto, reject, trailer
 from kvmesh.net.node_id import host_name
@@ -159,7 +159,7 @@ def next_within(requests: Iterator, seconds: float, context: grpc.ServicerContex
 
     threading.Thread(target=read, daemon=True).start()
     if not arrived.wait(seconds):
-        log.warning("%s sent no %s within %.0f s: stream cut", context.peer(), what, seconds)
+        log.warning("%s sent no %s within %.0f s: stream cut", caller(context), what, seconds)
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {what} within {seconds:.0f} s")
     if "error" in box:
         raise box["error"]
@@ -337,7 +337,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             self.counters.add("fetches_rejected")
             log.info("%s rejected %s: %s", peer, manifest.cache_id, reply.decision.message)
             return
-        watch = SendWatch(context, self.policy.idle_timeout, context.peer())
+        watch = SendWatch(context, self.policy.idle_timeout, caller(context))
         try:
             for frame in records:  # stored as they travel: read, then sent
                 yield frame
