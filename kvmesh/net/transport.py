@@ -40,9 +40,10 @@ def server_options(*, connection_idle: float, max_connections: int) -> list[tupl
     seconds, and at most `max_connections` connections at once on each listening address.
 
     gRPC offers no limit per client address, only this one per listener (a connection over it is
-    closed as it is accepted): it keeps the daemon's descriptors from running out, so its store, its
-    own health checks and the connections already open (members' health checks keep theirs busy)
-    go on while a stranger holds hundreds of connections.
+    closed as it is accepted): it keeps the daemon's descriptors from running out, so its store and
+    its own health checks go on while a stranger holds hundreds of connections. On a mesh the
+    guard in front of gRPC (kvmesh.net.guard) also holds each address to its share, so that a
+    stranger takes none of the connections members need.
     """
     return [
         *SERVER_OPTIONS,
