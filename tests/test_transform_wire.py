@@ -5,7 +5,9 @@ before any byte, a coded cache decodes into mlx-lm's own classes, and every part
 import hashlib
 
 import mlx.core as mx
+import numpy as np
 import pytest
+import zstandard
 
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
@@ -19,7 +21,7 @@ from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.manifest import layer_report, lossy, uncuttable_reason
-from kvmesh.codec.transform import decode_layer
+from kvmesh.codec.transform import decode_layer, read_header
 from kvmesh.errors import IntegrityError, StoreError
 from kvmesh.store.artifacts import ArtifactStore
 from kvmesh.v1 import cache_pb2 as pb
@@ -145,7 +147,7 @@ def test_another_basis_is_refused_before_any_byte(tiny, wire, calibrated):
         (lambda m: setattr(m.layers[0].transform, "key_components", 10**6), pb.REJECT_REASON_MALFORMED, "components"),
         (lambda m: setattr(m.layers[0].transform, "kv_heads", 7), pb.REJECT_REASON_MALFORMED, "7x"),
         (lambda m: m.layers[0].transform.rotary.freqs.append(1.0), pb.REJECT_REASON_MALFORMED, "rotary"),
-        (lambda m: setattr(m.layers[0], "n_kept", 299), pb.REJECT_REASON_MALFORMED, "299 of 300"),
+        (lambda m: setattr(m.layers[0], "n_kept", 301), pb.REJECT_REASON_MALFORMED, "301 kept of offset 300"),
         (lambda m: setattr(m.layers[0].tensors[0], "name", "keys"), pb.REJECT_REASON_MALFORMED, "uint8 `coded`"),
     ],
 )
@@ -167,18 +169,46 @@ def test_a_quality_floor_counts_the_codec_as_lossy(wire, tiny_fp, prompt_ids):
     assert quality_problem(measured, 0.01) is None
 
 
-def test_layers_the_codec_cannot_take_travel_as_before(tiny, calibrated, prompt_ids, tiny_fp):
-    """Quantized and evicted layers are left as the press made them: no basis is named."""
+def test_quantized_layers_travel_as_before(tiny, calibrated, prompt_ids, tiny_fp):
+    """Quantized layers are left as the press made them: no basis is named."""
     model, _ = tiny
-    for method, config, kind in (
-        ("quantize", {"kv_bits": 8}, SparseQuantizedKVCache),
-        ("snapkv", {"ratio": 0.5, "window": 16}, SparseKVCache),
-    ):
-        pressed = prefill(model, prompt_ids, make_press(method, config)).cache
-        cache = transform_code(pressed, TransformCoding(calibrated.basis, step=0.02))
-        assert all(type(layer) is kind for layer in cache)
-        manifest, _ = encode_cache(cache, tiny_fp, prompt_ids, make_press(method, config))
-        assert not manifest.artifacts
+    press = make_press("quantize", {"kv_bits": 8})
+    pressed = prefill(model, prompt_ids, press).cache
+    cache = transform_code(pressed, TransformCoding(calibrated.basis, step=0.02))
+    assert all(type(layer) is SparseQuantizedKVCache for layer in cache)
+    manifest, _ = encode_cache(cache, tiny_fp, prompt_ids, press)
+    assert not manifest.artifacts
+
+
+@pytest.mark.parametrize("method, config", [("kvzip", {"ratio": 0.5}), ("snapkv", {"ratio": 0.5, "window": 16})])
+def test_an_evicting_press_then_the_codec_compose(tiny, calibrated, prompt_ids, tiny_fp, method, config):
+    """The press's kept positions travel in each layer's blob (RoPE comes off each key at its own
+    position), the manifest says how many it kept of the prefix, and the receiver gets the press's
+    sparse cache back, transform coded: its predictions those of the pressed cache."""
+    model, _ = tiny
+    press = make_press(method, config)
+    pressed = prefill(model, prompt_ids, press).cache
+    cache = transform_code(pressed, TransformCoding(calibrated.basis, step=0.02))
+    assert all(isinstance(layer, CodedLayer) for layer in cache)
+    assert any(layer.n_kept < 300 for layer in cache) and all(layer.offset == 300 for layer in cache)
+    for layer, source in zip(cache, pressed, strict=True):
+        header, body = read_header(layer.blob)
+        assert header["positions"]["shape"] == [1, source.keys.shape[1], source.n_kept]
+        at, length = header["segments"][header["positions"]["seg"][0]]
+        listed = np.frombuffer(zstandard.ZstdDecompressor().decompress(body[at : at + length]), "<i4")
+        assert np.array_equal(listed.reshape(source.kept_positions().shape), np.asarray(source.kept_positions()))
+    manifest, chunks = encode_cache(cache, tiny_fp, prompt_ids, press)
+    assert validate_manifest(manifest) is None and "evicted" in uncuttable_reason(manifest)
+    assert [layer.n_kept for layer in manifest.layers] == [layer.n_kept for layer in pressed]
+    assert [(row["kept"], row["of"]) for row in layer_report(manifest)] == [(c.n_kept, 300) for c in pressed]
+    got = decode_chunks(manifest, chunks, bases={calibrated.basis.digest: calibrated.basis})
+    probe = mx.array(prompt_ids[-8:])[None]
+    want = model(probe, cache=[_fork(c) for c in pressed])[0]
+    have = model(probe, cache=[_fork(c) for c in got])[0]
+    for part, source in zip(got, pressed, strict=True):
+        assert type(part) is SparseKVCache and (part.n_kept, part.offset) == (source.n_kept, 300)
+    lp_w, lp_h = (x - mx.logsumexp(x, axis=-1, keepdims=True) for x in (want, have))
+    assert (mx.exp(lp_w) * (lp_w - lp_h)).sum(-1).mean().item() < 0.01
 
 
 @pytest.mark.parametrize("recent", [0, 200])

@@ -59,6 +59,8 @@ class _SparseBase(_BaseCache):
     n_kept = 0
     # Entries appended since the last eviction: the only ones `trim` can take back.
     n_tail = 0
+    # The positions a press kept, (n_kv_heads, n_kept) int32; None when it evicted nothing.
+    positions: mx.array | None = None
 
     def _encode(self, keys: mx.array, values: mx.array):
         return keys, values
@@ -87,6 +89,13 @@ class _SparseBase(_BaseCache):
 
     def keys_and_values(self):
         return _slice(self.keys, self.n_kept), _slice(self.values, self.n_kept)
+
+    def kept_positions(self) -> mx.array | None:
+        """The positions of the stored entries, (n_kv_heads, n_kept), while they are the ones a press
+        kept (no token added since); None otherwise. The transform codec needs them to take RoPE off."""
+        if self.positions is None or self.positions.shape[-1] != self.n_kept:
+            return None
+        return self.positions
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None and self.n_kept != self.offset:
@@ -223,7 +232,11 @@ def sparse_from_dense(cache, keep: mx.array | None = None):
     """A sparse cache holding positions `keep` of an mlx-lm KVCache or QuantizedKVCache layer."""
     if type(cache) is KVCache:
         keys, values = (gather_positions(a, keep, cache.offset) for a in (cache.keys, cache.values))
-        return SparseKVCache.from_arrays(keys, values, cache.offset)
+        sparse = SparseKVCache.from_arrays(keys, values, cache.offset)
+        if keep is not None:
+            heads = keys.shape[1]
+            sparse.positions = mx.broadcast_to(keep, (heads, keep.shape[-1])).astype(mx.int32)
+        return sparse
     if type(cache) is QuantizedKVCache:
         keys, values = (gather_positions(a, keep, cache.offset) for a in (cache.keys, cache.values))
         return SparseQuantizedKVCache.from_arrays(keys, values, cache.offset, cache.group_size, cache.bits)

@@ -7,9 +7,9 @@ CACHE_KIND_TRANSFORM_KV layer. Sliding windows, recurrent state, quantized and e
 left as they are and travel as before. A receiver turns a coded layer back into a `SparseKVCache` of
 the cache's dtype (`decode_coded`), with the basis the manifest names (CacheManifest.artifacts).
 
-Transform coding runs after a press, on what it left: a press that evicts positions leaves layers
-this codec cannot take (it needs each kept key's position to take RoPE off, and sparse caches do not
-record them), so those stay as the press made them.
+Transform coding runs after a press, on what it left: a layer a press evicted from is coded with the
+positions it kept (`SparseKVCache.kept_positions`: the codec needs each key's position to take RoPE
+off), which its blob carries; quantized layers stay as the press made them.
 """
 
 import threading
@@ -49,10 +49,12 @@ class CodedLayer:
     offset: int
     dtype: str
     basis: Basis = field(repr=False, compare=False)
+    # The positions it holds, when a press evicted some (None: every one of its offset).
+    kept: int | None = None
 
     @property
     def n_kept(self) -> int:
-        return self.offset
+        return self.offset if self.kept is None else self.kept
 
     @property
     def nbytes(self) -> int:
@@ -86,8 +88,16 @@ def basis_layer_of(basis: Basis, layer: int) -> int:
 
 
 def codable(layer: object) -> bool:
-    """A float full-attention layer that kept every position of its prefix."""
-    return type(layer) is SparseKVCache and layer.keys is not None and layer.n_kept == layer.offset
+    """A float full-attention layer that kept every position of its prefix, or knows which it kept."""
+    if type(layer) is not SparseKVCache or layer.keys is None:
+        return False
+    return layer.n_kept == layer.offset or layer.kept_positions() is not None
+
+
+def _positions(layer: SparseKVCache) -> np.ndarray:
+    """The positions of a codable layer's rows: (n,) when it kept every one, else (n_kv_heads, n)."""
+    kept = layer.kept_positions()
+    return np.arange(layer.n_kept) if kept is None else np.asarray(kept)
 
 
 def transform_code(cache: Sequence, coding: TransformCoding) -> list:
@@ -100,7 +110,7 @@ def transform_code(cache: Sequence, coding: TransformCoding) -> list:
     layers = []
     for i in at:
         keys, values = cache[i].keys_and_values()
-        layers.append((keys, values, np.arange(keys.shape[2])))
+        layers.append((keys, values, _positions(cache[i])))
     basis_layers = [basis_layer_of(coding.basis, i) for i in at]
     encoded = encode_layers(
         layers,
@@ -128,7 +138,9 @@ def transform_code(cache: Sequence, coding: TransformCoding) -> list:
             value_components=header["v"]["n"],
             rotary=rotary_to_proto(coding.basis.rotaries[j]),
         )
-        out[i] = CodedLayer(blob, spec, cache[i].offset, str(cache[i].keys.dtype).rsplit(".", 1)[-1], coding.basis)
+        dtype = str(cache[i].keys.dtype).rsplit(".", 1)[-1]
+        kept = cache[i].n_kept if cache[i].n_kept != cache[i].offset else None
+        out[i] = CodedLayer(blob, spec, cache[i].offset, dtype, coding.basis, kept)
     return out
 
 
@@ -150,12 +162,15 @@ def decode_coded(
     if basis is None:
         raise BasisError(f"no basis {spec.transform.basis_sha256[:16]}... to decode this cache with")
     t = spec.transform
+    evicted = spec.n_kept != spec.offset
     expect = {
-        "shape": [1, t.kv_heads, spec.offset, t.head_dim],
+        "shape": [1, t.kv_heads, spec.n_kept, t.head_dim],
         "layer": t.basis_layer,
         "sinks": t.sinks,
         "recent": t.recent,
-        "start": 0,
+        # Positions from 0 when it kept every one; else the blob lists those it kept, head by head.
+        "start": None if evicted else 0,
+        "positions_shape": [1, t.kv_heads, spec.n_kept] if evicted else None,
         "key_step": t.key_step,
         "value_step": t.value_step,
         "key_components": t.key_components,
@@ -172,7 +187,9 @@ def decoded(cache: Sequence) -> list:
     out = []
     for layer in cache:
         if isinstance(layer, CodedLayer):
-            spec = pb.LayerSpec(kind=pb.CACHE_KIND_TRANSFORM_KV, offset=layer.offset, transform=layer.spec)
+            spec = pb.LayerSpec(
+                kind=pb.CACHE_KIND_TRANSFORM_KV, n_kept=layer.n_kept, offset=layer.offset, transform=layer.spec
+            )
             dtype = getattr(mx, layer.dtype)
             layer = decode_coded(spec, layer.blob, {layer.basis.digest: layer.basis}, dtype, memo)
         out.append(layer)

@@ -185,11 +185,12 @@ def arrays_problem(i: int, layer: pb.LayerSpec, bad: Callable[[str], Rejection])
 
 
 def transform_problem(m: pb.CacheManifest, layer: pb.LayerSpec, bad: Callable[[str], Rejection]) -> Rejection | None:
-    """A transform-coded layer: every position kept, the manifest's geometry, one `coded` uint8
-    tensor, sane steps and component counts, a rotary the codec can invert."""
+    """A transform-coded layer: no more positions than its offset (fewer when a press evicted some),
+    the manifest's geometry, one `coded` uint8 tensor, sane steps and component counts, a rotary the
+    codec can invert."""
     t = layer.transform
     features = t.kv_heads * t.head_dim
-    if layer.n_kept != layer.offset or (t.kv_heads, t.head_dim) != (m.num_kv_heads, m.head_dim):
+    if not 0 < layer.n_kept <= layer.offset or (t.kv_heads, t.head_dim) != (m.num_kv_heads, m.head_dim):
         return bad(
             f"transform coded {layer.n_kept} of {layer.offset} positions, {t.kv_heads}x{t.head_dim} "
             f"(the cache is {m.num_kv_heads}x{m.head_dim})"

@@ -219,7 +219,7 @@ def layer_report(manifest: pb.CacheManifest) -> list[dict[str, Any]]:
     report = []
     for i, layer in leaf_layers(manifest.layers):
         row: dict[str, Any] = {"layer": i, "kind": kind_name(layer.kind)}
-        if token_major(layer.kind):
+        if token_major(layer.kind) or layer.kind == pb.CACHE_KIND_TRANSFORM_KV:  # (a blob of rows per position)
             row.update(kept=layer.n_kept, of=layer.offset)
         else:
             row["arrays"] = [list(t.shape) for t in layer.tensors]
