@@ -430,8 +430,9 @@ def calibrate(model: nn.Module, model_fp: ModelFingerprint, rates: Rates) -> Non
 
 
 def load_prefix(store: CacheStore, cache_id: str, num_tokens: int, *, max_kl: float | None = None) -> list[Layer]:
-    """The first `num_tokens` of a stored cache, decoded (a dense cache's shorter prefix is cut as read);
-    CacheRejected when it is lossy beyond the quality floor `max_kl`."""
+    """The first `num_tokens` of a stored cache, decoded (a shorter prefix of one that evicted nothing,
+    transform coded or not, is cut as read); CacheRejected when it is lossy beyond the quality floor
+    `max_kl`."""
     manifest = store.manifest(cache_id)
     if rejection := quality_problem(manifest, max_kl):
         raise CacheRejected(rejection)
