@@ -13,8 +13,21 @@ reads. After every step the invariants are checked: no wrong tokens ever (every 
 a full local prefill), stores verify (damage is quarantined, never served), budgets hold, daemon
 memory stays bounded, no peer is bound to an address it does not own or dropped by a spoofed
 goodbye, the mesh part of a generation keeps its time budget, a trickle is cut, and an unread
-transfer frees its slot. Bounded in steps and time; loopback only. Prints a summary; exits 1 if any
-invariant failed.
+transfer frees its slot.
+
+Beside them (issue 32): lying peers offer caches coded with a poisoned transform basis (NaN, inf or
+huge numbers under the digest of their own bytes) and one announcing a 1 GiB basis: no daemon keeps
+or passes one on, none is asked for past its bound, and generations that meet them still give the
+right tokens. A mesh with mutual TLS (support.soak_mesh) has members joined and removed with the
+`kvmesh mesh` commands; a removed member keeps running with its old certificate, and no member
+lists it live or fetches from it after REMOVAL_INTERVALS health intervals. Strangers on 127.0.0.2
+squat the authority's join port with idle Join and Renew calls, while a real join and a renewal
+must still succeed. A `kvmesh serve` process gets clients that never read their streamed answers
+(or read a byte a second) and big prompts just under its body limit, while /health and a small
+request from another address must keep being answered and the server's memory stays bounded.
+
+Bounded in steps and time; loopback only. Prints a summary; exits 1 if any invariant failed.
+--only runs some of the actions (a comma-separated list of ACTIONS' names), for a short trial of them.
 """
 
 import argparse
@@ -49,9 +62,12 @@ from kvmesh.v1 import control_pb2 as cpb
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.versions import PROTOCOL_VERSION
 from support import hostile_peer
-from support.daemons import start_daemon
-from support.processes import rss
+from support.daemons import ServerProcess, start_daemon, start_server
+from support.http_clients import SlowReader, big_prompt, health_from, never_reading, post_from, small_request_from
+from support.poisoned_basis import Offer, PoisonedPeers
+from support.processes import ENV, KVMESH, rss
 from support.references import greedy_tokens, tokens_after
+from support.soak_mesh import HEALTH, REMOVAL_INTERVALS, REVOCATION, SoakMesh, wait_until
 from support.stranger import Stranger
 
 BUDGET = 6 << 20
@@ -66,7 +82,10 @@ ACTIONS = {
     "kill": 1, "stop": 1, "cont": 2, "damage": 1, "disk": 1, "fetch": 4, "publish": 2, "lookup": 3, "generate": 4,
     # A stranger on the LAN, and a misbehaving member.
     "spoof advert": 1, "spoof goodbye": 1, "idle connections": 1, "trickle": 1, "unread fetches": 1, "no open": 1,
+    # Issue 32: lying peers, the mesh's membership, and the HTTP server's clients.
+    "poisoned basis": 1, "removed member": 1, "join squatters": 1, "never-reading clients": 1, "big prompts": 1,
 }  # fmt: skip
+BIG_PROMPTS = ("text", "messages", "token ids")
 
 
 class Node:
@@ -183,13 +202,286 @@ def slots_free_within(address: str, seconds: float) -> bool:
     return False
 
 
+# Issue 32's faults: lying peers with poisoned bases, a removed member that keeps serving, join-port
+# squatters, and clients of `kvmesh serve` that never read or send big prompts.
+
+# The serve process's limits (its body limit smaller than the default 32 MiB, so big prompts cost the
+# shared CPUs seconds, not minutes), and how far its memory may grow over what it held once warm.
+BODY_LIMIT = 8 << 20
+SEND_TIMEOUT = 3.0
+PER_ADDRESS = 12
+SERVE_GROWTH = 768 << 20
+OTHER = "127.0.0.2"  # the well-behaved client's address; the misbehaving ones call from 127.0.0.1
+
+
+class Server:
+    """A `kvmesh serve` of the tiny model (no mesh), restarted if it dies, and its memory bound."""
+
+    def __init__(self, root: Path, model_dir: Path):
+        self.root, self.model_dir = root, model_dir
+        help_text = subprocess.run([KVMESH, "serve", "--help"], capture_output=True, text=True, env=ENV).stdout
+        # The send timeout and per-address cap are being built (issue 32): without them the server
+        # runs with what it has, and the invariants say whether that is enough.
+        self.guarded = "--send-timeout" in help_text and "--max-connections-per-address" in help_text
+        self.process: ServerProcess | None = None
+        self.baseline = 0
+        self.starts = 0
+        self.start()
+
+    def start(self) -> None:
+        args: list[object] = ["--no-mesh", "--max-body-bytes", BODY_LIMIT, "--max-requests", 32]
+        if self.guarded:
+            args += ["--send-timeout", SEND_TIMEOUT, "--max-connections-per-address", PER_ADDRESS]
+        self.starts += 1  # a log each, kept: one restarted for its memory is the evidence
+        log = self.root / f"serve-{self.starts}.log"
+        self.process = start_server(self.root / "serve", self.model_dir, *args, log=log)
+        small_request_from(self.url, OTHER, 120)  # warm: the first request loads what the rest reuse
+        self.baseline = max(self.baseline, rss(self.pid))
+
+    @property
+    def url(self) -> str:
+        assert self.process is not None
+        return self.process.url
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.process.pid
+
+    def over_bound(self, peak: int = 0) -> bool:
+        return max(peak, rss(self.pid, missing=0)) > self.baseline + SERVE_GROWTH
+
+    def bounded(self, failures: collections.Counter, during: str, peak: int = 0) -> None:
+        """The memory invariant (`peak`: the most seen meanwhile). A server over its bound is
+        counted once and restarted, so that later steps test a fresh one rather than count it again
+        (memory a process took is seldom given back)."""
+        if self.over_bound(peak):
+            failures[f"serve: memory more than {SERVE_GROWTH >> 20} MiB over its warm size {during}"] += 1
+            self.close()
+            self.start()
+
+    def answers_others(self, failures: collections.Counter, during: str) -> None:
+        """The invariants while misbehaving clients are at it: /health and a small request from
+        another address are answered (its memory: `bounded`)."""
+        if health_from(self.url, OTHER, 10) != 200:
+            failures[f"serve: /health not answered {during}"] += 1
+        if not small_request_from(self.url, OTHER, 60):
+            failures[f"serve: a small request from another client not answered {during}"] += 1
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.stop(timeout=60)
+
+
+def never_reading_clients(server: Server, operations: collections.Counter, failures: collections.Counter) -> None:
+    """A client reads its big streamed answer a byte a second, then PER_ADDRESS + 3 more from its
+    address ask for theirs and never read them (the last few past the per-address cap); others must
+    still be answered, and (with a send timeout) the slow reader is cut."""
+    slow = SlowReader(server.url)  # first: within the cap, so it is answered, not refused
+    stuck = []
+    for _ in range(PER_ADDRESS + 3):
+        try:
+            stuck.append(never_reading(server.url))
+        except OSError:  # refused at once (the address's cap): nothing of it stays
+            operations["never-reading client refused at once"] += 1
+    try:
+        time.sleep(1.0)  # their answers are under way
+        server.answers_others(failures, "while clients never read")
+        if server.guarded and not slow.cut_within(SEND_TIMEOUT + 20):
+            failures["serve: a byte-a-second reader not cut by the send timeout"] += 1
+    finally:
+        slow.close()
+        for sock in stuck:
+            sock.close()
+    server.bounded(failures, "with never-reading clients")
+
+
+def big_prompts(server: Server, kind: str, operations: collections.Counter, failures: collections.Counter) -> None:
+    """Two prompts of `kind` just under the body limit at once from 127.0.0.1, while another client
+    asks; each is answered (refused or not) without a server error, and memory stays bounded."""
+    path, body = big_prompt(kind, BODY_LIMIT - 1024)
+    answers: list[int] = []
+
+    def send() -> None:
+        answers.append(post_from(server.url, path, body, "127.0.0.1", 120)[0])
+
+    senders = [threading.Thread(target=send) for _ in range(2)]
+    for sender in senders:
+        sender.start()
+    peak = [0]
+
+    def sample() -> None:  # the most memory the server holds while the prompts are in
+        while any(s.is_alive() for s in senders):
+            peak[0] = max(peak[0], rss(server.pid, missing=0))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        time.sleep(0.5)  # their bodies are arriving or being read
+        server.answers_others(failures, "while big prompts arrive")
+    finally:
+        sampler.join()
+    server.bounded(failures, "with big prompts", peak[0])
+    for status in answers:
+        operations[f"big prompt ({kind}) answered {status}"] += 1
+        if status == 0:
+            failures["serve: a big prompt not answered within 120 s"] += 1
+        elif status >= 500 and status != 503:
+            failures["serve: a big prompt answered with a server error"] += 1
+
+
+def poisoned_offer(
+    liars: PoisonedPeers,
+    offer: Offer,
+    target: "Node",
+    nodes: list["Node"],
+    fp,
+    operations: collections.Counter,
+    failures: collections.Counter,
+) -> None:
+    """A fetch of a lying peer's cache into `target`'s store, as `kvmesh fetch --store` does: it is
+    refused for its basis (reason `artifact`), an announced 1 GiB basis before any byte is asked for;
+    then no live daemon offers that cache or serves that basis."""
+    asked = liars.artifact_calls(offer)
+    try:
+        with PeerClient(offer.address, timeout=5.0) as client:
+            fetch_cache(
+                client,
+                offer.cache_id,
+                ReceiverProfile(fp, prompt=[*offer.tokens, 5]),
+                store=CacheStore(target.store_dir, max_bytes=BUDGET),
+                idle_timeout=5.0,
+            )
+        failures["a cache of a poisoned basis fetched"] += 1
+    except KvmeshError as e:
+        reason = "artifact" if "artifact" in str(e) else type(e).__name__  # a disk-full window may come first
+        operations[f"poisoned basis refused ({reason})"] += 1
+    if offer.poison == "1 GiB announced" and liars.artifact_calls(offer) > asked:
+        failures["a basis announced past its bound was asked for"] += 1
+    for node in nodes:
+        if node.stopped or node.daemon is None or node.daemon.process.poll() is not None:
+            continue
+        try:
+            with PeerClient(node.address, timeout=5.0) as client:
+                if any(m.candidate.cache_id == offer.cache_id for m in client.lookup(fp.model_id, offer.tokens)):
+                    failures["a daemon offers a cache of a poisoned basis"] += 1
+                try:
+                    client.artifact(offer.digest, 1 << 20, lambda piece: None, idle_timeout=5.0)
+                    failures["a daemon serves a poisoned basis"] += 1
+                except PeerError as e:
+                    if e.code is not None and e.code != grpc.StatusCode.NOT_FOUND:
+                        raise
+        except PeerError:
+            continue  # a daemon just killed or frozen: it offers nothing
+
+
+def keeps_poison(liars: PoisonedPeers, stores: list[Path]) -> bool:
+    """Whether any of `stores` holds a lying peer's cache or basis (or a temporary file of one)."""
+    ids = {offer.cache_id for offer in liars.offers}
+    digests = {offer.digest for offer in liars.offers}
+    for root in stores:
+        # Steps run one at a time, so no arrival is under way now: a temporary file is one left over.
+        if any(p.name in digests or p.name.startswith(".incoming-") for p in (root / "artifacts").rglob("*")):
+            return True
+        if ids & {e.cache_id for e in CacheStore(root, max_bytes=BUDGET).entries()}:
+            return True
+    return False
+
+
+class RemovedMember:
+    """The removed-member fault: a member joined (or a spare joined under squatters) that holds a
+    cache of its own, dialled by B, removed with `kvmesh mesh remove` and left running."""
+
+    def __init__(self, mesh: SoakMesh, model, fp, document: list[int], suffix: list[int]):
+        self.mesh, self.model, self.fp = mesh, model, fp
+        self.document, self.prompt = document, document + suffix
+        self.cache = prefill(model, document).cache
+        self.reference = greedy_tokens(model, self.prompt, 4)
+
+    def run(self, root: Path, operations: collections.Counter, failures: collections.Counter) -> None:
+        mesh = self.mesh
+        x = mesh.spares.pop() if mesh.spares else mesh.joined()
+        # Encoded afresh: the encoder's chunks are an iterator, consumed by the store that takes them.
+        CacheStore(x.store, max_bytes=BUDGET).add(*encode_cache(self.cache, self.fp, self.document))
+        x.start([mesh.a.address, mesh.b.address])
+        for old in mesh.removed:  # one removed member at a time keeps running: the newest
+            old.stop()
+        mesh.removed = []
+        mesh.restart_b(x.address)
+        if wait_until(lambda: x.address in mesh.b.live_peers(), 20) is None:
+            failures["a joined member never became a live peer"] += 1
+            x.stop()
+            return
+        before = self.generate_from_b(root, failures)
+        operations[f"removed member: generation before removal from {before.split(' ')[0]}"] += 1
+        mesh.remove(x)
+        mesh.removed = [x]
+        bound = REVOCATION + REMOVAL_INTERVALS * HEALTH
+        took = wait_until(lambda: not any(x.address in m.live_peers() for m in (mesh.a, mesh.b)), bound)
+        if took is None:
+            failures[f"a removed member listed live after {REMOVAL_INTERVALS} health intervals"] += 1
+        else:
+            operations[f"removed member dropped within {int(took) + 1} s"] += 1
+        if self.generate_from_b(root, failures) == f"peer {x.address}":
+            failures["a member fetched from a removed member"] += 1
+
+    def generate_from_b(self, root: Path, failures: collections.Counter) -> str:
+        """Where a generation of the member's prompt found its prefix, with B's live peers as the
+        sources (as `kvmesh generate` on B takes them) and B's credentials, into a fresh client store
+        (one holding the member's cache would answer from itself)."""
+        store_dir = Path(tempfile.mkdtemp(dir=root, prefix="via-b-"))
+        try:
+            result = generate(
+                self.model,
+                self.fp,
+                self.prompt,
+                CacheStore(store_dir, max_bytes=BUDGET),
+                peers=sorted(self.mesh.b.live_peers()),
+                credentials=self.mesh.b.credentials(),
+                max_tokens=4,
+                idle_timeout=3.0,
+                mesh_budget=MESH_BUDGET,
+            )
+        finally:
+            shutil.rmtree(store_dir, ignore_errors=True)
+        if result.tokens != self.reference:
+            failures["wrong tokens from a generation through the mesh"] += 1
+        return result.prefix.where
+
+
+def join_squatters(mesh: SoakMesh, failures: collections.Counter) -> None:
+    """Idle Join and Renew calls from 127.0.0.2 on the authority's join port, while a new member joins
+    with a fresh token and renews; the squatters' calls are cut within their deadline."""
+    squatter = mesh.squat()
+    try:
+        joined = None
+        try:
+            joined = mesh.joined()
+            mesh.spares.append(joined)
+        except KvmeshError:
+            failures["a join failed while squatters held the join port"] += 1
+        try:
+            mesh.renew(joined or mesh.b)
+        except KvmeshError:
+            failures["a renewal failed while squatters held the join port"] += 1
+        if not squatter.wait_ended(16, 15):
+            failures["idle calls on the join port not cut"] += 1
+    finally:
+        squatter.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--daemons", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", help="run only these actions (comma-separated names of ACTIONS)")
     args = parser.parse_args()
+    only = set(args.only.split(",")) if args.only else set(ACTIONS)
+    if only - set(ACTIONS):
+        parser.error(f"no such action: {', '.join(sorted(only - set(ACTIONS)))}")
     rng = random.Random(args.seed)
     faults: collections.Counter = collections.Counter()
     operations: collections.Counter = collections.Counter()
@@ -197,7 +489,7 @@ def main() -> int:
 
     logging.basicConfig(level=logging.ERROR)  # quarantines are counted below, not logged one by one
     root = Path(tempfile.mkdtemp(prefix="kvmesh-soak-"))
-    model_dir = make_test_model(root / "model", "tiny")
+    model_dir = make_test_model(root / "tiny", "tiny")  # served as "tiny" too
     model, tokenizer = mlx_lm.load(str(model_dir))[:2]
     fp = fingerprint(model_dir)
     corpus = tokenizer.encode((Path(__file__).parent.parent / "kvmesh" / "data" / "corpus.txt").read_text())
@@ -234,6 +526,17 @@ def main() -> int:
         big_id = trickle_store.add(*encode_cache(big_cache, fp, big, options=big_options)).cache_id
         misbehaviour = Misbehaviour(root, trickle_store.root)
         closing.append(misbehaviour.close)
+        liars = PoisonedPeers(root / "liars")
+        closing.append(liars.close)
+        liars.start(model, tokenizer, fp, [p[:-1] for p in prompts[:4]])  # the soak's own prompts
+        liar_addresses = sorted({offer.address for offer in liars.offers})
+        mesh = SoakMesh(root / "mesh")
+        closing.append(mesh.close)
+        removal = RemovedMember(mesh, model, fp, corpus[50:290], corpus[-20:-10])  # held by no other
+        server = Server(root, model_dir)
+        closing.append(server.close)
+        if not server.guarded:
+            print("soak: this kvmesh serve has no --send-timeout nor --max-connections-per-address yet")
         filler: Path | None = None
         start = time.monotonic()
         step = 0
@@ -241,7 +544,8 @@ def main() -> int:
             step += 1
             node = rng.choice(nodes)
             action = rng.choices(
-                list(ACTIONS), weights=[0 if a == "disk" and not mounted else w for a, w in ACTIONS.items()]
+                list(ACTIONS),
+                weights=[0 if (a == "disk" and not mounted) or a not in only else w for a, w in ACTIONS.items()],
             )[0]
             if all(n.stopped for n in nodes) and action not in ("cont", "damage", "disk"):
                 action = "cont"  # every daemon is stopped: wake one (`node` is one of them)
@@ -263,10 +567,10 @@ def main() -> int:
                 elif action == "damage":
                     files = sorted((node.store_dir / "entries").glob("*.kvc"))
                     if files:
-                        victim = rng.choice(files)
-                        data = bytearray(victim.read_bytes())
+                        damaged = rng.choice(files)
+                        data = bytearray(damaged.read_bytes())
                         data[rng.randrange(len(data))] ^= 1 + rng.randrange(255)
-                        victim.write_bytes(bytes(data))
+                        damaged.write_bytes(bytes(data))
                         faults["byte flipped in a store file"] += 1
                 elif action == "disk":
                     if filler is None:
@@ -308,8 +612,9 @@ def main() -> int:
                     operations[f"{action} ok"] += 1
                 elif action == "generate":
                     i = rng.randrange(len(prompts))
-                    # Stopped ones too: they must cost only the timeout; and the hostile peer's lies.
-                    peers = [n.address for n in nodes] + [misbehaviour.hostile_address]
+                    # Stopped ones too: they must cost only the timeout; and the hostile peer's lies,
+                    # and the lying peers' caches of these prompts coded with poisoned bases.
+                    peers = [n.address for n in nodes] + [misbehaviour.hostile_address, *liar_addresses]
                     result = generate(
                         model,
                         fp,
@@ -385,6 +690,31 @@ def main() -> int:
                                 for call in calls:
                                     call.cancel()
                     faults[f"member: {action}"] += 1
+                elif action == "poisoned basis":
+                    offer = rng.choice(liars.offers)
+                    target = rng.choice([n for n in nodes if not n.stopped])
+                    poisoned_offer(liars, offer, target, nodes, fp, operations, failures)
+                    i = liars.offers.index(offer)  # the offers cover prompts[:4], in order
+                    peers = [n.address for n in nodes if not n.stopped] + [offer.address]
+                    result = generate(
+                        model, fp, prompts[i], client_store, peers=peers, max_tokens=4, mesh_budget=MESH_BUDGET
+                    )
+                    if result.tokens != references[i]:
+                        failures["wrong tokens from a generation offered a poisoned basis"] += 1
+                    faults[f"liar: {offer.poison} basis"] += 1
+                elif action == "removed member":
+                    removal.run(root, operations, failures)
+                    faults["mesh: member removed, still serving"] += 1
+                elif action == "join squatters":
+                    join_squatters(mesh, failures)
+                    faults["mesh: join port squatted"] += 1
+                elif action == "never-reading clients":
+                    never_reading_clients(server, operations, failures)
+                    faults["serve: never-reading clients"] += 1
+                elif action == "big prompts":
+                    kind = rng.choice(BIG_PROMPTS)
+                    big_prompts(server, kind, operations, failures)
+                    faults[f"serve: big prompts ({kind})"] += 1
             except KvmeshError as e:
                 operations[f"{action} refused or failed cleanly ({type(e).__name__})"] += 1
 
@@ -399,6 +729,27 @@ def main() -> int:
                     failures["a store over its budget"] += 1
             if client_store.total_bytes() > BUDGET:
                 failures["the client store over its budget"] += 1
+            if keeps_poison(liars, [n.store_dir for n in nodes] + [client_store.root]):
+                failures["a store keeps a lying peer's cache, basis or a part of one"] += 1
+            for member in (mesh.a, mesh.b):
+                assert member.daemon is not None
+                if member.daemon.process.poll() is not None:
+                    failures["a mesh daemon died on its own"] += 1
+                    member.start([mesh.a.address] if member is mesh.b else [])
+                if rss(member.daemon.process.pid, missing=0) > MAX_RSS:
+                    failures["daemon memory over 1 GiB"] += 1
+            for x in mesh.removed:
+                try:
+                    if any(x.address in m.live_peers() for m in (mesh.a, mesh.b)):
+                        failures["a removed member listed live"] += 1
+                except KvmeshError:
+                    pass  # a member just restarted: its control port comes back with it
+            assert server.process is not None
+            if server.process.process.poll() is not None:
+                failures["the HTTP server died on its own"] += 1
+                server.start()
+            else:
+                server.bounded(failures, "between its faults")
             owners = {n.node_id: n.address for n in nodes if n.daemon is not None}
             for n in nodes:
                 if n.stopped or n.daemon is None or n.daemon.process.poll() is not None:
