@@ -343,6 +343,17 @@ def test_a_removal_is_pushed_to_every_member_before_any_could_ask(tmp_path, daem
     assert daemon_d.log.read_text().count(said) == 1
 
 
+@pytest.mark.slow
+def test_a_removal_without_the_authoritys_daemon_says_when_it_takes_effect(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_mesh(a, b)
+    out = cli("mesh", "remove", node_id(b), data_dir=a).stdout
+    assert out.splitlines()[1] == (
+        "This Mac's daemon is not running: once started, it refuses it, and the members learn it from it when "
+        "they next ask (every `revocation_interval`)."
+    )
+
+
 def test_the_health_service_refuses_a_removed_node_too(mesh, tmp_path):
     """The check runs before every service of the peer port, not only kvmesh's own."""
     a, b, daemon_a = mesh

@@ -99,7 +99,10 @@ def _spread_removal(directory: Path) -> str:
     try:
         spread = spread_revocations(directory)
     except DaemonNotRunning:
-        return "This Mac's daemon is not running: once started, it refuses it and sends the list to the members."
+        return (
+            "This Mac's daemon is not running: once started, it refuses it, and the members learn it from it "
+            "when they next ask (every `revocation_interval`)."
+        )
     return (
         f"This Mac's daemon refuses it now and sent the list to {spread.sent} of {spread.live} live members; "
         f"the others learn it from their peers within {spread.interval_s:g} s of coming back."
