@@ -45,7 +45,8 @@ class Policy:
     )
     max_connections: int = setting(
         0,
-        help="incoming connections held at once on each address served (0: what the descriptor limit allows)",
+        help="incoming connections held at once: in all on a mesh, else on each address served (0: what the "
+        "descriptor limit allows)",
     )
     # A member holds one connection for its health checks and one per request in flight: a stranger
     # at one address holding more takes no connection the members need (kvmesh.net.guard).
