@@ -307,14 +307,20 @@ def make_app(
         allows, and one for each message (its role's marker)."""
         chars = prompt_chars(turn)
         fewest = max(chars // (TOKEN_CHARS_MARGIN * token_chars), len(turn.messages or ()))
-        if fewest + (turn.max_tokens or 1) > model.context_length:
-            raise ApiError(
-                400,
-                f"the prompt ({chars:,} characters, {len(turn.messages or ())} messages) has at least "
-                f"{fewest:,} tokens; this model's context is {model.context_length:,}",
-                "messages" if turn.messages is not None else "prompt",
-                "context_length_exceeded",
-            )
+        if fewest + (turn.max_tokens or 1) <= model.context_length:
+            return
+        what = (
+            f"{chars:,} characters"
+            if turn.messages is None
+            else f"{len(turn.messages):,} messages, {chars:,} characters"
+        )
+        raise ApiError(
+            400,
+            f"the prompt ({what}) has at least {fewest:,} tokens, and this model's context is "
+            f"{model.context_length:,}: shorten it",
+            "messages" if turn.messages is not None else "prompt",
+            "context_length_exceeded",
+        )
 
     def grammar_of(turn: Turn) -> str | None:
         """The grammar the output is held to: a forced call's, else the response format's."""
@@ -356,8 +362,9 @@ def make_app(
         if max_tokens < 1 or len(tokens) + max_tokens > model.context_length:
             raise ApiError(
                 400,
-                f"the prompt has {len(tokens)} tokens and {max_tokens} more were asked for; this "
-                f"model's context is {model.context_length}",
+                f"the prompt has {len(tokens)} tokens"
+                + (f" and {max_tokens} more were asked for" if max_tokens > 0 else ", which leave no room to answer")
+                + f"; this model's context is {model.context_length}",
                 "messages",
                 "context_length_exceeded",
             )
