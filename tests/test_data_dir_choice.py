@@ -35,6 +35,10 @@ def test_generate_runs_on_a_read_only_data_dir_without_a_node_id(tiny_dir, tmp_p
     assert done.returncode == 0, done.stderr
     assert "2 tokens generated" in done.stderr and "node-id" not in done.stderr
     assert not (data / "node-id").exists()
+    # A model this data dir never named: its name cannot be kept, which costs only the name.
+    (data / "model-names.json").unlink()
+    done = read_only(data, "generate", tiny_dir, "--prompt", "The river", "--max-tokens", "2")
+    assert done.returncode == 0 and "cannot keep the model's name" in done.stderr, done.stderr
 
 
 def test_a_command_that_needs_a_node_id_says_in_one_line_that_the_data_dir_cannot_take_it(tmp_path):

@@ -6,6 +6,7 @@ the Hugging Face cache (a name in it would make the same cache's id differ from 
 by the name a user gave keep that name here, in the data directory, by the model's id.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -48,5 +49,6 @@ def remember_name(data_dir: Path, fp: ModelFingerprint, given: str) -> None:
         tmp.write_text(json.dumps({**names, fp.model_id: name}, indent=1, sort_keys=True))
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (a read-only file system refuses even this: EROFS)
+            tmp.unlink(missing_ok=True)
         log.warning("cannot keep the model's name in %s: %s", path, e.strerror or e)
