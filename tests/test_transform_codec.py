@@ -9,6 +9,7 @@ import pytest
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError, fit_basis, fit_tensor_basis
 from kvmesh.codec.coded import TransformCoding, decoded, transform_code
+from kvmesh.codec.layer_blob import cut_codes
 from kvmesh.codec.rotary import Rotary, apply_rope, model_rotaries, remove_rope, rotary_of
 from kvmesh.codec.transform import (
     ESCAPE,
@@ -262,6 +263,20 @@ def test_codes_packed_several_per_byte():
         np.testing.assert_array_equal(out, q - 0.125 * np.sign(q))
     # Hand-checked: 1, -1, 0, -2 -> zigzag 2, 1, 0, 3 -> 2 | 1 << 2 | 0 << 4 | 3 << 6.
     assert pack_codes(np.array([1, -1, 0, -2]))[1] == bytes([2 | 1 << 2 | 3 << 6])
+
+
+def test_packed_codes_cut_to_their_first_columns():
+    """A coded layer's prefix keeps the first columns (tokens) of every component's codes, at the
+    same width; one-byte codes keep their escapes in order."""
+    rng = np.random.default_rng(11)
+    for lo, hi, width in ((-2, 1, 2), (-8, 7, 4), (-40000, 40000, 8)):
+        q = rng.integers(lo, hi + 1, (7, 301))
+        _, plane, esc = pack_codes(q)
+        for kept in (1, 128, 300, 301):
+            cut_plane, cut_esc = cut_codes(width, plane, esc, 7, 301, kept)
+            assert np.array_equal(unpack_codes(width, cut_plane, cut_esc, 7 * kept).reshape(7, kept), q[:, :kept])
+    with pytest.raises(TransformCodecError):
+        cut_codes(4, plane, b"", 7, 301, 10)
 
 
 def test_component_groups_hand_case():

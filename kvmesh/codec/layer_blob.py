@@ -39,23 +39,26 @@ def pack_zigzag(zz: np.ndarray, width: int) -> tuple[bytes, bytes]:
     return packed.tobytes(), b""
 
 
-def unpack_zigzag(width: int, plane: bytes, escapes: bytes, count: int) -> np.ndarray:
-    """The inverse of `pack_zigzag`: `count` zigzagged codes (uint64)."""
+def cut_codes(width: int, plane: bytes, escapes: bytes, rows: int, cols: int, kept: int) -> tuple[bytes, bytes]:
+    """The packed codes of a (rows, cols) array of codes, row-major -> those of its first `kept`
+    columns, packed at the same width: (plane, escapes). Bytes stay bytes: one-byte codes are sliced
+    as they are (with their escapes), smaller ones unpacked to a byte each and packed again."""
     packed = np.frombuffer(plane, dtype=np.uint8)
     per = 8 // width if width in WIDTHS else 0
-    if not per or packed.size != -(-count // per):
-        raise TransformCodecError(f"{packed.size} packed bytes for {count} codes of {width} bits")
+    if not per or packed.size != -(-rows * cols // per):
+        raise TransformCodecError(f"{packed.size} packed bytes for {rows * cols} codes of {width} bits")
     if width == 8:
-        zz = packed.astype(np.uint64)
-        big = packed == ESCAPE
+        codes = packed.reshape(rows, cols)
+        big = codes == ESCAPE
         esc = np.frombuffer(escapes, dtype="<u4")
         if esc.size != int(np.count_nonzero(big)):
             raise TransformCodecError("escape count does not match the plane")
-        zz[big] = esc
-        return zz
+        inside = np.zeros(big.shape, dtype=bool)
+        inside[:, :kept] = True
+        return codes[:, :kept].tobytes(), esc[inside[big]].tobytes()  # (escapes in the codes' order)
     shifts = (np.arange(per) * width).astype(np.uint8)
-    codes = (packed[:, None] >> shifts) & np.uint8((1 << width) - 1)
-    return codes.reshape(-1)[:count].astype(np.uint64)
+    codes = ((packed[:, None] >> shifts) & np.uint8((1 << width) - 1)).reshape(-1)[: rows * cols]
+    return pack_zigzag(np.ascontiguousarray(codes.reshape(rows, cols)[:, :kept]).reshape(-1), width)
 
 
 class Writer:
@@ -162,10 +165,9 @@ def _cut_layer(header: dict, seg: Segments, num_tokens: int, magic: bytes, level
         for count, width, plane_ref, esc_ref, delta in km["groups"]:
             if width not in WIDTHS:
                 raise TransformCodecError(f"a group of {count} components of {width} bits")
-            values = count * b * mid
+            values = count * b * mid  # codes (count, b, mid), component-major: rows of (count * b, mid)
             esc = seg(esc_ref, 4 * values) if esc_ref is not None else b""
-            zz = unpack_zigzag(width, seg(plane_ref, -(-values // (8 // width))), esc, values)
-            plane, esc = pack_zigzag(zz.reshape(count, b, mid)[:, :, :kept_mid].reshape(-1), width)
+            plane, esc = cut_codes(width, seg(plane_ref, -(-values // (8 // width))), esc, count * b, mid, kept_mid)
             groups.append([count, width, out.add(plane, True), out.add(esc, True) if esc else None, delta])
         row = RAW_ITEMSIZE[km.get("raw_dtype", "float16")] * d
         raw = np.frombuffer(seg(km["raw"], b * h * (s + r) * row), np.uint8).reshape(b, h, s + r, row)
