@@ -180,11 +180,19 @@ def test_quantized_layers_travel_as_before(tiny, calibrated, prompt_ids, tiny_fp
     assert not manifest.artifacts
 
 
-@pytest.mark.parametrize("method, config", [("kvzip", {"ratio": 0.5}), ("snapkv", {"ratio": 0.5, "window": 16})])
+@pytest.mark.parametrize(
+    "method, config",
+    [
+        ("kvzip", {"ratio": 0.5}),
+        ("snapkv", {"ratio": 0.5, "window": 16}),
+        ("streaming_llm", {"budget": 96, "sinks": 0}),
+    ],
+)
 def test_an_evicting_press_then_the_codec_compose(tiny, calibrated, prompt_ids, tiny_fp, method, config):
     """The press's kept positions travel in each layer's blob (RoPE comes off each key at its own
     position), the manifest says how many it kept of the prefix, and the receiver gets the press's
-    sparse cache back, transform coded: its predictions those of the pressed cache."""
+    sparse cache back, transform coded: its predictions those of the pressed cache. Positions that
+    are one run (StreamingLLM without sinks keeps the last 96) travel as where the run starts."""
     model, _ = tiny
     press = make_press(method, config)
     pressed = prefill(model, prompt_ids, press).cache
@@ -192,11 +200,8 @@ def test_an_evicting_press_then_the_codec_compose(tiny, calibrated, prompt_ids, 
     assert all(isinstance(layer, CodedLayer) for layer in cache)
     assert any(layer.n_kept < 300 for layer in cache) and all(layer.offset == 300 for layer in cache)
     for layer, source in zip(cache, pressed, strict=True):
-        header, body = read_header(layer.blob)
-        assert header["positions"]["shape"] == [1, source.keys.shape[1], source.n_kept]
-        at, length = header["segments"][header["positions"]["seg"][0]]
-        listed = np.frombuffer(zstandard.ZstdDecompressor().decompress(body[at : at + length]), "<i4")
-        assert np.array_equal(listed.reshape(source.kept_positions().shape), np.asarray(source.kept_positions()))
+        kept = np.asarray(source.kept_positions())
+        assert np.array_equal(blob_positions(layer.blob).reshape(kept.shape), kept)
     manifest, chunks = encode_cache(cache, tiny_fp, prompt_ids, press)
     assert validate_manifest(manifest) is None and "evicted" in uncuttable_reason(manifest)
     assert [layer.n_kept for layer in manifest.layers] == [layer.n_kept for layer in pressed]
@@ -252,6 +257,17 @@ def test_a_coded_entry_serves_a_shorter_prefix_from_the_store(wire, coded, calib
     for part, layer in zip(got, decoded(coded[1]), strict=True):
         for mine, theirs in zip(part.keys_and_values(), layer.keys_and_values(), strict=True):
             assert mx.array_equal(mine, theirs[:, :, :256])
+
+
+def blob_positions(blob: bytes) -> np.ndarray:
+    """The positions a layer's blob says its rows hold: listed, or a run from `start`."""
+    header, body = read_header(blob)
+    positions = header["positions"]
+    if "start" in positions:
+        _, heads, rows, _ = header["shape"]
+        return np.broadcast_to(np.arange(positions["start"], positions["start"] + rows), (heads, rows))
+    at, length = header["segments"][positions["seg"][0]]
+    return np.frombuffer(zstandard.ZstdDecompressor().decompress(body[at : at + length]), "<i4")
 
 
 def test_layer_blobs_decode_alone(coded, calibrated):

@@ -23,7 +23,7 @@ from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.manifest import BASIS_KIND
 from kvmesh.codec.rotary import Rotary
-from kvmesh.codec.transform import decode_layer, encode_layers, read_header
+from kvmesh.codec.transform import TransformCodecError, decode_layer, encode_layers, read_header
 from kvmesh.v1 import cache_pb2 as pb
 
 
@@ -162,22 +162,35 @@ def decode_coded(
     if basis is None:
         raise BasisError(f"no basis {spec.transform.basis_sha256[:16]}... to decode this cache with")
     t = spec.transform
-    evicted = spec.n_kept != spec.offset
     expect = {
         "shape": [1, t.kv_heads, spec.n_kept, t.head_dim],
         "layer": t.basis_layer,
         "sinks": t.sinks,
         "recent": t.recent,
-        # Positions from 0 when it kept every one; else the blob lists those it kept, head by head.
-        "start": None if evicted else 0,
-        "positions_shape": [1, t.kv_heads, spec.n_kept] if evicted else None,
         "key_step": t.key_step,
         "value_step": t.value_step,
         "key_components": t.key_components,
         "value_components": t.value_components,
     }
+    if spec.n_kept == spec.offset:
+        expect["start"] = 0  # it kept every position
+    else:
+        check_kept_positions(read_header(blob)[0], spec)
     keys, values = decode_layer(blob, basis, memo, expect=expect)
     return SparseKVCache.from_arrays(keys.astype(dtype), values.astype(dtype), spec.offset)
+
+
+def check_kept_positions(header: dict, spec: pb.LayerSpec) -> None:
+    """A layer a press evicted from lists its kept positions head by head, or, when they are one run
+    for every head, gives where the run starts: inside the layer's offset either way."""
+    positions = header.get("positions", {})
+    start = positions.get("start")
+    if start is None:
+        fits = positions.get("shape") == [1, spec.transform.kv_heads, spec.n_kept]
+    else:
+        fits = isinstance(start, int) and 0 <= start <= spec.offset - spec.n_kept
+    if not fits:
+        raise TransformCodecError(f"positions {positions} for {spec.n_kept} kept of {spec.offset}")
 
 
 def decoded(cache: Sequence) -> list:

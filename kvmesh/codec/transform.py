@@ -417,16 +417,15 @@ def encode_layers(
 
 def check_header(header: dict, expect: dict[str, Any]) -> None:
     """The blob's header says what the manifest said: its shape, basis layer, raw rows, steps and
-    component counts (`expect`, the same keys as the header's), positions from 0 (a layer that kept
-    every one) or the shape of those listed (one a press evicted from). A sender's blob may not decode
-    to anything else, nor allocate beyond that."""
+    component counts (`expect`, the same keys as the header's), positions from 0 when `start` is
+    expected (a layer that kept every one; `kvmesh.codec.coded.check_kept_positions` checks the others).
+    A sender's blob may not decode to anything else, nor allocate beyond that."""
     got = {
         "shape": header.get("shape"),
         "layer": header.get("layer"),
         "sinks": header.get("sinks"),
         "recent": header.get("recent"),
         "start": header.get("positions", {}).get("start"),
-        "positions_shape": header.get("positions", {}).get("shape"),
         "key_step": header.get("k", {}).get("step"),
         "value_step": header.get("v", {}).get("step"),
         "key_components": header.get("k", {}).get("n"),
