@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import httpx2
 import openai
 import pytest
 
@@ -276,3 +277,30 @@ def test_timeouts_and_the_connection_cap_must_be_positive():
         ServeOptions(max_connections=0)
     with pytest.raises(ConfigError, match="local_daemon_cache"):
         ServeOptions(local_daemon_cache=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not Path("/proc/self/fd").is_dir(), reason="calls from 127.0.0.2, which only Linux answers unconfigured"
+)
+def test_an_unsalted_client_cannot_read_anothers_prompt_a_token_at_a_time(tiny_dir, http_server_process, tmp_path):
+    # A client at 127.0.0.1 asks with a secret in its system prompt; another, at 127.0.0.2 and with no
+    # cache_salt (the default), guesses its first digit. Before, the right guess came back with one
+    # more cached token than the wrong ones (50 requests read 3 of 5 digits).
+    server = http_server_process(tmp_path / "s", tiny_dir, "--no-mesh", "--min-store-tokens", 100_000)
+    owner = client_of(server.url)
+    http = openai.DefaultHttpxClient(transport=httpx2.HTTPTransport(local_address="127.0.0.2"))
+    guesser = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120, http_client=http)
+
+    def cached(client: openai.OpenAI, system: str) -> int:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+        answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    secret = "The vault code is 48213. Never tell anyone."
+    assert cached(owner, secret) == 0
+    first = owner.chat.completions.create(model="tiny", messages=[{"role": "system", "content": secret}], max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens > 0  # its own entries serve it to the token
+    cached(guesser, "The vault code is x")  # the guesser's own entry: every guess below shares it alike
+    guesses = {digit: cached(guesser, f"The vault code is {digit}") for digit in "0123456789"}
+    assert len(set(guesses.values())) == 1, guesses

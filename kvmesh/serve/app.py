@@ -403,6 +403,7 @@ def make_app(
         place = busy_or(engine.take_place)  # before the prompt is made: past the bound, no work is done
         try:
             job, splitter = await off_loop(lambda: job_of(turn))
+            job.client = request.client.host if request.client else ""
             if not engine.alive:
                 raise ApiError(503, "the generation thread has stopped; restart the server", code="unavailable")
             return body, turn, start(job, place), splitter

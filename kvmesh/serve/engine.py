@@ -208,7 +208,7 @@ class Engine:
             self._drop(job)
             return
         try:
-            job.found = self.prompt_cache.look_up(job.tokens, partition=job.partition)
+            job.found = self.prompt_cache.look_up(job.tokens, partition=job.partition, client=job.client)
         except Exception as e:  # reported to this request; the others go on
             log.exception("prefix lookup failed")
             self._release(job)
@@ -312,7 +312,7 @@ class Engine:
 
     def _start(self, job: Job) -> CachedPrefix:
         """The job's prefix, from memory or as its lookup found it; its Started event."""
-        hit = self.prompt_cache.fetch(job.tokens, partition=job.partition, found=job.found)
+        hit = self.prompt_cache.fetch(job.tokens, partition=job.partition, client=job.client, found=job.found)
         hit = replace(hit, cache=merge_ready(hit.cache))  # a cache from the mesh batches as one made here
         job.found = None  # (the engine keeps no cache past its request)
         job.put(Started(len(job.tokens), hit.tokens))
@@ -367,7 +367,9 @@ class Engine:
             return
         output.flush()
         self.doing = "keeping a request's cache"
-        covered = self.prompt_cache.insert(job.tokens + output.generated, cache, partition=job.partition)
+        covered = self.prompt_cache.insert(
+            job.tokens + output.generated, cache, partition=job.partition, client=job.client
+        )
         if job.partition is None:  # a salted request's cache stays in its own partition of memory
             self.prompt_cache.persist(covered, cache)
         done = output.done(hit)

@@ -59,7 +59,8 @@ class Job:
 
     `listener`, when set, is called after each event is put: an HTTP handler wakes on it instead of
     holding a thread blocked on the queue, so a client that leaves (queued or not) holds nothing.
-    `partition`: the prompt-cache partition of a salted request (None: the shared one).
+    `partition`: the prompt-cache partition of a salted request (None: the shared one); `client`:
+    who sent it (its address), whose own caches in the shared one serve it to the token.
     `processors`, when set, makes the job's own logits processors (a grammar), on the generation
     thread (MLX arrays stay there). `top_logprobs`: None for no log probabilities, else each
     token's and that many alternatives' (0: the token's only).
@@ -73,6 +74,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     listener: Callable[[], None] | None = None
     partition: bytes | None = None
+    client: str = ""
     processors: Callable[[], list[LogitsProcessor]] | None = None
     top_logprobs: int | None = None
     # Set by the engine: the prefix found off the generation thread, and when the job came in.

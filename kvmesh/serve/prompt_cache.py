@@ -14,7 +14,15 @@ continuation comes back cached or not). A request that gives a `cache_salt` is i
 own: what it leaves is kept in memory under its salt only, never in the store (which the peers
 read), so only requests with the same salt find it. It may still start from what every client
 shares (unsalted requests' caches, the store, the mesh): that tells it nothing another client kept
-apart. Unsalted requests share one partition, as before.
+apart. Unsalted requests share one partition (the default), and what one client learns there of
+another's prompts is counted in whole blocks (BLOCK_SIZE, 128 tokens; OpenAI counts cached tokens
+so too): an entry another client (another address) left, which the prompt does not extend, is
+trimmed back only to the last block boundary they share (or as far as the client's own entries
+reach), never to the very token where they part. So a guess at the next token of another's prompt
+(a digit of a secret) changes what comes back only when it completes a whole block; before, 50
+requests read 3 of 5 digits. A client's own entries serve it to the token (the same prompt again,
+the next turn), and all of loopback's are one client's: the local tools are one user's. The store and
+the peers serve whole blocks anyway. Clients that trust no other still give a `cache_salt`.
 
 `look_up` runs on a lookup thread (a store read or a peer's transfer must hold no other request);
 every other method on the server's generation thread. Memory is read and changed under a lock.
@@ -35,6 +43,7 @@ from kvmesh.caches.presses import Press
 from kvmesh.caches.quality import tail_kl
 from kvmesh.codec.basis import Basis
 from kvmesh.codec.encode import encode_cache
+from kvmesh.codec.prefix import BLOCK_SIZE
 from kvmesh.compression import compress
 from kvmesh.errors import KvmeshError
 from kvmesh.fetch_or_prefill import Rates
@@ -50,6 +59,11 @@ log = logging.getLogger(__name__)
 MEMORY = "memory"
 
 
+def shared_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class MemoryTier(LRUPromptCache):
     """mlx-lm's prompt cache, its model key used for the partition (None: the shared one), with
     what the server needs besides: how many tokens of a prompt it serves, without copying a cache
@@ -58,27 +72,42 @@ class MemoryTier(LRUPromptCache):
     the whole prompt's cache when it has it, and trusts `is_trimmable`: a sparse cache from a peer
     would come back with more tokens than it says.) Not thread-safe, as mlx-lm's: callers lock."""
 
-    def nearest(self, partition: bytes | None, tokens: Sequence[int]) -> tuple[list[int] | None, int]:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.owners: dict[tuple[bytes | None, tuple[int, ...]], str] = {}  # the client that left each entry
+
+    def nearest(self, partition: bytes | None, tokens: Sequence[int], client: str = "") -> tuple[list[int] | None, int]:
         """The key of the entry of `partition` serving the longest prefix of `tokens[:-1]`, and how
         many tokens it serves: an entry the prompt extends, or one trimmed back to where the prompt
-        leaves it."""
+        leaves it (to a block boundary, for an entry of the shared partition `client` did not leave)."""
         query = list(tokens[:-1])
         found = self._trie.search(partition, query)
         if found.exact is not None:
             return found.exact, len(query)
         shorter = (found.shorter, len(found.shorter)) if found.shorter is not None else (None, 0)
-        if found.longer is not None and found.common_prefix > shorter[1]:
+        if found.longer is not None:
+            common = found.common_prefix
+            if partition is None and self.owners.get((None, tuple(found.longer))) != client:
+                common = max(common // BLOCK_SIZE * BLOCK_SIZE, self.own_prefix(query, client))
             entry = self._trie.get(partition, found.longer)
-            if trims_exactly(entry.prompt_cache, len(found.longer) - found.common_prefix):
-                return found.longer, found.common_prefix
+            if common > shorter[1] and trims_exactly(entry.prompt_cache, len(found.longer) - common):
+                return found.longer, common
         return shorter
 
-    def best(self, partition: bytes | None, tokens: Sequence[int]) -> tuple[bytes | None, list[int] | None, int]:
-        """(partition, key, tokens served) of the best entry for a request of `partition`: of its
-        own, or of the shared one (a longer prefix wins; its own on a tie)."""
-        key, served = self.nearest(partition, tokens)
+    def own_prefix(self, query: list[int], client: str) -> int:
+        """The longest prefix of `query` that an entry `client` left in the shared partition holds:
+        what another's entry may serve it to the token, since it tells the client nothing new."""
+        own = (key for (partition, key), who in self.owners.items() if partition is None and who == client)
+        return max((shared_length(key, query) for key in own), default=0)
+
+    def best(
+        self, partition: bytes | None, tokens: Sequence[int], client: str = ""
+    ) -> tuple[bytes | None, list[int] | None, int]:
+        """(partition, key, tokens served) of the best entry for a request of `partition` from
+        `client`: of its own partition, or of the shared one (a longer prefix wins; its own on a tie)."""
+        key, served = self.nearest(partition, tokens, client)
         if partition is not None:
-            shared_key, shared = self.nearest(None, tokens)
+            shared_key, shared = self.nearest(None, tokens, client)
             if shared > served:
                 return None, shared_key, shared
         return partition, key, served
@@ -95,15 +124,27 @@ class MemoryTier(LRUPromptCache):
         self._lru.push(partition, key, entry.cache_type)
         return cache
 
-    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *, cache_type: str = "assistant"):
+    def insert_cache(
+        self, model: Any, tokens: list[int], prompt_cache: list[Any], *, cache_type: str = "assistant", owner: str = ""
+    ):
         """mlx-lm's, except that an entry larger than `max_bytes` on its own is kept alone (mlx-lm
-        would evict every entry, then it): the next turn of its conversation needs it."""
+        would evict every entry, then it): the next turn of its conversation needs it. `owner`: the
+        client whose request left it."""
         budget = self.max_bytes
         self.max_bytes = max(budget, sum(c.nbytes for c in prompt_cache))
         try:
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         finally:
             self.max_bytes = budget
+        self.owners[(model, tuple(tokens))] = owner
+        self.owners = {key: who for key, who in self.owners.items() if self._holds(*key)}  # (evicted ones go)
+
+    def _holds(self, partition: bytes | None, key: tuple[int, ...]) -> bool:
+        try:
+            self._trie.get(partition, list(key))
+        except KeyError:
+            return False
+        return True
 
 
 class MeshPromptCache:
@@ -155,12 +196,12 @@ class MeshPromptCache:
         with self._lock:
             return self.memory.nbytes
 
-    def look_up(self, tokens: Sequence[int], partition: bytes | None = None) -> CachedPrefix | None:
+    def look_up(self, tokens: Sequence[int], partition: bytes | None = None, client: str = "") -> CachedPrefix | None:
         """The store's or the peers' prefix of `tokens`, when longer than memory's (its `cache` None
         when neither had one: its `skipped` and `fetch_or_prefill` still say why); None when memory
         serves the whole prompt. Thread-safe: a lookup thread calls it while others generate."""
         with self._lock:
-            *_, best = self.memory.best(partition, tokens)
+            *_, best = self.memory.best(partition, tokens, client)
         if best >= len(tokens) - 1:
             return None
         found = find_prefix(
@@ -180,7 +221,11 @@ class MeshPromptCache:
         return found
 
     def fetch(
-        self, tokens: Sequence[int], partition: bytes | None = None, found: CachedPrefix | None = None
+        self,
+        tokens: Sequence[int],
+        partition: bytes | None = None,
+        found: CachedPrefix | None = None,
+        client: str = "",
     ) -> CachedPrefix:
         """The longest cached prefix of `tokens[:-1]` (generation needs one token to feed), as a cache
         this request may change: memory's are copies. Memory's caches of another `partition` (another
@@ -189,11 +234,11 @@ class MeshPromptCache:
         and the peers are asked here."""
         start = time.perf_counter()
         if found is None:
-            found = self.look_up(tokens, partition)
+            found = self.look_up(tokens, partition, client)
         skipped = found.skipped if found is not None else []
         choices = found.fetch_or_prefill if found is not None else []
         with self._lock:
-            owner, key, best = self.memory.best(partition, tokens)
+            owner, key, best = self.memory.best(partition, tokens, client)
             if found is not None and found.cache is not None and found.tokens > best:
                 return found
             if key is None:
@@ -210,16 +255,18 @@ class MeshPromptCache:
             cache=cache,
         )
 
-    def insert(self, tokens: Sequence[int], cache: list[Any], partition: bytes | None = None) -> tuple[int, ...]:
-        """Keep the cache of `tokens` (its offset many) in memory after a request, in `partition`;
-        returns the tokens it covers, for `persist` (which a salted request skips)."""
+    def insert(
+        self, tokens: Sequence[int], cache: list[Any], partition: bytes | None = None, client: str = ""
+    ) -> tuple[int, ...]:
+        """Keep the cache of `tokens` (its offset many) in memory after a request of `client`, in
+        `partition`; returns the tokens it covers, for `persist` (which a salted request skips)."""
         covered = tuple(tokens[: cached_tokens(cache)])
         if not covered:
             return covered
         mx.eval([c.state for c in cache])
         with self._lock:
             # (a list: mlx-lm's recency order finds its entries by comparing keys as it slices them)
-            self.memory.insert_cache(partition, list(covered), cache)
+            self.memory.insert_cache(partition, list(covered), cache, owner=client)
         return covered
 
     def persist(self, tokens: tuple[int, ...], cache: list[Any]) -> None:
