@@ -471,3 +471,23 @@ def test_wrong_join_proofs_in_a_loop_are_logged_once(mesh, tmp_path):
             request_join(join_address(a), wrong)
     lines = [line for line in daemon_a.log.read_text().splitlines() if "refused a join" in line]
     assert len(lines) == 1, lines
+
+
+def test_a_member_whose_certificate_ends_is_live_no_longer_on_a_channel_opened_before(mesh, tmp_path, daemons):
+    """Before: B kept X "healthy" for good on the channel it opened while X's certificate was good
+    (gRPC checks a certificate at the handshake only). Now B proves X again when the certificate it
+    proved itself with ends: the handshake fails, and X is live no longer."""
+    a, b, daemon_a = mesh
+    x = tmp_path / "x"
+    lasts = 30.0  # seconds: long enough for B to find X live first, on a loaded machine too
+    authority.enrol(a, x, node_id(x), days=(300 + lasts) / 86400)  # (valid from 5 minutes ago)
+    ends = credentials(x).expires
+    # X does not renew in time (its authority would renew it): its certificate just ends.
+    daemon_x = daemons.start(x, *FAST, "--renew-before-days", "1e-9", log=tmp_path / "x.log")
+    daemon_b = daemons.start(b, *FAST, "--peer", daemon_x.address, log=tmp_path / "b.log")
+    as_x = f"static:{daemon_x.address}"
+    wait_for(lambda: peers_of(b).get(as_x) is True, lasts, 0.1, "B to see X live")
+    assert datetime.datetime.now(datetime.timezone.utc) < ends
+    wait_for(lambda: peers_of(b).get(as_x) is False, lasts + 30, 0.2, "B to take X for live no longer")
+    assert datetime.datetime.now(datetime.timezone.utc) >= ends
+    assert "its certificate has ended" in daemon_b.log.read_text()

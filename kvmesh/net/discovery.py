@@ -16,6 +16,7 @@ the daemon check the peer at once, and only one that no longer answers leaves th
 import contextlib
 import ipaddress
 import logging
+import math
 import os
 import socket
 import ssl
@@ -196,6 +197,9 @@ class Proof:
     why: str = ""
     named: bool = False
     answered: bool = True
+    # When the certificate it proved itself with ends (seconds since the epoch): a channel opened
+    # before then stays open after it, and gRPC does not check the certificate again on it.
+    expires: float = math.inf
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -274,7 +278,10 @@ class Prover:
             return Proof(None, "presents a certificate without a node id")
         if self.refuse and presented and (why := self.refuse(ssl.DER_cert_to_PEM_cert(presented).encode())):
             return Proof(None, f"is refused: {why}")
-        return Proof(common_name, named=("DNS", node_name(common_name)) in certificate.get("subjectAltName", ()))
+        named = ("DNS", node_name(common_name)) in certificate.get("subjectAltName", ())
+        ends = certificate.get("notAfter")
+        expires = ssl.cert_time_to_seconds(ends) if isinstance(ends, str) else math.inf
+        return Proof(common_name, named=named, expires=expires)
 
     def _by_info(self, address: str) -> Proof:
         try:
@@ -508,6 +515,7 @@ class _Dialled:
 
     channel: grpc.Channel
     node_id: str
+    expires: float = math.inf  # when the certificate proven at the address ends
 
 
 @dataclass
@@ -594,11 +602,21 @@ class HealthChecker:
         """The channel to check `peer` at `address` on: the one open, or a new one to the node proven
         to be there (None, said once, when none may be dialled)."""
         dialled = self._channels.get(address)
+        if dialled is not None and time.time() >= dialled.expires:  # proven again: its handshake now fails
+            self._close(address)
+            self._say(
+                ("expired", dialled.node_id, address),
+                "peer %s at %s: its certificate has ended; it is dialled again only once it has renewed it",
+                peer.node_id,
+                address,
+            )
+            dialled = None
         if dialled is None:
-            node, pinned = self._identify(peer, address)
+            node, pinned, expires = self._identify(peer, address)
             if node is None:
                 return None
-            dialled = self._channels[address] = _Dialled(open_channel(address, self.credentials, pinned), node)
+            channel = open_channel(address, self.credentials, pinned)
+            dialled = self._channels[address] = _Dialled(channel, node, expires)
         if dialled.node_id and self.refuse_node and (why := self.refuse_node(dialled.node_id)):
             self._close(address)
             self._say(
@@ -607,11 +625,11 @@ class HealthChecker:
             return None
         return dialled.channel
 
-    def _identify(self, peer: Peer, address: str) -> tuple[str | None, str | None]:
-        """(who is at `address`, the node id to pin its channel to): ("", None) on a plaintext mesh;
-        (None, None) when no node may be dialled there."""
+    def _identify(self, peer: Peer, address: str) -> tuple[str | None, str | None, float]:
+        """(who is at `address`, the node id to pin its channel to, when its certificate ends):
+        ("", None, inf) on a plaintext mesh; (None, None, inf) when no node may be dialled there."""
         if certificate_pems(self.credentials) is None:
-            return "", None
+            return "", None, math.inf
         proof = self.prover.prove(address)
         if proof.node_id is None or (peer.source == "mdns" and proof.node_id != peer.node_id):
             why = proof.why or f"proves to be node {proof.node_id}"
@@ -619,7 +637,7 @@ class HealthChecker:
                 self._say(
                     ("proof", peer.node_id, address, why), "peer %s at %s %s; ignored", peer.node_id, address, why
                 )
-            return None, None
+            return None, None, math.inf
         if not proof.named:
             self._say(
                 ("unnamed", proof.node_id),
@@ -628,8 +646,8 @@ class HealthChecker:
                 proof.node_id,
                 address,
             )
-            return proof.node_id, None
-        return proof.node_id, proof.node_id
+            return proof.node_id, None, proof.expires
+        return proof.node_id, proof.node_id, proof.expires
 
     def _say(self, key: object, message: str, *args: object) -> None:
         if self.quiet.due(key):
