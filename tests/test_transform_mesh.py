@@ -90,11 +90,15 @@ def test_without_the_basis_anywhere_the_cache_is_refused_with_its_reason(coded, 
     with PeerClient(d.address) as client:
         stats = client.info().transfers
     assert stats.chunk_bytes_sent == 0 and stats.fetches_rejected == 1
-    # A daemon without the basis refuses a publish of such a cache at once, and stores nothing.
-    published = cli("publish", cache_id, d.address, "--store", store_a, data_dir=tmp_path / "me", check=False)
+    # A daemon without the basis refuses a publish of such a cache at once, and stores nothing (one
+    # that holds the cache already is sent nothing: d answers so, tests/test_cli_transfers.py).
+    empty = tmp_path / "e-store"
+    e = daemons.start(tmp_path / "e.data", "--store", empty)
+    published = cli("publish", cache_id, e.address, "--store", store_a, data_dir=tmp_path / "me", check=False)
     assert published.returncode == 1 and "lacks the basis" in published.stderr
-    with PeerClient(d.address) as client:
+    with PeerClient(e.address) as client:
         assert client.info().transfers.publishes_rejected == 1
+    assert CacheStore(empty).entries() == []
 
 
 def test_cache_show_prints_each_layer_codec_and_the_prefixes_it_serves(coded):
