@@ -330,8 +330,14 @@ def lying(manifest: pb.CacheManifest, lie) -> pb.CacheManifest:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads daemon memory from /proc")
-def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_path, prompt_ids):
+def test_hostile_input_is_refused_while_members_are_served(mesh, served, tiny, tmp_path, prompt_ids):
     manifest, fp = served
+    # A cache the daemon does not hold, larger than its publish limit (one it holds is sent nothing).
+    longer = [*prompt_ids, *prompt_ids[:64]]
+    encoded = encode_cache(prefill(tiny[0], longer).cache, fp, longer, options=NONE)
+    for _ in encoded.chunks:  # (the manifest's sizes and digest are filled in as the chunks go)
+        pass
+    unheld = encoded.manifest
     env = {**ENV, "KVMESH_MAX_PUBLISH_BYTES": str(manifest.encoding.raw_bytes - 1)}
     daemon = Daemon(mesh / "a", "--idle-timeout", "1", "--peer-rate", "20", env=env)
     attacker, member = creds(mesh, "d"), creds(mesh, "b")
@@ -363,7 +369,7 @@ def test_hostile_input_is_refused_while_members_are_served(mesh, served, tmp_pat
             "a negative shape": publish(
                 lying(manifest, lambda m: m.layers[0].tensors[0].shape.__setitem__(0, 2**64 - 1))
             ),
-            "over the publish limit": publish(manifest),
+            "over the publish limit": publish(unheld),
         }
         for what, decision in refusals.items():
             assert not decision.accept, what
