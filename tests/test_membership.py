@@ -479,7 +479,7 @@ def test_a_member_whose_certificate_ends_is_live_no_longer_on_a_channel_opened_b
     proved itself with ends: the handshake fails, and X is live no longer."""
     a, b, daemon_a = mesh
     x = tmp_path / "x"
-    lasts = 30.0  # seconds: long enough for B to find X live first, on a loaded machine too
+    lasts = 15.0  # seconds: long enough for B to find X live first, on a loaded machine too
     authority.enrol(a, x, node_id(x), days=(300 + lasts) / 86400)  # (valid from 5 minutes ago)
     ends = credentials(x).expires
     # X does not renew in time (its authority would renew it): its certificate just ends.
