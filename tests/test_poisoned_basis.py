@@ -5,7 +5,6 @@ kept nowhere, and served by no daemon, not even one that kept it under an older 
 decodes to numbers that are not finite never reaches the store."""
 
 import json
-import struct
 
 import mlx.core as mx
 import numpy as np
@@ -17,17 +16,17 @@ from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, TensorBasis
 from kvmesh.codec.basis_file import basis_bytes_bound
 from kvmesh.codec.calibration import fit_model_basis
-from kvmesh.codec.coded import CodedLayer, TransformCoding, transform_code
+from kvmesh.codec.coded import TransformCoding, transform_code
 from kvmesh.codec.decode import CacheDecoder, decode_chunks
 from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.rotary import Rotary
-from kvmesh.codec.transform import MAGIC, read_header
 from kvmesh.errors import IntegrityError, PeerError
 from kvmesh.net.client import PeerClient
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import ArtifactStore, Incoming, artifact_store
 from kvmesh.v1 import cache_pb2 as pb
 from support import artifact_peer
+from support.poisoned_basis import recoded
 from support.processes import cli
 
 
@@ -77,22 +76,6 @@ def extra_layer(keys, values, rotaries, info):
 def swapped_layers(keys, values, rotaries, info):
     """The same tensors, said to cover model layers 1 and 0 the other way round."""
     info["layers"][:2] = info["layers"][1::-1]
-
-
-def recoded(cache: list, basis: Basis) -> list:
-    """The coded cache list with every coded layer naming `basis` (its blob's header and its spec), as
-    a sender that made that basis sends it."""
-    out = []
-    for layer in cache:
-        header, body = read_header(layer.blob)
-        header["basis"] = basis.digest
-        text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        spec = pb.TransformSpec()
-        spec.CopyFrom(layer.spec)
-        spec.basis_sha256 = basis.digest
-        blob = MAGIC + struct.pack("<I", len(text)) + text + bytes(body)
-        out.append(CodedLayer(blob, spec, layer.offset, layer.dtype, basis))
-    return out
 
 
 def sender_store(root, cache: list, basis: Basis, tiny_fp, prompt_ids) -> pb.CacheManifest:

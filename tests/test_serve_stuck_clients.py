@@ -16,20 +16,11 @@ import pytest
 from kvmesh.errors import ConfigError
 from kvmesh.serve.options import ServeOptions
 from support.daemons import start_server
+from support.http_clients import BIG_ANSWER
 from support.waiting import wait_for
 
 TCP_CLOSE = 7  # Linux's tcpi_state of a connection that was reset
 OTHER = "127.0.0.2"  # another client's address: Linux answers all of 127/8 on loopback
-# A streamed answer far larger than what the kernel and asyncio buffer for one connection: each
-# token's chunk carries its 20 most likely alternatives.
-BIG_ANSWER = {
-    "model": "tiny",
-    "messages": [{"role": "user", "content": "Where do rivers go?"}],
-    "max_tokens": 400,
-    "logprobs": True,
-    "top_logprobs": 20,
-    "stream": True,
-}
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/fd").is_dir(), reason="calls from 127.0.0.2, which only Linux answers unconfigured"
