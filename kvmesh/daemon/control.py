@@ -10,9 +10,10 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -21,6 +22,8 @@ from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.paths import daemon_log, state_file
 from kvmesh.v1 import control_pb2 as cpb
 from kvmesh.v1 import control_pb2_grpc
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,24 +76,24 @@ def read_state(data_dir: Path | str, check_alive: bool = True) -> DaemonState:
     return state
 
 
-def control_status(data_dir: Path | str, timeout: float = TIMEOUTS.control) -> cpb.StatusResponse:
-    """What the local daemon is doing and whom it sees, from its Control service."""
+def control_call(data_dir: Path | str, call: Callable[[control_pb2_grpc.ControlStub], T]) -> T:
+    """`call` on the local daemon's Control service; DaemonNotRunning when none answers."""
     state = read_state(data_dir)
     with grpc.insecure_channel(state.control) as channel:
         try:
-            return control_pb2_grpc.ControlStub(channel).Status(cpb.StatusRequest(), timeout=timeout)
+            return call(control_pb2_grpc.ControlStub(channel))
         except grpc.RpcError as e:
             raise DaemonNotRunning(f"the daemon at {state.control} does not answer: {e.details()}") from None
+
+
+def control_status(data_dir: Path | str, timeout: float = TIMEOUTS.control) -> cpb.StatusResponse:
+    """What the local daemon is doing and whom it sees, from its Control service."""
+    return control_call(data_dir, lambda stub: stub.Status(cpb.StatusRequest(), timeout=timeout))
 
 
 def spread_revocations(data_dir: Path | str, timeout: float = TIMEOUTS.control) -> cpb.SpreadResponse:
     """Have the local daemon take the revocation list in its data dir and push it to its live peers."""
-    state = read_state(data_dir)
-    with grpc.insecure_channel(state.control) as channel:
-        try:
-            return control_pb2_grpc.ControlStub(channel).SpreadRevocations(cpb.SpreadRequest(), timeout=timeout)
-        except grpc.RpcError as e:
-            raise DaemonNotRunning(f"the daemon at {state.control} does not answer: {e.details()}") from None
+    return control_call(data_dir, lambda stub: stub.SpreadRevocations(cpb.SpreadRequest(), timeout=timeout))
 
 
 def describe_links(peer: cpb.PeerState) -> str:
