@@ -64,16 +64,20 @@ def read_state(data_dir: Path | str, check_alive: bool = True) -> DaemonState:
         raise DaemonNotRunning(f"no kvmesh daemon is running for {data_dir} (start one with `kvmesh daemon`)") from None
     except (ValueError, TypeError) as e:
         raise KvmeshError(f"{path}: unreadable daemon state: {e}") from e
-    if check_alive:
-        try:
-            os.kill(state.pid, 0)
-        except ProcessLookupError:
-            raise DaemonNotRunning(
-                f"the kvmesh daemon of {data_dir} (pid {state.pid}) is gone; start it again"
-            ) from None
-        except PermissionError:
-            pass
+    if check_alive and not process_running(state.pid):
+        raise DaemonNotRunning(f"the kvmesh daemon of {data_dir} (pid {state.pid}) is gone; start it again")
     return state
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` runs (another user's counts: it cannot be signalled, but it runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def control_call(data_dir: Path | str, call: Callable[[control_pb2_grpc.ControlStub], T]) -> T:

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvmesh.daemon.control import process_running
 from kvmesh.errors import KvmeshError
 from kvmesh.paths import serve_state_file
 
@@ -37,16 +38,6 @@ def write_serve_state(data_dir: Path | str, state: ServeState) -> Path:
     return path
 
 
-def running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (another user's process: it runs)
-        return True
-    return True
-
-
 def serve_states(data_dir: Path | str) -> list[ServeState]:
     """The servers of `data_dir` that run now, the most recently started last."""
     folder = serve_state_file(data_dir, 0).parent
@@ -58,7 +49,7 @@ def serve_states(data_dir: Path | str) -> list[ServeState]:
             continue
         except (ValueError, TypeError) as e:
             raise KvmeshError(f"{path}: unreadable server state: {e}") from e
-        if running(state.pid):
+        if process_running(state.pid):
             states.append(state)
     return states
 
