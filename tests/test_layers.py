@@ -111,3 +111,98 @@ def test_the_example_shares_a_prefix_with_identical_tokens():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "tokens equal a full prefill's: True" in result.stdout
     assert "prefix of" in result.stdout and "from peer 127.0.0.1:" in result.stdout
+
+
+# Sizes a newcomer can read: a module is one job, a function one step of it.
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 120
+
+
+def package_modules() -> dict[str, Path]:
+    """Every hand-written module of the package by dotted name (the generated gRPC stubs aside)."""
+    modules = {}
+    for path in (ROOT / "kvmesh").rglob("*.py"):
+        if "v1" in path.relative_to(ROOT / "kvmesh").parts:
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that `name` imports, at its top or inside a function (both run)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            submodules = {f"{module}.{alias.name}" for alias in node.names} & modules.keys()
+            # `from kvmesh.net import client` imports the submodule; the package's __init__ is not a step.
+            found.update(submodules if len(submodules) == len(node.names) else {module, *submodules})
+    return (found & modules.keys()) - {name}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    work.append((successor, iter(sorted(graph[successor]))))
+                    break
+                if successor in stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        cycles.append(sorted(group))
+    return cycles
+
+
+def test_no_module_or_function_is_too_long_to_read():
+    long_modules, long_functions = [], []
+    for name, path in package_modules().items():
+        tree = ast.parse(path.read_text())
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES:
+            long_modules.append(f"{name}: {lines} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}.{node.name}: {length} lines")
+    assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {long_modules}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
+
+
+def test_no_import_cycle_even_through_function_level_imports():
+    modules = package_modules()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert not import_cycles(graph)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
