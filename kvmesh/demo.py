@@ -9,8 +9,10 @@ compressed copy. Every check must pass for exit code 0.
 
 import tempfile
 import time
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx_lm
@@ -64,162 +66,210 @@ def wait_for_discovery(root: Path, timeout: float = 20.0) -> float:
         time.sleep(0.1)
 
 
-def run_demo(steps: int = 24) -> int:
-    console = Console(width=110)
-    checks: list[tuple[str, bool]] = []
+@dataclass
+class Demo:
+    """What the demo's steps share: where it runs, the model, and the checks so far."""
 
-    def check(what: str, ok: bool) -> None:
-        checks.append((what, ok))
-        console.print(f"  {'[green]ok[/]' if ok else '[red]FAILED[/]'}  {what}")
+    root: Path
+    console: Console
+    steps: int
+    model: Any = None
+    tokenizer: Any = None
+    fp: Any = None
+    other_fp: Any = None
+    member: dict[str, Any] = field(default_factory=dict)
+    checks: list[tuple[str, bool]] = field(default_factory=list)
 
-    with tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp:
-        root = Path(tmp)
-        hashes = FileHashCache(root / "hashes.sqlite3")
-        model_dir = make_test_model(root / "tiny", "tiny")
-        other_dir = make_test_model(root / "tiny-other-weights", "tiny", seed=1)
-        fp, other_fp = fingerprint(model_dir, hashes), fingerprint(other_dir, hashes)
-        model, tokenizer = mlx_lm.load(str(model_dir))[:2]  # (its type also allows the config)
-        console.print(
-            f"[bold]model[/] tiny llama built offline: id {fp.model_id}, {fp.num_layers} layers, "
-            f"{fp.num_kv_heads} kv heads x {fp.head_dim}, {fp.dtype}"
-        )
+    def check(self, what: str, ok: bool) -> None:
+        self.checks.append((what, ok))
+        self.console.print(f"  {'[green]ok[/]' if ok else '[red]FAILED[/]'}  {what}")
 
-        init_mesh(root / "A", node_id(root / "A"), "demo")
-        for name in NODES[1:]:
-            enrol(root / "A", root / name, node_id(root / name))  # as `mesh token` + `mesh join` do
-        member = {name: load_credentials(root / name) for name in NODES}
-        daemons: dict[str, DaemonProcess] = {}
+
+def build_models(demo: Demo) -> None:
+    """The tiny model, and one with other weights for the consumer that must be refused."""
+    hashes = FileHashCache(demo.root / "hashes.sqlite3")
+    model_dir = make_test_model(demo.root / "tiny", "tiny")
+    other_dir = make_test_model(demo.root / "tiny-other-weights", "tiny", seed=1)
+    demo.fp, demo.other_fp = fingerprint(model_dir, hashes), fingerprint(other_dir, hashes)
+    demo.model, demo.tokenizer = mlx_lm.load(str(model_dir))[:2]  # (its type also allows the config)
+    fp = demo.fp
+    demo.console.print(
+        f"[bold]model[/] tiny llama built offline: id {fp.model_id}, {fp.num_layers} layers, "
+        f"{fp.num_kv_heads} kv heads x {fp.head_dim}, {fp.dtype}"
+    )
+
+
+def form_mesh(demo: Demo) -> None:
+    """A makes the mesh; B and C join it, as `mesh token` + `mesh join` do."""
+    root = demo.root
+    init_mesh(root / "A", node_id(root / "A"), "demo")
+    for name in NODES[1:]:
+        enrol(root / "A", root / name, node_id(root / name))
+    demo.member = {name: load_credentials(root / name) for name in NODES}
+
+
+def fetch_on_b(demo: Demo, daemons: dict[str, DaemonProcess], document: list[int], prompt: list[int]) -> Any:
+    """B generates from the document and a question on A's cache; its tokens must equal a full prefill's."""
+    start = time.perf_counter()
+    reference = [int(t) for t, _ in generate_step(mx.array(prompt), demo.model, max_tokens=demo.steps)]
+    reference_s = time.perf_counter() - start
+    result = generate(
+        demo.model,
+        demo.fp,
+        prompt,
+        CacheStore(store_dir(demo.root / "B")),
+        peers=live_peer_addresses(demo.root / "B"),
+        max_tokens=demo.steps,
+        credentials=demo.member["B"],
+    )
+    source = result.prefix
+    demo.console.print(
+        f"[bold]B[/] generated from the document + a question: prefix of {source.tokens} tokens "
+        f"from {source.where}, {source.wire_bytes:,} bytes on the wire in {source.seconds:.3f} s"
+    )
+    demo.check("B's tokens equal a local full prefill's", result.tokens == reference)
+    demo.check(
+        "B fetched the whole document from A",
+        source.tokens == len(document) and source.where.endswith(daemons["A"].address),
+    )
+    return result, reference, reference_s
+
+
+def refuse_strangers(demo: Demo, address: str, cache_id: str, prompt: list[int]) -> None:
+    """A machine outside the mesh is refused at the handshake; other weights before any byte."""
+    with PeerClient(address, timeout=5.0) as outsider:
         try:
-            start_daemons(root, daemons)
-            seconds = wait_for_discovery(root)
-            console.print(
-                f"[bold]mesh[/] A made a mesh, B and C joined it; daemons on "
-                f"{', '.join(d.address for d in daemons.values())} found each other over mDNS in "
-                f"{seconds:.1f} s and speak mutual TLS"
-            )
-            document = tokenizer.encode(resources.files("kvmesh").joinpath("data/corpus.txt").read_text())
-            question = tokenizer.encode("\nQuestions: what is a cache?", add_special_tokens=False)
-            prompt = document + question
+            outsider.info()
+            refused = False
+        except PeerError:
+            refused = True
+    demo.console.print(
+        "[bold]outsider[/] a client without the mesh's certificates tried A: "
+        + ("refused at the TLS handshake" if refused else "ANSWERED")
+    )
+    demo.check("a machine outside the mesh is refused", refused)
 
-            start = time.perf_counter()
-            cached = prefill(model, document)
-            prefill_s = time.perf_counter() - start
-            CacheStore(store_dir(root / "A")).add(*encode_cache(cached.cache, fp, document))
-            console.print(
-                f"[bold]A[/] prefilled the {len(document)}-token document in {prefill_s:.2f} s "
-                f"and stored its cache ({cached.nbytes:,} bytes)"
-            )
-            snap = make_press("snapkv", {"ratio": 0.75, "kv_bits": 8})
-            store_c = CacheStore(store_dir(root / "C"))
-            snapped = store_c.add(*encode_cache(prefill(model, document, snap).cache, fp, document, snap))
-            console.print("[bold]C[/] holds a snapkv-compressed copy (a quarter of the tokens, 8-bit)")
-            start = time.perf_counter()
-            reference = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=steps)]
-            reference_s = time.perf_counter() - start
+    with PeerClient(address, credentials=demo.member["B"]) as a:
+        sent_before = a.info().transfers.chunk_bytes_sent
+        try:
+            fetch_cache(a, cache_id, ReceiverProfile(demo.other_fp, prompt=prompt))
+            rejected = None
+        except CacheRejected as e:
+            rejected = e.rejection
+        sent_after = a.info().transfers.chunk_bytes_sent
+    demo.console.print(
+        f"[bold]other weights[/] a node with another model asked A for the cache: "
+        f"{'refused: ' + str(rejected) if rejected else 'ACCEPTED'}"
+    )
+    demo.check(
+        "a cache for other weights is refused before any byte", rejected is not None and sent_after == sent_before
+    )
 
-            peers_of_b = live_peer_addresses(root / "B")
-            result = generate(
-                model,
-                fp,
-                prompt,
-                CacheStore(store_dir(root / "B")),
-                peers=peers_of_b,
-                max_tokens=steps,
-                credentials=member["B"],
-            )
-            source = result.prefix
-            console.print(
-                f"[bold]B[/] generated from the document + a question: prefix of {source.tokens} tokens "
-                f"from {source.where}, {source.wire_bytes:,} bytes on the wire in {source.seconds:.3f} s"
-            )
-            check("B's tokens equal a local full prefill's", result.tokens == reference)
-            check(
-                "B fetched the whole document from A",
-                source.tokens == len(document) and source.where.endswith(daemons["A"].address),
-            )
 
-            with PeerClient(daemons["A"].address, timeout=5.0) as outsider:
-                try:
-                    outsider.info()
-                    refused = False
-                except PeerError:
-                    refused = True
-            console.print(
-                "[bold]outsider[/] a client without the mesh's certificates tried A: "
-                + ("refused at the TLS handshake" if refused else "ANSWERED")
-            )
-            check("a machine outside the mesh is refused", refused)
+def print_table(demo: Demo, rows: list[tuple[str, str, str, str]]) -> None:
+    table = Table(title="the document's prefix: prefill here vs fetch from a peer")
+    for column in ("how", "seconds", "bytes on the wire", "tokens = full prefill"):
+        table.add_column(column, justify="left" if column == "how" else "right")
+    for row in rows:
+        table.add_row(*row)
+    demo.console.print(table)
 
-            with PeerClient(daemons["A"].address, credentials=member["B"]) as a:
-                sent_before = a.info().transfers.chunk_bytes_sent
-                try:
-                    fetch_cache(a, source.cache_id, ReceiverProfile(other_fp, prompt=prompt))
-                    rejected = None
-                except CacheRejected as e:
-                    rejected = e.rejection
-                sent_after = a.info().transfers.chunk_bytes_sent
-            console.print(
-                f"[bold]other weights[/] a node with another model asked A for the cache: "
-                f"{'refused: ' + str(rejected) if rejected else 'ACCEPTED'}"
-            )
-            check(
-                "a cache for other weights is refused before any byte",
-                rejected is not None and sent_after == sent_before,
-            )
 
-            basis, _ = model_basis(store_c.root, LoadedModel(model, tokenizer, fp), tokens_per_text=256)
-            coded = compress(model, cached.cache, document, "default", basis)
-            transformed = store_c.add(*encode_cache(coded.cache, fp, document, tail_kl=coded.tail_kl))
-            console.print(
-                f"[bold]C[/] now holds a transform-coded copy too (`--compress`: the model's basis, "
-                f"{basis.nbytes:,} bytes, fitted on C; measured loss {coded.tail_kl:.4f} nats/token)"
-            )
+def agreement(tokens: list[int], reference: list[int]) -> str:
+    return f"{sum(x == y for x, y in zip(tokens, reference))} / {len(reference)}"
 
-            with PeerClient(daemons["C"].address, credentials=member["B"]) as c:
-                compressed = fetch_cache(c, snapped.cache_id, ReceiverProfile(fp, prompt=prompt))
-                store_b = CacheStore(store_dir(root / "B"))
-                small = fetch_cache(c, transformed.cache_id, ReceiverProfile(fp, prompt=prompt), store=store_b)
-            tokens = [t for t, _ in generate_from_cache(model, compressed.cache, question, max_tokens=steps)]
-            agree = sum(x == y for x, y in zip(tokens, reference))
-            check("C's compressed cache arrives and generates", len(tokens) == steps)
-            coded_tokens = [t for t, _ in generate_from_cache(model, small.cache, question, max_tokens=steps)]
-            coded_agree = sum(x == y for x, y in zip(coded_tokens, reference))
-            check(
-                "C's transform-coded cache arrives after its basis and generates",
-                artifact_store(store_b.root).has(basis.digest) and len(coded_tokens) == steps,
-            )
 
-            table = Table(title="the document's prefix: prefill here vs fetch from a peer")
-            for column in ("how", "seconds", "bytes on the wire", "tokens = full prefill"):
-                table.add_column(column, justify="left" if column == "how" else "right")
-            table.add_row(f"prefill {len(document)} tokens (A)", f"{prefill_s:.3f}", "-", "-")
-            table.add_row(
-                f"no cache: prompt + {steps} tokens (mlx-lm)", f"{reference_s:.3f}", "-", f"{steps} / {steps}"
-            )
-            table.add_row(
+def run_mesh(demo: Demo, daemons: dict[str, DaemonProcess]) -> None:
+    """The demo's story on running daemons: A prefills, B fetches, strangers are refused, C's copies."""
+    root, console, model, fp, steps = demo.root, demo.console, demo.model, demo.fp, demo.steps
+    start_daemons(root, daemons)
+    seconds = wait_for_discovery(root)
+    console.print(
+        f"[bold]mesh[/] A made a mesh, B and C joined it; daemons on "
+        f"{', '.join(d.address for d in daemons.values())} found each other over mDNS in "
+        f"{seconds:.1f} s and speak mutual TLS"
+    )
+    document = demo.tokenizer.encode(resources.files("kvmesh").joinpath("data/corpus.txt").read_text())
+    question = demo.tokenizer.encode("\nQuestions: what is a cache?", add_special_tokens=False)
+    prompt = document + question
+
+    start = time.perf_counter()
+    cached = prefill(model, document)
+    prefill_s = time.perf_counter() - start
+    CacheStore(store_dir(root / "A")).add(*encode_cache(cached.cache, fp, document))
+    console.print(
+        f"[bold]A[/] prefilled the {len(document)}-token document in {prefill_s:.2f} s "
+        f"and stored its cache ({cached.nbytes:,} bytes)"
+    )
+    snap = make_press("snapkv", {"ratio": 0.75, "kv_bits": 8})
+    store_c = CacheStore(store_dir(root / "C"))
+    snapped = store_c.add(*encode_cache(prefill(model, document, snap).cache, fp, document, snap))
+    console.print("[bold]C[/] holds a snapkv-compressed copy (a quarter of the tokens, 8-bit)")
+
+    result, reference, reference_s = fetch_on_b(demo, daemons, document, prompt)
+    source = result.prefix
+    refuse_strangers(demo, daemons["A"].address, source.cache_id, prompt)
+
+    basis, _ = model_basis(store_c.root, LoadedModel(model, demo.tokenizer, fp), tokens_per_text=256)
+    coded = compress(model, cached.cache, document, "default", basis)
+    transformed = store_c.add(*encode_cache(coded.cache, fp, document, tail_kl=coded.tail_kl))
+    console.print(
+        f"[bold]C[/] now holds a transform-coded copy too (`--compress`: the model's basis, "
+        f"{basis.nbytes:,} bytes, fitted on C; measured loss {coded.tail_kl:.4f} nats/token)"
+    )
+
+    with PeerClient(daemons["C"].address, credentials=demo.member["B"]) as c:
+        compressed = fetch_cache(c, snapped.cache_id, ReceiverProfile(fp, prompt=prompt))
+        store_b = CacheStore(store_dir(root / "B"))
+        small = fetch_cache(c, transformed.cache_id, ReceiverProfile(fp, prompt=prompt), store=store_b)
+    tokens = [t for t, _ in generate_from_cache(model, compressed.cache, question, max_tokens=steps)]
+    demo.check("C's compressed cache arrives and generates", len(tokens) == steps)
+    coded_tokens = [t for t, _ in generate_from_cache(model, small.cache, question, max_tokens=steps)]
+    demo.check(
+        "C's transform-coded cache arrives after its basis and generates",
+        artifact_store(store_b.root).has(basis.digest) and len(coded_tokens) == steps,
+    )
+    print_table(
+        demo,
+        [
+            (f"prefill {len(document)} tokens (A)", f"{prefill_s:.3f}", "-", "-"),
+            (f"no cache: prompt + {steps} tokens (mlx-lm)", f"{reference_s:.3f}", "-", f"{steps} / {steps}"),
+            (
                 "fetch full cache from A (B)",
                 f"{source.seconds:.3f}",
                 f"{source.wire_bytes:,}",
-                f"{sum(x == y for x, y in zip(result.tokens, reference))} / {steps}",
-            )
-            table.add_row(
+                agreement(result.tokens, reference),
+            ),
+            (
                 "fetch snapkv 8-bit from C",
                 f"{compressed.seconds:.3f}",
                 f"{compressed.wire_bytes:,}",
-                f"{agree} / {steps}",
-            )
-            table.add_row(
+                agreement(tokens, reference),
+            ),
+            (
                 "fetch transform-coded from C (+ basis once)",
                 f"{small.seconds:.3f}",
                 f"{small.wire_bytes:,}",
-                f"{coded_agree} / {steps}",
-            )
-            console.print(table)
+                agreement(coded_tokens, reference),
+            ),
+        ],
+    )
+
+
+def run_demo(steps: int = 24) -> int:
+    """The demo, exit code 0 when every check passed; the daemons are stopped whatever happens."""
+    with tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp:
+        demo = Demo(root=Path(tmp), console=Console(width=110), steps=steps)
+        build_models(demo)
+        form_mesh(demo)
+        daemons: dict[str, DaemonProcess] = {}
+        try:
+            run_mesh(demo, daemons)
         finally:
             for daemon in daemons.values():  # all at once: each takes a moment to say goodbye
                 daemon.process.terminate()
             for daemon in daemons.values():
                 daemon.stop()
-    failed = [what for what, ok in checks if not ok]
-    console.print("[green]all checks passed[/]" if not failed else f"[red]{len(failed)} check(s) failed[/]")
+    failed = [what for what, ok in demo.checks if not ok]
+    demo.console.print("[green]all checks passed[/]" if not failed else f"[red]{len(failed)} check(s) failed[/]")
     return 1 if failed else 0
