@@ -11,7 +11,8 @@ import pytest
 from cryptography import x509
 
 from kvmesh.daemon.control import control_status
-from kvmesh.net.credentials import init_mesh, load_credentials, renew
+from kvmesh.net.mesh.credentials import load_credentials
+from kvmesh.net.mesh.enrolment import init_mesh, renew
 from kvmesh.net.node_id import node_id
 from kvmesh.paths import mesh_dir
 from support.daemons import loopback_daemon

@@ -14,8 +14,8 @@ import pytest
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
-from kvmesh.generation import fetch_cache
 from kvmesh.net.client import PeerClient
+from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.store import CacheStore
 from support.processes import cli
 from support.references import greedy_tokens
@@ -190,7 +190,7 @@ def test_a_service_written_without_a_data_dir_uses_the_platform_one():
 def test_the_advert_carries_ids_only(nodes, tmp_path):
     from zeroconf import Zeroconf
 
-    from kvmesh.net.discovery import SERVICE_TYPE
+    from kvmesh.net.discovery.mdns import SERVICE_TYPE
 
     address = nodes.start("A")
     zc = Zeroconf(interfaces=["127.0.0.1"])
@@ -208,7 +208,7 @@ def test_the_advert_carries_ids_only(nodes, tmp_path):
 def test_link_local_ipv6_addresses_are_dialled_with_their_scope_or_left_out():
     import socket
 
-    from kvmesh.net.discovery import dial_address
+    from kvmesh.net.discovery.interfaces import dial_address
 
     loopback = socket.if_indextoname(1)
     assert dial_address("192.168.1.20", 7000) == "192.168.1.20:7000"

@@ -12,13 +12,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.daemon.control import control_status
 from kvmesh.errors import PeerError
 from kvmesh.net.client import PeerClient
-from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.mesh.credentials import MeshCredentials
+from kvmesh.net.mesh.revocation import sign_list, write_list
 from kvmesh.net.node_id import node_id
-from kvmesh.net.revocation import sign_list, write_list
 from kvmesh.net.transport import open_channel
 from kvmesh.paths import mesh_dir
 from support.daemons import start_daemon
-from support.members import make_mesh, member_credentials, stranger
+from support.mesh import make_mesh, member_credentials, stranger
 from support.processes import ENV
 from support.stranger import Stranger
 from support.waiting import wait_for

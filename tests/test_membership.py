@@ -15,27 +15,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.daemon.config import DaemonConfig
 from kvmesh.daemon.control import control_status
 from kvmesh.errors import CredentialsError, PeerError
-from kvmesh.net import authority
 from kvmesh.net.client import PeerClient
-from kvmesh.net.credentials import (
-    MeshCredentials,
-    init_mesh,
-    issue_node_cert,
-    join_mesh,
-    make_request,
-    names_node,
-    renew,
-)
-from kvmesh.net.discovery import routable_addresses
-from kvmesh.net.membership import request_join
+from kvmesh.net.discovery.interfaces import routable_addresses
+from kvmesh.net.mesh import authority
+from kvmesh.net.mesh.credentials import MeshCredentials
+from kvmesh.net.mesh.enrolment import enrol, init_mesh, join_mesh, renew
+from kvmesh.net.mesh.membership import request_join
+from kvmesh.net.mesh.pki import issue_node_cert, make_request, names_node
+from kvmesh.net.mesh.revocation import Revocations, read_list, sign_list
 from kvmesh.net.node_id import node_id
-from kvmesh.net.revocation import Revocations, read_list, sign_list
 from kvmesh.net.transport import open_channel
 from kvmesh.paths import mesh_dir
 from kvmesh.v1 import membership_pb2 as mpb
 from support.idle_calls import IdleCalls
-from support.members import make_mesh
 from support.membership import credentials, join, join_address, make_legacy, minted
+from support.mesh import make_mesh
 from support.processes import cli
 from support.waiting import wait_for
 
@@ -88,7 +82,7 @@ def test_a_token_is_redeemed_once_and_a_bad_proof_leaves_it_for_the_real_joiner(
 
 
 def test_the_join_port_sits_beside_the_peer_port():
-    from kvmesh.net.member import join_port_for
+    from kvmesh.net.mesh.member import join_port_for
 
     assert [join_port_for(-1, 7077), join_port_for(-1, 9000), join_port_for(-1, 0), join_port_for(7100, 0)] == [
         7078,
@@ -101,7 +95,7 @@ def test_the_join_port_sits_beside_the_peer_port():
 def test_only_the_authority_makes_tokens_removes_members_or_signs(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     init_mesh(a, node_id(a))
-    authority.enrol(a, b, node_id(b))
+    enrol(a, b, node_id(b))
     assert not (mesh_dir(b) / "ca.key").exists()
     for attempt in (lambda: authority.make_token(b), lambda: authority.remove(b, node_id(a))):
         with pytest.raises(authority.NotAuthority, match="only the mesh's authority"):
@@ -115,7 +109,7 @@ def test_only_the_authority_makes_tokens_removes_members_or_signs(tmp_path):
 def test_a_revocation_list_is_adopted_only_when_the_ca_signed_it_and_it_is_newer(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     init_mesh(a, node_id(a))
-    member = authority.enrol(a, b, node_id(b))
+    member = enrol(a, b, node_id(b))
     held = Revocations(b, member.trust_pem)
     first = authority.remove(a, "1111111111111111")
     assert held.adopt(first.to_bytes(), source="a") and held.revoked("1111111111111111")
@@ -480,7 +474,7 @@ def test_a_member_whose_certificate_ends_is_live_no_longer_on_a_channel_opened_b
     a, b, daemon_a = mesh
     x = tmp_path / "x"
     lasts = 15.0  # seconds: long enough for B to find X live first, on a loaded machine too
-    authority.enrol(a, x, node_id(x), days=(300 + lasts) / 86400)  # (valid from 5 minutes ago)
+    enrol(a, x, node_id(x), days=(300 + lasts) / 86400)  # (valid from 5 minutes ago)
     ends = credentials(x).expires
     # X does not renew in time (its authority would renew it): its certificate just ends.
     daemon_x = daemons.start(x, *FAST, "--renew-before-days", "1e-9", log=tmp_path / "x.log")

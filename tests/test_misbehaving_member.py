@@ -13,15 +13,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.errors import PeerError
-from kvmesh.fetch_or_prefill import Rates
-from kvmesh.generation import fetch_cache, generate
 from kvmesh.net.client import PeerClient
 from kvmesh.net.transport import method, open_channel, serialize
+from kvmesh.reuse.fetch import fetch_cache
+from kvmesh.reuse.generate import generate
+from kvmesh.reuse.rates import Rates
 from kvmesh.store import CacheStore
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.versions import PROTOCOL_VERSION
 from support import hostile_peer
-from support.members import make_mesh, member_credentials
+from support.mesh import make_mesh, member_credentials
 from support.references import greedy_tokens
 from support.stores import put
 

@@ -22,7 +22,7 @@ from kvmesh.net.node_id import node_id
 from kvmesh.store import CacheStore
 from support import namespaces
 from support.daemons import start_daemon
-from support.members import make_mesh
+from support.mesh import make_mesh
 from support.processes import cli
 from support.references import greedy_tokens
 from support.waiting import wait_for

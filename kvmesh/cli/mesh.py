@@ -7,7 +7,7 @@ from kvmesh.cli.common import Args, Commands, command, data_dir, group
 
 
 def init(args: Args) -> int:
-    from kvmesh.net.credentials import init_mesh
+    from kvmesh.net.mesh.enrolment import init_mesh
     from kvmesh.net.node_id import node_id
 
     creds = init_mesh(data_dir(args), node_id(data_dir(args)), args.name)
@@ -18,14 +18,14 @@ def init(args: Args) -> int:
 
 
 def token(args: Args) -> int:
-    from kvmesh.net.authority import make_token
-    from kvmesh.net.credentials import DEFAULT_JOIN_PORT
-    from kvmesh.net.discovery import routable_addresses
-    from kvmesh.net.member import join_addresses
+    from kvmesh.net.addresses import DEFAULT_JOIN_PORT
+    from kvmesh.net.discovery.interfaces import routable_addresses
+    from kvmesh.net.mesh.authority import make_token
+    from kvmesh.net.mesh.layout import MeshDir
 
     made, expires = make_token(data_dir(args), args.hours)
     print(made)
-    addresses = join_addresses(data_dir(args))
+    addresses = MeshDir.of(data_dir(args)).join_addresses()
     # No daemon: this Mac's own addresses, where its daemon will take joins once started.
     own = routable_addresses(None)
     where = addresses[0] if addresses else (own[0] if own else "ADDRESS")
@@ -45,7 +45,7 @@ def token(args: Args) -> int:
 
 
 def join(args: Args) -> int:
-    from kvmesh.net.credentials import join_mesh
+    from kvmesh.net.mesh.enrolment import join_mesh
     from kvmesh.net.node_id import node_id
 
     text = sys.stdin.read() if args.token == "-" else args.token
@@ -69,7 +69,8 @@ def _daemon_step(directory: Path) -> str:
 
 def renew(args: Args) -> int:
     from kvmesh.errors import CredentialsError
-    from kvmesh.net.credentials import join_address, load_credentials, read_authority, renew, write_authority
+    from kvmesh.net.mesh.credentials import load_credentials
+    from kvmesh.net.mesh.enrolment import join_address, read_authority, renew, write_authority
     from kvmesh.net.node_id import node_id
 
     if load_credentials(data_dir(args)) is None:
@@ -82,7 +83,7 @@ def renew(args: Args) -> int:
 
 
 def remove(args: Args) -> int:
-    from kvmesh.net.authority import remove
+    from kvmesh.net.mesh.authority import remove
 
     revoked = remove(data_dir(args), args.node)
     removed = [n for n in revoked.node_ids if n.startswith(args.node)]
@@ -110,7 +111,7 @@ def _spread_removal(directory: Path) -> str:
 
 
 def members(args: Args) -> int:
-    from kvmesh.net.authority import members
+    from kvmesh.net.mesh.authority import members
 
     for node, entry in sorted(members(data_dir(args)).items()):
         state = f"removed {entry['removed']}" if entry.get("removed") else "member"
@@ -119,9 +120,10 @@ def members(args: Args) -> int:
 
 
 def status(args: Args) -> int:
-    from kvmesh.net.authority import is_authority
-    from kvmesh.net.credentials import load_credentials, read_authority, renewal_due
-    from kvmesh.net.revocation import read_list
+    from kvmesh.net.mesh.authority import is_authority
+    from kvmesh.net.mesh.credentials import load_credentials, renewal_due
+    from kvmesh.net.mesh.enrolment import read_authority
+    from kvmesh.net.mesh.revocation import read_list
 
     creds = load_credentials(data_dir(args))
     if creds is None:

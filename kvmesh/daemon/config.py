@@ -16,7 +16,7 @@ from typing import Any
 from kvmesh import paths
 from kvmesh.errors import ConfigError
 from kvmesh.net.addresses import DEFAULT_PORT, peer_address
-from kvmesh.net.credentials import MAX_CERT_DAYS, NODE_CERT_DAYS, RENEW_BEFORE_DAYS
+from kvmesh.net.mesh.pki import MAX_CERT_DAYS, NODE_CERT_DAYS, RENEW_BEFORE_DAYS
 from kvmesh.net.policy import Policy
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.settings import (
@@ -83,7 +83,7 @@ class DaemonConfig:
     renew_before_days: float = setting(
         RENEW_BEFORE_DAYS, help="days before its certificate ends that the running daemon renews it"
     )
-    # Membership (kvmesh.net.member): the authority's join port, the longest certificate a peer may
+    # Membership (kvmesh.net.mesh.member): the authority's join port, the longest certificate a peer may
     # hold, and how often peers are asked for a newer revocation list.
     join_port: int = setting(
         -1,

@@ -23,19 +23,16 @@ from kvmesh.daemon.control import DaemonState, write_state
 from kvmesh.daemon.limits import raise_descriptor_limit
 from kvmesh.errors import CredentialsError, DaemonAlreadyRunning, ListenError, StoreError
 from kvmesh.net.addresses import host_port
-from kvmesh.net.admission import node_refusal, refusal
-from kvmesh.net.credentials import RenewingCredentials, renew_if_due, renew_if_unnamed
-from kvmesh.net.discovery import (
-    Discovery,
-    HealthChecker,
-    Link,
-    Peer,
-    PeerTable,
-    Refuse,
-    RefuseNode,
-    routable_addresses,
-)
-from kvmesh.net.member import MemberRuntime, join_port_for
+from kvmesh.net.discovery.health import HealthChecker
+from kvmesh.net.discovery.interfaces import routable_addresses
+from kvmesh.net.discovery.links import Link
+from kvmesh.net.discovery.mdns import Discovery
+from kvmesh.net.discovery.peers import Peer, PeerTable
+from kvmesh.net.discovery.proof import Refuse, RefuseNode
+from kvmesh.net.mesh.admission import node_refusal, refusal
+from kvmesh.net.mesh.enrolment import renew_if_due, renew_if_unnamed
+from kvmesh.net.mesh.member import MemberRuntime, join_port_for
+from kvmesh.net.mesh.renewing import RenewingCredentials
 from kvmesh.net.node_id import node_id
 from kvmesh.net.server import RunningServer, start_server
 from kvmesh.net.timeouts import TIMEOUTS

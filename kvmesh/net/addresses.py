@@ -5,6 +5,8 @@ from kvmesh.errors import ConfigError
 
 # The port a daemon serves on unless told otherwise, and the one dialled when an address names none.
 DEFAULT_PORT = 7077
+# The authority's join port (beside the peer port).
+DEFAULT_JOIN_PORT = 7078
 
 
 def peer_address(text: str) -> str:
@@ -30,3 +32,16 @@ def host_port(host: str, port: int | str) -> str:
     """The `host:port` that gRPC dials and serves: an IPv6 address in brackets (`[fe80::1%en0]:7077`)."""
     host = host.strip("[]")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """(host, port) of a `host:port` as gRPC dials it, the inverse of `host_port` (an IPv6 host comes
+    without its brackets)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def caller_host(peer: str) -> str:
+    """The calling host of a peer as gRPC's `context.peer()` names one, its port left out
+    (`ipv4:192.168.1.20:50123` -> `ipv4:192.168.1.20`): what every call from one Mac shares."""
+    return peer.rpartition(":")[0]

@@ -20,7 +20,7 @@ from collections import Counter
 import grpc
 
 from kvmesh.errors import ListenError
-from kvmesh.net.addresses import host_port
+from kvmesh.net.addresses import host_port, split_host_port
 from kvmesh.net.quiet import Quiet
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,8 @@ class Guard:
         same on the others); the port. ListenError when one cannot be served."""
         port = 0
         for address in addresses:
-            host, wanted = address.rsplit(":", 1)
-            self._sockets.append(listening_socket(host.strip("[]"), port or int(wanted)))
+            host, wanted = split_host_port(address)
+            self._sockets.append(listening_socket(host, port or wanted))
             port = self._sockets[-1].getsockname()[1]
         for listener in self._sockets:
             self._loop.call_soon_threadsafe(self._watch, listener)

@@ -8,7 +8,8 @@ import grpc
 from google.protobuf.message import Message
 
 from kvmesh.codec.limits import MAX_CHUNK_SIZE, max_encoded_length
-from kvmesh.net.credentials import SERVER_NAME, Membership, node_name
+from kvmesh.net.mesh.credentials import Membership
+from kvmesh.net.mesh.pki import SERVER_NAME, node_name
 from kvmesh.net.timeouts import TIMEOUTS
 
 SERVICE_NAME = "kvmesh.v1.KvMesh"

@@ -10,8 +10,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvmesh.net.authority import make_token
-from kvmesh.net.credentials import SERVER_NAME, MeshCredentials, join_mesh, load_credentials
+from kvmesh.net.mesh.authority import make_token
+from kvmesh.net.mesh.credentials import MeshCredentials, load_credentials
+from kvmesh.net.mesh.enrolment import join_mesh
+from kvmesh.net.mesh.pki import SERVER_NAME
 from kvmesh.net.node_id import node_id
 from kvmesh.paths import mesh_dir
 

@@ -13,9 +13,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
-from support.processes import cli
+from support.mesh import make_mesh as make_mesh  # scripts/bench_choice.py, bench_link.py call it here
 
 SERVER_IP, CLIENT_IP = "10.78.0.1", "10.78.0.2"
 
@@ -147,12 +146,3 @@ class Bridge(Namespaces):
             ip("-n", self.hub, "link", "set", f"veth{i}", "master", "br0", "up")
             ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             ip("-n", ns, "link", "set", "eth0", "up")
-
-
-def make_mesh(server_dir: Path, client_dir: Path) -> None:
-    """One mesh, made in `server_dir` and joined from `client_dir`: daemons off loopback need it."""
-    from kvmesh.net.authority import enrol
-    from kvmesh.net.node_id import node_id
-
-    cli("mesh", "init", data_dir=server_dir)
-    enrol(server_dir, client_dir, node_id(client_dir))  # as `mesh join` would, without the daemon running

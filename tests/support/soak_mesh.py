@@ -4,7 +4,7 @@ keep running with their old certificates (as a Mac someone removed but never swi
 strangers squat A's join port. Static peers only (no mDNS), so the plaintext daemons never meet it.
 
 Joins and removals go through the `kvmesh` command as a user types them; renewals through
-kvmesh.net.credentials.renew, as the daemon renews."""
+kvmesh.net.mesh.enrolment.renew, as the daemon renews."""
 
 import contextlib
 import itertools
@@ -16,7 +16,8 @@ from pathlib import Path
 
 from kvmesh.daemon.control import DaemonProcess, control_status
 from kvmesh.errors import KvmeshError
-from kvmesh.net.credentials import MeshCredentials, init_mesh, renew
+from kvmesh.net.mesh.credentials import MeshCredentials
+from kvmesh.net.mesh.enrolment import init_mesh, renew
 from kvmesh.net.node_id import node_id
 from support.daemons import start_daemon
 from support.idle_calls import IdleCalls

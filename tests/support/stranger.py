@@ -8,7 +8,7 @@ import threading
 
 from zeroconf import DNSOutgoing, DNSPointer, ServiceInfo, Zeroconf, const
 
-from kvmesh.net.discovery import SERVICE_TYPE
+from kvmesh.net.discovery.mdns import SERVICE_TYPE
 from kvmesh.versions import PROTOCOL_VERSION
 
 

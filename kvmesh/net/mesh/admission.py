@@ -3,7 +3,7 @@
 TLS already refuses a certificate the mesh CA did not sign (a member's own key cannot make one: a
 node certificate is no CA) and one outside its dates. gRPC's Python API cannot add checks to the
 handshake itself, so the first thing every call does, on every service of the peer port (health
-checks and reflection too), is this: a node the authority removed (kvmesh.net.revocation), or a
+checks and reflection too), is this: a node the authority removed (kvmesh.net.mesh.revocation), or a
 certificate that lasts longer than `max_certificate_days` (one the authority would never issue: a
 stolen or leaked CA key's work), is refused with PERMISSION_DENIED before the handler runs.
 """
@@ -17,11 +17,11 @@ from typing import Any, cast
 
 import grpc
 from cryptography import x509
-from cryptography.x509.oid import NameOID
 
 from kvmesh.net.guard import caller
+from kvmesh.net.mesh.pki import common_name
+from kvmesh.net.mesh.revocation import Revocations
 from kvmesh.net.quiet import Quiet
-from kvmesh.net.revocation import Revocations
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,7 @@ class PeerCertificate:
 def peer_certificate(pem: bytes) -> PeerCertificate:
     """The node id, serial and lifetime of a certificate (parsed once per certificate, not per call)."""
     cert = x509.load_pem_x509_certificate(pem)
-    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    node_id = str(names[0].value) if names else ""
-    return PeerCertificate(node_id, cert.serial_number, cert.not_valid_after_utc - cert.not_valid_before_utc)
+    return PeerCertificate(common_name(cert), cert.serial_number, cert.not_valid_after_utc - cert.not_valid_before_utc)
 
 
 def node_refusal(node_id: str, revocations: Revocations) -> str | None:

@@ -7,7 +7,7 @@ from its data dir or from a peer, pushes it to its live peers at once (the Revoc
 kvmesh/v1/membership.proto, carrying the list), so a removal crosses the mesh in a few round trips.
 A member that was offline, or that a push did not reach, gets it from whichever peer has it when it
 next asks (every `interval`). A list is adopted only if the mesh CA signed it and it is newer
-(kvmesh.net.revocation), so taking a list from any peer, even the removed one, is safe: a member can
+(kvmesh.net.mesh.revocation), so taking a list from any peer, even the removed one, is safe: a member can
 withhold a list but never forge or roll one back. Each daemon pushes each new version once.
 """
 
@@ -18,8 +18,8 @@ from concurrent import futures
 
 import grpc
 
-from kvmesh.net.credentials import Membership
-from kvmesh.net.revocation import Revocations
+from kvmesh.net.mesh.credentials import Membership
+from kvmesh.net.mesh.revocation import Revocations
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import open_channel
 from kvmesh.v1 import membership_pb2 as mpb

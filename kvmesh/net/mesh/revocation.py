@@ -1,18 +1,16 @@
 """The mesh's revocation list: the node ids the authority removed, signed by the CA key.
 
 `kvmesh mesh remove NODE` on the authority writes a new list with the next version number. Members
-carry it: each asks its peers for a newer one now and then (kvmesh.net.membership) and adopts one
+carry it: each asks its peers for a newer one now and then (kvmesh.net.mesh.gossip) and adopts one
 only if the mesh CA signed it and its version is higher than the one it holds, so a member can
 neither forge a list nor roll one back. Every member refuses calls from a listed node
-(kvmesh.net.admission). Node ids, not certificate serials, are listed: a removed Mac is out for good,
+(kvmesh.net.mesh.admission). Node ids, not certificate serials, are listed: a removed Mac is out for good,
 whatever certificate it still holds.
 """
 
 import base64
-import datetime
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,15 +18,15 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from kvmesh.errors import CredentialsError
-from kvmesh.paths import mesh_dir
+from kvmesh.net.mesh.layout import MeshDir
+from kvmesh.net.mesh.pki import load_ca_key, now
 
 log = logging.getLogger(__name__)
 FORMAT = "kvmesh-revocations-v1"
-FILE = "revocations.json"
 
 
 @dataclass(frozen=True)
@@ -85,10 +83,8 @@ EMPTY = RevocationList(0, (), "", b"")
 
 def sign_list(ca_key_pem: bytes, version: int, node_ids: tuple[str, ...]) -> RevocationList:
     """A list of `node_ids` at `version`, signed with the CA key (on the authority only)."""
-    key = serialization.load_pem_private_key(ca_key_pem, password=None)
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise CredentialsError("the mesh CA key is not an EC key: was it made by `kvmesh mesh init`?")
-    issued = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    key = load_ca_key(ca_key_pem)
+    issued = now().isoformat(timespec="seconds")
     unsigned = RevocationList(version, tuple(sorted(set(node_ids))), issued, b"")
     return RevocationList(
         unsigned.version, unsigned.node_ids, issued, key.sign(unsigned.payload(), ec.ECDSA(hashes.SHA256()))
@@ -96,7 +92,7 @@ def sign_list(ca_key_pem: bytes, version: int, node_ids: tuple[str, ...]) -> Rev
 
 
 def list_path(data_dir: Path) -> Path:
-    return mesh_dir(data_dir) / FILE
+    return MeshDir.of(data_dir).revocations
 
 
 def read_list(data_dir: Path) -> RevocationList:
@@ -109,10 +105,8 @@ def read_list(data_dir: Path) -> RevocationList:
 
 def write_list(data_dir: Path, revocations: RevocationList) -> None:
     """Atomically: a reader (a daemon, a command) sees the old list or the new one."""
-    path = list_path(data_dir)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(revocations.to_bytes())
-    tmp.replace(path)
+    directory = MeshDir.of(data_dir)
+    directory.write(directory.revocations, revocations.to_bytes())
 
 
 class Revocations:
@@ -120,7 +114,7 @@ class Revocations:
     too, so a restart keeps it. Thread-safe: the server's calls read it as the gossip adopts.
 
     `own_id`: this node's id, so that a list removing it says so in the log. `on_adopted` is called
-    after each newer list is taken (the daemon pushes it on to its peers then: kvmesh.net.gossip).
+    after each newer list is taken (the daemon pushes it on to its peers then: kvmesh.net.mesh.gossip).
     """
 
     def __init__(self, data_dir: Path, trust_pem: bytes, own_id: str = ""):

@@ -23,13 +23,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from cryptography import x509
 
 from kvmesh.errors import CredentialsError, ListenError
-from kvmesh.net import authority
-from kvmesh.net.addresses import host_port
+from kvmesh.net.addresses import caller_host, host_port
 from kvmesh.net.guard import caller
+from kvmesh.net.mesh import authority
+from kvmesh.net.mesh.layout import MeshDir
+from kvmesh.net.mesh.pki import common_name
+from kvmesh.net.mesh.revocation import Revocations
 from kvmesh.net.quiet import Quiet
-from kvmesh.net.revocation import Revocations
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.v1 import membership_pb2 as mpb
 from kvmesh.v1 import membership_pb2_grpc
@@ -62,6 +65,7 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
     def __init__(self, data_dir: Path, revocations: Revocations, *, days: float):
         """`days`: the longest certificate this authority issues."""
         self.data_dir, self.revocations, self.days = data_dir, revocations, days
+        self.directory = MeshDir.of(data_dir)
         self.quiet = Quiet(every=REFUSAL_LOG_EVERY)
 
     def Join(self, request: mpb.JoinRequest, context: grpc.ServicerContext) -> mpb.JoinResponse:
@@ -94,7 +98,7 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
         return mpb.JoinResponse(
             certificate=cert,
             trust=trust,
-            authority_node_id=_common_name((authority.mesh_dir(self.data_dir) / "node.pem").read_bytes()),
+            authority_node_id=authority.own_id(self.directory),
             revocations=self._revocations(),
             proof=authority.reply_proof(secret, cert, trust),
         )
@@ -112,7 +116,7 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
 
     def Revocations(self, request: mpb.RevocationsRequest, context: grpc.ServicerContext) -> mpb.RevocationsResponse:
         """On the peer port (mutual TLS: a member calls): a list the caller pushes is adopted when the
-        CA signed it and it is newer (and then pushed on: kvmesh.net.gossip); the answer is this
+        CA signed it and it is newer (and then pushed on: kvmesh.net.mesh.gossip); the answer is this
         node's list if it is newer than the caller's."""
         if request.revocations:
             self.revocations.adopt(request.revocations, source=f"peer {caller(context)}, pushed")
@@ -126,7 +130,7 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
         return mpb.RevocationsResponse(revocations=self.revocations.current.to_bytes())
 
     def _trust(self) -> bytes:
-        return (authority.mesh_dir(self.data_dir) / "trust.pem").read_bytes()
+        return self.directory.trust.read_bytes()
 
     def _revocations(self) -> bytes:
         self.revocations.reload()
@@ -134,11 +138,7 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
 
 
 def _common_name(cert_pem: bytes) -> str:
-    from cryptography import x509
-    from cryptography.x509.oid import NameOID
-
-    names = x509.load_pem_x509_certificate(cert_pem).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    return str(names[0].value) if names else "?"
+    return common_name(x509.load_pem_x509_certificate(cert_pem)) or "?"
 
 
 class JoinPort:
@@ -201,7 +201,7 @@ class JoinPort:
 
         async def answer(requests: AsyncIterator[Request], context: grpc.aio.ServicerContext) -> Any:
             peer = context.peer()
-            source = peer.rsplit(":", 1)[0]
+            source = caller_host(peer)
             if self._open[source] >= CALLS_PER_ADDRESS:
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -1,29 +1,26 @@
 """What a daemon runs for its mesh membership, beside its peer service.
 
-Every member enforces the revocation list at each call (kvmesh.net.admission, an interceptor of the
-peer server), serves it to its peers and asks them for newer ones (kvmesh.net.gossip). The authority
+Every member enforces the revocation list at each call (kvmesh.net.mesh.admission, an interceptor of the
+peer server), serves it to its peers and asks them for newer ones (kvmesh.net.mesh.gossip). The authority
 (the node holding the CA key) also serves its join port, where new Macs join and members renew
-(kvmesh.net.membership), and says where in `<data dir>/mesh/join.json` for `kvmesh mesh token`.
+(kvmesh.net.mesh.membership), and says where in `<data dir>/mesh/join.json` for `kvmesh mesh token`.
 """
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from kvmesh.net import authority
-from kvmesh.net.addresses import host_port
-from kvmesh.net.admission import Admission
-from kvmesh.net.credentials import DEFAULT_JOIN_PORT, Membership
-from kvmesh.net.gossip import Gossip
-from kvmesh.net.membership import JoinPort, MembershipService, serve_join_port
-from kvmesh.net.revocation import Revocations
-from kvmesh.paths import mesh_dir
+from kvmesh.net.addresses import DEFAULT_JOIN_PORT, host_port
+from kvmesh.net.mesh import authority
+from kvmesh.net.mesh.admission import Admission
+from kvmesh.net.mesh.credentials import Membership
+from kvmesh.net.mesh.gossip import Gossip
+from kvmesh.net.mesh.layout import MeshDir
+from kvmesh.net.mesh.membership import JoinPort, MembershipService, serve_join_port
+from kvmesh.net.mesh.revocation import Revocations
 from kvmesh.v1 import membership_pb2_grpc
-
-JOIN_FILE = "join.json"
 
 
 def join_port_for(setting: int, peer_port: int) -> int:
@@ -32,14 +29,6 @@ def join_port_for(setting: int, peer_port: int) -> int:
     if setting >= 0:
         return setting
     return 0 if peer_port == 0 else (DEFAULT_JOIN_PORT if peer_port == DEFAULT_JOIN_PORT - 1 else peer_port + 1)
-
-
-def join_addresses(data_dir: Path) -> list[str]:
-    """Where the authority's running daemon takes joins (none when it runs no daemon)."""
-    try:
-        return list(json.loads((mesh_dir(data_dir) / JOIN_FILE).read_text())["addresses"])
-    except (FileNotFoundError, ValueError, KeyError):
-        return []
 
 
 @dataclass
@@ -91,8 +80,7 @@ class MemberRuntime:
         if authority.is_authority(self.data_dir):
             self.join_port = serve_join_port(self.service, hosts, join_port)
             self._listening = [host_port(h, self.join_port.port) for h in hosts]
-            path = mesh_dir(self.data_dir) / JOIN_FILE
-            path.write_text(json.dumps({"addresses": self._listening}))
+            MeshDir.of(self.data_dir).write_join_addresses(self._listening)
         self.gossip = Gossip(self.revocations, peers, credentials, interval=interval)
         self.gossip.start()
         return self._listening
@@ -107,5 +95,5 @@ class MemberRuntime:
         if self.gossip:
             self.gossip.stop()
         if self.join_port:
-            (mesh_dir(self.data_dir) / JOIN_FILE).unlink(missing_ok=True)
+            MeshDir.of(self.data_dir).join.unlink(missing_ok=True)
             self.join_port.stop()
