@@ -31,6 +31,7 @@ from mlx_lm.models.cache import (
 )
 
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache, sparse_from_dense
+from kvmesh.compat.mlx_lm import set_write_index, temporal_order
 from kvmesh.errors import UnsupportedCacheError
 
 # Kinds a layer, or a part of a CacheList layer, may be (kvmesh's sparse caches stand for KVCache).
@@ -64,7 +65,7 @@ def window_tensors(c: RotatingKVCache) -> tuple[mx.array, mx.array]:
         raise ValueError("a sliding-window layer that has seen no token has nothing to share")
 
     def temporal(v: mx.array) -> mx.array:
-        v = c._temporal_order(v)  # mlx-lm's own reordering, as its next multi-token update does
+        v = temporal_order(c, v)
         stored = min(c.offset, c.max_size)
         if v.shape[2] > stored:
             v = mx.concatenate([v[..., : c.keep, :], v[..., v.shape[2] - (stored - c.keep) :, :]], axis=2)
@@ -90,8 +91,7 @@ def window_from_arrays(keys: mx.array, values: mx.array, offset: int, window: in
         )
     layer = RotatingKVCache(max_size=window, keep=keep)
     layer.keys, layer.values, layer.offset = keys, values, offset
-    # The write index at the end of the temporal buffer: mlx-lm then wraps or grows as after a prefill.
-    layer._idx = stored
+    set_write_index(layer, stored)
     return layer
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -27,10 +26,10 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
-    _BaseCache,
     create_attention_mask,
 )
 
+from kvmesh.compat.mlx_lm import BaseCache, register_cache_class
 from kvmesh.errors import UnsupportedCacheError
 
 
@@ -48,7 +47,7 @@ def _slice(x, n: int):
     return tree_map(lambda a: a[..., :n, :], x)
 
 
-class _SparseBase(_BaseCache):
+class _SparseBase(BaseCache):
     """What the float and quantized sparse caches share; subclasses say how new tokens are stored."""
 
     step = 256
@@ -277,6 +276,6 @@ def stored_nbytes(cache) -> int:
     raise UnsupportedCacheError(f"no byte count for {type(cache).__name__}")
 
 
-# load_prompt_cache resolves class names in mlx-lm's cache module: make ours resolvable there.
-for _cls in (SparseKVCache, SparseQuantizedKVCache):
-    setattr(mlx_cache, _cls.__name__, _cls)
+# So that load_prompt_cache rebuilds them from a file.
+register_cache_class(SparseKVCache)
+register_cache_class(SparseQuantizedKVCache)

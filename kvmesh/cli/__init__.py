@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from kvmesh.allocator import tune_allocator
-    from kvmesh.model.loaded import tolerate_mlx_lm_descriptor_limit
+    from kvmesh.compat.mlx_lm import tolerate_mlx_lm_descriptor_limit
 
     args = build_parser().parse_args(argv)
     tune_allocator()

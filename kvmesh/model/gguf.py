@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvmesh.errors import KvmeshError
-from kvmesh.model.testmodels import write_model_dir
+from kvmesh.model.directory import write_model_dir
 
 GROUP_SIZE = 32
 # GGUF tensor names -> mlx-lm llama names (blk.N.<name> -> model.layers.N.<name>).

@@ -5,27 +5,14 @@ from the same files the weights are loaded from: a local directory, or a Hugging
 snapshot in the local hub cache.
 """
 
-import importlib.abc
-import importlib.machinery
 import json
-import logging
-import resource
-import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from kvmesh.compat.mlx_lm import tolerate_mlx_lm_descriptor_limit
 from kvmesh.errors import KvmeshError
 from kvmesh.model.fingerprint import ModelFingerprint, fingerprint
-
-log = logging.getLogger(__name__)
-# mlx_lm.utils, as it is imported, sets the descriptor limit to (2048, 4096) "for large models with
-# lots of files"; under a lower hard limit that raises ValueError, unless the process may raise it.
-MLX_LM_UTILS = "mlx_lm.utils"
-MLX_LM_HARD_LIMIT = 4096
 
 
 @dataclass(frozen=True)
@@ -33,73 +20,6 @@ class LoadedModel:
     model: Any  # an mlx-lm model (mlx.nn.Module)
     tokenizer: Any  # mlx-lm's TokenizerWrapper
     fingerprint: ModelFingerprint
-
-
-def tolerate_mlx_lm_descriptor_limit() -> None:
-    """Let mlx-lm load under a hard descriptor limit below 4,096 (a service's, `ulimit -Hn 1024`).
-
-    mlx_lm.utils raises the limit to (2048, 4096) on import, and without the privilege to raise a
-    hard limit that fails: every model command ended in "unexpected ValueError". Call this before
-    mlx-lm is first imported (any `mlx_lm` import loads mlx_lm.utils): where the hard limit is that
-    low, that one import keeps within it (the soft limit goes as high as the hard one allows).
-    Loads nothing itself; elsewhere, and once mlx-lm is loaded, it does nothing.
-    """
-    if MLX_LM_UTILS in sys.modules or any(isinstance(f, _WithinDescriptorLimit) for f in sys.meta_path):
-        return
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    if hard == resource.RLIM_INFINITY or hard >= MLX_LM_HARD_LIMIT:
-        return
-    sys.meta_path.insert(0, _WithinDescriptorLimit())
-
-
-class _WithinDescriptorLimit(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds mlx_lm.utils as the other finders do, and runs it with its descriptor-limit call
-    kept within the hard limit; gone from sys.meta_path after that one import."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != MLX_LM_UTILS:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None:
-            return spec
-        self.inner = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__loader__ = self.inner  # the module looks loaded as any other
-        if module.__spec__ is not None:
-            module.__spec__.loader = self.inner
-        with _descriptor_limit_within_hard_limit():
-            self.inner.exec_module(module)
-
-
-@contextmanager
-def _descriptor_limit_within_hard_limit() -> Iterator[None]:
-    """While it lasts, a request for more descriptors than the hard limit allows gets that limit."""
-    setrlimit = resource.setrlimit
-
-    def within(which: int, limits: tuple[int, int]) -> None:
-        try:
-            setrlimit(which, limits)
-        except ValueError:
-            if which != resource.RLIMIT_NOFILE:
-                raise
-            hard = resource.getrlimit(which)[1]
-            log.debug("mlx-lm asked for %s descriptors; the hard limit is %s", limits, hard)
-            setrlimit(which, (min(limits[0], hard), hard))
-
-    resource.setrlimit = within
-    try:
-        yield
-    finally:
-        resource.setrlimit = setrlimit
 
 
 def context_length(model_dir: Path) -> int:

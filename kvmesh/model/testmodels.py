@@ -7,17 +7,16 @@ opens offline, and building it twice gives byte-identical files (so identical fi
 """
 
 import json
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.utils import _get_classes, save_config, save_model
+from mlx_lm.utils import save_config, save_model
 
-from kvmesh.errors import KvmeshError, ModelDirError
+from kvmesh.compat.mlx_lm import model_classes
+from kvmesh.errors import KvmeshError
+from kvmesh.model.directory import write_model_dir
 from kvmesh.model.presets import PRESETS, REAL_PRESETS, Preset
 
 BOS, EOS, PAD = "<|bos|>", "<|im_end|>", "<|pad|>"
@@ -145,7 +144,7 @@ def make_test_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0, dt
         raise KvmeshError(f"unknown preset {preset!r}; choose one of: {', '.join([*PRESETS, *REAL_PRESETS])}")
     spec = PRESETS[preset]
     config = preset_config(spec)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     model.set_dtype(getattr(mx, spec.dtype))
@@ -160,23 +159,3 @@ def make_test_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0, dt
         )
 
     return write_model_dir(out_dir, write)
-
-
-def write_model_dir(out_dir: Path | str, write: Callable[[Path], None]) -> Path:
-    """Fill a new model directory with `write(tmp)` beside `out_dir`, then rename it into place, so a
-    half-built model is never left where a loader would find it."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ModelDirError(out_dir, "exists and is not an empty directory; choose a new one")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    tmp.chmod(0o755)
-    try:
-        write(tmp)
-        if out_dir.exists():
-            out_dir.rmdir()
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
