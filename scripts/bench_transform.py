@@ -11,10 +11,17 @@ probed. mlx-lm's 8-bit and 4-bit quantization are measured beside it as anchors 
 Throughput counts the fp16-equivalent bytes of the cache per second of encoding (with the step
 bisection, and at a known step) and of decoding.
 
+`--speed` measures only the codec's speed, at the `--compress` default level's step: encode and
+decode of the first probed text's cache (blobs to arrays, and the wire path: chunks through
+`kvmesh.codec.decode.decode_chunks` into caches), then the same for a cache of Llama-3.1-8B's
+geometry (8 KV heads of 128, synthetic numbers and basis: `kvmesh.codec.rate`).
+
     scripts/dev run python scripts/bench_transform.py [--texts notes] [--ratios 4 8] [--json FILE]
+    scripts/dev run python scripts/bench_transform.py --speed [--basis FILE]
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import sysconfig
@@ -30,9 +37,17 @@ import mlx.core as mx  # noqa: E402
 
 from kvmesh.caches.prefill import run_prompt  # noqa: E402
 from kvmesh.caches.presses import make_press  # noqa: E402
+from kvmesh.caches.sparse import SparseKVCache  # noqa: E402
 from kvmesh.codec.basis import Basis, fit_basis  # noqa: E402
+from kvmesh.codec.coded import TransformCoding, transform_code  # noqa: E402
+from kvmesh.codec.decode import decode_chunks  # noqa: E402
+from kvmesh.codec.encode import encode_cache  # noqa: E402
+from kvmesh.codec.levels import LEVELS  # noqa: E402
+from kvmesh.codec.rate import synthetic_basis, synthetic_layers  # noqa: E402
 from kvmesh.codec.rotary import model_rotaries  # noqa: E402
-from kvmesh.codec.transform import decode_layers, encode_layers, layers_of_cache  # noqa: E402
+from kvmesh.codec.transform import encode_layers, fp16_nbytes, layers_of_cache  # noqa: E402
+from kvmesh.codec.transform_decode import decode_layers  # noqa: E402
+from kvmesh.model.fingerprint import fingerprint  # noqa: E402
 from kvmesh.model.prompt import prompt_tokens  # noqa: E402
 from support import quality_probes as bq  # noqa: E402
 
@@ -88,6 +103,56 @@ def probe(model, tokenizer, cache, rest, probes, reference):
     return reference, {"kl": kl, "top1": top1, "facts": facts, "fact_nll": fact_nll}
 
 
+def best_of(fn, repeat: int) -> float:
+    """The fastest of `repeat` timed calls (the machine is shared), after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def speed_rows(name: str, layers, basis: Basis, cache, fp, repeat: int) -> None:
+    """Encode and decode GB/s (fp16-equivalent) of one cache at the default level's step: blobs to
+    arrays (`encode_layers`, `decode_layers`) and the wire path (coded cache -> chunks -> caches)."""
+    step = LEVELS["default"].step
+    fp16 = fp16_nbytes(layers)
+    enc = encode_layers(layers, basis, step=step)
+    encode_s = best_of(lambda: encode_layers(layers, basis, step=step), repeat)
+    decode_s = best_of(lambda: mx.eval(decode_layers(enc.blobs, basis)), repeat)
+    coding = TransformCoding(basis, step)
+    coded = transform_code(cache, coding)
+    encoded = encode_cache(coded, fp, list(range(cache[0].offset)))
+    chunks = list(encoded.chunks)
+    bases = {basis.digest: basis}
+    wire_s = best_of(lambda: decode_chunks(encoded.manifest, iter(chunks), bases=bases), repeat)
+    code_s = best_of(lambda: list(encode_cache(transform_code(cache, coding), fp, range(cache[0].offset)).chunks), 1)
+    print(
+        f"{name}: {fp16 / 1e6:.1f} MB fp16, coded {enc.nbytes / 1e6:.2f} MB ({enc.ratio:.2f}x) at step {step}: "
+        f"encode {fp16 / encode_s / 1e9:.3f} GB/s, decode {fp16 / decode_s / 1e9:.3f} GB/s; "
+        f"wire path: encode {fp16 / code_s / 1e9:.3f} GB/s, decode {fp16 / wire_s / 1e9:.3f} GB/s"
+    )
+
+
+def real_cache_speed(model, context: list[int], basis: Basis, model_dir: Path, repeat: int) -> None:
+    start = time.perf_counter()
+    dense, _, _ = run_prompt(model, context)
+    print(f"{len(context)} context tokens prefilled in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    cache = make_press("full").apply(dense)
+    speed_rows("SmolLM2-135M (30 x 3 x 64)", layers_of_cache(cache), basis, cache, fingerprint(model_dir), repeat)
+
+
+def synthetic_speed(model_dir: Path, repeat: int, *, tokens: int = 1024, n_layers: int = 4) -> None:
+    """A float16 cache of Llama-3.1-8B's geometry (8 KV heads of 128), of `n_layers` layers."""
+    basis = synthetic_basis(n_layers, 8, 128)
+    layers = synthetic_layers(basis, tokens)
+    cache = [SparseKVCache.from_arrays(k, v, tokens) for k, v, _ in layers]
+    fp = dataclasses.replace(fingerprint(model_dir), num_layers=n_layers, num_kv_heads=8, head_dim=128, dtype="float16")
+    speed_rows(f"8B geometry ({n_layers} x 8 x 128, {tokens} tokens)", layers, basis, cache, fp, repeat)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--texts", nargs="+", default=["declaration", "notes"], help="probed texts")
@@ -100,6 +165,8 @@ def main() -> None:
     parser.add_argument("--no-anchors", action="store_true", help="skip mlx-lm's 8-bit and 4-bit rows")
     parser.add_argument("--basis", type=Path, help="reuse (or write) the basis here (safetensors + .sha256)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--speed", action="store_true", help="only the codec's encode and decode GB/s")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs of each (--speed), the best kept")
     args = parser.parse_args()
 
     import mlx_lm
@@ -137,6 +204,11 @@ def main() -> None:
             args.basis.with_suffix(".sha256").write_text(basis.digest + "\n")
 
     texts = bq.load_texts()
+    if args.speed:
+        context = prompt_tokens(tokenizer, bq.with_facts(texts[args.texts[0]]), "", chat=True)
+        real_cache_speed(model, context, basis, smollm2_dir(), args.repeat)
+        synthetic_speed(smollm2_dir(), args.repeat)
+        return
     rows = []
     for name in args.texts:
         context_text = bq.with_facts(texts[name])

@@ -9,24 +9,18 @@ import pytest
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError, fit_basis, fit_tensor_basis
 from kvmesh.codec.coded import TransformCoding, decoded, transform_code
-from kvmesh.codec.layer_blob import cut_codes
+from kvmesh.codec.layer_blob import ESCAPE, MAGIC, MAGIC_RAW_DTYPE, TransformCodecError, cut_codes, read_header
 from kvmesh.codec.rotary import Rotary, apply_rope, model_rotaries, remove_rope, rotary_of
 from kvmesh.codec.transform import (
-    ESCAPE,
-    MAGIC,
-    MAGIC_RAW_DTYPE,
-    TransformCodecError,
     bit_allocation,
     component_groups,
-    decode_group,
-    decode_layers,
     encode_layers,
     kept_components,
     layers_of_cache,
     pack_codes,
     pack_integers,
-    read_header,
 )
+from kvmesh.codec.transform_decode import decode_group, decode_layers
 
 
 def rope_np(x, positions, dims, base, scale=1.0, traditional=False, inverse=False):
@@ -258,8 +252,7 @@ def test_codes_packed_several_per_byte():
         assert len(plane) == math.ceil(1001 / (8 // width))
         assert np.array_equal(unpack_codes(width, plane, esc, 1001), q)
         # The decoder's table look-up, with a centroid offset folded in.
-        out = np.empty(1001, np.float32)
-        decode_group(width, plane, esc, 1001, -0.125, out)
+        out = np.array(decode_group(width, plane, esc, 1001, -0.125))
         np.testing.assert_array_equal(out, q - 0.125 * np.sign(q))
     # Hand-checked: 1, -1, 0, -2 -> zigzag 2, 1, 0, 3 -> 2 | 1 << 2 | 0 << 4 | 3 << 6.
     assert pack_codes(np.array([1, -1, 0, -2]))[1] == bytes([2 | 1 << 2 | 3 << 6])

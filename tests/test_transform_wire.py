@@ -20,8 +20,9 @@ from kvmesh.codec.compat import ReceiverProfile, basis_problem, check_manifest, 
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import encode_cache
+from kvmesh.codec.layer_blob import read_header
 from kvmesh.codec.manifest import layer_report, lossy, uncuttable_reason
-from kvmesh.codec.transform import decode_layer, read_header
+from kvmesh.codec.transform_decode import decode_layer
 from kvmesh.errors import IntegrityError, StoreError
 from kvmesh.store.artifacts import ArtifactStore
 from kvmesh.v1 import cache_pb2 as pb
@@ -241,7 +242,7 @@ def test_a_shorter_prefix_of_a_coded_cache_decodes_as_that_prefix_of_the_whole(
 
 
 def test_a_coded_entry_serves_a_shorter_prefix_from_the_store(wire, coded, calibrated, prompt_ids, tmp_path):
-    from kvmesh.generation import load_prefix
+    from kvmesh.reuse.find import load_prefix
     from kvmesh.store import CacheStore
 
     manifest, chunks = wire
@@ -356,7 +357,7 @@ def rebuilt(blob: bytes, change=None, segment: int | None = None, data: bytes = 
     import json
     import struct
 
-    from kvmesh.codec.transform import MAGIC, read_header
+    from kvmesh.codec.layer_blob import MAGIC, read_header
 
     header, body = read_header(blob)
     segments = [bytes(body[at : at + n]) for at, n in header["segments"]]
@@ -377,7 +378,7 @@ def test_a_blob_that_disagrees_with_its_manifest_is_refused_before_any_allocatio
     import zstandard
 
     from kvmesh.codec.coded import decode_coded
-    from kvmesh.codec.transform import TransformCodecError, read_header
+    from kvmesh.codec.layer_blob import TransformCodecError, read_header
 
     _, cache = coded
     manifest, _ = wire

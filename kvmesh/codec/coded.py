@@ -21,9 +21,11 @@ import numpy as np
 
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError
+from kvmesh.codec.layer_blob import TransformCodecError, read_header
 from kvmesh.codec.manifest import BASIS_KIND
 from kvmesh.codec.rotary import Rotary
-from kvmesh.codec.transform import TransformCodecError, decode_layer, encode_layers, read_header
+from kvmesh.codec.transform import encode_layers
+from kvmesh.codec.transform_decode import decode_layer
 from kvmesh.v1 import cache_pb2 as pb
 
 
@@ -155,7 +157,7 @@ def coded_artifacts(cache: Sequence) -> list[pb.Artifact]:
 
 
 def decode_coded(
-    spec: pb.LayerSpec, blob: bytes | memoryview, bases: Mapping[str, Basis], dtype: mx.Dtype, memo: dict | None = None
+    spec: pb.LayerSpec, blob: bytes | memoryview, bases: Mapping[str, Basis], dtype: mx.Dtype
 ) -> SparseKVCache:
     """A CACHE_KIND_TRANSFORM_KV layer back into a SparseKVCache of `dtype`."""
     basis = bases.get(spec.transform.basis_sha256)
@@ -176,8 +178,10 @@ def decode_coded(
         expect["start"] = 0  # it kept every position
     else:
         check_kept_positions(read_header(blob)[0], spec)
-    keys, values = decode_layer(blob, basis, memo, expect=expect)
-    return SparseKVCache.from_arrays(keys.astype(dtype), values.astype(dtype), spec.offset)
+    keys, values = decode_layer(blob, basis, expect=expect)
+    keys, values = keys.astype(dtype), values.astype(dtype)
+    mx.eval(keys, values)
+    return SparseKVCache.from_arrays(keys, values, spec.offset)
 
 
 def check_kept_positions(header: dict, spec: pb.LayerSpec) -> None:
@@ -196,7 +200,6 @@ def check_kept_positions(header: dict, spec: pb.LayerSpec) -> None:
 def decoded(cache: Sequence) -> list:
     """A cache list with its CodedLayers decoded (what a receiver will hold): for measuring a coded
     cache's loss where it was made."""
-    memo: dict = {}
     out = []
     for layer in cache:
         if isinstance(layer, CodedLayer):
@@ -204,7 +207,7 @@ def decoded(cache: Sequence) -> list:
                 kind=pb.CACHE_KIND_TRANSFORM_KV, n_kept=layer.n_kept, offset=layer.offset, transform=layer.spec
             )
             dtype = getattr(mx, layer.dtype)
-            layer = decode_coded(spec, layer.blob, {layer.basis.digest: layer.basis}, dtype, memo)
+            layer = decode_coded(spec, layer.blob, {layer.basis.digest: layer.basis}, dtype)
         out.append(layer)
     return out
 

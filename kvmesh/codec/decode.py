@@ -9,6 +9,7 @@ decoding needs about one copy of the cache in memory, never the whole encoded pa
 """
 
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -20,8 +21,9 @@ from kvmesh.codec.arrays import DTYPES, UINT_OF_SIZE, Layer, mlx_shape, uint_vie
 from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, Raw, ordered_map
 from kvmesh.codec.coded import decode_coded
+from kvmesh.codec.layer_blob import TransformCodecError
 from kvmesh.codec.manifest import ITEMSIZE, leaf_layers, tensor_dtype, token_major
-from kvmesh.codec.transform import TransformCodecError, finite
+from kvmesh.codec.transform_decode import finite
 from kvmesh.errors import IntegrityError
 from kvmesh.model.fingerprint import dtype_name
 from kvmesh.v1 import cache_pb2 as pb
@@ -53,8 +55,9 @@ class CacheDecoder:
         ]
         self.buffers: list[mx.array | None] = [None] * len(self.shapes)
         self.views: list[np.ndarray | None] = [None] * len(self.shapes)
-        # Transform-coded layers decode as soon as their last chunk is in (while later ones arrive):
-        # by the index of that chunk, the tensor and its layer; decoded, by tensor.
+        # Transform-coded layers decode as soon as their last chunk is in, on a thread of their own
+        # while later chunks arrive: by the index of that chunk, the tensor and its layer; decoding,
+        # in order; decoded, by tensor.
         leaves = [layer for _, layer in leaf_layers(manifest.layers) for _ in layer.tensors]
         last = {slot.tensor: i for i, slot in enumerate(self.checker.plan)}
         self.coded_at = {
@@ -63,7 +66,8 @@ class CacheDecoder:
             if layer.kind == pb.CACHE_KIND_TRANSFORM_KV and t in last
         }
         self.coded: dict[int, Layer] = {}
-        self._memo: dict = {}
+        self._decoding: list[tuple[int, Future[Layer]]] = []
+        self._pool: ThreadPoolExecutor | None = None
 
     def _allocate(self, chunk: Chunk) -> Chunk:
         """Make the buffer of the tensor where the plan puts `chunk` (not where it claims to go)."""
@@ -99,12 +103,17 @@ class CacheDecoder:
             self._write(chunk, self.checker.decode(chunk))
             return chunk
 
-        for chunk in ordered_map(decode, map(self._allocate, chunks), threads):
-            self.checker.accept(chunk)
-            if chunk.index in self.coded_at:
-                self._decode_coded(*self.coded_at[chunk.index])
-            yield chunk
-        self.checker.finish()
+        try:
+            for chunk in ordered_map(decode, map(self._allocate, chunks), threads):
+                self.checker.accept(chunk)
+                if chunk.index in self.coded_at:
+                    self._start_coded(*self.coded_at[chunk.index])
+                self._collect_coded(wait=False)  # a layer that failed fails the transfer now
+                yield chunk
+            self.checker.finish()
+            self._collect_coded(wait=True)
+        finally:
+            self._stop_coded()
         self._check_finite()
 
     def _check_finite(self) -> None:
@@ -115,16 +124,37 @@ class CacheDecoder:
             if buffer is not None and mx.issubdtype(dtype, mx.floating) and not finite(buffer.view(dtype)):
                 raise IntegrityError(f"tensor {i} ({spec.name}) of the cache holds NaN or infinite numbers")
 
-    def _decode_coded(self, tensor: int, layer: pb.LayerSpec) -> None:
-        """A transform-coded layer whose bytes are all in (each chunk checked) into its SparseKVCache."""
+    def _start_coded(self, tensor: int, layer: pb.LayerSpec) -> None:
+        """Decode a transform-coded layer whose bytes are all in (each chunk checked) on the coded
+        layers' thread: one thread, so layers decode in order while the next ones arrive."""
         view = self.views[tensor]
         assert view is not None, "a coded tensor is decoded once its chunks are written"
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-coded")
+        self._decoding.append((tensor, self._pool.submit(self._decode_coded, layer, view.tobytes())))
+
+    def _collect_coded(self, *, wait: bool) -> None:
+        """Take the coded layers decoded so far (all of them when `wait`), raising the first failure."""
+        while self._decoding and (wait or self._decoding[0][1].done()):
+            tensor, future = self._decoding.pop(0)
+            self.coded[tensor] = future.result()
+
+    def _stop_coded(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._decoding = []
+
+    def _decode_coded(self, layer: pb.LayerSpec, blob: bytes) -> Layer:
+        """A transform-coded layer into its SparseKVCache (or the quantized cache asked for)."""
         try:
             dtype = DTYPES[dtype_name(self.manifest.dtype)]
-            decoded = decode_coded(layer, view.tobytes(), self.bases, dtype, self._memo)
-            self.coded[tensor] = (
-                decoded if self.quantize_bits is None else decoded.to_quantized(bits=self.quantize_bits)
-            )
+            decoded = decode_coded(layer, blob, self.bases, dtype)
+            if self.quantize_bits is None:
+                return decoded
+            quantized = decoded.to_quantized(bits=self.quantize_bits)
+            mx.eval(quantized.keys_and_values())
+            return quantized
         except (BasisError, TransformCodecError) as e:
             # Its bytes matched their checksums: the sender coded it wrong, or with another basis.
             raise IntegrityError(f"a transform-coded layer does not decode: {e}") from None
@@ -138,6 +168,7 @@ class CacheDecoder:
     def finish(self) -> list[Layer]:
         """Check the payload is complete and intact, then hand over the caches."""
         self.checker.finish()
+        self._collect_coded(wait=True)
         # Tensors of no bytes had no chunk to make theirs.
         buffers = [self._buffer(i) for i in range(len(self.buffers))]
         tensors = iter(enumerate(zip(self.checker.specs, buffers, strict=True)))

@@ -45,24 +45,18 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import zstandard
 
 from kvmesh.codec.basis import Basis, BasisError, LayerKV, TensorBasis
 from kvmesh.codec.layer_blob import (
-    ESCAPE,
     MAGIC,
     MAGIC_RAW_DTYPE,
-    Segments,
     TransformCodecError,
     Writer,
     pack_zigzag,
-    read_header,
 )
 from kvmesh.codec.rotary import Rotary, rotate, rotation_table
+from kvmesh.codec.transform_decode import RAW_DTYPES
 
-# The dtypes raw rows travel in (a header without one: float16), and the NumPy type each decodes into
-# (NumPy has no bfloat16: its bits travel as uint16 and decode through MLX into float32).
-RAW_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 SQRT12 = math.sqrt(12.0)
 
 
@@ -106,41 +100,6 @@ def pack_codes(q: np.ndarray) -> tuple[int, bytes, bytes]:
     top = int(zz.max()) if zz.size else 0
     width = 8 if top >= 16 else 2 if top < 4 else 4
     return (width, *pack_zigzag(zz, width))
-
-
-def _code_table(width: int) -> np.ndarray:
-    """(256, 8 // width) float32: the signed values each packed byte holds."""
-    per = 8 // width
-    zz = (np.arange(256)[:, None] >> (np.arange(per) * width)) & ((1 << width) - 1)
-    return ((zz >> 1) ^ -(zz & 1)).astype(np.float32)
-
-
-_TABLES = {width: _code_table(width) for width in (2, 4, 8)}
-
-
-def decode_group(width: int, plane: bytes, escapes: bytes, count: int, offset: float, out: np.ndarray) -> None:
-    """Packed codes -> float32 values q + offset * sign(q), written into `out` (count values): one
-    table look-up per byte (the table has the offset folded in)."""
-    per = 8 // width
-    packed = np.frombuffer(plane, dtype=np.uint8)
-    if packed.size != -(-count // per):
-        raise TransformCodecError(f"{packed.size} packed bytes for {count} codes of {width} bits")
-    table = _TABLES[width]
-    if offset:
-        table = table + np.float32(offset) * np.sign(table)
-    flat = out.reshape(-1)
-    if per == 1:
-        np.take(table[:, 0], packed, out=flat)
-        big = packed == ESCAPE
-        esc = np.frombuffer(escapes, dtype="<u4").astype(np.int64)
-        if esc.size != int(np.count_nonzero(big)):
-            raise TransformCodecError("escape count does not match the plane")
-        values = ((esc >> 1) ^ -(esc & 1)).astype(np.float32)
-        flat[big] = values + np.float32(offset) * np.sign(values)
-    elif count % per == 0:
-        np.take(table, packed, axis=0, out=flat.reshape(-1, per))
-    else:
-        flat[...] = table[packed].reshape(-1)[:count]
 
 
 def _centroid_offset(scaled: np.ndarray, q: np.ndarray) -> float:
@@ -229,16 +188,6 @@ def _raw_rows(x: Any, sinks: int, recent: int) -> tuple[bytes, str]:
     t = x.shape[2]
     rows = mx.concatenate([x[:, :, :sinks], x[:, :, t - recent :]], axis=2)
     return np.asarray(rows.view(mx.uint16) if x.dtype == mx.bfloat16 else rows).tobytes(), name
-
-
-def _raw_array(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Raw rows from their bytes: float16 as they are, the others as float32 (which holds them exactly)."""
-    if dtype not in RAW_DTYPES:
-        raise TransformCodecError(f"raw rows of an unknown dtype {dtype!r}")
-    if dtype == "bfloat16":
-        bits = mx.array(np.frombuffer(data, dtype="<u2").reshape(shape))
-        return np.asarray(bits.view(mx.bfloat16).astype(mx.float32))
-    return np.frombuffer(data, dtype="<f2" if dtype == "float16" else "<f4").reshape(shape)
 
 
 def _split(x: np.ndarray, sinks: int, recent: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -413,124 +362,6 @@ def encode_layers(
     if best is None:  # even the coarsest step is too big (raw rows alone exceed the target)
         best = trial(limit[1])
     return best
-
-
-def check_header(header: dict, expect: dict[str, Any]) -> None:
-    """The blob's header says what the manifest said: its shape, basis layer, raw rows, steps and
-    component counts (`expect`, the same keys as the header's), positions from 0 when `start` is
-    expected (a layer that kept every one; `kvmesh.codec.coded.check_kept_positions` checks the others).
-    A sender's blob may not decode to anything else, nor allocate beyond that."""
-    got = {
-        "shape": header.get("shape"),
-        "layer": header.get("layer"),
-        "sinks": header.get("sinks"),
-        "recent": header.get("recent"),
-        "start": header.get("positions", {}).get("start"),
-        "key_step": header.get("k", {}).get("step"),
-        "value_step": header.get("v", {}).get("step"),
-        "key_components": header.get("k", {}).get("n"),
-        "value_components": header.get("v", {}).get("n"),
-    }
-    wrong = [f"{k} {got[k]!r} (the manifest says {v!r})" for k, v in expect.items() if got[k] != v]
-    if wrong:
-        raise TransformCodecError("the layer's blob disagrees with its manifest: " + "; ".join(wrong))
-
-
-def decode_layer(
-    data: bytes | memoryview, basis: Basis, memo: dict | None = None, *, expect: dict[str, Any] | None = None
-) -> tuple[mx.array, mx.array]:
-    """One layer's (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated back.
-    With `expect` (what the manifest says: `check_header`), a blob that says otherwise is refused
-    before anything is allocated.
-
-    Raises TransformCodecError for bytes that do not decode, or decode to numbers that are not
-    finite (their digest was checked before: this guards against a sender's bug or a lie, not the
-    link), BasisError for a blob of another basis."""
-    header, body = read_header(data)
-    if expect is not None:
-        check_header(header, expect)
-    try:
-        with np.errstate(over="ignore", invalid="ignore"):  # (what overflows is refused just below)
-            keys, values = _decode_layer(header, body, basis, {} if memo is None else memo)
-    except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
-        if isinstance(e, (TransformCodecError, BasisError)):
-            raise
-        raise TransformCodecError(f"a malformed layer blob: {type(e).__name__}: {e}") from None
-    if not finite(keys, values):
-        raise TransformCodecError("the layer decodes to NaN or infinite numbers")
-    return keys, values
-
-
-def finite(*arrays: mx.array) -> bool:
-    """Every number of `arrays` is finite: one mx.isfinite reduction each, so that a cache of NaNs
-    (a lying sender's steps or raw rows, a basis that passed its checks) is never kept."""
-    return all(bool(mx.isfinite(a).all()) for a in arrays)
-
-
-def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> tuple[mx.array, mx.array]:
-    if header["basis"] != basis.digest:
-        raise BasisError(
-            f"the cache was coded with basis {header['basis'][:16]}..., this basis is {basis.digest[:16]}..."
-        )
-    j = header["layer"]
-    if not 0 <= j < len(basis):
-        raise BasisError(f"basis layer {j} of a basis of {len(basis)}")
-    seg = Segments(header, body)
-    b, h, t, d = header["shape"]
-    if h * d != basis.keys[j].features:
-        raise BasisError(f"{h} heads of {d} for a basis layer of {basis.keys[j].features} features")
-    s, r = header["sinks"], header["recent"]
-    m = t - s - r
-    pm = header["positions"]
-    if "seg" in pm:
-        pos = np.frombuffer(seg(pm["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)
-    else:
-        pos = np.broadcast_to(np.arange(pm["start"], pm["start"] + t, dtype=np.int32)[None, None], (b, h, t))
-    tensors = []
-    for kind, tb in (("k", basis.keys[j]), ("v", basis.values[j])):
-        km = header[kind]
-        n = km["n"]
-        raw_dtype = km.get("raw_dtype", "float16")
-        raw = _raw_array(seg(km["raw"], 4 * b * h * (s + r) * d), raw_dtype, (b, h, s + r, d))
-        out_arr = np.empty((b, h, t, d), dtype=raw.dtype)
-        out_arr[:, :, :s] = raw[:, :, :s]
-        out_arr[:, :, t - r :] = raw[:, :, s:]
-        if m:
-            coded = np.empty((n, b * m), dtype=np.float32)
-            at = 0
-            for count, width, plane_ref, esc_ref, delta in km["groups"]:
-                if width not in _TABLES or not 0 < count <= n - at:
-                    raise TransformCodecError(f"a group of {count} components of {width} bits")
-                values = count * b * m
-                esc = seg(esc_ref, 4 * values) if esc_ref is not None else b""
-                plane = seg(plane_ref, -(-values // (8 // width)))
-                decode_group(width, plane, esc, values, delta, coded[at : at + count])
-                at += count
-            if at != n:
-                raise TransformCodecError(f"groups of {at} components where {n} were sent")
-            if kind == "k":
-                cos, sin = _tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
-            # One product for all heads, then each head's columns into its (tokens, head_dim) slab.
-            synthesis = tb.synthesis()[:n] * np.float32(km["step"] * tb.scale)
-            if n:
-                rows = np.asarray(mx.array(coded).T @ mx.array(synthesis) + tb.on_mlx("mean"))
-            else:
-                rows = np.broadcast_to(tb.mean, (b * m, h * d))
-            for hh in range(h):
-                block = rows[:, hh * d : (hh + 1) * d].reshape(b, m, d)
-                if kind == "k":
-                    at_h = min(hh, cos.shape[2] - 1)
-                    block = rotate(block, cos[:, :, at_h], sin[:, :, at_h], basis.rotaries[j])
-                out_arr[:, hh, s : t - r] = block
-        tensors.append(mx.array(out_arr).astype(RAW_DTYPES[raw_dtype]))
-    mx.eval(tensors)
-    return tensors[0], tensors[1]
-
-
-def decode_layers(blobs: Sequence[bytes], basis: Basis) -> list[tuple[mx.array, mx.array]]:
-    """Per layer, (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated back."""
-    memo: dict = {}
-    return [decode_layer(blob, basis, memo) for blob in blobs]
 
 
 def layers_of_cache(cache: Sequence[Any], positions: Sequence[Any] | None = None) -> list[LayerKV]:

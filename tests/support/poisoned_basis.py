@@ -19,7 +19,7 @@ from kvmesh.codec.basis import Basis, TensorBasis
 from kvmesh.codec.calibration import fit_model_basis
 from kvmesh.codec.coded import CodedLayer, TransformCoding, transform_code
 from kvmesh.codec.encode import encode_cache
-from kvmesh.codec.transform import MAGIC, read_header
+from kvmesh.codec.layer_blob import MAGIC, read_header
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store

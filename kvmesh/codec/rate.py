@@ -1,0 +1,72 @@
+"""How fast this machine decodes (and encodes) transform-coded caches of a geometry: measured, not guessed.
+
+Whether fetching a coded cache beats prefilling it depends on the decode rate as much as on the link
+(a decoder slower than the link makes the fetch decoder-bound), and that rate depends on the machine
+(CPU or a Mac's GPU) and on the geometry (heads x head_dim sets the inverse transform's size).
+`measure_decode_rate` times the real decoder on a small synthetic cache of that geometry, coded with
+a synthetic basis of the same size: cheap enough to call before a choice (well under a second).
+
+`synthetic_layers` and `synthetic_basis` also make the 8B-geometry cache of the codec's benchmark.
+"""
+
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from kvmesh.codec.basis import Basis, LayerKV, TensorBasis
+from kvmesh.codec.levels import LEVELS
+from kvmesh.codec.rotary import Rotary, apply_rope
+from kvmesh.codec.transform import encode_layers, fp16_nbytes
+from kvmesh.codec.transform_decode import decode_layers
+
+# Spread of the synthetic components' calibration RMS (largest / smallest = e^SPREAD), about a real
+# model's: the default step then keeps most components, at a few bits each.
+SPREAD = 4.0
+
+
+def synthetic_basis(layers: int, heads: int, head_dim: int, *, base: float = 500000.0) -> Basis:
+    """A basis of the geometry's size whose components are the features themselves (any orthogonal
+    basis costs the decoder the same), with RMS decaying over the components as a fitted one's do."""
+    f = heads * head_dim
+    rms = np.exp(-SPREAD * np.arange(f) / f).astype(np.float32)
+    tensors = [TensorBasis(np.zeros(f, np.float32), np.eye(f, dtype=np.float16), rms) for _ in range(2 * layers)]
+    rotary = Rotary(dims=head_dim, traditional=False, base=base)
+    return Basis(tensors[:layers], tensors[layers:], [rotary] * layers, {"synthetic": True})
+
+
+def synthetic_layers(basis: Basis, tokens: int, *, seed: int = 0, dtype: mx.Dtype = mx.float16) -> list[LayerKV]:
+    """Per basis layer, (keys, values, positions) of `tokens` rows drawn from the basis's spectrum,
+    keys rotated by its RoPE: numbers the codec sees as it sees a real cache's."""
+    rng = np.random.default_rng(seed)
+    out: list[LayerKV] = []
+    for tk, tv, rotary in zip(basis.keys, basis.values, basis.rotaries, strict=True):
+        d = rotary.dims
+        h = tk.features // d
+        k, v = (
+            mx.array((rng.standard_normal((tokens, tb.features)) * tb.rms).astype(np.float32))
+            .reshape(1, tokens, h, d)
+            .transpose(0, 2, 1, 3)
+            for tb in (tk, tv)
+        )
+        positions = np.arange(tokens)
+        out.append((apply_rope(k, positions, rotary).astype(dtype), v.astype(dtype), positions))
+    return out
+
+
+def measure_decode_rate(
+    heads: int, head_dim: int, *, tokens: int = 512, step: float | None = None, repeat: int = 3
+) -> float:
+    """Bytes per second of fp16-equivalent cache this machine's transform decoder produces for one
+    layer of `heads` KV heads of `head_dim` (the best of `repeat` decodes, after a warm-up).
+
+    `step` defaults to the `--compress` default level's. Takes well under a second at 8B geometry."""
+    basis = synthetic_basis(1, heads, head_dim)
+    layers = synthetic_layers(basis, tokens)
+    blobs = encode_layers(layers, basis, step=LEVELS["default"].step if step is None else step).blobs
+    best = float("inf")
+    for _ in range(repeat + 1):
+        start = time.perf_counter()
+        mx.eval(decode_layers(blobs, basis))
+        best = min(best, time.perf_counter() - start)
+    return fp16_nbytes(layers) / best

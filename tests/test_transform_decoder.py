@@ -1,0 +1,132 @@
+"""The transform codec's MLX decoder (kvmesh.codec.transform_decode) against the NumPy decoder it
+replaced, written here as the reference: the same floats from the same blobs, in every dtype, with
+contiguous and per-head positions, both RoPE pairings, partial rotary dims, raw recent rows, and
+steps from fine (escaped one-byte codes) to coarse (no component sent).
+
+On the CPU the two agree bit for bit. They compute the same products and conversions; the only
+operation whose order differs is the keys' rotation (the kernel's `x*cos - y*sin` against NumPy's
+multiplies and subtraction of table entries), which on a device that fuses multiply-adds (a Mac's
+GPU) may round float32 differently: at most ROTATION_ULPS float32 ulps of the key's magnitude,
+some 1e-7 relative, below float16's own rounding (5e-4) of the cache and some 1e5 times below the
+codec's quantization error at any level it ships. A generated token could change only where two
+logits tie to within ~1e-7 relative, where the model's own kernels already differ between devices.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_transform_codec import random_layers, sparse_positions
+
+from kvmesh.codec.basis import Basis, fit_basis
+from kvmesh.codec.layer_blob import Segments, read_header
+from kvmesh.codec.rotary import Rotary, apply_rope
+from kvmesh.codec.transform import encode_layers
+from kvmesh.codec.transform_decode import RAW_DTYPES, TABLES, decode_layer
+
+ROTATION_ULPS = 2
+
+
+def reference_rotate(x: np.ndarray, positions: np.ndarray, rotary: Rotary) -> np.ndarray:
+    """x (B, H, T, D) float32 rotated with the kernel's (cos, sin) of each position (the kernel
+    applied to unit pairs), in NumPy: the previous decoder's arithmetic."""
+    b, h, t, d = x.shape
+    half, dims = rotary.dims // 2, rotary.dims
+    unit = np.zeros((b, h, t, d), np.float32)
+    if rotary.traditional:
+        unit[..., 0:dims:2] = 1.0
+    else:
+        unit[..., :half] = 1.0
+    table = np.asarray(apply_rope(mx.array(unit), positions, rotary))
+    if rotary.traditional:
+        cos, sin = table[..., 0:dims:2], table[..., 1:dims:2]
+        a, c = x[..., 0:dims:2], x[..., 1:dims:2]
+        out = x.copy()
+        out[..., 0:dims:2], out[..., 1:dims:2] = a * cos - c * sin, a * sin + c * cos
+    else:
+        cos, sin = table[..., :half], table[..., half:dims]
+        a, c = x[..., :half], x[..., half:dims]
+        out = x.copy()
+        out[..., :half], out[..., half:dims] = a * cos - c * sin, a * sin + c * cos
+    return out
+
+
+def reference_group(width: int, plane: bytes, escapes: bytes, count: int, offset: float) -> np.ndarray:
+    per = 8 // width
+    packed = np.frombuffer(plane, dtype=np.uint8)
+    table = TABLES[width] + np.float32(offset) * np.sign(TABLES[width])
+    flat = table[packed].reshape(-1)[:count].copy()
+    if per == 1:
+        esc = np.frombuffer(escapes, dtype="<u4").astype(np.int64)
+        values = ((esc >> 1) ^ -(esc & 1)).astype(np.float32)
+        flat[packed == 255] = values + np.float32(offset) * np.sign(values)
+    return flat
+
+
+def reference_decode(blob: bytes, basis: Basis) -> list[mx.array]:
+    """The NumPy decoder the MLX one replaced: keys and values of one layer's blob."""
+    header, body = read_header(blob)
+    seg = Segments(header, body)
+    j, (b, h, t, d) = header["layer"], header["shape"]
+    s, r = header["sinks"], header["recent"]
+    m = t - s - r
+    pm = header["positions"]
+    if "seg" in pm:
+        pos = np.frombuffer(seg(pm["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)
+    else:
+        pos = np.broadcast_to(np.arange(pm["start"], pm["start"] + t, dtype=np.int32)[None, None], (b, h, t))
+    out = []
+    for kind, tb in (("k", basis.keys[j]), ("v", basis.values[j])):
+        km = header[kind]
+        raw_dtype = km.get("raw_dtype", "float16")
+        raw = mx.array(np.frombuffer(seg(km["raw"], 1 << 30), "<u2" if raw_dtype != "float32" else "<f4"))
+        raw = raw.view(RAW_DTYPES[raw_dtype]) if raw_dtype != "float32" else raw
+        raw = np.asarray(raw.astype(mx.float32 if raw_dtype != "float16" else mx.float16)).reshape(b, h, s + r, d)
+        full = np.empty((b, h, t, d), raw.dtype)
+        full[:, :, :s], full[:, :, t - r :] = raw[:, :, :s], raw[:, :, s:]
+        if m:
+            n = km["n"]
+            coded = np.concatenate(
+                [
+                    reference_group(w, seg(p, 1 << 30), seg(e, 1 << 30) if e else b"", c * b * m, o).reshape(c, b * m)
+                    for c, w, p, e, o in km["groups"]
+                ]
+                or [np.zeros((0, b * m), np.float32)]
+            )
+            synthesis = tb.synthesis()[:n] * np.float32(km["step"] * tb.scale)
+            if n:
+                rows = np.asarray(mx.array(coded).T @ mx.array(synthesis) + mx.array(tb.mean))
+            else:
+                rows = np.broadcast_to(tb.mean, (b * m, h * d))
+            block = np.ascontiguousarray(rows.reshape(b, m, h, d).transpose(0, 2, 1, 3))
+            if kind == "k":
+                block = reference_rotate(block, pos[:, :, s : t - r], basis.rotaries[j])
+            full[:, :, s : t - r] = block
+        out.append(mx.array(full).astype(RAW_DTYPES[raw_dtype]))
+    return out
+
+
+@pytest.mark.parametrize("traditional, dims", [(False, 16), (True, 16), (False, 8)])
+def test_the_mlx_decoder_gives_the_reference_s_floats(traditional, dims):
+    rng = np.random.default_rng(17)
+    rotaries = [Rotary(dims=dims, traditional=traditional, base=10000.0)] * 2
+    basis = fit_basis([random_layers(rng, 2, 2, 200, 16) for _ in range(2)], rotaries)
+    cpu = mx.default_device() == mx.cpu
+    for dtype in (mx.float16, mx.bfloat16, mx.float32):
+        for positions in (None, np.stack([sparse_positions(rng, 60, 300) for _ in range(2)])):
+            layers = [
+                (mx.array(k).astype(dtype), mx.array(v).astype(dtype), p)
+                for k, v, p in random_layers(rng, 2, 2, 60, 16, positions=positions)
+            ]
+            # Fine (escaped codes), middling, and so coarse that no component is sent.
+            for step in (0.002, 0.3, 50.0):
+                for blob in encode_layers(layers, basis, step=step, recent=3).blobs:
+                    header = read_header(blob)[0]
+                    for got, want in zip(decode_layer(blob, basis), reference_decode(blob, basis), strict=True):
+                        assert got.dtype == want.dtype and got.shape == want.shape
+                        g, w = (np.asarray(a.astype(mx.float32)) for a in (got, want))
+                        if cpu:
+                            np.testing.assert_array_equal(g, w)
+                        else:  # the rotation's rounding (the module's docstring), then the cast
+                            ulp = np.spacing(np.abs(w).max()) if dtype == mx.float32 else 2.0**-7 * np.abs(w).max()
+                            np.testing.assert_allclose(g, w, rtol=0, atol=ROTATION_ULPS * ulp)
+                    assert header["k"]["n"] == 0 or step < 50.0
