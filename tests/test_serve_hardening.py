@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from kvmesh.errors import ConfigError
-from kvmesh.serve.app import ServedModel, make_app
 from kvmesh.serve.engine import Engine
+from kvmesh.serve.http.app import ServedModel, make_app
 from kvmesh.serve.options import ServeOptions
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.serve.server import http_server, listen

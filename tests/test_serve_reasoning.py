@@ -102,8 +102,8 @@ def test_the_responses_stream_keeps_its_items_in_the_order_written():
     import asyncio
 
     from kvmesh.generation import CachedPrefix
+    from kvmesh.serve.apis.responses import Answer
     from kvmesh.serve.engine import Done
-    from kvmesh.serve.responses import Answer
     from kvmesh.serve.turns import Text
 
     async def pieces():
@@ -132,7 +132,7 @@ def test_the_responses_stream_keeps_its_items_in_the_order_written():
 
 
 def test_thinking_sent_back_reaches_the_template_through_every_api():
-    from kvmesh.serve import anthropic, openai_api, responses
+    from kvmesh.serve.apis import anthropic, openai_api, responses
 
     chat = openai_api.chat_turn(
         {"model": "m", "messages": [*QUESTION, {"role": "assistant", "content": "Rain.", "reasoning": "It rains."}]},

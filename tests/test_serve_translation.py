@@ -9,9 +9,9 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import stream_generate
 
-from kvmesh.serve import anthropic, openai_api, responses
 from kvmesh.serve.answer import AnswerSplitter
 from kvmesh.serve.api_errors import ApiError
+from kvmesh.serve.apis import anthropic, openai_api, responses
 from kvmesh.serve.grammar import GrammarError, Grammars, json_schema_grammar
 from kvmesh.serve.tools import ToolCall, forced_call_grammar, openai_tool_choice, openai_tools
 

@@ -27,9 +27,9 @@ from kvmesh.fetch_or_prefill import Rates
 from kvmesh.model.loaded import LoadedModel, context_length, local_model_dir
 from kvmesh.net.addresses import host_port
 from kvmesh.net.credentials import MeshCredentials
-from kvmesh.serve.app import ServedModel, make_app
 from kvmesh.serve.connections import ConnectionGuard, descriptor_backlog, guarded_protocol
 from kvmesh.serve.engine import Engine
+from kvmesh.serve.http.app import ServedModel, make_app
 from kvmesh.serve.options import ServeOptions
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.serve.state import ServeState, remove_serve_state, write_serve_state

@@ -1,7 +1,7 @@
 """One request as the engine sees it, whichever API it came by (chat completions, completions, the
 Anthropic Messages API, the Responses API), and what comes back from it.
 
-Each API's module turns its body into a `Turn` (kvmesh.serve.openai_api, .anthropic, .responses),
+Each API's module turns its body into a `Turn` (kvmesh.serve.apis: openai_api, anthropic, responses),
 the application renders, runs and reads it the same way for all, and the module writes the result
 in its own shape. The checks that every API shares (numbers, stop strings, the response format)
 live here, so a field means the same wherever it comes from.
@@ -10,8 +10,9 @@ live here, so a field means the same wherever it comes from.
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.serve.answer import Reasoning
 from kvmesh.serve.api_errors import refuse
-from kvmesh.serve.engine import Done, Sampling, TokenLogprob
+from kvmesh.serve.engine import Done, Sampling, Started, TokenLogprob
 from kvmesh.serve.tools import Tool, ToolCall, ToolChoice
 
 
@@ -60,6 +61,14 @@ class Turn:
     thinking_budget: int | None = None
     # Fields that act on a reasoning model only: on any other, they are named as ignored too.
     reasoning_fields: list[str] = field(default_factory=list)
+    # Whether the answer is streamed, and (chat completions' and completions' stream_options)
+    # whether the stream ends with the usage.
+    stream: bool = False
+    include_usage: bool = False
+
+
+# What a running turn yields: the prefix found, reasoning, text, calls, and the end.
+Piece = Started | Reasoning | Text | ToolCall | Done
 
 
 @dataclass

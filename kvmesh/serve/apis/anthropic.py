@@ -5,7 +5,7 @@ the assistant's turns, `tool_result` in the user's), `tools` (`input_schema`), `
 any, tool, none), `stop_sequences`, `max_tokens`, `temperature`, `top_p`, `top_k` and `stream` are
 served; the chat is handed to the model's template in OpenAI's shape (which templates are written
 for), so the same conversation renders to the same tokens through either API. Any "claude-..."
-model name is the served model (kvmesh.serve.app.ServedModel.serves).
+model name is the served model (kvmesh.serve.http.app.ServedModel.serves).
 
 `usage` counts as Anthropic's does: `input_tokens` are those prefilled now, `cache_read_input_tokens`
 those a cache held (memory, the store or a peer), `cache_creation_input_tokens` 0 (every prompt's
@@ -19,7 +19,9 @@ does not know; refused: images and documents, server tools, `mcp_servers`, `cont
 """
 
 import json
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import jiter
@@ -39,7 +41,7 @@ from kvmesh.serve.tools import (
     tool_objects,
     unique,
 )
-from kvmesh.serve.turns import Outcome, Text, Turn, number, refuse_given, stop_strings
+from kvmesh.serve.turns import Outcome, Text, Turn, number, refuse_given, stop_strings, stream_flag
 
 SERVED = {
     "model",
@@ -201,6 +203,7 @@ def turn_of(body: dict, vocab: int) -> Turn:
         sampling=sampling(body, vocab),
         ignored=sorted(k for k in body if k not in SERVED),
         continues=prefill_of(messages),
+        stream=stream_flag(body),
     )
     return thinking_served(turn, body.get("thinking"))
 
@@ -382,3 +385,35 @@ async def events(pieces: AsyncIterator[Any], model: str, ident: str) -> AsyncIte
                 yield event("message_stop", {})
     except ApiError as e:
         yield {"event": "error", "data": json.dumps(error_body(e))}
+
+
+@dataclass
+class MessageReply:
+    """One answer as a Message, or as Anthropic's stream of one."""
+
+    model: str
+    ident: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex[:24]}")
+
+    def complete(self, outcome: Outcome) -> dict:
+        return message_of(outcome, self.model, self.ident)
+
+    def events(self, pieces: AsyncIterator[Any]) -> AsyncIterator[dict]:
+        return events(pieces, self.model, self.ident)
+
+
+class Messages:
+    """The Api of the Messages API."""
+
+    claude_names = True
+
+    def turn_of(self, body: dict, vocab: int) -> Turn:
+        return turn_of(body, vocab)
+
+    def reply(self, body: dict, turn: Turn, tokenizer: Any) -> MessageReply:
+        return MessageReply(body["model"])
+
+    def error(self, e: ApiError) -> JSONResponse:
+        return error_response(e)
+
+
+MESSAGES = Messages()

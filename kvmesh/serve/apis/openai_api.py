@@ -18,12 +18,23 @@ effect here and named in the response's `x-kvmesh-ignored` header (and `usage.kv
   false}` (variables for the chat template, as mlx-lm's server and vLLM take them).
 """
 
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.serve.api_errors import refuse
-from kvmesh.serve.engine import TokenLogprob
+from starlette.responses import Response
+
+from kvmesh.serve.answer import Reasoning
+from kvmesh.serve.api_errors import ApiError, refuse
+from kvmesh.serve.engine import Done, TokenLogprob
 from kvmesh.serve.tools import ToolCall, ToolChoice, cut_short, openai_tool_choice, openai_tools, template_messages
 from kvmesh.serve.turns import (
+    Outcome,
+    Piece,
+    Text,
     Turn,
     effort_served,
     number,
@@ -121,7 +132,7 @@ def max_tokens_of(body: dict) -> int | None:
 def chat_turn(body: dict, vocab: int) -> Turn:
     """A chat completions body as a Turn (its messages ready for the template)."""
     refuse_unserved(body, chat=True)
-    stream_options_of(body)
+    include_usage = stream_options_of(body)
     tools = openai_tools(body.get("tools"))
     top: int | None = None
     if not isinstance(body.get("logprobs", False), bool):
@@ -141,6 +152,8 @@ def chat_turn(body: dict, vocab: int) -> Turn:
         top_logprobs=top,
         ignored=ignored_fields(body, SERVED),
         template_kwargs=template_kwargs_of(body.get("chat_template_kwargs")),
+        stream=stream_flag(body),
+        include_usage=include_usage,
     )
     return effort_served(turn, body.get("reasoning_effort"), "reasoning_effort")
 
@@ -174,7 +187,7 @@ def template_kwargs_of(value: Any) -> dict[str, Any]:
 def completion_turn(body: dict, vocab: int) -> Turn:
     """A completions body as a Turn: a raw prompt, no template."""
     refuse_unserved(body, chat=False)
-    stream_options_of(body)
+    include_usage = stream_options_of(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -190,6 +203,8 @@ def completion_turn(body: dict, vocab: int) -> Turn:
         sampling=sampling_of(body, vocab),
         top_logprobs=logprobs,
         ignored=ignored_fields(body, SERVED),
+        stream=stream_flag(body),
+        include_usage=include_usage,
     )
 
 
@@ -246,3 +261,129 @@ def completion_logprobs(tokenizer: Any, entries: list[TokenLogprob], offset: int
         "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
         "text_offset": offsets,
     }
+
+
+def usage(done: Done, ignored: list[str]) -> dict:
+    """OpenAI's `usage`, with the prefix that was not prefilled and kvmesh's own report of it."""
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+        "kvmesh": {**done.prefix.report(), "ignored": ignored},
+    }
+
+
+@dataclass
+class CompletionReply:
+    """One answer of chat completions (`chat`) or completions, as it is written."""
+
+    chat: bool
+    model: str
+    turn: Turn
+    tokenizer: Any
+    ident: str = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.ident = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict | None:
+        """The API's `logprobs` of `entries`, or None when the request asked for none."""
+        if self.turn.top_logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, entries)
+        return completion_logprobs(self.tokenizer, entries, offset)
+
+    def complete(self, outcome: Outcome) -> dict:
+        done = outcome.done
+        choice: dict[str, Any]
+        if self.chat:
+            content = outcome.text if outcome.text or not outcome.calls else None  # OpenAI's null
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if outcome.reasoning:  # (mlx-lm's server's name for it, and vLLM's)
+                message["reasoning"] = outcome.reasoning
+            if outcome.calls:
+                message["tool_calls"] = tool_calls_json(outcome.calls)
+            finish = chat_finish(done.finish_reason, outcome.calls)
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": outcome.text, "finish_reason": done.finish_reason}
+        choice["logprobs"] = self.logprobs(outcome.logprobs)
+        return {
+            "id": self.ident,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(done, self.turn.ignored),
+        }
+
+    def chunk(self, choices: list, extra: dict | None = None) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return json.dumps(
+            {"id": self.ident, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+            | (extra or {})
+        )
+
+    async def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[str]:
+        """The answer as chunks, then (with stream_options.include_usage) the usage, then [DONE]."""
+        calls: list[ToolCall] = []
+        offset = 0
+        try:
+            async for piece in pieces:
+                delta: dict[str, Any]
+                if isinstance(piece, Reasoning):
+                    delta = {"role": "assistant", "reasoning": piece.text}
+                    yield self.chunk([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}])
+                elif isinstance(piece, Text):
+                    if self.chat:
+                        one = {"index": 0, "delta": {"role": "assistant", "content": piece.text}, "finish_reason": None}
+                    else:
+                        one = {"index": 0, "text": piece.text, "finish_reason": None}
+                    one["logprobs"] = self.logprobs(list(piece.logprobs), offset)
+                    offset += len(piece.text)
+                    yield self.chunk([one])
+                elif isinstance(piece, ToolCall):
+                    delta = {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": tool_calls_json([piece], len(calls), streaming=True),
+                    }
+                    calls.append(piece)
+                    yield self.chunk([{"index": 0, "delta": delta, "finish_reason": None}])
+                elif isinstance(piece, Done):
+                    finish = chat_finish(piece.finish_reason, calls) if self.chat else piece.finish_reason
+                    last: dict[str, Any] = {"index": 0, "finish_reason": finish}
+                    if self.chat:
+                        last["delta"] = {}
+                    else:
+                        last["text"] = ""
+                    yield self.chunk([last])
+                    if self.turn.include_usage:
+                        yield self.chunk([], {"usage": usage(piece, self.turn.ignored)})
+        except ApiError as e:
+            yield json.dumps({"error": {"message": e.message, "type": "server_error", "code": e.code}})
+        yield "[DONE]"
+
+
+@dataclass(frozen=True)
+class Completions:
+    """The Api of chat completions (`chat`) or of completions."""
+
+    chat: bool
+    claude_names: bool = False
+
+    def turn_of(self, body: dict, vocab: int) -> Turn:
+        return chat_turn(body, vocab) if self.chat else completion_turn(body, vocab)
+
+    def reply(self, body: dict, turn: Turn, tokenizer: Any) -> CompletionReply:
+        return CompletionReply(self.chat, body["model"], turn, tokenizer)
+
+    def error(self, e: ApiError) -> Response:
+        return e.response()
+
+
+CHAT_COMPLETIONS = Completions(chat=True)
+COMPLETIONS = Completions(chat=False)

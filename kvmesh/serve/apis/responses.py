@@ -18,10 +18,13 @@ not know. Refused: tools other than functions, images and files, `background`, `
 """
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.responses import Response
 
 from kvmesh.serve.answer import Reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
@@ -45,6 +48,7 @@ from kvmesh.serve.turns import (
     refuse_given,
     response_format_of,
     sampling_of,
+    stream_flag,
 )
 
 SERVED = {
@@ -158,6 +162,7 @@ def turn_of(body: dict, vocab: int) -> Turn:
         max_tokens=number(body, "max_output_tokens", int, None, 1, 1 << 20),
         sampling=sampling_of({k: body.get(k) for k in ("temperature", "top_p")}, vocab),
         ignored=ignored,
+        stream=stream_flag(body),
     )
     return effort_served(turn, reasoning.get("effort"), "reasoning.effort")
 
@@ -381,3 +386,24 @@ def usage(done: Done, reasoning_tokens: int) -> dict:
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, done.completion_tokens)},
         "total_tokens": done.prompt_tokens + done.completion_tokens,
     }
+
+
+class Responses:
+    """The Api of the Responses API."""
+
+    claude_names = False
+
+    def turn_of(self, body: dict, vocab: int) -> Turn:
+        return turn_of(body, vocab)
+
+    def reply(self, body: dict, turn: Turn, tokenizer: Any) -> Answer:
+        def count_tokens(text: str) -> int:
+            return len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+        return Answer(body, f"resp_{uuid.uuid4().hex}", int(time.time()), count_tokens=count_tokens)
+
+    def error(self, e: ApiError) -> Response:
+        return e.response()
+
+
+RESPONSES = Responses()
