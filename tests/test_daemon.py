@@ -93,11 +93,9 @@ def test_a_killed_peer_is_dropped_within_seconds(nodes, tmp_path):
     nodes.start("A")
     nodes.start("B")
     nodes.wait_for_peers("B", lambda p: len(p) == 1)
-    killed_at = time.monotonic()
     nodes.processes["A"].send_signal(signal.SIGKILL)
     nodes.processes["A"].wait()
-    nodes.wait_for_peers("B", lambda p: p == [], seconds=10)
-    assert time.monotonic() - killed_at < 10
+    nodes.wait_for_peers("B", lambda p: p == [], seconds=10)  # within seconds: mDNS would keep it for minutes
     [lost] = nodes.peers("B", all=True)
     assert lost["node_id"] == node_id(tmp_path / "A") and not lost["healthy"]
 

@@ -2,6 +2,7 @@
 stalls or trickles; a member that opens fetches and never sends the open, or accepts a transfer and
 stops reading. Each costs the others at most a bounded time, and no slot for good."""
 
+import re
 import threading
 import time
 
@@ -14,6 +15,7 @@ from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.errors import PeerError
 from kvmesh.net.client import PeerClient
+from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import method, open_channel, serialize
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.reuse.generate import generate
@@ -25,6 +27,7 @@ from support import hostile_peer
 from support.mesh import make_mesh, member_credentials
 from support.references import greedy_tokens
 from support.stores import put
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -55,17 +58,17 @@ def test_bogus_lookup_answers_are_capped_checked_and_cost_at_most_the_budget(
     assert all(m.tokens <= len(prompt_ids) for m in matches)  # the billion-token claim is left out
 
     rates = Rates(tmp_path / "data")
-    start = time.monotonic()
     result = generate(
         tiny[0], tiny_fp, prompt_ids, CacheStore(tmp_path / "b"), peers=[address], max_tokens=4, rates=rates
     )
-    elapsed = time.monotonic() - start
     assert result.tokens == greedy_tokens(tiny[0], prompt_ids, 4)
-    assert result.prefix.where == "none" and any("time budget" in s for s in result.prefix.skipped)
-    # Calibration's prefills, then at most the budget (the prefill of the whole prompt, at least 2 s)
-    # and one call's overshoot: not 20 stalls of 9.5 s.
-    assert result.prefix.seconds < 5, result.prefix
-    assert elapsed < 30
+    spent = [s for s in result.prefix.skipped if "time budget" in s]
+    assert result.prefix.where == "none" and spent
+    # The mesh part took at most the budget (this machine's own prefill of the whole prompt, as its
+    # calibration timed it, at least 2 s: a loaded machine's budget is longer too) and one call's
+    # overshoot (a lookup's timeout at most): not 20 stalls of 9.5 s.
+    budget = float(re.search(r"time budget of ([0-9.e+-]+) s", spent[0]).group(1))
+    assert result.prefix.seconds < budget + TIMEOUTS.lookup, result.prefix
 
 
 def synthetic_cache(tokens: int) -> list:
@@ -80,11 +83,12 @@ def test_a_trickling_sender_is_cut_like_a_stall(tiny_fp, hostile, tmp_path):
     manifest = put(
         CacheStore(tmp_path / "h"), synthetic_cache(len(tokens)), tiny_fp, tokens, codec="none", chunk_size=16 << 10
     )
-    address = hostile(tmp_path / "h", "--trickle", 8.5)  # one frame per 8.5 s: under the 10 s idle limit
+    pace = 8.5  # one frame per 8.5 s: under the 10 s idle limit; the cache's 512 frames take 72 minutes so
+    address = hostile(tmp_path / "h", "--trickle", pace)
     start = time.monotonic()
     with PeerClient(address) as client, pytest.raises(PeerError, match="a trickle"):
         fetch_cache(client, manifest.cache_id, ReceiverProfile(tiny_fp, prompt=tokens))
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 3 * pace  # cut before the sender's third frame (of 512)
 
 
 @pytest.fixture
@@ -132,7 +136,8 @@ def test_fetches_that_never_send_their_open_starve_no_health_check_or_fetch(memb
                     try:
                         fetch_cache(client, manifest.cache_id, ReceiverProfile(tiny_fp, prompt=tokens))
                     except PeerError as e:
-                        assert "busy" in str(e) and time.monotonic() - began < 2, e
+                        # Refused as busy, not left waiting until an idle stream is cut.
+                        assert "busy" in str(e) and time.monotonic() - began < TIMEOUTS.stream_idle, e
         finally:
             never.set()
             for call in calls:
@@ -166,11 +171,16 @@ def test_a_receiver_that_stops_reading_frees_its_transfer_slot(tiny_fp, daemons,
         start = time.monotonic()
         with PeerClient(daemon.address) as client:
             with client.fetch(manifest.cache_id, ReceiverProfile(tiny_fp, prompt=tokens)) as transfer:
-                received = sum(len(chunk.data) for chunk in transfer.chunks())
+                chunks = transfer.chunks()
+                received = len(next(chunks).data)
+                # A slot came free once the idle timeout (2 s) cut a stalled sender, long before the
+                # stalled calls' own 120 s deadline; the bytes then take what this machine takes.
+                assert time.monotonic() - start < 60
+                received += sum(len(chunk.data) for chunk in chunks)
         assert received == manifest.encoding.encoded_bytes
-        assert time.monotonic() - start < 15
     finally:
         release.set()
         for channel in channels:
             channel.close()
-    assert "stopped reading): transfer cut" in daemon.log.read_text()
+    cut = "stopped reading): transfer cut"
+    wait_for(lambda: cut in daemon.log.read_text(), 20, 0.1, "the daemon to log the cut transfer")

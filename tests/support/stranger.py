@@ -8,6 +8,7 @@ import threading
 
 from zeroconf import DNSOutgoing, DNSPointer, ServiceInfo, Zeroconf, const
 
+from kvmesh.net.addresses import split_host_port
 from kvmesh.net.discovery.mdns import SERVICE_TYPE
 from kvmesh.versions import PROTOCOL_VERSION
 
@@ -49,9 +50,8 @@ class Stranger:
         """One more TCP connection to `address` (from `source`, an address of this machine, if
         given), sending `opening` (the start of a TLS record) and then nothing; False when it cannot
         connect."""
-        host, port = address.rsplit(":", 1)
         try:
-            s = socket.create_connection((host.strip("[]"), int(port)), timeout=2, source_address=(source, 0))
+            s = socket.create_connection(split_host_port(address), timeout=2, source_address=(source, 0))
             s.sendall(opening)
         except OSError:
             return False
