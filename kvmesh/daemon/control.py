@@ -18,6 +18,7 @@ from typing import TypeVar
 import grpc
 
 from kvmesh.errors import DaemonNotRunning, KvmeshError
+from kvmesh.files.atomic import write_atomic
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.paths import daemon_log, state_file
 from kvmesh.v1 import control_pb2 as cpb
@@ -49,10 +50,7 @@ class DaemonState:
 
 def write_state(data_dir: Path, state: DaemonState) -> None:
     """Atomically: a reader sees the whole file or none."""
-    path = state_file(data_dir)
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_text(json.dumps(asdict(state)))
-    tmp.replace(path)
+    write_atomic(state_file(data_dir), json.dumps(asdict(state)))
 
 
 def read_state(data_dir: Path | str, check_alive: bool = True) -> DaemonState:

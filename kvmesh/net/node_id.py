@@ -5,6 +5,7 @@ import socket
 from pathlib import Path
 
 from kvmesh.errors import KvmeshError
+from kvmesh.files.atomic import write_atomic
 from kvmesh.paths import node_id_file
 
 
@@ -25,11 +26,8 @@ def node_id(data_dir: Path | str) -> str:
         return existing
     path = node_id_file(data_dir)
     new = secrets.token_hex(8)
-    tmp = path.with_suffix(".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(new + "\n")
-        tmp.replace(path)
+        write_atomic(path, new + "\n", durable=True)
     except OSError as e:
         raise KvmeshError(
             f"cannot keep this node's id in {path.parent}: {e.strerror or e}; give a writable --data-dir "
