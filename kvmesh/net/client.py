@@ -6,10 +6,8 @@ trailer checked after the last. The client keeps nothing: whoever decodes the ch
 each one as it does) stores them, `kvmesh.generation.fetch_cache`. So the network needs no MLX.
 """
 
-import collections
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, tokens_served
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
 from kvmesh.net.addresses import peer_address
 from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.flow import IdleWatch
 from kvmesh.net.messages import (
     accept,
     check_trailer,
@@ -37,6 +36,7 @@ from kvmesh.net.messages import (
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import as_bytes, method, open_channel, serialize
 from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import ARTIFACT_PIECE_BYTES
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.v1 import service_pb2_grpc
@@ -48,8 +48,6 @@ log = logging.getLogger(__name__)
 # A lookup answer's candidates tried at most: the longest few serve a prompt as well as any, and a
 # peer answering with hundreds must not make a request try them all.
 MAX_CANDIDATES = 4
-# Artefacts arrive in pieces of this size (kvmesh.net.server ARTIFACT_PIECE_BYTES).
-ARTIFACT_PIECE_BYTES = 1 << 20
 
 
 def candidate_problem(c: spb.Candidate, prompt_tokens: int) -> str | None:
@@ -70,77 +68,6 @@ class Match:
 
     candidate: spb.Candidate
     tokens: int
-
-
-class Watchdog:
-    """Cancels a streaming call whose peer sends nothing for `idle` seconds, sends less than
-    `min_rate` bytes a second (once `measure_rate` is called), or outlives its deadline, and says why:
-    gRPC has no per-message timeout, and a sleeping Mac's TCP stack can keep a connection open for
-    minutes.
-
-    Only time spent waiting for the peer counts towards the idle limit and the rate (`waiting`, then
-    `alive`): a receiver busy decoding or writing what arrived is not a slow sender."""
-
-    def __init__(self, call: grpc.RpcContext, idle: float, deadline: float):
-        self.call, self.idle = call, idle
-        self.deadline = time.monotonic() + deadline
-        self.why: str | None = None
-        self._waiting_since: float | None = None
-        self._waited = 0.0  # seconds spent waiting for the peer so far, but for the current wait
-        self._rate: tuple[float, float] | None = None  # (bytes per second, window in waited seconds)
-        self._rate_from = 0.0
-        self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
-        self._done = threading.Event()
-        threading.Thread(target=self._watch, name="kvmesh-watchdog", daemon=True).start()
-
-    def waiting(self) -> None:
-        """The receiver waits for the peer's next message from now."""
-        self._waiting_since = time.monotonic()
-
-    def alive(self, nbytes: int = 0) -> None:
-        """A message of `nbytes` arrived."""
-        if self._waiting_since is not None:
-            self._waited += time.monotonic() - self._waiting_since
-            self._waiting_since = None
-        if self._rate is not None:
-            self._arrivals.append((self._waited, nbytes))
-            while self._arrivals and self._arrivals[0][0] < self._waited - self._rate[1]:
-                self._arrivals.popleft()
-
-    def allow(self, seconds: float) -> None:
-        """The transfer may take `seconds` more in all."""
-        self.deadline = time.monotonic() + seconds
-
-    def measure_rate(self, min_rate: float, window: float) -> None:
-        """From now, the peer must send at least `min_rate` bytes a second over every `window`
-        seconds of waiting for it."""
-        self._rate, self._rate_from = (min_rate, window), self._waited
-
-    def _problem(self, now: float) -> str | None:
-        wait = 0.0 if self._waiting_since is None else now - self._waiting_since
-        if wait > self.idle:
-            return f"sent nothing for {self.idle:g} s (asleep, frozen or cut off): transfer abandoned"
-        if now > self.deadline:
-            return "the transfer outlived its deadline: abandoned"
-        waited = self._waited + wait
-        if self._rate is not None and waited - self._rate_from >= (window := self._rate[1]):
-            got = sum(n for at, n in list(self._arrivals) if at >= waited - window)
-            if got < self._rate[0] * window:
-                return (
-                    f"sent {got:,} bytes in {window:g} s, below the minimum of {self._rate[0] / 1024:,.0f} KiB/s "
-                    "(a trickle): transfer abandoned"
-                )
-        return None
-
-    def _watch(self) -> None:
-        while not self._done.wait(min(0.25, self.idle / 4)):
-            if (why := self._problem(time.monotonic())) is not None:
-                self.why = why
-                self.call.cancel()
-                return
-
-    def stop(self) -> None:
-        self._done.set()
 
 
 def rate_window(chunk_size: int, min_rate: float = TIMEOUTS.min_receive_rate) -> float:
@@ -175,7 +102,7 @@ class Transfer:
         self._progress = progress
         # A deadline given runs from the open; else each part gets its own (transfer_deadline).
         self._ends = None if deadline is None else time.monotonic() + deadline
-        self._watchdog = Watchdog(call, idle_timeout, deadline or TIMEOUTS.transfer_grace)
+        self._watchdog = IdleWatch(call.cancel, idle_timeout, deadline=deadline or TIMEOUTS.transfer_grace)
 
     def __enter__(self) -> "Transfer":
         return self
@@ -454,7 +381,7 @@ class PeerClient:
         or less than announced. The caller checks the bytes against their sha256 and for sanity."""
         seconds = deadline if deadline is not None else TIMEOUTS.transfer_deadline(nbytes)
         call = self._artifact(spb.ArtifactRequest(sha256=sha256), timeout=seconds)
-        watchdog = Watchdog(call, idle_timeout, seconds)
+        watchdog = IdleWatch(call.cancel, idle_timeout, deadline=seconds)
         watchdog.measure_rate(TIMEOUTS.min_receive_rate, rate_window(ARTIFACT_PIECE_BYTES))
         received, stream = 0, iter(call)
         try:

@@ -11,14 +11,11 @@ limits.
 """
 
 import logging
-import resource
-import socket
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import grpc
@@ -30,17 +27,19 @@ from kvmesh.codec.chunks import FRAME_HEADER, Chunk, parse_frame
 from kvmesh.codec.compat import check_manifest, validate_manifest
 from kvmesh.codec.cut import can_cut, cut_prefix
 from kvmesh.codec.prefix import BLOCK_SIZE, may_serve, shared_tokens
-from kvmesh.errors import IntegrityError, ListenError, NotFoundError, Rejection, StoreError
-from kvmesh.net.addresses import host_port
+from kvmesh.errors import IntegrityError, NotFoundError, Rejection, StoreError
+from kvmesh.net.flow import IdleWatch, read_within
 from kvmesh.net.guard import Guard, caller
 from kvmesh.net.guard import limits as guard_limits
+from kvmesh.net.listening import bind, connections_allowed
 from kvmesh.net.messages import accept, check_trailer, older_protocol, profile_from_proto, reject, trailer
 from kvmesh.net.node_id import host_name
 from kvmesh.net.policy import PeerLimits, Policy
 from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.net.transfers import TransferCounters
 from kvmesh.net.transport import SERVICE_NAME, as_bytes, serialize, server_options
 from kvmesh.store import CacheStore
-from kvmesh.store.artifacts import artifact_store
+from kvmesh.store.artifacts import ARTIFACT_PIECE_BYTES, artifact_store
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from kvmesh.v1 import service_pb2_grpc
@@ -52,88 +51,11 @@ MAX_LOOKUP_BLOCKS = 65536
 # A probe sends at most this much, in messages of PROBE_MESSAGE_BYTES.
 MAX_PROBE_BYTES = 8 << 20
 PROBE_MESSAGE_BYTES = 1 << 20
-# Artefacts travel in pieces of this size, at most this many at once.
-ARTIFACT_PIECE_BYTES = 1 << 20
+# Artefacts (in pieces of ARTIFACT_PIECE_BYTES) go to at most this many receivers at once.
 ARTIFACT_SENDS = 4
 M = TypeVar("M", bound=Message)
 # Worker threads no transfer may take: health checks, Info and Lookup always find one.
 RESERVED_WORKERS = 4
-# Descriptors left to everything but incoming connections: store files, the daemon's own channels
-# to its peers, mDNS sockets, gRPC's pipes.
-RESERVED_DESCRIPTORS = 128
-
-
-@dataclass
-class TransferCounters:
-    """What the service did, for Info and for tests that must prove what was (not) sent.
-
-    At most `cap` transfers run and `max_waiting` more wait for a slot; further ones are refused
-    at once. Each holds one of the server's worker threads, so the bound keeps threads free for
-    health checks, Info and Lookup: a busy peer must not look like a dead one.
-    """
-
-    cap: int
-    max_waiting: int
-    stats: spb.TransferStats = field(default_factory=spb.TransferStats)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    waiting: int = 0
-
-    def __post_init__(self) -> None:
-        self.stats.transfers_cap = self.cap
-        self.slots = threading.BoundedSemaphore(self.cap)
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self.lock:
-            setattr(self.stats, name, getattr(self.stats, name) + n)
-
-    def snapshot(self) -> spb.TransferStats:
-        with self.lock:
-            copy = spb.TransferStats()
-            copy.CopyFrom(self.stats)
-            return copy
-
-    @contextmanager
-    def arriving(self, context: grpc.ServicerContext):
-        """Count a call waiting for its first message (a fetch's open) among the `max_waiting`: its
-        thread is held all the same, so calls that never send one cannot take the reserved workers."""
-        with self.lock:
-            full = self.waiting >= self.max_waiting
-            self.waiting += 0 if full else 1
-        if full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.max_waiting} calls are waiting")
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.waiting -= 1
-
-    @contextmanager
-    def slot(self, context: grpc.ServicerContext):
-        """Hold one of the `cap` transfer slots, waiting for one while the caller is still there."""
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
-        if not self.slots.acquire(blocking=False):
-            with self.lock:
-                full = self.waiting >= self.max_waiting
-                self.waiting += 0 if full else 1
-            if full:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.cap} transfers in progress")
-            try:
-                while not self.slots.acquire(timeout=0.5):
-                    if not context.is_active() or (deadline is not None and time.monotonic() > deadline):
-                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.cap} transfers in progress")
-            finally:
-                with self.lock:
-                    self.waiting -= 1
-        with self.lock:
-            self.stats.transfers_active += 1
-            self.stats.transfers_max_seen = max(self.stats.transfers_max_seen, self.stats.transfers_active)
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.stats.transfers_active -= 1
-            self.slots.release()
 
 
 LOCAL = "local"
@@ -147,50 +69,16 @@ def peer_identity(context: grpc.ServicerContext) -> str:
 
 def next_within(requests: Iterator, seconds: float, context: grpc.ServicerContext, what: str):
     """The peer's next message, or the stream is cut: a peer that stalls must not hold a slot."""
-    box: dict = {}
-    arrived = threading.Event()
-
-    def read():
-        try:
-            box["message"] = next(requests, None)
-        except Exception as e:  # the stream broke: re-raised in the handler's thread
-            box["error"] = e
-        arrived.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not arrived.wait(seconds):
+    try:
+        return read_within(requests, seconds)
+    except TimeoutError:
         log.warning("%s sent no %s within %.0f s: stream cut", caller(context), what, seconds)
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {what} within {seconds:.0f} s")
-    if "error" in box:
-        raise box["error"]
-    return box["message"]
 
 
-class SendWatch:
-    """Cancels a streaming call whose peer takes no message for `idle` seconds: a receiver that
-    accepted a transfer and stopped reading (while its TCP stack still answers keepalive pings) would
-    otherwise hold a transfer slot for good. `sent()` after each message the peer took."""
-
-    def __init__(self, context: grpc.ServicerContext, idle: float, who: str):
-        self.context, self.idle, self.who = context, idle, who
-        self.last = time.monotonic()
-        self.cut = False
-        self._done = threading.Event()
-        threading.Thread(target=self._watch, name="kvmesh-send-watch", daemon=True).start()
-
-    def sent(self) -> None:
-        self.last = time.monotonic()
-
-    def _watch(self) -> None:
-        while not self._done.wait(min(1.0, self.idle / 4)):
-            if time.monotonic() - self.last > self.idle:
-                self.cut = True
-                log.warning("%s took nothing for %.0f s (it stopped reading): transfer cut", self.who, self.idle)
-                self.context.cancel()
-                return
-
-    def stop(self) -> None:
-        self._done.set()
+# A receiver that accepted a fetch and stopped reading (its TCP stack still answering keepalive
+# pings) would hold a transfer slot for good: cut once it takes nothing for the idle timeout.
+NOT_READING = "took nothing for {idle:.0f} s (it stopped reading): transfer cut"
 
 
 class KvMeshService(service_pb2_grpc.KvMeshServicer):
@@ -314,7 +202,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         self, opened: spb.FetchOpen, requests: Iterator[spb.FetchRequest], peer: str, context: grpc.ServicerContext
     ) -> Iterator[spb.FetchResponse | bytes]:
         """An opened fetch, in its transfer slot: the manifest (or a refusal), the receiver's decision,
-        then the chunks, each taken by the receiver within the idle timeout (SendWatch)."""
+        then the chunks, each taken by the receiver within the idle timeout (IdleWatch)."""
         found = self._open_cache(opened, context)
         profile = profile_from_proto(opened.profile) if opened.HasField("profile") else None
         rejection = older_protocol(opened.protocol_version, "the requester")
@@ -337,11 +225,12 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             self.counters.add("fetches_rejected")
             log.info("%s rejected %s: %s", peer, manifest.cache_id, reply.decision.message)
             return
-        watch = SendWatch(context, self.policy.idle_timeout, caller(context))
+        watch = IdleWatch(context.cancel, self.policy.idle_timeout, silent=NOT_READING)
         try:
             for frame in records:  # stored as they travel: read, then sent
+                watch.waiting()
                 yield frame
-                watch.sent()
+                watch.alive()
                 self.counters.add("chunk_bytes_sent", len(frame) - FRAME_HEADER.size)
         except (IntegrityError, StoreError) as e:
             self.counters.add("fetches_failed")
@@ -349,7 +238,9 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             context.abort(grpc.StatusCode.DATA_LOSS, f"this peer's copy is damaged: {e}")
         except GeneratorExit:
             self.counters.add("fetches_failed")
-            log.info("fetch of %s by %s %s", manifest.cache_id, peer, "cut" if watch.cut else "cancelled")
+            if watch.why:
+                log.warning("%s %s", caller(context), watch.why)
+            log.info("fetch of %s by %s %s", manifest.cache_id, peer, "cut" if watch.why else "cancelled")
             raise
         finally:
             watch.stop()
@@ -529,27 +420,6 @@ def add_service(service: KvMeshService, server: grpc.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]  # newer than grpc-stubs
 
 
-def connections_allowed(listeners: int) -> int:
-    """Incoming connections each of `listeners` may hold at once: what the descriptor limit leaves
-    after RESERVED_DESCRIPTORS, shared between the listeners (at least 16 each)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 16
-    return max(16, (soft - RESERVED_DESCRIPTORS) // max(1, listeners))
-
-
-def bind_problem(host: str, port: int) -> str | None:
-    """Why `host:port` cannot be served (taken, not this machine's), found before gRPC tries and logs."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            return e.strerror or str(e)
-    return None
-
-
 @dataclass
 class RunningServer:
     server: grpc.Server
@@ -621,7 +491,7 @@ def start_server(
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     guard = None
     if guarded:
-        inner = _bind(server, ["127.0.0.1:0"], credentials)
+        inner = bind(server, ["127.0.0.1:0"], credentials)
         guard = Guard(("127.0.0.1", inner), per_address=per_address, total=policy.max_connections or total)
         try:
             port = guard.listen(listen)
@@ -629,33 +499,6 @@ def start_server(
             guard.stop()
             raise
     else:
-        port = _bind(server, listen, credentials)
+        port = bind(server, listen, credentials)
     server.start()
     return RunningServer(server, service, port, health_servicer, guard)
-
-
-def _bind(
-    server: grpc.Server,
-    listen: list[str],
-    credentials: grpc.ServerCredentials | Callable[[], grpc.ServerCredentials] | None,
-) -> int:
-    """Add each of `listen` (host:port) to `server`, the first one's port for all when it is 0; the port."""
-    port = 0
-    for address in listen:
-        host, wanted = address.rsplit(":", 1)
-        target = host_port(host, port or wanted)
-        if (port or int(wanted)) and (problem := bind_problem(host.strip("[]"), port or int(wanted))):
-            raise ListenError(f"cannot listen on {target}: {problem}", port or int(wanted))
-        try:
-            bound = (
-                server.add_insecure_port(target)
-                if credentials is None
-                else server.add_secure_port(target, credentials() if callable(credentials) else credentials)
-            )
-        except RuntimeError:  # newer grpcio raises where older ones returned 0
-            bound = 0
-        if bound == 0:
-            message = f"cannot listen on {target}: is the address this machine's, and the port free?"
-            raise ListenError(message, int(port or wanted))
-        port = bound
-    return port

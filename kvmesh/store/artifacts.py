@@ -23,10 +23,15 @@ from typing import IO, TYPE_CHECKING
 from kvmesh.codec.basis_file import BasisError, read_basis
 from kvmesh.codec.limits import is_sha256_hex
 from kvmesh.errors import IntegrityError, StoreError
+from kvmesh.files.atomic import write_atomic
 from kvmesh.v1 import cache_pb2 as pb
 
 if TYPE_CHECKING:
     from kvmesh.codec.basis import Basis
+
+# Artefacts travel between peers in pieces of this size (the Artifact call's messages): the sender
+# cuts them, the receiver judges its rate by them.
+ARTIFACT_PIECE_BYTES = 1 << 20
 
 
 def _check_id(digest: str) -> str:
@@ -179,20 +184,9 @@ class Incoming:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write through a temporary file in the destination's own directory (so the rename never
-    crosses filesystems), synced, then renamed into place."""
+    """`write_atomic`, synced (a basis costs a fetch to get back), failing as a StoreError."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".incoming-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, data, durable=True)
     except OSError as e:
         raise StoreError(f"cannot write {path}: {e.strerror or e}") from e
 

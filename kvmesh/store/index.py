@@ -1,0 +1,282 @@
+"""The store's SQLite index: one row per entry and its prefix's block hashes, a cache of the files.
+
+The index is never the truth (each entry file carries its own manifest, `kvmesh.store.recovery`
+rebuilds what it lacks), so it may be dropped whenever its tables change. Each thread keeps its own
+connection for the store's life: SQLite removes the WAL when its last connection closes and must
+create it again on the next open, which fails on a full disk, and reads would fail with it.
+"""
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from contextlib import closing, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from kvmesh.codec.manifest import cuttable, lossy, measured_loss
+from kvmesh.errors import StoreError
+from kvmesh.v1 import cache_pb2 as pb
+
+log = logging.getLogger(__name__)
+# Raised whenever the index's tables change, or what a column is derived from; an index of another
+# version is rebuilt from the files (5: `lossy` reads quantized layers, not only the method, so
+# entries of bits alone recorded as `full` lose their lossless mark; 6: transform-coded entries are
+# `cuttable`, their shorter prefixes re-coded by kvmesh.codec.cut).
+INDEX_VERSION = 6
+INDEX = "index.sqlite3"
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """One row of the index: what lookups and listings need without opening the file."""
+
+    cache_id: str
+    model_id: str
+    num_tokens: int
+    prefix_sha256: bytes
+    method: str
+    cuttable: bool
+    raw_bytes: int
+    file_bytes: int
+    created_ms: int
+    last_used_ms: int
+    # A press or a transform codec changed it, and the loss its producer measured (None: not measured).
+    lossy: bool = False
+    tail_kl: float | None = None
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+ENTRY_COLUMNS = (
+    "cache_id, model_id, num_tokens, prefix_sha256, method, cuttable, raw_bytes, file_bytes, created_ms, "
+    "last_used_ms, lossy, tail_kl"
+)
+SCHEMA_SQL = """
+    CREATE TABLE IF NOT EXISTS entries (
+        cache_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, num_tokens INTEGER NOT NULL,
+        prefix_sha256 BLOB NOT NULL, block_size INTEGER NOT NULL, method TEXT NOT NULL,
+        cuttable INTEGER NOT NULL, raw_bytes INTEGER NOT NULL,
+        file_bytes INTEGER NOT NULL, created_ms INTEGER NOT NULL, last_used_ms INTEGER NOT NULL,
+        lossy INTEGER NOT NULL, tail_kl REAL);
+    CREATE INDEX IF NOT EXISTS entries_model ON entries (model_id);
+    CREATE TABLE IF NOT EXISTS blocks (
+        cache_id TEXT NOT NULL, idx INTEGER NOT NULL, hash BLOB NOT NULL, PRIMARY KEY (cache_id, idx));
+    CREATE INDEX IF NOT EXISTS blocks_hash ON blocks (hash);
+"""
+
+
+class Transaction:
+    """`with index.write() as db:` runs the block in one write transaction."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # The connection lives on: leave no transaction open (SQLite may have rolled back already,
+        # as it does when a commit finds the disk full).
+        if exc_type is None:
+            try:
+                self.db.execute("COMMIT")
+                return
+            except sqlite3.Error:
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                raise
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
+
+
+class Index:
+    """The index of the store at `root`: opened for writing, read as it is, or built in memory."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.path = root / INDEX
+        self._uri = self.path.absolute().as_uri()
+        self._connections = threading.local()
+        self.memory: sqlite3.Connection | None = None  # keeps an in-memory index alive
+
+    def open_writable(self) -> None:
+        """Open (or make) the index; one that is corrupt is moved aside and rebuilt from the files."""
+        try:
+            self._init()
+        except sqlite3.DatabaseError as e:
+            aside = self.path.with_name(f"{INDEX}.corrupt-{now_ms()}")
+            log.warning("the store index %s is unreadable (%s): moved to %s, rebuilding it", self.path, e, aside.name)
+            self.path.replace(aside)
+            for suffix in ("-wal", "-shm"):
+                self.path.with_name(INDEX + suffix).unlink(missing_ok=True)
+            self._init()
+        except OSError as e:
+            raise StoreError(f"cannot open the store index at {self.path}: {e.strerror or e}") from e
+
+    def _init(self) -> None:
+        with closing(sqlite3.connect(self.path, timeout=30)) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version != INDEX_VERSION:
+                # Another version's index: forget it; recovery indexes the entry files this one reads.
+                db.executescript("DROP TABLE IF EXISTS entries; DROP TABLE IF EXISTS blocks;")
+                db.execute(f"PRAGMA user_version = {INDEX_VERSION}")
+            db.executescript(SCHEMA_SQL)
+            if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+                raise sqlite3.DatabaseError("quick_check failed")
+
+    def open_read_only(self) -> str | None:
+        """Read the index of a store this process cannot write, as it is; why it cannot be (None: it is).
+
+        SQLite opens a WAL index read-only only while its -shm file exists; a cleanly closed one
+        has none, and nothing can change it here, so it is read as immutable.
+        """
+        problem = "there is none"
+        uris = (f"{self._uri}?mode=ro", f"{self._uri}?immutable=1")
+        for uri in uris if self.path.exists() else ():
+            try:
+                with closing(sqlite3.connect(uri, uri=True, timeout=30)) as db:
+                    version = db.execute("PRAGMA user_version").fetchone()[0]
+                    usable = version == INDEX_VERSION and db.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+            except sqlite3.Error as e:
+                problem = str(e)
+                continue
+            if usable:
+                self._uri = uri
+                return None
+            return f"an index of version {version}, not {INDEX_VERSION}, or damaged"
+        return problem
+
+    def open_memory(self) -> None:
+        """An empty index in memory, for this process (the files are indexed into it by recovery)."""
+        self._uri = f"file:kvmesh-store-{uuid.uuid4().hex}?mode=memory&cache=shared"
+        self.memory = sqlite3.connect(self._uri, uri=True, check_same_thread=False)
+        self.memory.executescript(SCHEMA_SQL)
+
+    def connection(self) -> sqlite3.Connection:
+        """This thread's connection, kept open for the store's life (see the module's docstring)."""
+        db = getattr(self._connections, "db", None)
+        if db is None:
+            db = sqlite3.connect(self._uri, uri=True, timeout=30, isolation_level=None)
+            db.row_factory = sqlite3.Row
+            self._connections.db = db
+        return db
+
+    def write(self) -> Transaction:
+        """A write transaction (`with index.write() as db:`)."""
+        return Transaction(self.connection())
+
+    def read(self) -> "nullcontext[sqlite3.Connection]":
+        """The connection, for reading: no write lock, so reads work on a full disk."""
+        return nullcontext(self.connection())
+
+    def ids(self) -> set[str]:
+        with self.read() as db:
+            return {row[0] for row in db.execute("SELECT cache_id FROM entries")}
+
+    def select(self, clause: str, args: tuple = ()) -> list[StoredEntry]:
+        with self.read() as db:
+            rows = db.execute(f"SELECT {ENTRY_COLUMNS} FROM entries {clause}", args).fetchall()
+        return [
+            StoredEntry(**{**dict(row), "cuttable": bool(row["cuttable"]), "lossy": bool(row["lossy"])}) for row in rows
+        ]
+
+    @staticmethod
+    def has(db: sqlite3.Connection, cache_id: str) -> bool:
+        return db.execute("SELECT 1 FROM entries WHERE cache_id = ?", (cache_id,)).fetchone() is not None
+
+    @classmethod
+    def insert(cls, db: sqlite3.Connection, manifest: pb.CacheManifest, file_bytes: int) -> None:
+        """In `db`'s write transaction: an entry's rows (replacing any it had)."""
+        now = now_ms()
+        cls.unindex(db, manifest.cache_id)
+        db.execute(
+            "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                manifest.cache_id,
+                manifest.model.model_id,
+                manifest.prefix.num_tokens,
+                manifest.prefix.sha256,
+                manifest.prefix.block_size,
+                manifest.compression.method,
+                cuttable(manifest),
+                manifest.encoding.raw_bytes,
+                file_bytes,
+                now,
+                now,
+                lossy(manifest),
+                measured_loss(manifest),
+            ),
+        )
+        db.executemany(
+            "INSERT INTO blocks VALUES (?, ?, ?)",
+            [(manifest.cache_id, i, h) for i, h in enumerate(manifest.prefix.block_hashes)],
+        )
+
+    def add_file(
+        self, manifest: pb.CacheManifest, path: Path, *, source: Path | None = None, only_new: bool = False
+    ) -> bool:
+        """Index the entry file at `path`, first renaming `source` there; True when it was indexed.
+
+        The rename and the rows are one write transaction: another process's eviction (rows and
+        file, also one) comes wholly before or after, never between. `only_new` (recovery) indexes
+        a file only while it still exists and has no row: another process may have evicted or
+        indexed it since it was listed.
+        """
+        try:
+            with self.write() as db:
+                if source is not None:
+                    os.replace(source, path)
+                elif only_new and (not path.is_file() or self.has(db, manifest.cache_id)):
+                    return False
+                self.insert(db, manifest, path.stat().st_size)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot update the store index at {self.root}: {e}") from e
+        return True
+
+    @staticmethod
+    def unindex(db: sqlite3.Connection, cache_id: str) -> bool:
+        """Drop an entry's rows (in `db`'s transaction); True when it had any."""
+        found = db.execute("DELETE FROM entries WHERE cache_id = ?", (cache_id,)).rowcount > 0
+        db.execute("DELETE FROM blocks WHERE cache_id = ?", (cache_id,))
+        return found
+
+    def touch(self, cache_id: str) -> None:
+        """Record a use (for LRU eviction); skipped, not failed, when the disk is full."""
+        try:
+            with self.write() as db:
+                db.execute("UPDATE entries SET last_used_ms = ? WHERE cache_id = ?", (now_ms(), cache_id))
+        except sqlite3.Error as e:
+            log.debug("could not record a use of %s: %s", cache_id, e)
+
+    def total_bytes(self) -> int:
+        with self.read() as db:
+            return db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM entries").fetchone()[0]
+
+    def blocks_matched(self, model_id: str, hashes: Sequence[bytes]) -> dict[str, int]:
+        """For each entry of the model: how many leading blocks it shares with these hashes.
+
+        Hashes are chained, so a match at block i means blocks 0..i all match.
+        """
+        matched: dict[str, int] = {}
+        with self.read() as db:
+            for start in range(0, len(hashes), 500):
+                part = hashes[start : start + 500]
+                rows = db.execute(
+                    f"SELECT b.cache_id, MAX(b.idx) + 1 FROM blocks b JOIN entries e USING (cache_id) "
+                    f"WHERE e.model_id = ? AND b.hash IN ({','.join('?' * len(part))}) GROUP BY b.cache_id",
+                    (model_id, *part),
+                )
+                for cache_id, n in rows:
+                    matched[cache_id] = max(n, matched.get(cache_id, 0))
+        return matched
