@@ -42,13 +42,13 @@ _EXPORTS = {
     "CacheStore": "kvmesh.store.cache_store",
     "PeerClient": "kvmesh.net.client",
     "start_server": "kvmesh.net.server",
-    "CachedPrefix": "kvmesh.generation",
-    "Fetched": "kvmesh.generation",
-    "fetch_cache": "kvmesh.generation",
-    "generate": "kvmesh.generation",
-    "find_prefix": "kvmesh.generation",
-    "load_prefix": "kvmesh.generation",
-    "Generation": "kvmesh.generation",
+    "CachedPrefix": "kvmesh.reuse.records",
+    "Fetched": "kvmesh.reuse.fetch",
+    "fetch_cache": "kvmesh.reuse.fetch",
+    "generate": "kvmesh.reuse.generate",
+    "find_prefix": "kvmesh.reuse.find",
+    "load_prefix": "kvmesh.reuse.find",
+    "Generation": "kvmesh.reuse.records",
     "KvmeshError": "kvmesh.errors",
     "CacheRejected": "kvmesh.errors",
     "Rejection": "kvmesh.errors",
@@ -127,17 +127,12 @@ if TYPE_CHECKING:
         StoreError,
         UnsupportedCacheError,
     )
-    from kvmesh.generation import (
-        CachedPrefix,
-        Fetched,
-        Generation,
-        fetch_cache,
-        find_prefix,
-        generate,
-        load_prefix,
-    )
     from kvmesh.model.fingerprint import ModelFingerprint, fingerprint
     from kvmesh.model.testmodels import make_test_model
     from kvmesh.net.client import PeerClient
     from kvmesh.net.server import start_server
+    from kvmesh.reuse.fetch import Fetched, fetch_cache
+    from kvmesh.reuse.find import find_prefix, load_prefix
+    from kvmesh.reuse.generate import generate
+    from kvmesh.reuse.records import CachedPrefix, Generation
     from kvmesh.store.cache_store import CacheStore

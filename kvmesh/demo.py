@@ -27,7 +27,6 @@ from kvmesh.codec.encode import encode_cache
 from kvmesh.compression import compress, model_basis
 from kvmesh.daemon.control import DaemonProcess, control_status, live_peer_addresses, start_daemon
 from kvmesh.errors import CacheRejected, KvmeshError, PeerError
-from kvmesh.generation import fetch_cache, generate
 from kvmesh.model.fingerprint import FileHashCache, fingerprint
 from kvmesh.model.loaded import LoadedModel
 from kvmesh.model.testmodels import make_test_model
@@ -36,6 +35,8 @@ from kvmesh.net.client import PeerClient
 from kvmesh.net.credentials import init_mesh, load_credentials
 from kvmesh.net.node_id import node_id
 from kvmesh.paths import store_dir
+from kvmesh.reuse.fetch import fetch_cache
+from kvmesh.reuse.generate import generate
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store
 

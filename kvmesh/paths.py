@@ -67,7 +67,7 @@ def daemon_log(data: Path | str) -> Path:
 
 
 def rates_file(data: Path | str) -> Path:
-    """The link and prefill rates this machine measured (kvmesh.fetch_or_prefill.Rates)."""
+    """The link and prefill rates this machine measured (kvmesh.reuse.rates.Rates)."""
     return Path(data) / "rates.json"
 
 

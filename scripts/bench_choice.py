@@ -8,7 +8,7 @@ The real model (SmolLM2-135M-Instruct, float32: 46 KB of KV per token) on this m
 daemon in one network namespace holds the caches of a document's first 128, 256, ... tokens; a
 client in another reaches it over a veth pair limited with `tbf` to each rate in Mbit/s (mutual TLS,
 as on a LAN). For each point the client first makes the choice exactly as `kvmesh generate` does
-(kvmesh.generation.fetch_or_prefill: the link rate from earlier transfers, else a probe; the prefill
+(kvmesh.reuse.weigh.fetch_or_prefill: the link rate from earlier transfers, else a probe; the prefill
 model fitted to this machine's timed prefills, calibrated once at the start), then measures both:
 the fetch (a new connection, lookup excluded, until the cache is decoded) and a local prefill of the
 same tokens. Both measurements then feed the rates, as real use does. Each rate is a new peer: its
@@ -49,8 +49,10 @@ import mlx.core as mx
 import mlx_lm
 from kvmesh.caches.prefill import run_prompt
 from kvmesh.codec.compat import ReceiverProfile
-from kvmesh.fetch_or_prefill import Rates
-from kvmesh.generation import calibrate, fetch_cache, fetch_or_prefill
+from kvmesh.reuse.calibration import ensure_calibrated
+from kvmesh.reuse.fetch import fetch_cache
+from kvmesh.reuse.rates import Rates
+from kvmesh.reuse.weigh import fetch_or_prefill
 from kvmesh.model.fingerprint import fingerprint
 from kvmesh.net.client import PeerClient
 from kvmesh.net.credentials import load_credentials
@@ -60,13 +62,13 @@ model, _ = mlx_lm.load(model_dir)
 fp = fingerprint(Path(model_dir))
 credentials = load_credentials(Path(mesh_dir))
 rates = Rates(rates_dir)
-calibrate(model, fp, rates)
+ensure_calibrated(model, fp, rates)
 document = json.loads(Path(tokens_file).read_text())
 for n in json.loads(sys.argv[6]):
     tokens = document[:n]
     with PeerClient(address, credentials=credentials) as client:
         [match] = [m for m in client.lookup(fp.model_id, tokens + [0]) if m.candidate.num_tokens == n]
-        choice = fetch_or_prefill(rates, fp.model_id, client, match.candidate, tokens=n, held=0)
+        choice = fetch_or_prefill(rates, fp, [(client, match.candidate)], tokens=n, held=0)
     start = time.perf_counter()
     with PeerClient(address, credentials=credentials) as client:
         fetched = fetch_cache(client, match.candidate.cache_id, ReceiverProfile(fp, prompt=tokens + [0]))

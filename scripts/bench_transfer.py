@@ -36,7 +36,7 @@ import mlx.core as mx
 from kvmesh.allocator import tune_allocator
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.errors import CacheRejected
-from kvmesh.generation import fetch_cache
+from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient
 from kvmesh.v1 import model_pb2

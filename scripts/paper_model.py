@@ -33,7 +33,8 @@ import argparse
 from dataclasses import dataclass
 
 from kvmesh.codec.levels import LEVELS
-from kvmesh.fetch_or_prefill import PrefillModel, choose
+from kvmesh.reuse.choice import Copy, choose
+from kvmesh.reuse.rates import PrefillModel
 
 KIB = 1024
 LLAMA3_8B_KV, LLAMA3_70B_KV, QWEN3_30B_KV = 128 * KIB, 320 * KIB, 96 * KIB
@@ -96,7 +97,7 @@ def rows(ratio: float) -> list[list[str]]:
             for rate in LINKS.values():
                 times = []
                 for wire in (fp16, fp16 / ratio):
-                    choice = choose(tokens, int(wire), rate, prefill)
+                    choice = choose(tokens, [Copy("link", "", "full", int(wire), rate)], prefill)
                     times.append(f"{choice.fetch_s:.2f}" if choice.fetch else "=")
                 cells.append(" / ".join(times))
             out.append(cells)

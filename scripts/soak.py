@@ -52,11 +52,12 @@ from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.daemon.control import DaemonProcess, control_status
 from kvmesh.errors import KvmeshError, PeerError
-from kvmesh.generation import fetch_cache, generate
 from kvmesh.model.fingerprint import fingerprint
 from kvmesh.model.testmodels import make_test_model
 from kvmesh.net.client import PeerClient
 from kvmesh.net.transport import method, serialize
+from kvmesh.reuse.fetch import fetch_cache
+from kvmesh.reuse.generate import generate
 from kvmesh.store import CacheStore
 from kvmesh.v1 import control_pb2 as cpb
 from kvmesh.v1 import service_pb2 as spb

@@ -8,17 +8,11 @@ from importlib import resources
 import pytest
 
 from kvmesh.caches.prefill import prefill
-from kvmesh.fetch_or_prefill import (
-    FETCH_SETUP_S,
-    PREFILL_SAMPLES,
-    PrefillModel,
-    Rates,
-    choose,
-    fit_prefill,
-)
-from kvmesh.generation import generate
 from kvmesh.net.client import PeerClient
 from kvmesh.net.server import MAX_PROBE_BYTES
+from kvmesh.reuse.choice import Copy, choose
+from kvmesh.reuse.generate import generate
+from kvmesh.reuse.rates import FETCH_SETUP_S, PREFILL_SAMPLES, PrefillModel, Rates, fit_prefill
 from kvmesh.store import CacheStore
 from kvmesh.v1 import service_pb2 as spb
 from support.processes import cli
@@ -42,25 +36,33 @@ def test_the_prefill_model_is_recovered_from_timed_prefills():
     assert fit_prefill([]) is None
 
 
+def link(wire: int, bytes_per_s: float, **options) -> Copy:
+    """A full copy of `wire` bytes over a link of `bytes_per_s`."""
+    return Copy("10.0.0.2:7470", "c0ffee", "full", wire, bytes_per_s, **options)
+
+
 def test_the_choice_takes_the_faster_and_says_why():
     prefill_model = PrefillModel.at_rate(1000)  # 1,000 tokens/s: 2,048 tokens take 2.05 s
     wire = 64 * MB
-    fast = choose(2048, wire, 1.1e9, prefill_model, where="10.0.0.2:7470", measured="probed")
+    fast = choose(2048, [link(wire, 1.1e9, measured="probed")], prefill_model)
     assert fast.fetch and fast.fetch_s == pytest.approx(FETCH_SETUP_S + wire / 1.1e9)
-    assert fast.prefill_s == pytest.approx(2.048)
-    assert fast.reason == (
-        "2,048 cached tokens at 10.0.0.2:7470: fetching 67.1 MB at 1,100.0 MB/s (probed) takes about 0.07 s, "
-        "prefilling them here at 1,000 tokens/s about 2.05 s: fetch"
+    assert fast.prefill_s == pytest.approx(2.048) and fast.where == "10.0.0.2:7470"
+    assert str(fast) == (
+        "2,048 cached tokens at 10.0.0.2:7470: fetching 67.1 MB full at 1,100.0 MB/s (probed) takes about 0.07 s "
+        "(setup 0.01 s, wire 0.06 s, decode not measured), prefilling them here at 1,000 tokens/s about 2.05 s: fetch"
     )
-    slow = choose(2048, wire, 12e6, prefill_model)  # Wi-Fi: 5.6 s
+    slow = choose(2048, [link(wire, 12e6)], prefill_model)  # Wi-Fi: 5.6 s
     assert not slow.fetch and str(slow).endswith("about 2.05 s: prefill")
     # After 6,000 held tokens, attention makes the same prefill slower: then fetching wins.
-    held = choose(2048, wire, 12e6, PrefillModel(0.001, 5e-7), context=6000)
+    held = choose(2048, [link(wire, 12e6)], PrefillModel(0.001, 5e-7), context=6000)
     assert held.prefill_s == pytest.approx(2048 * (0.001 + 5e-7 * (6000 + 1024)))
     assert held.fetch
     # A slow machine's rate keeps its digits.
-    crawl = choose(2048, wire, 12e6, PrefillModel.at_rate(1.37))
-    assert "prefilling them here at 1.37 tokens/s about 1494.89 s: fetch" in crawl.reason
+    crawl = choose(2048, [link(wire, 12e6)], PrefillModel.at_rate(1.37))
+    assert "prefilling them here at 1.37 tokens/s about 1494.89 s: fetch" in str(crawl)
+    # No prefill timed here: fetching is the choice, without figures to weigh.
+    blind = choose(2048, [link(wire, 12e6)], None)
+    assert blind.fetch and str(blind) == "2,048 cached tokens at 10.0.0.2:7470: no prefill timed here: fetch"
 
 
 def test_rates_are_kept_in_the_data_dir_and_shared(tmp_path, caplog):
@@ -120,8 +122,8 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
     assert fetched.prefix.where == f"peer {address}" and fetched.prefix.tokens == 384
     assert fetched.tokens == expected
     [choice] = fetched.prefix.fetch_or_prefill
-    assert choice.startswith(f"384 cached tokens at {address}: fetching") and "(probed)" in choice
-    assert choice.endswith(": fetch")
+    assert choice.fetch and choice.where == address and choice.best.copy.measured == "probed"
+    assert str(choice).startswith(f"384 cached tokens at {address}: fetching") and str(choice).endswith(": fetch")
     assert slow.link_source(address) == "measured on 1 transfer"
 
     # A machine that prefills ten million tokens a second: it prefills, and says why.
@@ -131,13 +133,17 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
     recomputed = generate(model, tiny_fp, prompt, CacheStore(tmp_path / "c"), peers=[address], max_tokens=6, rates=fast)
     assert recomputed.prefix.where == "none" and recomputed.prefix.wire_bytes == 0
     assert recomputed.tokens == expected
-    assert recomputed.prefix.fetch_or_prefill[0].endswith(": prefill")
+    [choice] = recomputed.prefix.fetch_or_prefill
+    assert not choice.fetch and choice.prefill_s < choice.fetch_s and str(choice).endswith(": prefill")
     assert CacheStore(tmp_path / "c").entries() == []  # nothing was fetched
 
-    # A machine that never timed this model times two prefills first.
+    # A machine that never timed this model times two prefills first, and its decoders.
     fresh = Rates(tmp_path / "fresh")
     generate(model, tiny_fp, prompt, CacheStore(tmp_path / "d"), peers=[address], max_tokens=2, rates=fresh)
     assert [m for m, _, _ in fresh.prefill[tiny_fp.model_id][:2]] == [128, 512]
+    decoding = fresh.decoding(tiny_fp.model_id)
+    assert decoding is not None and set(decoding.bytes_per_s) == {"full", "quantized", "transform"}
+    assert decoding.basis_bytes > 0
 
 
 def timed(data_dir, model_id, tokens_per_s):
@@ -161,7 +167,11 @@ def test_the_cli_explains_its_choice_and_every_line_agrees_with_it(tiny_fp, tiny
     # 10 tokens/s here: fetched; the time saved is reckoned from the prefill time the choice weighed.
     fetched = explained(*args, data_dir=timed(tmp_path / "slow", tiny_fp.model_id, 10))
     [choice] = fetched["choice:"]
-    weighed = re.fullmatch(rf"choice: 384 cached tokens at {address}: fetching .* about ([\d.]+) s: fetch", choice)
+    weighed = re.fullmatch(
+        rf"choice: 384 cached tokens at {address}: fetching .* MB full at .* takes about [\d.]+ s \(setup [\d.]+ s, "
+        rf"wire [\d.]+ s, decode [\d.]+ s\), prefilling them here at [\d.]+ tokens/s about ([\d.]+) s: fetch",
+        choice,
+    )
     [prefix] = fetched["prefix:"]
     took = re.fullmatch(
         rf"prefix: 384 of {len(prompt)} tokens from peer {address} \([\d,]+ bytes on the wire, ([\d.]+) s\)", prefix

@@ -24,9 +24,9 @@ from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.codec.manifest import content_id
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError
-from kvmesh.generation import fetch_cache
 from kvmesh.net.client import PeerClient
 from kvmesh.net.policy import Policy
+from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.store import CacheStore
 from kvmesh.store.entry_file import FOOTER, MAGIC, RECORD_HEADER
 from kvmesh.v1 import cache_pb2 as pb

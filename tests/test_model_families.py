@@ -37,10 +37,10 @@ from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.manifest import layer_report
 from kvmesh.errors import CacheRejected, UnsupportedCacheError
 from kvmesh.files.mlx_prompt_cache import export_prompt_cache, import_prompt_cache
-from kvmesh.generation import fetch_cache
 from kvmesh.model.fingerprint import fingerprint
 from kvmesh.model.prompt import cache_prompt_tokens
 from kvmesh.net.client import PeerClient
+from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import model_pb2

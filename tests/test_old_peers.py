@@ -11,9 +11,9 @@ import pytest
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.errors import CacheRejected
-from kvmesh.generation import fetch_cache
 from kvmesh.net.client import PeerClient
 from kvmesh.net.transport import SERVICE_NAME, as_bytes, serialize
+from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb

@@ -12,8 +12,8 @@ from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.compat import AS_GOOD_KL, loss_rank
 from kvmesh.codec.encode import encode_cache
-from kvmesh.generation import candidate_loss_rank, find_prefix
 from kvmesh.net.server import start_server
+from kvmesh.reuse.find import candidate_loss_rank, find_prefix
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb

@@ -90,7 +90,7 @@ def test_the_server_keeps_compressed_caches_with_their_loss(tiny, tiny_fp, promp
 
 def test_the_local_store_is_held_to_the_quality_floor(tiny, tiny_fp, prompt_ids, tmp_path):
     from kvmesh.codec.encode import encode_cache
-    from kvmesh.generation import find_prefix
+    from kvmesh.reuse.find import find_prefix
 
     press = make_press("knorm", {"ratio": 0.9, "kv_bits": 4})
     pressed = prefill(tiny[0], prompt_ids[:256], press)

@@ -18,8 +18,9 @@ from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.daemon.control import control_status
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, NotFoundError, PeerError
-from kvmesh.generation import fetch_cache, generate
 from kvmesh.net.client import PeerClient
+from kvmesh.reuse.fetch import fetch_cache
+from kvmesh.reuse.generate import generate
 from kvmesh.store import CacheStore
 from kvmesh.store.cache_store import INDEX
 from support.daemons import loopback_daemon

@@ -20,7 +20,6 @@ from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.daemon.control import DaemonProcess
 from kvmesh.errors import CacheRejected, CredentialsError, PeerError
-from kvmesh.generation import fetch_cache
 from kvmesh.net.authority import enrol
 from kvmesh.net.client import PeerClient
 from kvmesh.net.credentials import (
@@ -37,6 +36,7 @@ from kvmesh.net.credentials import (
 from kvmesh.net.node_id import node_id
 from kvmesh.net.transport import MAX_MESSAGE_BYTES, method, open_channel, serialize
 from kvmesh.paths import mesh_dir
+from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.store import CacheStore, entry_file
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb

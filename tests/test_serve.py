@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from kvmesh.caches.prefill import prefill
-from kvmesh.fetch_or_prefill import Rates
-from kvmesh.generation import generate
+from kvmesh.reuse.generate import generate
+from kvmesh.reuse.rates import Rates
 from kvmesh.serve.engine import Done, Engine, Job
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore

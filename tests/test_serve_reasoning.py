@@ -101,7 +101,7 @@ def test_the_responses_stream_keeps_its_items_in_the_order_written():
     """Text, then thinking, then text again: three items, each event at its item's index."""
     import asyncio
 
-    from kvmesh.generation import CachedPrefix
+    from kvmesh.reuse.records import CachedPrefix
     from kvmesh.serve.apis.responses import Answer
     from kvmesh.serve.engine import Done
     from kvmesh.serve.turns import Text

@@ -11,7 +11,7 @@ import pytest
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
-from kvmesh.generation import find_prefix, load_prefix
+from kvmesh.reuse.find import find_prefix, load_prefix
 from kvmesh.store import CacheStore, entry_file
 from kvmesh.v1 import cache_pb2 as pb
 from support.references import same_tensors, tokens_after

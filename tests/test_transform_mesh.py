@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 
 from kvmesh.caches.kinds import fork
-from kvmesh.generation import load_prefix
 from kvmesh.net.client import PeerClient
+from kvmesh.reuse.find import load_prefix
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store
 from kvmesh.v1 import cache_pb2 as pb

@@ -23,10 +23,10 @@ from kvmesh.cli.common import (
     within_context,
 )
 from kvmesh.errors import KvmeshError
-from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
+from kvmesh.reuse.choice import FETCH_HELP, FETCH_MODES
 
-if TYPE_CHECKING:  # generation loads MLX: only its types here
-    from kvmesh.generation import CachedPrefix, Generation
+if TYPE_CHECKING:
+    from kvmesh.reuse.records import CachedPrefix, Generation
 
 
 def prefill(args: Args) -> int:
@@ -166,10 +166,10 @@ def prefill_arguments(parser: Any) -> None:
 
 def fetch(args: Args) -> int:
     from kvmesh.codec.compat import ReceiverProfile
-    from kvmesh.generation import fetch_cache
     from kvmesh.model.loaded import model_fingerprint
     from kvmesh.model.names import remember_name
     from kvmesh.net.client import PeerClient
+    from kvmesh.reuse.fetch import fetch_cache
 
     store = open_store(args)
     if not args.tokens and (held := held_entry(store, args.cache_id)):
@@ -246,11 +246,12 @@ def generate(args: Args) -> int:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    from kvmesh.fetch_or_prefill import Rates
-    from kvmesh.generation import calibrate, generate
     from kvmesh.model.loaded import load_model
     from kvmesh.model.names import remember_name
     from kvmesh.model.prompt import prompt_tokens
+    from kvmesh.reuse.calibration import ensure_calibrated
+    from kvmesh.reuse.generate import generate
+    from kvmesh.reuse.rates import Rates
 
     texts = prompt_texts(args)
     loaded = load_model(args.model)
@@ -262,13 +263,8 @@ def generate(args: Args) -> int:
         mx.random.seed(args.seed)
     peers = mesh_peers(args)
     rates = None if args.fetch == "always" else Rates(data_dir(args))
-    if rates is not None and peers and rates.prefill_model(loaded.fingerprint.model_id) is None:
-        print(
-            "measuring this Mac's prefill rate for this model, once (two prefills, of 128 and 512 tokens), "
-            "to choose between fetching a peer's cache and prefilling it here",
-            file=sys.stderr,
-        )
-        calibrate(loaded.model, loaded.fingerprint, rates)
+    if rates is not None and peers:
+        ensure_calibrated(loaded.model, loaded.fingerprint, rates, announce=announce_calibration)
     with Stages() as stages:
         result = generate(
             loaded.model,
@@ -315,6 +311,14 @@ def generate(args: Args) -> int:
     return 0
 
 
+def announce_calibration() -> None:
+    print(
+        "measuring this Mac's prefill rate for this model, once (two prefills, of 128 and 512 tokens), and how "
+        "fast it decodes the model's caches, to choose between fetching a peer's cache and prefilling it here",
+        file=sys.stderr,
+    )
+
+
 def summary_lines(result: "Generation") -> list[str]:
     """What generate says of its prompt's prefix, from the one record of it (CachedPrefix): where it
     came from, the prefill of the rest, the time saved (by the prefill rate the choices weighed with,
@@ -352,7 +356,7 @@ def summary_lines(result: "Generation") -> list[str]:
 def choice_lines(source: "CachedPrefix") -> list[str]:
     """Each choice between a peer's cache and a prefill here, or why there was none to make."""
     if source.fetch_or_prefill:
-        return list(source.fetch_or_prefill)
+        return [str(decision) for decision in source.fetch_or_prefill]
     if source.where.startswith("peer "):
         return [f"--fetch always: the cache at {source.where[5:]} was fetched without weighing a prefill here"]
     if source.tokens:

@@ -40,9 +40,9 @@ def mesh_words(args: Args, options: ServeOptions) -> str:
 def serve(args: Args) -> int:
     from kvmesh.daemon.logs import setup_logging
     from kvmesh.errors import KvmeshError
-    from kvmesh.fetch_or_prefill import Rates
     from kvmesh.model.loaded import load_model
     from kvmesh.model.names import remember_name
+    from kvmesh.reuse.rates import Rates
     from kvmesh.serve.server import bind, check_exposure, serve
 
     options = serve_options(args)

@@ -22,7 +22,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
 from kvmesh.caches.sparse import SparseKVCache
-from kvmesh.generation import CachedPrefix
+from kvmesh.reuse.records import CachedPrefix
 from kvmesh.serve.jobs import Abandoned, Job, Output
 
 

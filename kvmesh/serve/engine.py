@@ -33,7 +33,8 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 
-from kvmesh.generation import CachedPrefix, calibrate
+from kvmesh.reuse.calibration import ensure_calibrated as calibrate
+from kvmesh.reuse.records import CachedPrefix
 from kvmesh.serve.batch import Batch, batchable, batchable_model, merge_ready
 from kvmesh.serve.jobs import (  # (the engine's vocabulary: importers take it from here too)
     Abandoned,

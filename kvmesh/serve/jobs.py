@@ -14,7 +14,7 @@ from typing import cast
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from kvmesh.generation import CachedPrefix
+from kvmesh.reuse.records import CachedPrefix
 
 
 class Abandoned(Exception):

@@ -12,9 +12,9 @@ from typing import Any
 from kvmesh.codec.levels import LEVELS
 from kvmesh.daemon.config import read_file
 from kvmesh.errors import ConfigError
-from kvmesh.fetch_or_prefill import FETCH_HELP, FETCH_MODES
 from kvmesh.net.addresses import peer_address
 from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.reuse.choice import FETCH_HELP, FETCH_MODES
 from kvmesh.settings import check_choices, from_overrides, from_table, setting, unknown_names
 
 

@@ -46,11 +46,12 @@ from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.prefix import BLOCK_SIZE
 from kvmesh.compression import compress
 from kvmesh.errors import KvmeshError
-from kvmesh.fetch_or_prefill import Rates
-from kvmesh.generation import CachedPrefix, find_prefix
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.reuse.find import find_prefix
+from kvmesh.reuse.rates import Rates
+from kvmesh.reuse.records import CachedPrefix
 from kvmesh.serve.options import ServeOptions
 from kvmesh.store import CacheStore
 

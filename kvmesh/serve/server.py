@@ -23,10 +23,10 @@ from kvmesh.caches.presses import Press
 from kvmesh.codec.calibration import NothingToCode
 from kvmesh.compression import model_basis
 from kvmesh.errors import KvmeshError
-from kvmesh.fetch_or_prefill import Rates
 from kvmesh.model.loaded import LoadedModel, context_length, local_model_dir
 from kvmesh.net.addresses import host_port
 from kvmesh.net.credentials import MeshCredentials
+from kvmesh.reuse.rates import Rates
 from kvmesh.serve.connections import ConnectionGuard, descriptor_backlog, guarded_protocol
 from kvmesh.serve.engine import Engine
 from kvmesh.serve.http.app import ServedModel, make_app

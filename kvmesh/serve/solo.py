@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvmesh.generation import CachedPrefix
+from kvmesh.reuse.records import CachedPrefix
 from kvmesh.serve.jobs import Abandoned, Job, Output
 
 

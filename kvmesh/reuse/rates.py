@@ -1,24 +1,20 @@
-"""Fetch or prefill: whether getting a cached prefix from a peer beats computing it here.
+"""What this machine measured: the link rate to each peer, its timed prefills of each model, and how
+fast it decodes each model's caches in each codec, kept in `rates.json` in the data directory.
 
-A fetch is expected to take its bytes on the wire over the rate this machine measured from that
-peer (on earlier transfers, or a short probe when there were none), plus a fixed setup; a prefill,
-what a model fitted to this machine's timed prefills of the model says (a calibration of two
-lengths, refreshed by every prefill; attention makes long prefixes slower per token). The faster
-is taken. Over Wi-Fi a short prefix of a small model is cheaper to recompute on a fast Mac; over
-10 GbE or Thunderbolt nearly every prefix is cheaper to fetch.
-
-The rates persist in `rates.json` in the data directory, so a machine learns its links and models
-once. Needs no MLX: `scripts/paper_model.py` runs the same arithmetic on published rates.
+A prefill is predicted by a model fitted to the timed prefills (a calibration of two lengths,
+refreshed by every prefill; attention makes long prefixes slower per token). A machine learns its
+links, models and decoders once. Needs no MLX: `scripts/paper_model.py` runs the same arithmetic on
+published rates.
 """
 
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh import paths
+from kvmesh.files.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 # Connecting, the lookup and the manifest's round trip on a LAN: what a fetch costs before its bytes.
@@ -31,34 +27,9 @@ MIN_TIMED_BYTES = 1 << 20
 MIN_TIMED_TOKENS = 32
 # The prefill model is fitted to this many of the latest prefills of a model.
 PREFILL_SAMPLES = 16
-# A probe moves this share of the cache it is for, within these bounds (the server allows 8 MiB).
-PROBE_SHARE = 4
-MIN_PROBE_BYTES, MAX_PROBE_BYTES = 256 << 10, 4 << 20
-
-# How a command or server takes peers' caches: "auto" weighs each fetch against a local prefill.
-FETCH_MODES = ("auto", "always")
-FETCH_HELP = (
-    "auto: fetch a peer's cache only when that is expected to beat prefilling its tokens here (link rates "
-    "measured per peer, this model's prefill rate measured here; kept in the data dir); always: whenever a "
-    "peer has a longer prefix"
-)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Fetch or prefill, the times expected of each, and a sentence saying why."""
-
-    fetch: bool
-    fetch_s: float
-    prefill_s: float
-    reason: str
-
-    def __str__(self) -> str:
-        return self.reason
-
-
-def expected_fetch_s(wire_bytes: float, bytes_per_s: float) -> float:
-    return FETCH_SETUP_S + wire_bytes / bytes_per_s
+# The codecs a copy of a cache may travel in, as the decode rates name them: fp16 or float32 as
+# computed, mlx-lm's 8-bit (or other) quantization, the transform codec (kvmesh.codec.transform).
+CODECS = ("full", "quantized", "transform")
 
 
 @dataclass(frozen=True)
@@ -102,40 +73,18 @@ def fit_prefill(samples: list[tuple[float, float, float]]) -> PrefillModel | Non
     return PrefillModel(b1 / s11)  # one term: least relative error with per-token time only
 
 
-def choose(
-    tokens: int,
-    wire_bytes: int,
-    bytes_per_s: float,
-    prefill: PrefillModel,
-    *,
-    context: int = 0,
-    where: str = "the peer",
-    measured: str = "",
-) -> Choice:
-    """Fetch `tokens` (`wire_bytes` on the wire) from `where` at `bytes_per_s`, or prefill them after
-    the `context` tokens already held, whichever is expected to be faster. `measured` says where the
-    link rate came from."""
-    fetch_s = expected_fetch_s(wire_bytes, bytes_per_s)
-    prefill_s = prefill.seconds(tokens, context)
-    fetch = fetch_s < prefill_s
-    reason = (
-        f"{tokens:,} cached tokens at {where}: fetching {wire_bytes / 1e6:,.1f} MB at "
-        f"{bytes_per_s / 1e6:,.1f} MB/s{f' ({measured})' if measured else ''} takes about {fetch_s:.2f} s, "
-        f"prefilling them here at {figure(prefill.rate(tokens, context))} tokens/s about {prefill_s:.2f} s: "
-        + ("fetch" if fetch else "prefill")
-    )
-    return Choice(fetch, fetch_s, prefill_s, reason)
+@dataclass(frozen=True)
+class Decoding:
+    """How fast this machine decodes a model's caches: bytes on the wire per second, by codec, and the
+    size of the model's transform basis (what a receiver without it fetches first)."""
 
+    bytes_per_s: dict[str, float]
+    basis_bytes: int = 0
 
-def figure(x: float) -> str:
-    """A rate as people read it: whole numbers from 100 on, else three significant digits (a slow
-    machine's 1.37 tokens/s is not "1")."""
-    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
-
-
-def probe_bytes(wire_bytes: int) -> int:
-    """How much to probe before a fetch of `wire_bytes`: a share of it, within MIN/MAX_PROBE_BYTES."""
-    return max(MIN_PROBE_BYTES, min(MAX_PROBE_BYTES, wire_bytes // PROBE_SHARE))
+    def seconds(self, codec: str, wire_bytes: float) -> float | None:
+        """Decoding `wire_bytes` of `codec` here; None when never measured."""
+        rate = self.bytes_per_s.get(codec)
+        return wire_bytes / rate if rate else None
 
 
 def blend(old: float | None, new: float) -> float:
@@ -143,8 +92,8 @@ def blend(old: float | None, new: float) -> float:
 
 
 class Rates:
-    """The link rate to each peer (bytes/s of fetched payload) and the latest timed prefills of each
-    model this machine measured, kept in `rates.json`.
+    """The link rate to each peer (bytes/s of fetched payload), the latest timed prefills of each
+    model and its decode rates, kept in `rates.json`.
 
     Every update re-reads the file before writing it (atomically), so processes sharing a data
     directory (`kvmesh generate`, `kvmesh serve`) keep each other's measurements, and takes a lock,
@@ -157,6 +106,8 @@ class Rates:
         self.links: dict[str, dict] = {}
         # model id -> [[tokens, context, seconds], ...], the latest last
         self.prefill: dict[str, list] = {}
+        # model id -> {"bytes_per_s": {codec: rate}, "basis_bytes": n}
+        self.decode: dict[str, dict] = {}
         self._lock = threading.Lock()
         self._load()
 
@@ -167,6 +118,11 @@ class Rates:
     def prefill_model(self, model_id: str) -> PrefillModel | None:
         """How fast this machine prefills the model, fitted to its latest timed prefills."""
         return fit_prefill([tuple(x) for x in self.prefill.get(model_id, [])])
+
+    def decoding(self, model_id: str) -> Decoding | None:
+        """How fast this machine decodes the model's caches; None when never measured."""
+        entry = self.decode.get(model_id)
+        return Decoding(dict(entry["bytes_per_s"]), int(entry["basis_bytes"])) if entry else None
 
     def link_source(self, address: str) -> str:
         """Where the rate of `address` came from, for explanations."""
@@ -183,7 +139,7 @@ class Rates:
                 self._save()
 
     def record_transfer(self, address: str, wire_bytes: int, seconds: float) -> None:
-        """A fetch from `address` moved `wire_bytes` in `seconds` (from request to caches ready)."""
+        """A fetch from `address` moved `wire_bytes` in `seconds` (from the request to its last byte)."""
         if wire_bytes < MIN_TIMED_BYTES or seconds <= FETCH_SETUP_S:
             return
         with self._lock:
@@ -195,13 +151,24 @@ class Rates:
             self._save()
 
     def record_prefill(self, model_id: str, tokens: int, seconds: float, *, context: int = 0) -> None:
-        """This machine prefilled `tokens` of the model `model_id`, after `context` cached ones, in `seconds`."""
+        """This machine prefilled `tokens` of the model `model_id`, after `context` cached ones, in
+        `seconds`: the one record of a prefill, whichever generation loop ran it."""
         if tokens < MIN_TIMED_TOKENS or seconds <= 0:
             return
         with self._lock:
             self._load()
             samples = [*self.prefill.get(model_id, []), [tokens, context, seconds]]
             self.prefill[model_id] = samples[-PREFILL_SAMPLES:]
+            self._save()
+
+    def record_decoding(self, model_id: str, decoding: Decoding) -> None:
+        """This machine's decode rates of the model's caches (kvmesh.reuse.calibration), blended with
+        what was measured before."""
+        with self._lock:
+            self._load()
+            old = self.decode.get(model_id, {}).get("bytes_per_s", {})
+            rates = {codec: blend(old.get(codec), rate) for codec, rate in decoding.bytes_per_s.items()}
+            self.decode[model_id] = {"bytes_per_s": {**old, **rates}, "basis_bytes": decoding.basis_bytes}
             self._save()
 
     def _load(self) -> None:
@@ -215,18 +182,22 @@ class Rates:
                 str(model): [[float(tokens), float(context), float(seconds)] for tokens, context, seconds in samples]
                 for model, samples in data["prefill"].items()
             }
+            self.decode = {  # absent from files written before decode rates were kept
+                str(model): {
+                    "bytes_per_s": {str(c): float(r) for c, r in entry["bytes_per_s"].items() if c in CODECS},
+                    "basis_bytes": int(entry["basis_bytes"]),
+                }
+                for model, entry in data.get("decode", {}).items()
+            }
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("%s is unreadable (%s): rates are measured again", self.path, e)
-            self.links, self.prefill = {}, {}
+            self.links, self.prefill, self.decode = {}, {}, {}
 
     def _save(self) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.part")
+        data = {"links": self.links, "prefill": self.prefill, "decode": self.decode}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"links": self.links, "prefill": self.prefill}, indent=1))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(data, indent=1))
         except OSError as e:  # a full disk: the rates are only advice
-            tmp.unlink(missing_ok=True)
             log.warning("cannot keep rates in %s: %s", self.path, e.strerror or e)

@@ -1,0 +1,162 @@
+"""Fetch or prefill, and which copy: the cost model and the typed record of each decision.
+
+A fetch of a copy is expected to take a setup, then the basis it needs when this machine lacks it
+(it travels first), then its bytes on the wire and their decoding, which overlap as chunks arrive,
+so the slower of the two, and last the decode of the last layer to arrive:
+
+    setup + basis / link + max(wire / link, wire / decode rate) + (wire / decode rate) / layers
+
+The link rate is the one measured from that peer (earlier transfers, else a probe), the decode
+rate the one this machine measured for the model and codec (kvmesh.reuse.calibration). A prefill
+takes what the model fitted to this machine's timed prefills says (kvmesh.reuse.rates). Among the
+copies peers hold of a prefix (full, 8-bit, transform coded: each within the quality floor) the
+one expected soonest is weighed against the prefill, and the faster is taken. Over Wi-Fi a coded
+copy's fewer bytes win; over 10 GbE or Thunderbolt decoding it may cost more than the bytes it
+saves, and the full copy wins. Needs no MLX.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.reuse.rates import FETCH_SETUP_S, PrefillModel
+
+# A probe moves this share of the cache it is for, within these bounds (the server allows 8 MiB).
+PROBE_SHARE = 4
+MIN_PROBE_BYTES, MAX_PROBE_BYTES = 256 << 10, 4 << 20
+
+# How a command or server takes peers' caches: "auto" weighs each fetch against a local prefill.
+FETCH_MODES = ("auto", "always")
+FETCH_HELP = (
+    "auto: fetch a peer's cache only when that is expected to beat prefilling its tokens here (link rates "
+    "measured per peer, this model's prefill and decode rates measured here; kept in the data dir); always: "
+    "whenever a peer has a longer prefix"
+)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A copy of a prefix that a peer holds, as this machine would fetch it: `wire_bytes` of `codec`
+    over a link of `bytes_per_s` (`measured` says how that was learnt), the `basis_bytes` of a basis
+    this machine lacks, and its decode rate here (None: never measured, its decode not counted)."""
+
+    where: str
+    cache_id: str
+    codec: str
+    wire_bytes: int
+    bytes_per_s: float
+    measured: str = ""
+    basis_bytes: int = 0
+    decode_bytes_per_s: float | None = None
+    layers: int = 1
+
+
+@dataclass(frozen=True)
+class FetchCost:
+    """The parts of a copy's expected fetch time, in seconds."""
+
+    setup_s: float
+    basis_s: float
+    wire_s: float
+    decode_s: float
+    last_layer_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.setup_s + self.basis_s + max(self.wire_s, self.decode_s) + self.last_layer_s
+
+
+def fetch_cost(copy: Copy) -> FetchCost:
+    """What fetching `copy` is expected to cost (the module docstring's sum)."""
+    decode_s = copy.wire_bytes / copy.decode_bytes_per_s if copy.decode_bytes_per_s else 0.0
+    return FetchCost(
+        FETCH_SETUP_S,
+        copy.basis_bytes / copy.bytes_per_s,
+        copy.wire_bytes / copy.bytes_per_s,
+        decode_s,
+        decode_s / max(1, copy.layers),
+    )
+
+
+@dataclass(frozen=True)
+class Weighed:
+    """One copy and what fetching it is expected to cost."""
+
+    copy: Copy
+    cost: FetchCost
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One choice between prefilling `tokens` here (after `context` held ones) and fetching the
+    copies peers hold of them: each copy weighed, soonest first, and the verdict. What `--explain`
+    prints, `generate --json` and serve's `usage.kvmesh` carry (as `str`), and tests read."""
+
+    tokens: int
+    fetch: bool
+    # The copies weighed, the one expected soonest first; empty only when none could be weighed.
+    weighed: tuple[Weighed, ...] = ()
+    # The prefill's expected seconds and rate (tokens/s); None when this machine never timed one.
+    prefill_s: float | None = None
+    prefill_rate: float | None = None
+    context: int = 0
+
+    @property
+    def best(self) -> Weighed:
+        return self.weighed[0]
+
+    @property
+    def fetch_s(self) -> float:
+        return self.best.cost.seconds if self.weighed else 0.0
+
+    @property
+    def where(self) -> str:
+        return self.best.copy.where if self.weighed else ""
+
+    def __str__(self) -> str:
+        if not self.weighed:
+            return f"{self.tokens:,} cached tokens: no copy within the quality floor: prefill"
+        best = self.best
+        head = f"{self.tokens:,} cached tokens at {best.copy.where}"
+        if self.prefill_s is None or self.prefill_rate is None:
+            return f"{head}: no prefill timed here: fetch"
+        others = "".join(f"; {describe(w)}" for w in self.weighed[1:])
+        return (
+            f"{head}: fetching {describe(best)}, prefilling them here at {figure(self.prefill_rate)} tokens/s "
+            f"about {self.prefill_s:.2f} s{others}: " + ("fetch" if self.fetch else "prefill")
+        )
+
+
+def describe(w: Weighed) -> str:
+    """A weighed copy in words: its bytes, link, and the parts of its expected time."""
+    c, cost = w.copy, w.cost
+    basis = f" after a {c.basis_bytes / 1e6:,.2f} MB basis" if c.basis_bytes else ""
+    decode = f", decode {cost.decode_s:.2f} s" if c.decode_bytes_per_s else ", decode not measured"
+    return (
+        f"{c.wire_bytes / 1e6:,.1f} MB {c.codec}{basis} at {c.bytes_per_s / 1e6:,.1f} MB/s"
+        f"{f' ({c.measured})' if c.measured else ''} takes about {cost.seconds:.2f} s (setup {cost.setup_s:.2f} s, "
+        f"wire {cost.basis_s + cost.wire_s:.2f} s{decode})"
+    )
+
+
+def choose(tokens: int, copies: Sequence[Copy], prefill: PrefillModel | None, *, context: int = 0) -> Decision:
+    """Fetch the copy of `tokens` expected soonest, or prefill them after the `context` tokens already
+    held, whichever is expected to be faster; without a timed prefill, fetching is the choice, of
+    the copies in the order given."""
+    weighed = tuple(Weighed(c, fetch_cost(c)) for c in copies)
+    if prefill is None:
+        return Decision(tokens, bool(weighed), weighed, context=context)
+    weighed = tuple(sorted(weighed, key=lambda w: w.cost.seconds))
+    prefill_s = prefill.seconds(tokens, context)
+    fetch = bool(weighed) and weighed[0].cost.seconds < prefill_s
+    return Decision(tokens, fetch, weighed, prefill_s, prefill.rate(tokens, context), context)
+
+
+def figure(x: float) -> str:
+    """A rate as people read it: whole numbers from 100 on, else three significant digits (a slow
+    machine's 1.37 tokens/s is not "1")."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def probe_bytes(wire_bytes: int) -> int:
+    """How much to probe before a fetch of `wire_bytes`: a share of it, within MIN/MAX_PROBE_BYTES."""
+    return max(MIN_PROBE_BYTES, min(MAX_PROBE_BYTES, wire_bytes // PROBE_SHARE))

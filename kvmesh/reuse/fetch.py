@@ -1,0 +1,172 @@
+"""A peer's cache fetched: decoded here as it arrives and kept in the local store in the same pass
+(`fetch_cache`), so the next request finds it here; the transform bases it names come first."""
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from kvmesh.codec.arrays import Layer
+from kvmesh.codec.basis import Basis, BasisError
+from kvmesh.codec.basis_file import basis_bytes_bound, geometry_problem
+from kvmesh.codec.chunks import Chunk
+from kvmesh.codec.coded import parse_basis
+from kvmesh.codec.compat import ReceiverProfile, basis_problem
+from kvmesh.codec.decode import CacheDecoder
+from kvmesh.errors import IntegrityError, PeerError, Rejection, StoreError
+from kvmesh.net.client import PeerClient, Progress, Transfer
+from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import ArtifactStore, Incoming, artifact_store
+from kvmesh.v1 import cache_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Fetched:
+    """A fetched cache, ready to generate from, and what getting it cost."""
+
+    manifest: pb.CacheManifest
+    cache: list[Layer]
+    seconds: float
+    wire_bytes: int
+    # Whether it was also kept in the local store.
+    kept: bool = False
+    # Bytes of the bases it needed that were fetched first (0: all were here), and the seconds from
+    # the request to its last byte: what the link rate is measured from (decoding overlaps it).
+    basis_bytes: int = 0
+    wire_s: float = 0.0
+
+
+def fetch_cache(
+    client: PeerClient,
+    cache_id: str,
+    profile: ReceiverProfile,
+    *,
+    num_tokens: int = 0,
+    store: CacheStore | None = None,
+    keep: bool = True,
+    progress: Progress | None = None,
+    idle_timeout: float = TIMEOUTS.stream_idle,
+    deadline: float | None = None,
+) -> Fetched:
+    """Fetch a cache (or a block-aligned prefix of a dense one, `num_tokens`) from the peer of
+    `client`, decoded as it arrives into MLX caches; with a `store`, kept there in the same pass.
+
+    With `keep=False`, it is kept only if the store can hold it (its budget, its free disk), else
+    the fetch goes on without it. A peer that sends nothing for `idle_timeout` seconds, or a transfer
+    longer than `deadline`, is abandoned (`PeerClient.fetch`).
+
+    Raises CacheRejected when the manifest does not fit `profile` or the store (no chunk is sent
+    then), PeerError when the peer fails or stalls, IntegrityError when what arrives is damaged. Each
+    chunk is checked as it is decoded, before the store writes it, and the digest before the entry
+    is complete, so a failure of any kind leaves nothing in the store.
+    """
+    start = time.perf_counter()
+    fetch = client.fetch(
+        cache_id, profile, num_tokens=num_tokens, progress=progress, idle_timeout=idle_timeout, deadline=deadline
+    )
+    with fetch:
+        manifest = fetch.manifest
+        artifacts = artifact_store(store.root) if store is not None else None
+        missing = sum(a.nbytes for a in manifest.artifacts if artifacts is None or not artifacts.has(a.sha256))
+        bases = fetch_bases(client, fetch, artifacts)
+        if store is not None and (problem := store.cannot_hold(manifest)):
+            if keep:
+                fetch.refuse(Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}"))
+            store = None  # decode it all the same, without keeping it
+        decoder = CacheDecoder(manifest, bases)
+        arrived = [start]
+        decoded = decoder.feed_iter(timed(fetch.chunks(), arrived))
+        if store is not None:
+            manifest = store.add(manifest, decoded)
+        else:
+            for _ in decoded:
+                pass
+        cache = decoder.finish()
+    seconds = time.perf_counter() - start
+    return Fetched(
+        manifest,
+        cache,
+        seconds,
+        fetch.wire_bytes,
+        kept=store is not None,
+        basis_bytes=missing,
+        wire_s=arrived[0] - start,
+    )
+
+
+def timed(chunks: Iterable[Chunk], arrived: list[float]) -> Iterator[Chunk]:
+    """`chunks`, noting in `arrived[0]` when the latest one came."""
+    for chunk in chunks:
+        arrived[0] = time.perf_counter()
+        yield chunk
+
+
+def fetch_bases(client: PeerClient, fetch: Transfer, artifacts: ArtifactStore | None) -> dict[str, Basis]:
+    """The transform bases a fetched manifest names: from `artifacts`, or else from the sender (and
+    kept in `artifacts`), all before the cache is accepted. One that cannot be got, is larger than a
+    basis of the cache's geometry can be, does not match its sha256, is not a sane basis or does not
+    fit the manifest refuses the cache (REJECT_REASON_ARTIFACT): no chunk moves, nothing is kept."""
+    bases = {}
+    for a in fetch.manifest.artifacts:
+        held = held_basis(fetch, a, artifacts)
+        bases[a.sha256] = held if held is not None else fetched_basis(client, fetch, a, artifacts)
+    return bases
+
+
+def held_basis(fetch: Transfer, artifact: pb.Artifact, artifacts: ArtifactStore | None) -> Basis | None:
+    """The basis from the local `artifacts`, checked against the manifest; None when it is not here
+    (or its copy was damaged or poisoned, and removed: ArtifactStore.get)."""
+    try:
+        data = artifacts.get(artifact.sha256) if artifacts is not None else None
+    except (IntegrityError, StoreError) as e:
+        log.warning("%s", e)
+        return None
+    if data is None:
+        return None
+    try:
+        basis = parse_basis(data, artifact.sha256)
+    except BasisError as e:
+        fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"the cache is coded with basis {artifact.sha256[:12]}: {e}"))
+    return fits(fetch, basis)
+
+
+def fetched_basis(client: PeerClient, fetch: Transfer, artifact: pb.Artifact, artifacts: ArtifactStore | None) -> Basis:
+    """The basis from the sender: its announced size held to the cache's geometry before a byte is
+    asked for, streamed to a temporary file (hashed as it comes), checked, then kept in `artifacts`."""
+    what = f"the cache is coded with basis {artifact.sha256[:12]} ({artifact.nbytes:,} bytes)"
+    if artifact.nbytes > (bound := basis_bytes_bound(fetch.manifest)):
+        m = fetch.manifest
+        geometry = f"{len(m.layers)} layers of {m.num_kv_heads}x{m.head_dim}"
+        fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}: a basis of {geometry} takes at most {bound:,}"))
+    try:
+        incoming = artifacts.receive() if artifacts is not None else Incoming()
+    except StoreError as e:
+        fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which cannot be kept here: {e}"))
+    with incoming:
+        try:
+            log.info("fetching basis %s (%d bytes) from %s", artifact.sha256[:12], artifact.nbytes, client.address)
+            client.artifact(artifact.sha256, artifact.nbytes, incoming.write, deadline=TIMEOUTS.artifact)
+            basis = parse_basis(incoming.read(artifact.sha256), artifact.sha256)
+        except (PeerError, IntegrityError, BasisError, StoreError) as e:
+            fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which {client.address} could not give: {e}"))
+        fits(fetch, basis)
+        if artifacts is not None:  # kept only once it is known to be sane and to fit
+            try:
+                artifacts.keep(incoming, artifact.sha256)
+            except (StoreError, IntegrityError) as e:
+                fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"{what}, which cannot be kept here: {e}"))
+    return basis
+
+
+def fits(fetch: Transfer, basis: Basis) -> Basis:
+    """`basis`, once it fits the manifest (its coded layers, and its geometry as a whole); else the
+    cache is refused (REJECT_REASON_ARTIFACT)."""
+    if rejection := basis_problem(fetch.manifest, basis):
+        fetch.refuse(rejection)
+    features = [k.features for k in basis.keys]
+    if problem := geometry_problem(fetch.manifest, basis.digest, basis.covered(), features):
+        fetch.refuse(Rejection(pb.REJECT_REASON_ARTIFACT, f"basis {basis.digest[:12]}: {problem}"))
+    return basis

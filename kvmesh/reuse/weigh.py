@@ -1,0 +1,74 @@
+"""The choice for a request: the copies peers offer of one prefix, weighed against a prefill here by
+this machine's rates (kvmesh.reuse.choice), each peer's link probed first when never measured."""
+
+import math
+from collections.abc import Sequence
+
+from kvmesh.model.fingerprint import ModelFingerprint
+from kvmesh.net.client import PeerClient
+from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.reuse.choice import Copy, Decision, choose, probe_bytes
+from kvmesh.reuse.rates import Rates
+from kvmesh.v1.service_pb2 import Candidate
+
+Offer = tuple[PeerClient, Candidate]
+
+
+def codec_of(candidate: Candidate) -> str:
+    """The codec a peer's copy travels in, as its lookup answer tells: a lossy cache that no press
+    changed is transform coded, a quantize press's is quantized, any other travels as computed."""
+    if candidate.method == "quantize":
+        return "quantized"
+    return "transform" if candidate.method == "full" and candidate.lossy else "full"
+
+
+def within_floor(candidate: Candidate, max_kl: float | None) -> bool:
+    """Whether a copy is within the receiver's quality floor `max_kl`, as `quality_problem` judges its
+    manifest: lossless, or lossy with a measured loss of at most `max_kl`."""
+    lossy = candidate.lossy or candidate.method != "full"
+    if max_kl is None or not lossy:
+        return True
+    return candidate.quality.metric == "tail_kl" and candidate.quality.value <= max_kl
+
+
+def fetch_or_prefill(
+    rates: Rates,
+    model_fp: ModelFingerprint,
+    offers: Sequence[Offer],
+    *,
+    tokens: int,
+    held: int,
+    basis_held: bool = False,
+    timeout: float = TIMEOUTS.stream_idle,
+) -> Decision:
+    """Whether fetching one of `offers` (copies of the same prefix, on one peer or several) beats
+    prefilling the `tokens` they add to the `held` ones here, and which copy.
+
+    Each link rate is the one measured on earlier transfers from that peer, else a short probe's
+    (within `timeout` seconds); each decode rate this machine's for the model and codec; a transform
+    coded copy counts its basis unless `basis_held`. Without timed prefills of the model
+    (`ensure_calibrated`), fetching is the choice, the copies in the order given.
+    """
+    prefill = rates.prefill_model(model_fp.model_id)
+    decoding = rates.decoding(model_fp.model_id)
+    copies = []
+    for client, candidate in offers:
+        codec = codec_of(candidate)
+        wire = candidate.stored_bytes * (held + tokens) // max(1, candidate.num_tokens)
+        address = client.address
+        if prefill is not None and rates.link_rate(address) is None:
+            rates.record_probe(address, client.probe(probe_bytes(wire), timeout=timeout))
+        copies.append(
+            Copy(
+                address,
+                candidate.cache_id,
+                codec,
+                wire,
+                rates.link_rate(address) or math.inf,  # unknown without a prefill to weigh: not probed
+                measured=rates.link_source(address),
+                basis_bytes=decoding.basis_bytes if decoding and codec == "transform" and not basis_held else 0,
+                decode_bytes_per_s=decoding.bytes_per_s.get(codec) if decoding else None,
+                layers=model_fp.num_layers,
+            )
+        )
+    return choose(tokens, copies, prefill, context=held)
