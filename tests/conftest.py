@@ -53,25 +53,54 @@ def isolated_cache_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
+def preset_dir(tmp_path_factory):
+    """preset_dir(preset, seed=0) -> that preset's model directory (kvmesh.model.testmodels), built
+    once per session and shared by every test that asks: a test that edits a model copies it first.
+    Building one trains its tokenizer and writes its weights, a second or more on 2 cores."""
     from kvmesh.model.testmodels import make_test_model
 
-    return make_test_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+    root = tmp_path_factory.mktemp("models")
+    built = {}
+
+    def build(preset: str, seed: int = 0) -> Path:
+        if (preset, seed) not in built:
+            name = preset if seed == 0 else f"{preset}-seed{seed}"
+            built[preset, seed] = make_test_model(root / name, preset, seed=seed)
+        return built[preset, seed]
+
+    return build
 
 
 @pytest.fixture(scope="session")
-def qwen3_dir(tmp_path_factory):
-    from kvmesh.model.testmodels import make_test_model
-
-    return make_test_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", "tiny-qwen3")
-
-
-@pytest.fixture(scope="session")
-def tiny(tiny_dir):
-    """(model, tokenizer) of the tiny llama, in float32. Never change its dtype: see tiny_in."""
+def preset_model(preset_dir):
+    """preset_model(preset) -> (model, tokenizer) of preset_dir(preset), loaded once per session.
+    Shared: never change its weights or dtype (load a copy for that, as tiny_in does)."""
     import mlx_lm
 
-    return mlx_lm.load(str(tiny_dir))
+    loaded = {}
+
+    def load(preset: str):
+        if preset not in loaded:
+            loaded[preset] = mlx_lm.load(str(preset_dir(preset)))
+        return loaded[preset]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(preset_dir):
+    return preset_dir("tiny")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(preset_dir):
+    return preset_dir("tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny(preset_model):
+    """(model, tokenizer) of the tiny llama, in float32. Never change its dtype: see tiny_in."""
+    return preset_model("tiny")
 
 
 @pytest.fixture(scope="session")
@@ -83,10 +112,8 @@ def tiny_fp(tiny_dir):
 
 
 @pytest.fixture(scope="session")
-def qwen3(qwen3_dir):
-    import mlx_lm
-
-    return mlx_lm.load(str(qwen3_dir))
+def qwen3(preset_model):
+    return preset_model("tiny-qwen3")
 
 
 @pytest.fixture(scope="session")
@@ -132,6 +159,18 @@ def daemons():
     """A support.daemons.Daemons: `daemons.start(data_dir, *args)` starts a loopback daemon (no mDNS
     unless discovery=True); every one is stopped at the end of the test."""
     started = Daemons()
+    yield started
+    started.stop_all()
+
+
+@pytest.fixture
+def grpc_peers():
+    """A support.grpc_peers.GrpcPeers: `grpc_peers.start(store_root, ...)` serves that store with the
+    real gRPC server in this process (no daemon process: see support.grpc_peers); every one is
+    stopped at the end of the test."""
+    from support.grpc_peers import GrpcPeers
+
+    started = GrpcPeers()
     yield started
     started.stop_all()
 

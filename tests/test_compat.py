@@ -12,7 +12,6 @@ from kvmesh.codec.compat import ReceiverProfile, check_manifest
 from kvmesh.codec.encode import build_manifest
 from kvmesh.codec.prefix import PrefixKey
 from kvmesh.model.fingerprint import fingerprint
-from kvmesh.model.testmodels import make_test_model
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.versions import SCHEMA_VERSION
 
@@ -74,8 +73,8 @@ def test_model_config(manifest, profile, tiny_dir, tmp_path):
     assert reason(manifest, ReceiverProfile(model=other)) == "model_config"
 
 
-def test_weights(manifest, profile, tiny_dir, tmp_path):
-    seed1 = make_test_model(tmp_path / "seed1", "tiny", seed=1)
+def test_weights(manifest, profile, tiny_dir, preset_dir, tmp_path):
+    seed1 = preset_dir("tiny", seed=1)
     other = edited_model(tiny_dir, tmp_path, lambda d: shutil.copy(seed1 / "model.safetensors", d))
     rejection = check_manifest(manifest, ReceiverProfile(model=other))
     assert rejection.reason_name == "weights"

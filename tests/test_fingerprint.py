@@ -61,9 +61,9 @@ def test_config_formatting_does_not_matter(model_dir):
     assert fingerprint(model_dir) == before
 
 
-def test_weights_change(model_dir, tmp_path):
+def test_weights_change(model_dir, preset_dir):
     before = fingerprint(model_dir)
-    other = make_test_model(tmp_path / "seed1", "tiny", seed=1)
+    other = preset_dir("tiny", seed=1)
     shutil.copy(other / "model.safetensors", model_dir / "model.safetensors")
     assert changed(before, fingerprint(model_dir)) == {"model_id", "weights_sha256"}
 

@@ -2,8 +2,8 @@
 linear-attention or convolution layers keep recurrent state (qwen3.5, lfm2), composite layers of a
 mamba state and attention (falcon_h1: CacheList), and chunked attention (llama4).
 
-Each family is a real mlx-lm architecture with random weights; their caches go through a real
-daemon and come back as the classes mlx-lm's model code expects, generating exactly as a local
+Each family is a real mlx-lm architecture with random weights; their caches go through the real
+gRPC server and come back as the classes mlx-lm's model code expects, generating exactly as a local
 prefill does.
 """
 
@@ -67,14 +67,10 @@ def parts(cache):
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
+def family(request, preset_dir, preset_model):
     """(preset, model, tokenizer, fingerprint, model dir) of one family."""
-    import mlx_lm
-
-    from kvmesh.model.testmodels import make_test_model
-
-    path = make_test_model(tmp_path_factory.mktemp("models") / request.param, request.param)
-    model, tokenizer = mlx_lm.load(str(path))
+    path = preset_dir(request.param)
+    model, tokenizer = preset_model(request.param)
     return request.param, model, tokenizer, fingerprint(path), path
 
 
@@ -83,12 +79,12 @@ def test_the_presets_have_the_layouts_of_their_families(family):
     assert [type(c) for c in make_prompt_cache(model)] == LAYOUTS[preset]
 
 
-def test_fetched_from_a_daemon_it_generates_exactly_as_a_local_prefill(family, prompt_ids, serve, tmp_path):
+def test_fetched_from_a_peer_it_generates_exactly_as_a_local_prefill(family, prompt_ids, grpc_peers, tmp_path):
     preset, model, _, fp, _ = family
     prefix, suffix = prompt_ids[:256], prompt_ids[256:]
     store = CacheStore(tmp_path / "producer")
     manifest = put(store, prefill(model, prefix).cache, fp, prefix)
-    address = serve(tmp_path / "producer")
+    address = grpc_peers.start(tmp_path / "producer").address
 
     with PeerClient(address) as client:
         fetched = fetch_cache(client, manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids))

@@ -1,5 +1,6 @@
 """A daemon left running for months: frozen peers, budgets, full disks, damaged stores, two instances,
-and every CLI mistake a one-line error. Real daemons, real files, real signals."""
+and every CLI mistake a one-line error. Real daemons, real files, real signals; a test of what a
+peer answers serves its store in process (the real gRPC server: support.grpc_peers)."""
 
 import logging
 import os
@@ -28,8 +29,6 @@ from support.processes import cli
 from support.references import greedy_tokens
 from support.stores import put
 from support.waiting import wait_for
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +111,9 @@ def test_a_frozen_peer_is_marked_lost_and_back_by_the_daemon_that_watches_it(ser
 # The store budget
 
 
+@pytest.mark.slow
 def test_every_writer_keeps_the_store_within_its_budget_evicting_the_least_recently_used(
-    tiny, tiny_dir, tiny_fp, long_ids, serve, tmp_path
+    tiny, tiny_dir, tiny_fp, long_ids, grpc_peers, tmp_path, caplog
 ):
     probe = CacheStore(tmp_path / "probe", max_bytes=None)
     made = {
@@ -139,9 +139,10 @@ def test_every_writer_keeps_the_store_within_its_budget_evicting_the_least_recen
     assert {e.cache_id for e in stored().entries()} == {made[100], made[120], made[130]}
     assert stored().total_bytes() <= budget
 
-    # A daemon with that budget: a publish larger than the whole budget is refused before any chunk
+    # A peer with that budget: a publish larger than the whole budget is refused before any chunk
     # with a typed reason; one that fits evicts the least recently used (120 now).
-    address = serve(store_dir, "--store-budget", budget)
+    caplog.set_level(logging.INFO, logger="kvmesh.store")
+    address = grpc_peers.start(store_dir, store_budget=budget).address
     big = CacheStore(tmp_path / "big", max_bytes=None)
     big_id = put(big, prefill(tiny[0], long_ids[:800]).cache, tiny_fp, long_ids[:800]).cache_id
     with PeerClient(address) as client:
@@ -151,18 +152,18 @@ def test_every_writer_keeps_the_store_within_its_budget_evicting_the_least_recen
         assert client.publish(probe, made[110]) == made[110]
         assert client.info().store.bytes <= budget
     assert made[120] not in {e.cache_id for e in stored().entries()}
+    assert f"evicted cache {made[120]}" in caplog.text
 
     # `prefill` and `fetch` (CLI writers, beside the running daemon) keep to it too.
     doc = tmp_path / "doc.txt"
     doc.write_text("Rivers run to the sea. " * 30)
     kvmesh("prefill", tiny_dir, "--file", doc, "--store", store_dir)
     assert stored().total_bytes() <= budget
-    source = serve(tmp_path / "source")
+    source = grpc_peers.start(tmp_path / "source").address
     with PeerClient(source) as client:
         assert client.publish(probe, made[120]) == made[120]
     kvmesh("fetch", made[120], "--peer", source, "--model", tiny_dir, "--store", store_dir)
     assert made[120] in {e.cache_id for e in stored().entries()} and stored().total_bytes() <= budget
-    assert "evicted cache" in Path(f"{store_dir}.log").read_text()
 
 
 # A full disk
@@ -199,13 +200,14 @@ def fill(disk: Path) -> Path:
     return filler
 
 
+@pytest.mark.slow
 def test_a_full_disk_keeps_reads_working_refuses_writes_in_one_line_and_recovers(
-    tiny, tiny_dir, tiny_fp, prompt_ids, serve, tiny_disk, tmp_path
+    tiny, tiny_dir, tiny_fp, prompt_ids, grpc_peers, tiny_disk, tmp_path
 ):
     store_dir = tiny_disk / "store"  # without a budget: the disk is the limit here
     no_budget = {"KVMESH_STORE_BUDGET": "0"}
     stored = put(CacheStore(store_dir, max_bytes=None), prefill(tiny[0], prompt_ids).cache, tiny_fp, prompt_ids)
-    address = serve(store_dir, "--store-budget", 0)
+    address = grpc_peers.start(store_dir, store_budget=0).address
     filler = fill(tiny_disk)
     assert shutil.disk_usage(tiny_disk).free < 64 << 10
 
@@ -216,7 +218,7 @@ def test_a_full_disk_keeps_reads_working_refuses_writes_in_one_line_and_recovers
             client, stored.cache_id, ReceiverProfile(tiny_fp, prompt=prompt_ids), store=CacheStore(tmp_path / "b")
         )
     assert fetched.manifest.cache_id == stored.cache_id
-    # Writes: a prefill is refused before the work, in one line; a publish is refused, the daemon lives on.
+    # Writes: a prefill is refused before the work, in one line; a publish is refused, the peer serves on.
     doc = tmp_path / "doc.txt"
     doc.write_text("Rivers run to the sea. " * 30)
     refused = cli("prefill", tiny_dir, "--file", doc, "--store", store_dir, check=False, env=no_budget)
@@ -229,7 +231,7 @@ def test_a_full_disk_keeps_reads_working_refuses_writes_in_one_line_and_recovers
             client.publish(other, other_id)
         assert client.info().store.entries == 1
 
-    # Space returns: the same daemon takes writes again; nothing was lost.
+    # Space returns: the same peer takes writes again; nothing was lost.
     filler.unlink()
     with PeerClient(address) as client:
         assert client.publish(other, other_id) == other_id
@@ -253,9 +255,10 @@ def damage(store: CacheStore, cache_id: str, how: str, other_id: str) -> None:
         shutil.copyfile(store.entries_dir / f"{other_id}.kvc", path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["flipped", "truncated", "misplaced"])
 def test_a_damaged_or_misplaced_entry_is_quarantined_and_generate_falls_back(
-    tiny, tiny_fp, long_ids, serve, tmp_path, how, caplog
+    tiny, tiny_fp, long_ids, grpc_peers, tmp_path, how, caplog
 ):
     model = tiny[0]
     root = tmp_path / "store"
@@ -275,12 +278,13 @@ def test_a_damaged_or_misplaced_entry_is_quarantined_and_generate_falls_back(
     assert target not in {e.cache_id for e in store.entries()}
     assert [p.name.split(".")[0] for p in store.quarantine_dir.iterdir()] == [target]
 
-    # `cache verify --all` is clean now; the other entry still verifies. A daemon never offers the damaged one.
+    # `cache verify --all` is clean now; the other entry still verifies. A peer never offers the damaged one.
     assert cli("cache", "--store", root, "verify", "--all").returncode == 0
-    with PeerClient(serve(root)) as client:
+    with PeerClient(grpc_peers.start(root).address) as client:
         assert {m.candidate.cache_id for m in client.lookup(tiny_fp.model_id, prompt)} <= {other}
 
 
+@pytest.mark.slow
 def test_cache_verify_finds_damage_quarantines_it_and_export_refuses_it(tiny, tiny_fp, prompt_ids, tmp_path):
     root = tmp_path / "store"
     store = CacheStore(root)
@@ -308,7 +312,9 @@ def test_cache_verify_finds_damage_quarantines_it_and_export_refuses_it(tiny, ti
 
 
 @pytest.mark.parametrize("how", ["deleted", "garbage"])
-def test_a_lost_or_corrupt_index_is_rebuilt_from_the_files(tiny, tiny_fp, prompt_ids, serve, tmp_path, how):
+def test_a_lost_or_corrupt_index_is_rebuilt_from_the_files(
+    tiny, tiny_fp, prompt_ids, grpc_peers, tmp_path, how, caplog
+):
     root = tmp_path / "store"
     store = CacheStore(root)
     ids = {put(store, prefill(tiny[0], prompt_ids[:n]).cache, tiny_fp, prompt_ids[:n]).cache_id for n in (150, 250)}
@@ -317,17 +323,17 @@ def test_a_lost_or_corrupt_index_is_rebuilt_from_the_files(tiny, tiny_fp, prompt
         Path(f"{index}{suffix}").unlink(missing_ok=True)
     if how == "garbage":
         index.write_bytes(os.urandom(8192))
-    address = serve(root)
+    caplog.set_level(logging.INFO, logger="kvmesh.store")
+    address = grpc_peers.start(root).address
     with PeerClient(address) as client:
         assert client.info().store.entries == 2
         match = client.lookup(tiny_fp.model_id, [*prompt_ids[:250], 1])[0]
         fetched = fetch_cache(client, match.candidate.cache_id, ReceiverProfile(tiny_fp, prompt=prompt_ids))
     assert {e.cache_id for e in CacheStore(root).entries()} == ids
     assert fetched.manifest.prefix.num_tokens == 250
-    log = Path(f"{root}.log").read_text()
-    assert "indexed 2 entry files the index lacked" in log
+    assert "indexed 2 entry files the index lacked" in caplog.text
     if how == "garbage":
-        assert "is unreadable" in log and list(root.glob(f"{INDEX}.corrupt-*"))
+        assert "is unreadable" in caplog.text and list(root.glob(f"{INDEX}.corrupt-*"))
 
 
 # One daemon per data directory, one per port
@@ -347,6 +353,7 @@ def daemon_on_port(port, data_dir):
     )
 
 
+@pytest.mark.slow
 def test_a_second_daemon_on_the_same_data_dir_or_a_taken_port_exits_with_one_line(tmp_path):
     first = loopback_daemon(tmp_path / "a")
     try:
@@ -385,6 +392,7 @@ def test_a_second_daemon_on_the_same_data_dir_or_a_taken_port_exits_with_one_lin
 # Every CLI failure is one line, found before a model loads
 
 
+@pytest.mark.slow
 def test_cli_mistakes_are_one_line_each(tiny_dir, tmp_path):
     empty, binary = tmp_path / "empty.txt", tmp_path / "binary.txt"
     empty.write_text("  \n")
@@ -428,13 +436,13 @@ def test_cli_mistakes_are_one_line_each(tiny_dir, tmp_path):
 
 
 def test_health_checks_are_answered_while_every_transfer_slot_is_busy(
-    tiny_fp, tiny, long_prompt, long_cache, serve, tmp_path
+    tiny_fp, tiny, long_prompt, long_cache, grpc_peers, tmp_path
 ):
     served = tmp_path / "a"
     cache_id = put(
         CacheStore(served), long_cache, tiny_fp, long_prompt[:-8], codec="none", chunk_size=16 << 10
     ).cache_id
-    address = serve(served, "--max-transfers", "1")
+    address = grpc_peers.start(served, max_transfers=1).address
     release = threading.Event()
     outcomes: list[str] = []
 
@@ -464,5 +472,5 @@ def test_health_checks_are_answered_while_every_transfer_slot_is_busy(
         release.set()
         for t in threads:
             t.join()
-    assert outcomes.count("done") >= 1
+    assert outcomes.count("done") >= 1, outcomes
     assert all(o == "done" or "busy" in o for o in outcomes), outcomes

@@ -16,8 +16,8 @@ def test_build_is_deterministic(tiny_dir, tmp_path):
     assert mismatch == [] and errors == []
 
 
-def test_another_seed_gives_other_weights(tiny_dir, tmp_path):
-    other = make_test_model(tmp_path / "other", "tiny", seed=1)
+def test_another_seed_gives_other_weights(tiny_dir, preset_dir):
+    other = preset_dir("tiny", seed=1)
     assert not filecmp.cmp(tiny_dir / "model.safetensors", other / "model.safetensors", shallow=False)
     assert filecmp.cmp(tiny_dir / "tokenizer.json", other / "tokenizer.json", shallow=False)
 
