@@ -1,4 +1,6 @@
-"""`kvmesh serve`: real server processes, the official `openai` client, mlx-lm as the reference."""
+"""`kvmesh serve`: its server in this process where the process is not what is tested, real server
+processes where it is (binding, the mesh, the daemon), the official `openai` client, mlx-lm as the
+reference."""
 
 import http.client
 import json
@@ -13,12 +15,14 @@ import openai
 import pytest
 
 from kvmesh.caches.prefill import prefill
+from kvmesh.model.loaded import load_model
 from kvmesh.reuse.generate import generate
 from kvmesh.reuse.rates import Rates
 from kvmesh.serve.engine import Done, Engine, Job
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
 from support.daemons import LOOPBACK, loopback_daemon, start_daemon, start_server
+from support.http_clients import InProcessServer
 from support.processes import cli
 from support.references import mlx_lm_text, mlx_lm_tokens
 from support.stores import put
@@ -42,6 +46,29 @@ def http_server(tmp_path):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_dir):
+    """The tiny model as `kvmesh serve` loads it, once for the module's in-process servers."""
+    return load_model(str(tiny_dir))
+
+
+@pytest.fixture
+def app_server(tiny_dir, tiny_loaded, tmp_path):
+    """app_server(**options) -> (openai client, server): the server `kvmesh serve TINY --no-mesh`
+    runs, in this process (support.http_clients.InProcessServer), for the tests that do not test the
+    process; `options` are ServeOptions' fields."""
+    started = []
+
+    def start(**options):
+        server = InProcessServer(tiny_dir, tiny_loaded, tmp_path / f"server-{len(started)}", **options)
+        started.append(server)
+        return server.openai(), server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
 def chat(client, messages, **options):
     return client.chat.completions.create(model="tiny", messages=messages, **options)
 
@@ -56,8 +83,9 @@ def streamed(client, messages, **options) -> tuple[str, object]:
     return "".join(text), usage
 
 
-def test_chat_and_completions_streamed_or_not_equal_mlx_lm(tiny, tiny_dir, http_server):
-    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+@pytest.mark.slow  # (generates over HTTP: past the fast tier's budget)
+def test_chat_and_completions_streamed_or_not_equal_mlx_lm(tiny, app_server):
+    client, _ = app_server()
     messages = [{"role": "system", "content": SYSTEM}, *QUESTION]
     expected = mlx_lm_text(tiny, messages)
     first = chat(client, messages, max_tokens=8)
@@ -78,8 +106,9 @@ def test_chat_and_completions_streamed_or_not_equal_mlx_lm(tiny, tiny_dir, http_
     assert seeded[0] == seeded[1] == mlx_lm_text(tiny, QUESTION, temperature=1.0, seed=7)
 
 
-def test_stop_strings_and_max_tokens_end_generation(tiny, tiny_dir, http_server):
-    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+@pytest.mark.slow  # (generates over HTTP: past the fast tier's budget)
+def test_stop_strings_and_max_tokens_end_generation(tiny, app_server):
+    client, _ = app_server()
     full = mlx_lm_text(tiny, QUESTION, max_tokens=12)
     stop = full[3:6]
     answer = chat(client, QUESTION, max_tokens=12, stop=[stop])
@@ -90,8 +119,9 @@ def test_stop_strings_and_max_tokens_end_generation(tiny, tiny_dir, http_server)
     assert chat(client, QUESTION, max_tokens=3).usage.completion_tokens == 3
 
 
-def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny_dir, http_server):
-    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+@pytest.mark.slow  # (generates over HTTP: past the fast tier's budget)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(app_server):
+    client, _ = app_server()
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)
     assert e.value.body["code"] == "model_not_found"
@@ -125,8 +155,9 @@ def raw_post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, d
         connection.close()
 
 
-def test_malformed_fields_get_openai_400s_and_never_a_500(tiny_dir, http_server):
-    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+@pytest.mark.slow  # (generates over HTTP: past the fast tier's budget)
+def test_malformed_fields_get_openai_400s_and_never_a_500(app_server):
+    client, _ = app_server()
     url = str(client.base_url)
     good = {"model": "tiny", "messages": QUESTION, "max_tokens": 2}
     cases = [
@@ -146,8 +177,9 @@ def test_malformed_fields_get_openai_400s_and_never_a_500(tiny_dir, http_server)
     assert chat(client, QUESTION, max_tokens=2).usage.completion_tokens == 2  # and it serves on
 
 
-def test_a_body_over_the_limit_is_refused_unread(tiny_dir, http_server):
-    client, process = http_server(tiny_dir, "a", "--no-mesh", "--max-body-bytes", 100_000)
+@pytest.mark.slow  # (generates over HTTP: past the fast tier's budget)
+def test_a_body_over_the_limit_is_refused_unread(app_server):
+    client, _ = app_server(max_body_bytes=100_000)
     url = str(client.base_url)
     padded = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 200_000}]}
     status, answer = raw_post(url, json.dumps(padded).encode())
@@ -156,9 +188,10 @@ def test_a_body_over_the_limit_is_refused_unread(tiny_dir, http_server):
     assert chat(client, QUESTION, max_tokens=2).usage.completion_tokens == 2
 
 
-def test_a_loopback_server_answers_loopback_and_container_hosts_and_refuses_rebinding(tiny_dir, http_server):
+@pytest.mark.slow  # (generates over HTTP: past the fast tier's budget)
+def test_a_loopback_server_answers_loopback_and_container_hosts_and_refuses_rebinding(app_server):
     # As Open WebUI in Docker calls it: http://host.docker.internal:PORT/v1, with its API key.
-    client, _ = http_server(tiny_dir, "a", "--no-mesh", "--api-key", "sk-local", "--allowed-host", "Studio.lan")
+    client, _ = app_server(api_key="sk-local", allowed_hosts=("Studio.lan",))
     url = str(client.base_url)
     port = url.split("//")[1].split("/")[0].rsplit(":", 1)[1]
     key = {"Authorization": "Bearer sk-local"}
@@ -203,8 +236,9 @@ def open_stream(url: str, body: dict) -> socket.socket:
     return sock
 
 
-def test_clients_that_leave_while_queued_or_waiting_hold_nothing(tiny_dir, http_server):
-    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+@pytest.mark.slow  # (generates over HTTP: past the fast tier's budget)
+def test_clients_that_leave_while_queued_or_waiting_hold_nothing(app_server):
+    client, _ = app_server()
     url = str(client.base_url)
     # One long generation holds the engine; twelve streaming requests queue behind it and leave
     # (more than the default executor's threads here, which a waiting handler used to hold for good).
@@ -253,8 +287,9 @@ def test_localhost_is_served_on_both_loopbacks(tiny_dir, http_server):
             connection.close()
 
 
-def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(tiny, tiny_dir, http_server):
-    client, _ = http_server(tiny_dir, "a", "--no-mesh")
+@pytest.mark.slow  # (generates over HTTP: past the fast tier's budget)
+def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(tiny, app_server):
+    client, _ = app_server()
     model, tokenizer = tiny
     turn = [{"role": "system", "content": SYSTEM}, *QUESTION]
     first = chat(client, turn, max_tokens=8)

@@ -1,6 +1,7 @@
 """`kvmesh serve`'s tool calls, structured output and the agents' APIs (Anthropic Messages,
-OpenAI Responses): a real server process of the tiny-tools model, the official `openai` and
-`anthropic` packages as clients.
+OpenAI Responses): the server `kvmesh serve` runs, of the tiny-tools model, in the test's process
+(support.http_clients.InProcessServer: real HTTP, nothing about the process is tested here), the
+official `openai` and `anthropic` packages as clients.
 
 The model has random weights, so a call is forced (tool_choice "required" or a named function):
 a grammar holds decoding to the call, as servers with structured output do. Each conversation
@@ -17,9 +18,10 @@ import jsonschema
 import openai
 import pytest
 
-from support.daemons import start_server
+from kvmesh.model.loaded import load_model
+from support.http_clients import InProcessServer
 
-pytestmark = pytest.mark.slow  # every test here talks to a server process
+pytestmark = pytest.mark.slow  # every test here generates with a model: more than the fast tier's budget
 
 CITY = {
     "type": "object",
@@ -37,29 +39,28 @@ CALL_TOKENS, NEXT_TOKENS = 200, 6
 
 
 @pytest.fixture(scope="module")
-def tools_dir(tmp_path_factory):
-    from kvmesh.model.testmodels import make_test_model
-
-    return make_test_model(tmp_path_factory.mktemp("models") / "tiny-tools", "tiny-tools")
+def tools_dir(preset_dir):
+    return preset_dir("tiny-tools")
 
 
 @pytest.fixture(scope="module")
 def server(tools_dir, tmp_path_factory):
-    """One server for the module (each start loads the model): no mesh, CORS for ORIGIN."""
-    root = tmp_path_factory.mktemp("serve")
-    started = start_server(root / "data", tools_dir, "--no-mesh", "--web-origin", ORIGIN, log=root / "serve.log")
+    """One server for the module (the model loaded once): no mesh, CORS for ORIGIN."""
+    started = InProcessServer(
+        tools_dir, load_model(str(tools_dir)), tmp_path_factory.mktemp("serve"), web_origins=(ORIGIN,)
+    )
     yield started
     started.stop()
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    return server.openai()
 
 
 @pytest.fixture
 def claude(server):
-    return anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=120)
+    return server.anthropic()
 
 
 def weather(arguments: str | dict) -> dict:

@@ -6,18 +6,17 @@ Random weights: the text is compared with what mlx-lm itself generates, split at
 
 import json
 
-import anthropic
 import jsonschema
 import mlx.core as mx
-import mlx_lm
 import openai
 import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
+from kvmesh.model.loaded import load_model
 from kvmesh.serve.answer import AnswerSplitter, Reasoning
 from kvmesh.serve.tools import ToolCall, function_tool
-from support.daemons import start_server
+from support.http_clients import InProcessServer
 
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 # A bias on </think> that ends the random model's thinking part way (measured: the greedy text then
@@ -28,15 +27,13 @@ BUDGET = 8
 
 
 @pytest.fixture(scope="module")
-def think_dir(tmp_path_factory):
-    from kvmesh.model.testmodels import make_test_model
-
-    return make_test_model(tmp_path_factory.mktemp("models") / "tiny-think", "tiny-think")
+def think_dir(preset_dir):
+    return preset_dir("tiny-think")
 
 
 @pytest.fixture(scope="module")
-def think(think_dir):
-    return mlx_lm.load(str(think_dir))
+def think(preset_model):
+    return preset_model("tiny-think")
 
 
 def reference(think, *, bias: float = 0.0, thinking: bool = True) -> tuple[str, str]:
@@ -177,10 +174,9 @@ def test_thinking_sent_back_reaches_the_template_through_every_api():
 
 @pytest.mark.slow
 def test_each_api_returns_the_thinking_apart_from_the_answer(think, think_dir, tmp_path):
-    server = start_server(tmp_path / "data", think_dir, "--no-mesh", log=tmp_path / "serve.log")
+    server = InProcessServer(think_dir, load_model(str(think_dir)), tmp_path / "data")
     try:
-        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-        claude = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="unused", max_retries=0)
+        client, claude = server.openai(), server.anthropic(timeout=600)
         model = client.models.list().data[0].id
         thought, answer = reference(think, bias=END_BIAS)
         assert thought and answer  # (the bias ends the thinking part way)

@@ -1,27 +1,25 @@
 """`kvmesh serve` refuses tools it cannot render safely, before rendering them (issue 32): a name
 holding the template's markup (`</tool_call>` turned a forced call into text) or characters no
 function name has, and more tools than a request may define (20,000 took the template 8 s and
-1.4 GB). A real server process of the tiny-tools model; the official `openai` and `anthropic`
-packages as clients."""
+1.4 GB). The server `kvmesh serve` runs, of the tiny-tools model, in the test's process
+(support.http_clients.InProcessServer); the official `openai` and `anthropic` packages as clients."""
 
 import anthropic
 import openai
 import pytest
 
-from support.daemons import start_server
+from kvmesh.model.loaded import load_model
+from support.http_clients import InProcessServer
 
-pytestmark = pytest.mark.slow  # every test here talks to a server process
+pytestmark = pytest.mark.slow  # every test here renders templates of thousands of tools: past the fast tier
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from kvmesh.model.testmodels import make_test_model
-
-    root = tmp_path_factory.mktemp("tool-names")
-    model = make_test_model(root / "tiny-tools", "tiny-tools")
-    started = start_server(root / "data", model, "--no-mesh", log=root / "serve.log")
+def server(preset_dir, tmp_path_factory):
+    model = preset_dir("tiny-tools")
+    started = InProcessServer(model, load_model(str(model)), tmp_path_factory.mktemp("tool-names"))
     yield started
     started.stop()
 

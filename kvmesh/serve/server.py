@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,26 +57,30 @@ def check_exposure(host: str, api_key: str | None) -> None:
         )
 
 
-def serve(
+@dataclass
+class Serving:
+    """What `kvmesh serve` runs, nothing bound yet: the app, its engine, the model it answers for,
+    and whether the engine calibrates the prefill rate first."""
+
+    app: Any
+    engine: Engine
+    served: ServedModel
+    calibrating: bool
+
+
+def build_app(
     options: ServeOptions,
     loaded: LoadedModel,
     *,
     store: CacheStore | None,
     peers: Sequence[str] | Callable[[], list[str]],
     credentials: MeshCredentials | None,
-    announce: Callable[[str], None] = print,
     rates: Rates | None = None,
-    sockets: list[socket.socket] | None = None,
-    data_dir: Path | None = None,
-    mesh: str = "",
-) -> None:
-    """Serve `loaded` (the model of `options.model`) until interrupted. With `rates` and
-    `options.fetch` "auto", peers' caches are fetched only when faster than prefilling them here;
-    `peers` may be a function, asked again for each request (the local daemon's live peers).
-    `sockets`: bound to options' host and port before the model loaded (else bound here); `data_dir`:
-    where its state file goes; `mesh`: the banner's words for how the mesh is reached."""
-    check_exposure(options.host, options.api_key)
-    sockets = sockets if sockets is not None else bind(options.host, options.port)
+) -> Serving:
+    """The app and engine that serve `loaded` (the model of `options.model`) by `options`, its
+    prompt cache over `store` and `peers` (a function: asked again for each request). With `rates`
+    and `options.fetch` "auto", peers' caches are fetched only when faster than prefilling them here.
+    `kvmesh serve` runs it on its sockets; tests run it in their own process."""
     model, tokenizer, fp = loaded.model, loaded.tokenizer, loaded.fingerprint
     model_path = options.model
     prompt_cache = MeshPromptCache(
@@ -105,7 +110,6 @@ def serve(
         aliases=frozenset({Path(model_path).name, model_path, fp.model_id, fp.repo_id} - {""}),
         context_length=context_length(local_model_dir(model_path)),
     )
-    name = served.name
     calibrating = prompt_cache.rates is not None and prompt_cache.rates.prefill_model(fp.model_id) is None
     engine = Engine(model, tokenizer, prompt_cache, max_held=options.max_requests)
     app = make_app(
@@ -119,6 +123,30 @@ def serve(
         cors_origins=options.web_origins,
         allowed_hosts=options.allowed_hosts,
     )
+    return Serving(app, engine, served, calibrating)
+
+
+def serve(
+    options: ServeOptions,
+    loaded: LoadedModel,
+    *,
+    store: CacheStore | None,
+    peers: Sequence[str] | Callable[[], list[str]],
+    credentials: MeshCredentials | None,
+    announce: Callable[[str], None] = print,
+    rates: Rates | None = None,
+    sockets: list[socket.socket] | None = None,
+    data_dir: Path | None = None,
+    mesh: str = "",
+) -> None:
+    """Serve `loaded` (the model of `options.model`) until interrupted: `build_app`'s app, announced.
+    `sockets`: bound to options' host and port before the model loaded (else bound here); `data_dir`:
+    where its state file goes; `mesh`: the banner's words for how the mesh is reached."""
+    check_exposure(options.host, options.api_key)
+    sockets = sockets if sockets is not None else bind(options.host, options.port)
+    serving = build_app(options, loaded, store=store, peers=peers, credentials=credentials, rates=rates)
+    app, engine, served = serving.app, serving.engine, serving.served
+    name, fp = served.name, loaded.fingerprint
 
     def stop(signal_name: str) -> None:
         held = engine.held()
@@ -142,7 +170,7 @@ def serve(
         announce(f"  mesh: {mesh}")
     limit = f"up to {options.max_tokens}" if options.max_tokens else "to the end of the context"
     announce(f"  a request without max_tokens generates {limit} ({served.context_length:,} tokens in all)")
-    if calibrating:
+    if serving.calibrating:
         announce('  calibrating the prefill rate here (once): /health says "starting" until done; requests wait')
     try:
         server.run(sockets=sockets)

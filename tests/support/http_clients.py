@@ -1,13 +1,23 @@
-"""Clients of a `kvmesh serve` process, well-behaved and not, on raw sockets and http.client so each
-can call from an address of its own (Linux answers all of 127/8 on loopback): ones that ask for a
-big streamed answer and never read it, one that reads it a byte a second, big prompts under the body
-limit, and the well-behaved client whose /health and small request must keep being answered."""
+"""Servers and clients of `kvmesh serve`. The server: `InProcessServer`, the app the command runs,
+served in the test's own process, for the tests that do not test the process. The clients, well-behaved
+and not, on raw sockets and http.client so each can call from an address of its own (Linux answers
+all of 127/8 on loopback): ones that ask for a big streamed answer and never read it, one that reads
+it a byte a second, big prompts under the body limit, and the well-behaved client whose /health and
+small request must keep being answered."""
 
 import http.client
 import json
 import socket
 import threading
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import anthropic
+    import openai
+
+    from kvmesh.model.loaded import LoadedModel
 
 # A streamed answer far larger than what the kernel and asyncio buffer for one connection: each
 # token's chunk carries its 20 most likely alternatives.
@@ -149,3 +159,52 @@ def timed(call, *args) -> tuple[object, float]:
     """`call(*args)` and the seconds it took."""
     began = time.monotonic()
     return call(*args), time.monotonic() - began
+
+
+class InProcessServer:
+    """`kvmesh serve MODEL_DIR --no-mesh` as the command builds it (kvmesh.serve.server.build_app:
+    the same app, engine and prompt cache over a store in `data_dir`, the same uvicorn server and
+    connection bounds), served on a thread of this process at a loopback port: real HTTP for the
+    official clients and raw sockets, with no process started and `loaded` (the model of
+    `model_dir`) loaded once by the caller. `options` are ServeOptions' fields (`max_body_bytes=...`
+    for `--max-body-bytes`)."""
+
+    def __init__(self, model_dir: Path, loaded: "LoadedModel", data_dir: Path, **options: Any):
+        # (imported here: the raw clients above serve scripts that load neither MLX nor the server)
+        from kvmesh.net.addresses import host_port as url_host_port
+        from kvmesh.serve.options import ServeOptions
+        from kvmesh.serve.server import build_app, http_server, listen
+        from kvmesh.store import CacheStore
+
+        settings = ServeOptions(model=str(model_dir), **options)
+        self.serving = build_app(settings, loaded, store=CacheStore(data_dir / "store"), peers=[], credentials=None)
+        self.engine = self.serving.engine
+        self.server, backlog = http_server(self.serving.app, settings)
+        # Listening before uvicorn runs: a client's connection waits in the backlog until it does.
+        self.sock = listen(settings.host, 0, backlog)
+        self.url = f"http://{url_host_port(settings.host, self.sock.getsockname()[1])}/v1"
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self._thread.start()
+
+    def openai(self, **options: Any) -> "openai.OpenAI":
+        """The official OpenAI client of this server."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url, **{"api_key": "unused", "max_retries": 0, "timeout": 120, **options})
+
+    def anthropic(self, **options: Any) -> "anthropic.Anthropic":
+        """The official Anthropic client of this server."""
+        import anthropic
+
+        base_url = self.url.removesuffix("/v1")
+        return anthropic.Anthropic(
+            base_url=base_url, **{"api_key": "unused", "max_retries": 0, "timeout": 120, **options}
+        )
+
+    def stop(self) -> None:
+        """As `kvmesh serve` stops: uvicorn's open requests end, then the engine and the parsing threads."""
+        self.server.should_exit = True
+        self._thread.join(30)
+        self.serving.app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
+        self.sock.close()
+        self.engine.close(timeout=5.0)
