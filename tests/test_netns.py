@@ -115,8 +115,7 @@ def test_three_hosts_discover_fetch_crash_and_partition(lan, tiny, tiny_dir, tin
     # A crash: n3's daemon is SIGKILLed; n1 drops it within seconds.
     lan.daemons[3].process.send_signal(signal.SIGKILL)
     lan.daemons[3].process.wait()
-    dropped_in = lan.wait_until(1, lambda peers: f"{lan.address(3)}:{PORT}" not in peers, seconds=10)
-    assert dropped_in < 10
+    lan.wait_until(1, lambda peers: f"{lan.address(3)}:{PORT}" not in peers, seconds=10)
 
     # A partition: n2's link goes down at the bridge; n1 drops it, then sees it again after repair.
     namespaces.ip("-n", lan.hub, "link", "set", "veth2", "down")
