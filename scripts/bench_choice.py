@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
-"""Fetch or prefill, judged: over a grid of shaped link rates and prefix lengths, is kvmesh's choice
-within 10% of the faster option's measured time?
+"""Fetch or prefill, and which copy, judged: over a grid of shaped link rates and prefix lengths, is
+kvmesh's choice within 10% of the fastest option's measured time?
 
     sudo scripts/dev run python scripts/bench_choice.py [--rates 15 30 60 120 1000] [--lengths 128 256 512 1024]
 
 The real model (SmolLM2-135M-Instruct, float32: 46 KB of KV per token) on this machine's CPU. A
-daemon in one network namespace holds the caches of a document's first 128, 256, ... tokens; a
-client in another reaches it over a veth pair limited with `tbf` to each rate in Mbit/s (mutual TLS,
-as on a LAN). For each point the client first makes the choice exactly as `kvmesh generate` does
-(kvmesh.reuse.weigh.fetch_or_prefill: the link rate from earlier transfers, else a probe; the prefill
-model fitted to this machine's timed prefills, calibrated once at the start), then measures both:
-the fetch (a new connection, lookup excluded, until the cache is decoded) and a local prefill of the
-same tokens. Both measurements then feed the rates, as real use does. Each rate is a new peer: its
-link history starts empty, so its first choice rests on a probe.
+daemon in one network namespace holds three copies of the caches of a document's first 128, 256, ...
+tokens: as computed (zstd), 8-bit quantized, and transform coded at the default level (with the
+model's basis, which a receiver lacks: it travels first). A client in another namespace reaches it
+over a veth pair limited with `tbf` to each rate in Mbit/s (mutual TLS, as on a LAN). For each point
+the client first makes the choice exactly as `kvmesh generate` does (kvmesh.reuse.weigh: link rate
+from earlier transfers, else a probe; decode rates and the prefill model measured on this machine,
+calibrated once at the start), then measures every option: each copy's fetch into a receiver
+without the basis (a new connection, lookup excluded, until the cache is decoded) and a local
+prefill of the same tokens. The measurements then feed the rates, as real use does. Each rate is a
+new peer: its link history starts empty, so its first choice rests on a probe.
 """
 
 import argparse
@@ -32,30 +34,37 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from kvmesh.caches.prefill import prefill  # noqa: E402
-from kvmesh.codec.encode import EncodeOptions, encode_cache  # noqa: E402
+from kvmesh.caches.presses import make_press  # noqa: E402
+from kvmesh.codec.calibration import fit_model_basis  # noqa: E402
+from kvmesh.codec.coded import TransformCoding, transform_code  # noqa: E402
+from kvmesh.codec.encode import encode_cache  # noqa: E402
+from kvmesh.codec.levels import LEVELS  # noqa: E402
 from kvmesh.model.fingerprint import fingerprint  # noqa: E402
 from kvmesh.paths import rates_file  # noqa: E402
 from kvmesh.store import CacheStore  # noqa: E402
+from kvmesh.store.artifacts import artifact_store  # noqa: E402
 from support import namespaces  # noqa: E402
 from support.daemons import start_daemon  # noqa: E402
 
 PORT = 7479
 TOLERANCE = 1.10
+OPTIONS = ("full", "quantized", "transform", "prefill")
 
 CHILD = """
-import json, sys, time
+import json, sys, tempfile, time
 from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 from kvmesh.caches.prefill import run_prompt
 from kvmesh.codec.compat import ReceiverProfile
-from kvmesh.reuse.calibration import ensure_calibrated
-from kvmesh.reuse.fetch import fetch_cache
-from kvmesh.reuse.rates import Rates
-from kvmesh.reuse.weigh import fetch_or_prefill
 from kvmesh.model.fingerprint import fingerprint
 from kvmesh.net.client import PeerClient
 from kvmesh.net.credentials import load_credentials
+from kvmesh.reuse.calibration import ensure_calibrated
+from kvmesh.reuse.fetch import fetch_cache
+from kvmesh.reuse.rates import Rates
+from kvmesh.reuse.weigh import codec_of, fetch_or_prefill
+from kvmesh.store import CacheStore
 
 model_dir, address, mesh_dir, rates_dir, tokens_file = sys.argv[1:6]
 model, _ = mlx_lm.load(model_dir)
@@ -67,23 +76,49 @@ document = json.loads(Path(tokens_file).read_text())
 for n in json.loads(sys.argv[6]):
     tokens = document[:n]
     with PeerClient(address, credentials=credentials) as client:
-        [match] = [m for m in client.lookup(fp.model_id, tokens + [0]) if m.candidate.num_tokens == n]
-        choice = fetch_or_prefill(rates, fp, [(client, match.candidate)], tokens=n, held=0)
-    start = time.perf_counter()
-    with PeerClient(address, credentials=credentials) as client:
-        fetched = fetch_cache(client, match.candidate.cache_id, ReceiverProfile(fp, prompt=tokens + [0]))
-    mx.eval([t for layer in fetched.cache for t in layer.state])
-    fetch_s = time.perf_counter() - start
-    rates.record_transfer(address, fetched.wire_bytes, fetch_s)
+        found = client.lookup(fp.model_id, tokens + [0])
+        offers = [(client, m.candidate) for m in found if m.candidate.num_tokens == n]
+        decision = fetch_or_prefill(rates, fp, offers, tokens=n, held=0)
+    measured, expected = {}, {w.copy.codec: w.cost.seconds for w in decision.weighed}
+    for _, candidate in offers:
+        with tempfile.TemporaryDirectory() as receiver:  # a receiver without the basis
+            start = time.perf_counter()
+            with PeerClient(address, credentials=credentials) as client:
+                fetched = fetch_cache(client, candidate.cache_id, ReceiverProfile(fp, prompt=tokens + [0]),
+                                      store=CacheStore(Path(receiver)))
+            mx.eval([t for layer in fetched.cache for t in layer.state])
+            measured[codec_of(candidate)] = time.perf_counter() - start
+        rates.record_transfer(address, fetched.wire_bytes + fetched.basis_bytes, fetched.wire_s)
     start = time.perf_counter()
     run_prompt(model, tokens)
-    prefill_s = time.perf_counter() - start
-    rates.record_prefill(fp.model_id, n, prefill_s)
+    measured["prefill"] = time.perf_counter() - start
+    rates.record_prefill(fp.model_id, n, measured["prefill"])
     print(json.dumps({
-        "tokens": n, "wire": fetched.wire_bytes, "fetch_s": fetch_s, "prefill_s": prefill_s,
-        "fetch": choice.fetch, "expected_fetch_s": choice.fetch_s, "expected_prefill_s": choice.prefill_s,
+        "tokens": n, "measured": measured, "expected": {**expected, "prefill": decision.prefill_s},
+        "chose": decision.best.copy.codec if decision.fetch else "prefill", "why": str(decision),
     }), flush=True)
 """
+
+
+def stored_copies(model, tokenizer, fp, document: list[int], lengths: list[int], store: CacheStore) -> None:
+    """Three copies of each length's cache in `store`: as computed, 8-bit, transform coded (and the basis)."""
+    basis = fit_model_basis(model, tokenizer).basis
+    artifact_store(store.root).put(basis.to_bytes(), basis.digest)
+    eight = make_press("quantize", {"kv_bits": 8})
+    for n in lengths:
+        tokens = document[:n]
+        cache = prefill(model, tokens).cache
+        store.add(*encode_cache(cache, fp, tokens))
+        store.add(*encode_cache(prefill(model, tokens, eight).cache, fp, tokens, eight))
+        store.add(*encode_cache(transform_code(cache, TransformCoding(basis, step=LEVELS["default"].step)), fp, tokens))
+
+
+def judged(row: dict, mbit: float) -> list[str]:
+    """A table row: what each option took (expected), the choice, and whether it was within TOLERANCE."""
+    measured, expected = row["measured"], row["expected"]
+    row["ok"] = measured[row["chose"]] <= TOLERANCE * min(measured.values())
+    cells = [f"{measured[o]:.2f} ({expected[o]:.2f})" if o in measured else "-" for o in OPTIONS]
+    return [f"{mbit:g}", str(row["tokens"]), *cells, row["chose"], "yes" if row["ok"] else "NO"]
 
 
 def main() -> None:
@@ -102,16 +137,15 @@ def main() -> None:
     if len(document) < max(args.lengths):
         sys.exit(f"the document has {len(document)} tokens; lengths go up to {max(args.lengths)}")
 
-    table = Table(title=f"fetch or prefill: SmolLM2-135M float32 on this CPU ({blas_name()}), mutual TLS over tbf")
-    for column in ("link Mbit/s", "tokens", "wire MB", "fetch s", "prefill s", "expected f / p s", "chose", "ok"):
+    title = f"fetch which copy or prefill: SmolLM2-135M float32 on this CPU ({blas_name()}), mutual TLS over tbf"
+    table = Table(title=title)
+    for column in ("link Mbit/s", "tokens", *(f"{o} s (expected)" for o in OPTIONS), "chose", "ok"):
         table.add_column(column, justify="right")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         store = CacheStore(root / "store")
-        for n in args.lengths:
-            tokens = document[:n]
-            store.add(*encode_cache(prefill(model, tokens).cache, fp, tokens, options=EncodeOptions(codec="none")))
+        stored_copies(model, tokenizer, fp, document, args.lengths, store)
         (root / "tokens.json").write_text(json.dumps(document))
         server_dir, client_dir = root / "server", root / "client"
         namespaces.make_mesh(server_dir, client_dir)
@@ -125,12 +159,12 @@ def main() -> None:
                 rates_dir = root / "rates"
                 for i, mbit in enumerate(args.rates):
                     link.shape(mbit * 1e6)
-                    # A new peer on this link: the machine's timed prefills stay, the link history does not.
+                    # A new peer on this link: timed prefills and decoders stay, the link history does not.
                     peer_rates = root / f"rates-{i}"
                     peer_rates.mkdir()
                     if rates_file(rates_dir).exists():
                         kept = json.loads(rates_file(rates_dir).read_text())
-                        rates_file(peer_rates).write_text(json.dumps({"links": {}, "prefill": kept["prefill"]}))
+                        rates_file(peer_rates).write_text(json.dumps({**kept, "links": {}}))
                     out = subprocess.run(
                         [
                             *link.in_client(),
@@ -151,29 +185,18 @@ def main() -> None:
                         sys.exit(f"the client failed: {out.stderr.strip()}")
                     rates_dir = peer_rates
                     for line in out.stdout.splitlines():
-                        row = {**json.loads(line), "mbit": mbit}
-                        chosen = row["fetch_s"] if row["fetch"] else row["prefill_s"]
-                        row["ok"] = chosen <= TOLERANCE * min(row["fetch_s"], row["prefill_s"])
+                        row = json.loads(line)
+                        table.add_row(*judged(row, mbit))
                         rows.append(row)
-                        table.add_row(
-                            f"{mbit:g}",
-                            str(row["tokens"]),
-                            f"{row['wire'] / 1e6:.1f}",
-                            f"{row['fetch_s']:.2f}",
-                            f"{row['prefill_s']:.2f}",
-                            f"{row['expected_fetch_s']:.2f} / {row['expected_prefill_s']:.2f}",
-                            "fetch" if row["fetch"] else "prefill",
-                            "yes" if row["ok"] else "NO",
-                        )
-                        print(f"{mbit:g} Mbit/s, {row['tokens']} tokens: {'fetch' if row['fetch'] else 'prefill'}")
+                        print(f"{mbit:g} Mbit/s, {row['tokens']} tokens: {row['chose']} ({row['why']})")
             finally:
                 daemon.stop()
-    Console(width=140).print(table)
+    Console(width=160).print(table)
     good = sum(r["ok"] for r in rows)
     print(
-        f"the choice was within {TOLERANCE - 1:.0%} of the faster option at {good} of {len(rows)} points "
-        f"({good / len(rows):.0%}); fetch s includes connecting (TLS) and decoding, prefill s is the same "
-        "tokens prefilled here"
+        f"the choice was within {TOLERANCE - 1:.0%} of the fastest option at {good} of {len(rows)} points "
+        f"({good / len(rows):.0%}); a copy's s is its fetch into a receiver without the basis (connecting, TLS, "
+        "the basis when coded, decoding), prefill s the same tokens prefilled here"
     )
 
 

@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
-"""Fetch throughput over loopback against raw TCP, time to a rejection, and receiver peak memory.
+"""Fetch throughput over loopback against raw TCP, time to a rejection, and receiver peak memory; or,
+with --links, a transform coded cache of the real model over shaped links against a local prefill.
 
     scripts/dev run python scripts/bench_transfer.py [--mb 256] [--repeat 3]
+    sudo scripts/dev run python scripts/bench_transfer.py --links 1000 200 [--prefix-tokens 1024]
 
 The cache is real KV of the `small` preset (tests/support/bench_caches.py: in scripts/bench_codec.py's
 work dir, prefilled on first use), tiled along the tokens to about --mb megabytes. A `kvmesh daemon`
 process serves it (loopback, no TLS); fetches run in fresh client processes so their peak memory is
 their own. The raw TCP transfer moves the same stored bytes between two processes in the same run,
 as the ceiling to compare with.
+
+With --links (root: network namespaces, scripts/bench_shaped.py): SmolLM2-135M's cache of a
+document's first --prefix-tokens tokens, transform coded at the default level with the model's basis, and
+as computed, served by a daemon in one namespace and fetched over a veth pair limited with `tbf` to
+each rate in Mbit/s (mutual TLS); per copy the wire time, the decode time, the whole fetch and the
+time to the first generated token, against prefilling the same tokens here.
 """
 
 import argparse
@@ -151,7 +159,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_cache_arguments(parser, mb=256)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--links", type=float, nargs="+", help="shaped link rates in Mbit/s: the coded cache bench")
+    parser.add_argument("--prefix-tokens", type=int, default=1024, help="with --links: the prefix's tokens")
     args = parser.parse_args()
+    if args.links:
+        from bench_shaped import shaped
+
+        return shaped(args.links, args.prefix_tokens)
     if not sys.platform.startswith("linux"):
         sys.exit("bench_transfer reads /proc for peak memory: run it on Linux")
     tiled, fp, tokens = tiled_cache(args)

@@ -8,12 +8,17 @@ from importlib import resources
 import pytest
 
 from kvmesh.caches.prefill import prefill
+from kvmesh.codec.calibration import fit_model_basis
+from kvmesh.codec.coded import TransformCoding, transform_code
+from kvmesh.codec.levels import LEVELS
 from kvmesh.net.client import PeerClient
 from kvmesh.net.server import MAX_PROBE_BYTES
 from kvmesh.reuse.choice import Copy, choose
+from kvmesh.reuse.find import find_prefix
 from kvmesh.reuse.generate import generate
-from kvmesh.reuse.rates import FETCH_SETUP_S, PREFILL_SAMPLES, PrefillModel, Rates, fit_prefill
+from kvmesh.reuse.rates import FETCH_SETUP_S, PREFILL_SAMPLES, Decoding, PrefillModel, Rates, fit_prefill
 from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import artifact_store
 from kvmesh.v1 import service_pb2 as spb
 from support.processes import cli
 from support.references import tokens_after
@@ -213,3 +218,102 @@ def test_a_probe_measures_the_link_within_its_cap(tmp_path, serve):
         assert client.probe(1 << 20) > 1e6  # loopback moves a MiB at more than a MB/s
         received = sum(map(len, client._probe(spb.ProbeRequest(bytes=100 << 20))))
     assert MAX_PROBE_BYTES <= received < MAX_PROBE_BYTES + 4096  # the data, and its framing
+
+
+def copies(wire_full: int, wire_coded: int, bytes_per_s: float, *, basis_bytes: int = 0) -> list[Copy]:
+    """A full and a transform coded copy of one prefix over one link, decoded at this machine's rates
+    (fp16 at 2 GB/s, the transform codec at 40 MB/s of wire), 32 layers."""
+    return [
+        Copy("a:1", "full", "full", wire_full, bytes_per_s, decode_bytes_per_s=2e9, layers=32),
+        Copy("b:1", "coded", "transform", wire_coded, bytes_per_s, basis_bytes=basis_bytes, decode_bytes_per_s=40e6,
+             layers=32),
+    ]  # fmt: skip
+
+
+def test_decoding_is_counted_and_the_soonest_copy_is_weighed():
+    prefill_model = PrefillModel.at_rate(500)  # 4,096 tokens: 8.19 s
+    # The expected fetch: setup, then the slower of the wire and decoding, then the last layer's decode.
+    [full, coded] = [choose(4096, [c], prefill_model).best.cost for c in copies(200 * MB, 50 * MB, 1.1e9)]
+    assert coded.wire_s == pytest.approx(50 * MB / 1.1e9) and coded.decode_s == pytest.approx(50 * MB / 40e6)
+    assert coded.seconds == pytest.approx(FETCH_SETUP_S + 50 * MB / 40e6 * (1 + 1 / 32))
+    assert full.seconds == pytest.approx(FETCH_SETUP_S + 200 * MB / 1.1e9 + 200 * MB / 2e9 / 32)
+
+    # 10 GbE: decoding the coded copy takes longer than the fp16 copy's four times the bytes.
+    fast = choose(4096, copies(200 * MB, 50 * MB, 1.1e9), prefill_model)
+    assert (
+        fast.fetch and fast.best.copy.codec == "full" and [w.copy.codec for w in fast.weighed] == ["full", "transform"]
+    )
+    assert "decode 1.31 s" in str(fast) and str(fast).endswith(": fetch")
+    # 30 MB/s: the coded copy's fewer bytes win, over the fp16 copy and over the prefill.
+    slow = choose(4096, copies(200 * MB, 50 * MB, 30e6), prefill_model)
+    assert slow.fetch and slow.best.copy.codec == "transform" and slow.fetch_s < slow.prefill_s
+    # ...unless this machine lacks the basis: it travels first, and then the fp16 copy is sooner.
+    lacking = choose(4096, copies(200 * MB, 50 * MB, 30e6, basis_bytes=200 * MB), prefill_model)
+    assert lacking.best.copy.codec == "full"
+    assert lacking.weighed[1].cost.basis_s == pytest.approx(200 * MB / 30e6)
+    assert "after a 209.72 MB basis" in str(lacking)
+    # On Wi-Fi with the basis to fetch, neither copy beats the prefill.
+    wifi = choose(4096, copies(200 * MB, 50 * MB, 12e6, basis_bytes=200 * MB), prefill_model)
+    assert not wifi.fetch and str(wifi).endswith(": prefill")
+
+
+def test_decode_rates_are_kept_beside_the_link_rates(tmp_path):
+    (tmp_path / "rates.json").write_text('{"links": {"a:1": {"bytes_per_s": 5e6, "transfers": 1}}, "prefill": {}}')
+    rates = Rates(tmp_path)  # a file from before decode rates were kept
+    assert rates.link_rate("a:1") == 5e6 and rates.decoding("m") is None
+    rates.record_decoding("m", Decoding({"full": 2e9, "transform": 40e6}, basis_bytes=4_530_000))
+    Rates(tmp_path).record_decoding("m", Decoding({"transform": 60e6}, basis_bytes=4_530_000))
+    kept = Rates(tmp_path).decoding("m")
+    assert kept == Decoding({"full": 2e9, "transform": 50e6}, basis_bytes=4_530_000)  # blended, as links are
+    assert kept.seconds("transform", 50e6) == pytest.approx(1.0) and kept.seconds("quantized", 1) is None
+    assert Rates(tmp_path).link_rate("a:1") == 5e6
+
+
+@pytest.fixture
+def two_copies(tiny, tiny_fp, serve, tmp_path):
+    """(prompt, full peer, coded peer, basis): the cache of a prompt's first 384 tokens, as computed on
+    one daemon and transform coded on another (with the basis it needs)."""
+    model, tokenizer = tiny
+    text = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()[:2000]
+    prompt = tokenizer.encode(text)
+    cache = prefill(model, prompt[:384]).cache
+    put(CacheStore(tmp_path / "full"), cache, tiny_fp, prompt[:384], codec="none")
+    basis = fit_model_basis(model, tokenizer, tokens_per_text=128).basis
+    coded = CacheStore(tmp_path / "coded")
+    put(coded, transform_code(cache, TransformCoding(basis, step=LEVELS["default"].step)), tiny_fp, prompt[:384])
+    artifact_store(coded.root).put(basis.to_bytes(), basis.digest)
+    return prompt, serve(tmp_path / "full"), serve(tmp_path / "coded"), basis
+
+
+def receiver(data_dir, model_id, full, coded, *, bytes_per_s, basis_bytes):
+    """Rates of a receiver that prefills at 1 token/s, reaches both peers at `bytes_per_s`, decodes
+    fp16 at 1 GB/s and the transform codec at 10 MB/s, and counts `basis_bytes` for a missing basis."""
+    rates = Rates(timed(data_dir, model_id, 1))
+    for address in (full, coded):
+        rates.record_transfer(address, 10 * MB, FETCH_SETUP_S + 10 * MB / bytes_per_s)
+    rates.record_decoding(model_id, Decoding({"full": 1e9, "transform": 10e6}, basis_bytes=basis_bytes))
+    return rates
+
+
+def test_the_receiver_takes_the_copy_expected_soonest_across_peers(tiny_fp, two_copies, tmp_path):
+    prompt, full, coded, basis = two_copies
+
+    def found(name, **link):
+        rates = receiver(tmp_path / name, tiny_fp.model_id, full, coded, **link)
+        got = find_prefix(tiny_fp, prompt, CacheStore(tmp_path / name / "store"), peers=[full, coded], rates=rates)
+        [decision] = got.fetch_or_prefill
+        assert decision.fetch and {w.copy.codec for w in decision.weighed} == {"full", "transform"}
+        assert got.tokens == 384 and got.where == f"peer {decision.where}"
+        return decision
+
+    # A fast link: the fp16 copy, which decodes at once, comes sooner than the coded one.
+    assert found("fast", bytes_per_s=1e9, basis_bytes=basis.nbytes).where == full
+    # A slow link: the coded copy's fewer bytes, basis and all, come sooner.
+    slow = found("slow", bytes_per_s=200e3, basis_bytes=basis.nbytes)
+    assert slow.where == coded and slow.best.copy.basis_bytes == basis.nbytes
+    # A basis as large as a big model's tips it to the fp16 copy; once held here, back to the coded one.
+    assert found("big", bytes_per_s=200e3, basis_bytes=40 * MB).where == full
+    held = artifact_store(tmp_path / "held" / "store")
+    held.put(basis.to_bytes(), basis.digest)
+    held.set_model_basis(tiny_fp.model_id, basis.digest)
+    assert found("held", bytes_per_s=200e3, basis_bytes=40 * MB).where == coded

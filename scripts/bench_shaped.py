@@ -1,0 +1,165 @@
+"""A transform coded cache over shaped links, against a local prefill (`bench_transfer.py --links`).
+
+SmolLM2-135M (float32) on this CPU; its cache of a document's first N tokens as computed (zstd) and
+transform coded at the default level with the model's basis (fitted as `kvmesh model calibrate`
+fits it). A daemon in one network namespace serves both; a client in another fetches each over a
+veth pair limited with `tbf` to each rate (mutual TLS, as on a LAN): the coded copy first into a
+receiver without the basis (it travels first), then again with it held, then the full copy. Per
+fetch: wire s (request to the last byte, the basis included), decode s (the same copy decoded again
+here, from the receiver's store), fetch s (request to caches ready) and first token s (fetch, then
+the next token fed); against a prefill of the same tokens here, then the next token.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from support.real_model import blas_name, fast_blas, smollm2_dir
+
+PORT = 7481
+
+CHILD = """
+import json, sys, tempfile, time
+from pathlib import Path
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.models.cache import make_prompt_cache
+from kvmesh.caches.prefill import generate_from_cache
+from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.model.fingerprint import fingerprint
+from kvmesh.net.client import PeerClient
+from kvmesh.net.credentials import load_credentials
+from kvmesh.reuse.fetch import fetch_cache
+from kvmesh.reuse.find import load_prefix
+from kvmesh.store import CacheStore
+
+model_dir, address, mesh_dir, prompt_file, copies = sys.argv[1:6]
+model, _ = mlx_lm.load(model_dir)
+fp = fingerprint(Path(model_dir))
+credentials = load_credentials(Path(mesh_dir))
+prompt = json.loads(Path(prompt_file).read_text())  # the prefix's tokens, then one more
+
+def first_token(cache, feed):
+    start = time.perf_counter()
+    next(iter(generate_from_cache(model, cache, feed, max_tokens=1)))
+    return time.perf_counter() - start
+
+def ready(cache):
+    mx.eval([t for layer in cache for t in layer.state])
+    return cache
+
+first_token(make_prompt_cache(model), prompt[:8])  # weights read, kernels built
+with tempfile.TemporaryDirectory() as tmp:
+    store = CacheStore(Path(tmp))
+    for name, cache_id in json.loads(copies):
+        start = time.perf_counter()
+        with PeerClient(address, credentials=credentials) as client:
+            fetched = fetch_cache(client, cache_id, ReceiverProfile(fp, prompt=prompt), store=store)
+            ready(fetched.cache)
+        fetch_s = time.perf_counter() - start
+        ttft = fetch_s + first_token(fetched.cache, prompt[-1:])
+        start = time.perf_counter()
+        ready(load_prefix(store, fetched.manifest.cache_id, len(prompt) - 1))
+        decode_s = time.perf_counter() - start
+        print(json.dumps({
+            "copy": name, "wire_bytes": fetched.wire_bytes, "basis_bytes": fetched.basis_bytes,
+            "wire_s": fetched.wire_s, "decode_s": decode_s, "fetch_s": fetch_s, "ttft_s": ttft,
+        }), flush=True)
+prefill_ttft = first_token(make_prompt_cache(model), prompt)
+print(json.dumps({"copy": "prefill here", "ttft_s": prefill_ttft}), flush=True)
+"""
+
+
+def shaped(links: list[float], tokens: int) -> None:
+    """Print the table of the module docstring for each link rate in Mbit/s."""
+    fast_blas()
+    import mlx_lm
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvmesh.caches.prefill import prefill
+    from kvmesh.codec.calibration import fit_model_basis
+    from kvmesh.codec.coded import TransformCoding, transform_code
+    from kvmesh.codec.encode import encode_cache
+    from kvmesh.codec.levels import LEVELS
+    from kvmesh.model.fingerprint import fingerprint
+    from kvmesh.store import CacheStore
+    from kvmesh.store.artifacts import artifact_store
+    from support import namespaces
+    from support.daemons import start_daemon
+
+    if why := namespaces.missing():
+        sys.exit(f"bench_transfer --links: {why}")
+    model_dir = smollm2_dir()
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    fp = fingerprint(model_dir)
+    document = tokenizer.encode((Path(__file__).parent / "data" / "declaration.txt").read_text())
+    if len(document) <= tokens:
+        sys.exit(f"the document has {len(document)} tokens; --tokens must be fewer")
+    prefix = document[:tokens]
+    cache = prefill(model, prefix).cache
+    basis = fit_model_basis(model, tokenizer).basis
+    coded = transform_code(cache, TransformCoding(basis, step=LEVELS["default"].step))
+    title = f"a {tokens}-token cache of SmolLM2-135M float32 over tbf-shaped links, {blas_name()}, mutual TLS"
+    table = Table(title=title)
+    for column in ("link Mbit/s", "copy", "wire MB", "basis MB", "wire s", "decode s", "fetch s", "first token s"):
+        table.add_column(column, justify="right")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        store = CacheStore(root / "store")
+        full_id = store.add(*encode_cache(cache, fp, prefix)).cache_id
+        coded_id = store.add(*encode_cache(coded, fp, prefix)).cache_id
+        artifact_store(store.root).put(basis.to_bytes(), basis.digest)
+        (root / "prompt.json").write_text(json.dumps(document[: tokens + 1]))
+        copies = [["coded, basis fetched", coded_id], ["coded, basis held", coded_id], ["full", full_id]]
+        server_dir, client_dir = root / "server", root / "client"
+        namespaces.make_mesh(server_dir, client_dir)
+        with namespaces.Link(f"kvt{os.getpid() % 100000}") as link:
+            daemon = start_daemon(
+                server_dir,
+                *("--store", store.root, "--interface", namespaces.SERVER_IP, "--port", PORT, "--no-discovery"),
+                command=link.in_server(),
+            )
+            try:
+                for mbit in links:
+                    link.shape(mbit * 1e6)
+                    out = subprocess.run(
+                        [
+                            *link.in_client(),
+                            sys.executable,
+                            "-c",
+                            CHILD,
+                            str(model_dir),
+                            f"{namespaces.SERVER_IP}:{PORT}",
+                            str(client_dir),
+                            str(root / "prompt.json"),
+                            json.dumps(copies),
+                        ],
+                        capture_output=True,
+                        text=True,
+                    )
+                    if out.returncode:
+                        sys.exit(f"the client failed: {out.stderr.strip()}")
+                    for line in out.stdout.splitlines():
+                        row = json.loads(line)
+                        print(json.dumps({"mbit": mbit, **row}))
+                        cells = [f"{row[k]:.2f}" if k in row else "-" for k in ("wire_s", "decode_s", "fetch_s")]
+                        table.add_row(
+                            f"{mbit:g}",
+                            row["copy"],
+                            f"{row['wire_bytes'] / 1e6:.2f}" if "wire_bytes" in row else "-",
+                            f"{row['basis_bytes'] / 1e6:.2f}" if "basis_bytes" in row else "-",
+                            *cells,
+                            f"{row['ttft_s']:.2f}",
+                        )
+            finally:
+                daemon.stop()
+    Console(width=140).print(table)
+    print(
+        "wire s: request to the last byte (connecting and TLS, the basis when fetched, included); decode s: the "
+        "same copy decoded again from the receiver's store; fetch s: request to caches ready (decoding overlaps "
+        "the wire); first token s: the fetch, then the next token fed; prefill here: all the tokens and the next"
+    )
