@@ -157,7 +157,7 @@ def coded_artifacts(cache: Sequence) -> list[pb.Artifact]:
 
 
 def decode_coded(
-    spec: pb.LayerSpec, blob: bytes | memoryview, bases: Mapping[str, Basis], dtype: mx.Dtype
+    spec: pb.LayerSpec, blob: bytes | memoryview, bases: Mapping[str, Basis], dtype: mx.Dtype, memo: dict | None = None
 ) -> SparseKVCache:
     """A CACHE_KIND_TRANSFORM_KV layer back into a SparseKVCache of `dtype`."""
     basis = bases.get(spec.transform.basis_sha256)
@@ -178,9 +178,10 @@ def decode_coded(
         expect["start"] = 0  # it kept every position
     else:
         check_kept_positions(read_header(blob)[0], spec)
-    keys, values = decode_layer(blob, basis, expect=expect)
-    keys, values = keys.astype(dtype), values.astype(dtype)
-    mx.eval(keys, values)
+    keys, values = decode_layer(blob, basis, memo, expect=expect)
+    if keys.dtype != dtype:
+        keys, values = keys.astype(dtype), values.astype(dtype)
+        mx.eval(keys, values)
     return SparseKVCache.from_arrays(keys, values, spec.offset)
 
 
@@ -200,6 +201,7 @@ def check_kept_positions(header: dict, spec: pb.LayerSpec) -> None:
 def decoded(cache: Sequence) -> list:
     """A cache list with its CodedLayers decoded (what a receiver will hold): for measuring a coded
     cache's loss where it was made."""
+    memo: dict = {}
     out = []
     for layer in cache:
         if isinstance(layer, CodedLayer):
@@ -207,7 +209,7 @@ def decoded(cache: Sequence) -> list:
                 kind=pb.CACHE_KIND_TRANSFORM_KV, n_kept=layer.n_kept, offset=layer.offset, transform=layer.spec
             )
             dtype = getattr(mx, layer.dtype)
-            layer = decode_coded(spec, layer.blob, {layer.basis.digest: layer.basis}, dtype)
+            layer = decode_coded(spec, layer.blob, {layer.basis.digest: layer.basis}, dtype, memo)
         out.append(layer)
     return out
 

@@ -68,6 +68,7 @@ class CacheDecoder:
         self.coded: dict[int, Layer] = {}
         self._decoding: list[tuple[int, Future[Layer]]] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._memo: dict = {}  # rotation tables, used on the coded layers' thread only
 
     def _allocate(self, chunk: Chunk) -> Chunk:
         """Make the buffer of the tensor where the plan puts `chunk` (not where it claims to go)."""
@@ -149,7 +150,7 @@ class CacheDecoder:
         """A transform-coded layer into its SparseKVCache (or the quantized cache asked for)."""
         try:
             dtype = DTYPES[dtype_name(self.manifest.dtype)]
-            decoded = decode_coded(layer, blob, self.bases, dtype)
+            decoded = decode_coded(layer, blob, self.bases, dtype, self._memo)
             if self.quantize_bits is None:
                 return decoded
             quantized = decoded.to_quantized(bits=self.quantize_bits)

@@ -10,7 +10,7 @@ press may keep different ones per head. Contiguous positions take the model's ow
 otherwise `mx.fast.rope` gets one offset per batch entry, every row becoming its own batch entry
 `(N, 1, 1, head_dim)` with offset = its position: the same arithmetic as the model's call there.
 
-The codec itself rotates in NumPy (`rotate`) with cos/sin tables read off the kernel
+The codec itself rotates with cos/sin tables read off the kernel (`rotate`, in MLX)
 (`rotation_table`: the kernel applied to unit pairs), computed once per set of positions for all
 layers: the same angles as the model's, without a kernel call per layer.
 """
@@ -182,12 +182,12 @@ def remove_rope(x: mx.array, positions: Any, rotary: Rotary) -> mx.array:
     return apply_rope(x, positions, rotary, inverse=True)
 
 
-def rotation_table(rotary: Rotary, positions: Any) -> tuple[np.ndarray, np.ndarray]:
+def rotation_table(rotary: Rotary, positions: Any) -> tuple[mx.array, mx.array]:
     """(cos, sin), each (P, dims/2) float32, of the angles `mx.fast.rope` uses at these positions (P,).
 
-    Taken from the kernel itself (it rotates unit pairs), so a rotation applied with them in NumPy
-    (`rotate`) matches the model's own to float rounding. One call per distinct set of positions
-    serves every layer with the same rotary settings.
+    Taken from the kernel itself (it rotates unit pairs), so a rotation applied with them (`rotate`)
+    matches the model's own to float rounding. One call per distinct set of positions serves every
+    layer with the same rotary settings.
     """
     pos = np.asarray(positions, dtype=np.int32).reshape(-1)
     half = rotary.dims // 2
@@ -197,27 +197,43 @@ def rotation_table(rotary: Rotary, positions: Any) -> tuple[np.ndarray, np.ndarr
     else:
         unit[0, :half] = 1.0
     if pos.size == 0:
-        return np.zeros((0, half), np.float32), np.zeros((0, half), np.float32)
+        return mx.zeros((0, half)), mx.zeros((0, half))
     x = mx.broadcast_to(mx.array(unit), (pos.size, rotary.dims)).reshape(1, pos.size, 1, rotary.dims)
-    out = np.asarray(apply_rope(x, pos.reshape(1, -1, 1), rotary).reshape(pos.size, rotary.dims))
+    out = apply_rope(x, pos.reshape(1, -1, 1), rotary).reshape(pos.size, rotary.dims)
     if rotary.traditional:
-        return np.ascontiguousarray(out[:, 0::2]), np.ascontiguousarray(out[:, 1::2])
-    return np.ascontiguousarray(out[:, :half]), np.ascontiguousarray(out[:, half:])
+        return mx.contiguous(out[:, 0::2]), mx.contiguous(out[:, 1::2])
+    return mx.contiguous(out[:, :half]), mx.contiguous(out[:, half:])
 
 
-def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary: Rotary, inverse: bool = False) -> np.ndarray:
+def token_major_tables(rotary: Rotary, positions: np.ndarray, memo: dict) -> tuple[mx.array, mx.array]:
+    """(cos, sin) of the kernel's angles at positions (B, H, T), shaped to broadcast over token-major
+    blocks (B, T, H, dims/2); one table per distinct (rotary, positions) in `memo` (a cache's layers
+    mostly share theirs)."""
+    b, h, t = positions.shape
+    same = bool((positions == positions[:1, :1]).all())
+    use = positions[0, 0] if same else positions
+    key = (rotary, same, use.shape, np.ascontiguousarray(use).tobytes())
+    if key not in memo:
+        cos, sin = rotation_table(rotary, use.reshape(-1))
+        half = cos.shape[1]
+        if same:
+            memo[key] = (cos.reshape(1, t, 1, half), sin.reshape(1, t, 1, half))
+        else:
+            memo[key] = tuple(a.reshape(b, h, t, half).transpose(0, 2, 1, 3) for a in (cos, sin))
+    return memo[key]
+
+
+def rotate(x: mx.array, cos: mx.array, sin: mx.array, rotary: Rotary, inverse: bool = False) -> mx.array:
     """x (..., head_dim) float32 rotated by the angles of (cos, sin) (broadcastable to x[..., :dims/2]);
-    `inverse` rotates back. A new array; dims beyond `rotary.dims` pass through."""
+    `inverse` rotates back; dims beyond `rotary.dims` pass through. Each product and sum is its own
+    float32 operation (no fused multiply-add), so any device gives the same floats."""
     dims, half = rotary.dims, rotary.dims // 2
     if inverse:
         sin = -sin
-    out = np.array(x, dtype=np.float32, copy=True, order="C")
     if rotary.traditional:
         a, b = x[..., 0:dims:2], x[..., 1:dims:2]
-        out[..., 0:dims:2] = a * cos - b * sin
-        out[..., 1:dims:2] = a * sin + b * cos
+        out = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], dims)
     else:
         a, b = x[..., :half], x[..., half:dims]
-        out[..., :half] = a * cos - b * sin
-        out[..., half:dims] = a * sin + b * cos
-    return out
+        out = mx.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    return out if dims == x.shape[-1] else mx.concatenate([out, x[..., dims:]], axis=-1)

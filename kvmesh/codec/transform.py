@@ -48,13 +48,14 @@ import numpy as np
 
 from kvmesh.codec.basis import Basis, BasisError, LayerKV, TensorBasis
 from kvmesh.codec.layer_blob import (
+    ESCAPE,
     MAGIC,
     MAGIC_RAW_DTYPE,
     TransformCodecError,
     Writer,
     pack_zigzag,
 )
-from kvmesh.codec.rotary import Rotary, rotate, rotation_table
+from kvmesh.codec.rotary import rotate, token_major_tables
 from kvmesh.codec.transform_decode import RAW_DTYPES
 
 SQRT12 = math.sqrt(12.0)
@@ -80,38 +81,68 @@ def kept_components(rms: np.ndarray, step: float) -> int:
 
 def pack_integers(q: np.ndarray) -> tuple[bytes, bytes]:
     """Signed integers -> (one zigzagged byte each, the escaped ones as little-endian uint32)."""
-    return pack_zigzag(_zigzag(q), 8)
+    return pack_zigzag(np.asarray(_zigzag(mx.array(np.asarray(q, dtype=np.int64)))), 8)
 
 
-def _zigzag(q: np.ndarray) -> np.ndarray:
-    flat = np.ascontiguousarray(q, dtype=np.int64).reshape(-1)
-    if flat.size and (flat.max() >= 2**31 or flat.min() < -(2**31)):
+def _zigzag(q: mx.array) -> mx.array:
+    """Signed integers (in any dtype that holds them) -> zigzagged uint32 (0, -1, 1, -2 -> 0, 1, 2, 3)."""
+    if q.size and not (q.max() < 2**31 and q.min() >= -(2**31)).item():
         raise TransformCodecError("a coefficient beyond 32 bits: the step is far too fine")
-    return ((flat << 1) ^ (flat >> 63)).astype(np.uint64)
+    flat = q.astype(mx.int64)
+    return mx.where(flat < 0, -2 * flat - 1, 2 * flat).astype(mx.uint32)
 
 
-def pack_codes(q: np.ndarray) -> tuple[int, bytes, bytes]:
+def code_width(top: int) -> int:
+    """Bits per code of zigzagged codes whose largest is `top`: see `pack_codes`."""
+    return 8 if top >= 16 else 2 if top < 4 else 4
+
+
+def pack_codes(q: np.ndarray | mx.array) -> tuple[int, bytes, bytes]:
     """Signed integers of similar size -> (bits per code, packed codes, escapes).
 
     Zigzagged codes below 4 go four to a byte, below 16 two to a byte (so that the entropy coder,
     which codes bytes, sees the joint statistics of several small codes and can spend less than a
     bit on each); larger ones one byte each, 255 escaping to a uint32 in `escapes`."""
-    zz = _zigzag(q)
-    top = int(zz.max()) if zz.size else 0
-    width = 8 if top >= 16 else 2 if top < 4 else 4
-    return (width, *pack_zigzag(zz, width))
+    zz = _zigzag(q if isinstance(q, mx.array) else mx.array(np.asarray(q, dtype=np.int64))).reshape(-1)
+    top = int(zz.max().item()) if zz.size else 0
+    width = code_width(top)
+    return (width, *_pack(zz, width, top))
 
 
-def _centroid_offset(scaled: np.ndarray, q: np.ndarray) -> float:
-    """The mean of |x| - |q| over the nonzero codes, x in units of the step: where a nonzero code's
-    values lie on average within its bin (below its centre for peaked distributions). The decoder
-    reconstructs q + offset * sign(q), which lowers the error at no cost in bits."""
+def _pack(zz: mx.array, width: int, top: int) -> tuple[bytes, bytes]:
+    """Zigzagged codes (flat uint32) -> (codes packed at `width` bits, escapes), packed in MLX: the
+    bytes `kvmesh.codec.layer_blob.pack_zigzag` makes."""
+    if width == 8:
+        plane = np.asarray(mx.minimum(zz, ESCAPE).astype(mx.uint8)).tobytes()
+        if top < ESCAPE:
+            return plane, b""
+        big = np.asarray(zz)
+        return plane, big[big >= ESCAPE].astype("<u4").tobytes()
+    per = 8 // width
+    pad = -zz.size % per
+    codes = mx.concatenate([zz, mx.zeros((pad,), mx.uint32)]) if pad else zz
+    shifts = mx.array(np.arange(per, dtype=np.uint32) * width)
+    packed = (codes.reshape(-1, per) << shifts).sum(axis=1).astype(mx.uint8)
+    return np.asarray(packed).tobytes(), b""
+
+
+def _bin_offsets(scaled: mx.array, q: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """Per component (row), the count of nonzero codes and the sum of |x| - |q| over them, x in
+    units of the step (float64, to be summed over a group's components: `_centroid_offset`)."""
     nonzero = q != 0
-    count = int(np.count_nonzero(nonzero))
-    if count == 0:
-        return 0.0
-    diff = np.abs(scaled[nonzero]) - np.abs(q[nonzero])
-    return round(float(diff.mean()), 4)
+    count = nonzero.astype(mx.int32).sum(axis=1)
+    total = mx.where(nonzero, mx.abs(scaled) - mx.abs(q), 0.0).sum(axis=1)
+    mx.eval(count, total)
+    return np.asarray(count).astype(np.int64), np.asarray(total).astype(np.float64)
+
+
+def _centroid_offset(count: np.ndarray, total: np.ndarray) -> float:
+    """The mean of |x| - |q| over a group's nonzero codes (from `_bin_offsets` of its components):
+    where a nonzero code's values lie on average within its bin (below its centre for peaked
+    distributions). The decoder reconstructs q + offset * sign(q), which lowers the error at no
+    cost in bits."""
+    nonzero = int(count.sum())
+    return round(float(total.sum() / nonzero), 4) if nonzero else 0.0
 
 
 def component_groups(rms: np.ndarray, step: float, n: int) -> list[int]:
@@ -127,10 +158,10 @@ def component_groups(rms: np.ndarray, step: float, n: int) -> list[int]:
 # --- layout ---------------------------------------------------------------------------------------
 
 
-def _f32(x: Any) -> np.ndarray:
+def _f32(x: Any) -> mx.array:
     if isinstance(x, mx.array):
-        return np.asarray(x.astype(mx.float32))
-    return np.asarray(x, dtype=np.float32)
+        return x.astype(mx.float32)
+    return mx.array(np.asarray(x, dtype=np.float32))
 
 
 def _positions_bht(positions: Any, b: int, h: int, t: int) -> np.ndarray:
@@ -144,33 +175,11 @@ def _positions_bht(positions: Any, b: int, h: int, t: int) -> np.ndarray:
     return np.ascontiguousarray(pos, dtype=np.int32)
 
 
-def _matmul(a: np.ndarray, b: np.ndarray | mx.array) -> np.ndarray:
-    """a @ b in float32 with MLX's BLAS (Accelerate on a Mac; the fastest here with OpenBLAS)."""
-    return np.asarray(mx.array(a) @ (b if isinstance(b, mx.array) else mx.array(b)))
-
-
-def _tables(rotary: Rotary, pos: np.ndarray, memo: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin) of the kernel's angles at positions (B, H, T), shaped to broadcast over token-major
-    blocks (B, T, H, dims/2); one table per distinct (rotary, positions) in a call."""
-    b, h, t = pos.shape
-    same = bool((pos == pos[:1, :1]).all())
-    use = pos[0, 0] if same else pos
-    key = (rotary, same, use.shape, np.ascontiguousarray(use).tobytes())
-    if key not in memo:
-        cos, sin = rotation_table(rotary, use.reshape(-1))
-        half = cos.shape[1]
-        if same:
-            memo[key] = (cos.reshape(1, t, 1, half), sin.reshape(1, t, 1, half))
-        else:
-            memo[key] = tuple(a.reshape(b, h, t, half).transpose(0, 2, 1, 3) for a in (cos, sin))
-    return memo[key]
-
-
 @dataclass
 class _Prepared:
     """One tensor of one layer, projected once; quantized per trial step."""
 
-    coeffs: np.ndarray  # (N, F) coefficients / tensor scale
+    coeffs: mx.array  # (N, F) coefficients / tensor scale
     basis: TensorBasis
     raw: bytes  # the sink and recent rows, (B, H, rows, D), in `raw_dtype`
     raw_dtype: str
@@ -188,13 +197,6 @@ def _raw_rows(x: Any, sinks: int, recent: int) -> tuple[bytes, str]:
     t = x.shape[2]
     rows = mx.concatenate([x[:, :, :sinks], x[:, :, t - recent :]], axis=2)
     return np.asarray(rows.view(mx.uint16) if x.dtype == mx.bfloat16 else rows).tobytes(), name
-
-
-def _split(x: np.ndarray, sinks: int, recent: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    t = x.shape[2]
-    s = min(sinks, t)
-    r = min(recent, t - s)
-    return x[:, :, :s], x[:, :, s : t - r], x[:, :, t - r :]
 
 
 def _prepare(
@@ -218,18 +220,17 @@ def _prepare(
         r = min(recent, t - s)
         meta: dict[str, Any] = {"layer": j, "shape": [b, h, t, d], "sinks": s, "recent": r}
         layer = []
+        m = t - s - r
         for kind, x, tb in (("k", keys, basis.keys[j]), ("v", values, basis.values[j])):
-            _, mid, _ = _split(x, s, r)
-            m = mid.shape[2]
+            coeffs = mx.zeros((0, h * d))
             if m:
-                block = mid.transpose(0, 2, 1, 3)  # (B, T', H, D): token-major
+                block = x[:, :, s : t - r].transpose(0, 2, 1, 3)  # (B, T', H, D): token-major
                 if kind == "k":
-                    cos, sin = _tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
+                    cos, sin = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
                     block = rotate(block, cos, sin, basis.rotaries[j], inverse=True)
-                rows = np.ascontiguousarray(block, dtype=np.float32).reshape(b * m, h * d)
-                coeffs = _matmul(rows - tb.mean, tb.on_mlx("analysis")) * np.float32(1.0 / tb.scale)
-            else:
-                coeffs = np.zeros((0, h * d), np.float32)
+                centred = block.reshape(b * m, h * d) - tb.on_mlx("mean")
+                coeffs = (centred @ tb.on_mlx("analysis")) * mx.array(np.float32(1.0 / tb.scale))
+                mx.eval(coeffs)
             layer.append(_Prepared(coeffs, tb, *_raw_rows(k if kind == "k" else v, s, r)))
         contiguous = t == 0 or bool((pos == pos.flat[0] + np.arange(t, dtype=np.int32)).all())
         meta["positions"] = {"start": int(pos.flat[0]) if t else 0} if contiguous else {"shape": list(pos.shape)}
@@ -248,12 +249,22 @@ def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: flo
         kstep = step * (key_factor if kind == "k" else 1.0)
         rms = p.basis.rms / p.basis.scale
         n = kept_components(rms, kstep)
-        scaled = p.coeffs[:, :n].T / np.float32(kstep)  # component-major
-        q = np.rint(scaled)
-        groups, at = [], 0
+        groups: list = []
+        if n and p.coeffs.shape[0]:
+            scaled = p.coeffs[:, :n].T / mx.array(np.float32(kstep))  # component-major
+            q = mx.round(scaled)
+            zz = _zigzag(q)
+            tops = np.asarray(zz.max(axis=1))
+            nonzero, offsets = _bin_offsets(scaled, q)
+        at = 0
         for count in component_groups(rms, kstep, n):
-            width, plane, esc = pack_codes(q[at : at + count])
-            delta = _centroid_offset(scaled[at : at + count], q[at : at + count])
+            if not p.coeffs.shape[0]:
+                groups.append([count, 2, out.add(b"", True), None, 0.0])
+                continue
+            top = int(tops[at : at + count].max())
+            width = code_width(top)
+            plane, esc = _pack(zz[at : at + count].reshape(-1), width, top)
+            delta = _centroid_offset(nonzero[at : at + count], offsets[at : at + count])
             groups.append([count, width, out.add(plane, True), out.add(esc, True) if esc else None, delta])
             at += count
         raw = out.add(p.raw, False)

@@ -1,17 +1,18 @@
 """The transform codec's decoder (`kvmesh.codec.transform` makes the blobs): one MLX graph per layer.
 
 A layer's blob becomes its keys and values in a handful of large MLX operations over all its heads
-at once: the packed codes looked up in a table per byte (the centroid offset folded in), the
+at once: the packed codes unpacked by shifts and masks and un-zigzagged (the centroid offset added), the
 inverse transform as one product with the basis's components and the mean added, RoPE re-applied
-with the model's own kernel (`mx.fast.rope`), and the raw sink and recent rows placed around the
-coded ones. Only what must run on the CPU stays in Python and NumPy: zstd, the header, and finding
-the rare escaped codes. So a Mac runs the decoder on its GPU, and on a CPU the whole layer is one
-evaluation with no NumPy copy of its numbers.
+with cos/sin tables read off the model's own kernel (`kvmesh.codec.rotary.rotate`: made once per
+set of positions, so the kernel's sines and cosines are not recomputed per layer, which on a CPU
+costs more than the rotation), and the raw sink and recent rows placed around the coded ones. Only
+what must run on the CPU stays in Python and NumPy: zstd, the header, and finding the rare escaped
+codes. So a Mac runs the decoder on its GPU, and on a CPU a layer is one evaluation with no NumPy
+copy of its numbers.
 
-The floats are the same as the NumPy decoder's that came before it (the same products, the same
-conversions; `tests/test_transform_codec.py` checks them against it), except the keys' rotation:
-the kernel computes it in one step where NumPy multiplied and added table entries, which may differ
-by a rounding of float32 (about 1e-7 relative, far below float16's 5e-4 and the codec's own error).
+The floats are those of the NumPy decoder that came before it, on any device: the same products,
+each product and sum of the rotation its own float32 operation, the same conversions
+(`tests/test_transform_decoder.py` checks them against it).
 """
 
 from collections.abc import Sequence
@@ -22,44 +23,59 @@ import numpy as np
 import zstandard
 
 from kvmesh.codec.basis import Basis, BasisError
-from kvmesh.codec.layer_blob import ESCAPE, Segments, TransformCodecError, read_header
-from kvmesh.codec.rotary import apply_rope
+from kvmesh.codec.layer_blob import ESCAPE, WIDTHS, Segments, TransformCodecError, read_header
+from kvmesh.codec.rotary import rotate, token_major_tables
 
 # The dtypes raw rows travel in (a header without one: float16).
 RAW_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-
-
-def _code_table(width: int) -> np.ndarray:
-    """(256, 8 // width) float32: the signed values each packed byte holds."""
-    per = 8 // width
-    zz = (np.arange(256)[:, None] >> (np.arange(per) * width)) & ((1 << width) - 1)
-    return ((zz >> 1) ^ -(zz & 1)).astype(np.float32)
-
-
-TABLES = {width: _code_table(width) for width in (2, 4, 8)}
+# Float32 magnitudes from which a cast to each dtype gives infinity (its largest finite number plus
+# half an ulp): coded rows are checked in float32, where a reduction is cheap, before they are cast.
+ROUNDS_TO_INFINITY = {
+    mx.float16: 65520.0,
+    mx.bfloat16: float(2.0**127 * (2 - 2.0**-8)),
+    mx.float32: float("inf"),
+}
 
 
 def decode_group(width: int, plane: bytes, escapes: bytes, count: int, offset: float) -> mx.array:
-    """Packed codes -> (count,) float32 values q + offset * sign(q): one table look-up per byte (the
-    table has the offset folded in); escaped one-byte codes are scattered in after."""
-    per = 8 // width
+    """Packed codes -> (count,) float32 values q + offset * sign(q)."""
+    values = _values(_codes(width, plane, count), mx.array(np.float32(offset)))
+    if width == 8:
+        at, big = _escapes(plane, escapes, offset)
+        if at.size:
+            values[mx.array(at)] = mx.array(big)
+    return values
+
+
+def _codes(width: int, plane: bytes, count: int) -> mx.array:
+    """(count,) uint8: the zigzagged codes packed `8 // width` to a byte, unpacked by shifts and masks
+    (elementwise: on a CPU several times faster than MLX's table look-up, a gather)."""
+    per = 8 // width if width in WIDTHS else 0
     packed = np.frombuffer(plane, dtype=np.uint8)
-    if packed.size != -(-count // per):
+    if not per or packed.size != -(-count // per):
         raise TransformCodecError(f"{packed.size} packed bytes for {count} codes of {width} bits")
-    table = TABLES[width]
-    if offset:
-        table = table + np.float32(offset) * np.sign(table)
-    values = mx.take(mx.array(table), mx.array(packed), axis=0).reshape(-1)
-    if per != 1:
-        return values[:count] if count % per else values
+    codes = mx.array(packed)
+    if per == 1:
+        return codes
+    shifts = mx.array(np.arange(per, dtype=np.uint8) * np.uint8(width))
+    return ((codes[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)[:count]
+
+
+def _values(codes: mx.array, offsets: mx.array | None) -> mx.array:
+    """Zigzagged codes -> float32 q + offset * sign(q) (offsets broadcast against the codes; None: 0)."""
+    z = codes.astype(mx.int32)
+    q = ((z >> 1) ^ -(z & 1)).astype(mx.float32)
+    return q if offsets is None else q + offsets * mx.sign(q)
+
+
+def _escapes(plane: bytes, escapes: bytes, offset: float) -> tuple[np.ndarray, np.ndarray]:
+    """Where a plane of one-byte codes escapes (255) and the float32 values those codes stand for."""
+    at = np.flatnonzero(np.frombuffer(plane, dtype=np.uint8) == ESCAPE)
     esc = np.frombuffer(escapes, dtype="<u4").astype(np.int64)
-    at = np.flatnonzero(packed == ESCAPE)
     if esc.size != at.size:
         raise TransformCodecError("escape count does not match the plane")
-    if at.size:
-        big = ((esc >> 1) ^ -(esc & 1)).astype(np.float32)
-        values[mx.array(at.astype(np.int32))] = mx.array(big + np.float32(offset) * np.sign(big))
-    return values
+    big = ((esc >> 1) ^ -(esc & 1)).astype(np.float32)
+    return at, big + np.float32(offset) * np.sign(big)
 
 
 def check_header(header: dict, expect: dict[str, Any]) -> None:
@@ -84,11 +100,12 @@ def check_header(header: dict, expect: dict[str, Any]) -> None:
 
 
 def decode_layer(
-    data: bytes | memoryview, basis: Basis, *, expect: dict[str, Any] | None = None
+    data: bytes | memoryview, basis: Basis, memo: dict | None = None, *, expect: dict[str, Any] | None = None
 ) -> tuple[mx.array, mx.array]:
     """One layer's (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated back.
     With `expect` (what the manifest says: `check_header`), a blob that says otherwise is refused
-    before anything is allocated.
+    before anything is allocated. `memo` keeps rotation tables for the next layers (one per set of
+    positions).
 
     Raises TransformCodecError for bytes that do not decode, or decode to numbers that are not
     finite (their digest was checked before: this guards against a sender's bug or a lie, not the
@@ -97,12 +114,13 @@ def decode_layer(
     if expect is not None:
         check_header(header, expect)
     try:
-        keys, values = _decode_layer(header, body, basis)
+        keys, values, checks = _decode_layer(header, body, basis, {} if memo is None else memo)
     except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
         if isinstance(e, (TransformCodecError, BasisError)):
             raise
         raise TransformCodecError(f"a malformed layer blob: {type(e).__name__}: {e}") from None
-    if not finite(keys, values):
+    mx.eval(keys, values, *checks)
+    if not all(bool(c) for c in checks):
         raise TransformCodecError("the layer decodes to NaN or infinite numbers")
     return keys, values
 
@@ -124,22 +142,37 @@ def _raw_array(data: bytes, dtype: str, shape: tuple[int, ...]) -> mx.array:
 
 
 def _coefficients(km: dict, seg: Segments, rows: int) -> mx.array:
-    """(n, rows) float32: a tensor's coefficients in units of its step, component-major."""
-    n, parts, at = km["n"], [], 0
+    """(n, rows) float32: a tensor's coefficients in units of its step, component-major. The groups'
+    codes are unpacked and joined as bytes, then turned into numbers in one pass."""
+    n, codes, offsets, escaped, at = km["n"], [], [], [], 0
     for count, width, plane_ref, esc_ref, delta in km["groups"]:
-        if width not in TABLES or not 0 < count <= n - at:
+        if width not in WIDTHS or not 0 < count <= n - at:
             raise TransformCodecError(f"a group of {count} components of {width} bits")
         values = count * rows
-        esc = seg(esc_ref, 4 * values) if esc_ref is not None else b""
         plane = seg(plane_ref, -(-values // (8 // width)))
-        parts.append(decode_group(width, plane, esc, values, delta))
+        codes.append(_codes(width, plane, values))
+        offsets.append(np.full(count, delta, np.float32))
+        if width == 8:
+            where, big = _escapes(plane, seg(esc_ref, 4 * values) if esc_ref is not None else b"", delta)
+            escaped.append((where + at * rows, big))
         at += count
     if at != n:
         raise TransformCodecError(f"groups of {at} components where {n} were sent")
-    return mx.concatenate(parts).reshape(n, rows) if len(parts) > 1 else parts[0].reshape(n, rows)
+    joined = (mx.concatenate(codes) if len(codes) > 1 else codes[0]).reshape(n, rows)
+    scales = np.concatenate(offsets)
+    out = _values(joined, mx.array(scales[:, None]) if scales.any() else None)
+    if any(where.size for where, _ in escaped):
+        flat = out.reshape(-1)
+        flat[mx.array(np.concatenate([w for w, _ in escaped]).astype(np.int32))] = mx.array(
+            np.concatenate([v for _, v in escaped])
+        )
+        out = flat.reshape(n, rows)
+    return out
 
 
-def _decode_layer(header: dict, body: memoryview, basis: Basis) -> tuple[mx.array, mx.array]:
+def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> tuple[mx.array, mx.array, list]:
+    """Keys, values, and the checks (scalars) that they are finite: the raw rows are, and the coded
+    rows' float32 magnitudes stay below what their dtype rounds to infinity (NaN fails both)."""
     if header["basis"] != basis.digest:
         raise BasisError(
             f"the cache was coded with basis {header['basis'][:16]}..., this basis is {basis.digest[:16]}..."
@@ -158,29 +191,33 @@ def _decode_layer(header: dict, body: memoryview, basis: Basis) -> tuple[mx.arra
         pos = np.frombuffer(seg(pm["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)
     else:
         pos = np.broadcast_to(np.arange(pm["start"], pm["start"] + t, dtype=np.int32)[None, None], (b, h, t))
-    tensors = []
+    tensors, checks = [], []
     for kind, tb in (("k", basis.keys[j]), ("v", basis.values[j])):
         km = header[kind]
         n = km["n"]
         raw_dtype = km.get("raw_dtype", "float16")
         raw = _raw_array(seg(km["raw"], 4 * b * h * (s + r) * d), raw_dtype, (b, h, s + r, d))
         parts = [raw[:, :, :s]]
+        checks.append(mx.isfinite(raw).all())
         if m:
             if n:
-                # (The same float32 scaling of the components as the encoder's references.)
                 synthesis = tb.on_mlx("synthesis")[:n] * mx.array(np.float32(km["step"] * tb.scale))
                 rows = _coefficients(km, seg, b * m).T @ synthesis + tb.on_mlx("mean")
             else:
                 rows = mx.broadcast_to(tb.on_mlx("mean"), (b * m, h * d))
-            block = rows.reshape(b, m, h, d).transpose(0, 2, 1, 3)
+            block = rows.reshape(b, m, h, d)  # token-major
             if kind == "k":
-                block = apply_rope(block, pos[:, :, s : t - r], basis.rotaries[j])
-            parts.append(block.astype(raw.dtype))
+                cos, sin = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
+                block = rotate(block, cos, sin, basis.rotaries[j])
+            checks.append(mx.abs(block).max() < ROUNDS_TO_INFINITY[raw.dtype])
+            block = block.transpose(0, 2, 1, 3)
+            parts.append(block if raw.dtype == mx.float32 else block.astype(raw.dtype))
         parts.append(raw[:, :, s:])
         tensors.append(mx.concatenate(parts, axis=2))
-    return tensors[0], tensors[1]
+    return tensors[0], tensors[1], checks
 
 
 def decode_layers(blobs: Sequence[bytes], basis: Basis) -> list[tuple[mx.array, mx.array]]:
     """Per layer, (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated back."""
-    return [decode_layer(blob, basis) for blob in blobs]
+    memo: dict = {}
+    return [decode_layer(blob, basis, memo) for blob in blobs]
