@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from kvmesh.compat.uvicorn import H11Protocol
 from kvmesh.errors import ConfigError
 
 # Descriptors kept free beyond the connections and one burst of accepts: the store, the model's

@@ -44,6 +44,7 @@ from kvmesh.caches.quality import tail_kl
 from kvmesh.codec.basis import Basis
 from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.prefix import BLOCK_SIZE
+from kvmesh.compat import prompt_cache as compat
 from kvmesh.compression import compress
 from kvmesh.errors import KvmeshError
 from kvmesh.model.fingerprint import ModelFingerprint
@@ -82,7 +83,7 @@ class MemoryTier(LRUPromptCache):
         many tokens it serves: an entry the prompt extends, or one trimmed back to where the prompt
         leaves it (to a block boundary, for an entry of the shared partition `client` did not leave)."""
         query = list(tokens[:-1])
-        found = self._trie.search(partition, query)
+        found = compat.search(self, partition, query)
         if found.exact is not None:
             return found.exact, len(query)
         shorter = (found.shorter, len(found.shorter)) if found.shorter is not None else (None, 0)
@@ -90,7 +91,7 @@ class MemoryTier(LRUPromptCache):
             common = found.common_prefix
             if partition is None and self.owners.get((None, tuple(found.longer))) != client:
                 common = max(common // BLOCK_SIZE * BLOCK_SIZE, self.own_prefix(query, client))
-            entry = self._trie.get(partition, found.longer)
+            entry = compat.entry(self, partition, found.longer)
             if common > shorter[1] and trims_exactly(entry.prompt_cache, len(found.longer) - common):
                 return found.longer, common
         return shorter
@@ -116,13 +117,12 @@ class MemoryTier(LRUPromptCache):
     def copy_of(self, partition: bytes | None, key: list[int], tokens: int) -> list[Any]:
         """A copy of entry `key`'s cache trimmed to its first `tokens` (as `nearest` found it); the
         entry becomes the most recently used."""
-        entry = self._trie.get(partition, key)
+        entry = compat.entry(self, partition, key)
         cache = copy.deepcopy(entry.prompt_cache)
         if trim := len(key) - tokens:  # (recurrent state has no trim: `nearest` asks none of it)
             for layer in cache:
                 layer.trim(trim)
-        self._lru.remove(partition, key)
-        self._lru.push(partition, key, entry.cache_type)
+        compat.touch(self, partition, key, entry.cache_type)
         return cache
 
     def insert_cache(
@@ -142,7 +142,7 @@ class MemoryTier(LRUPromptCache):
 
     def _holds(self, partition: bytes | None, key: tuple[int, ...]) -> bool:
         try:
-            self._trie.get(partition, list(key))
+            compat.entry(self, partition, list(key))
         except KeyError:
             return False
         return True

@@ -22,6 +22,7 @@ import uvicorn
 
 from kvmesh.caches.presses import Press
 from kvmesh.codec.calibration import NothingToCode
+from kvmesh.compat.uvicorn import forget_captured_signals
 from kvmesh.compression import model_basis
 from kvmesh.errors import KvmeshError
 from kvmesh.model.loaded import LoadedModel, context_length, local_model_dir
@@ -241,7 +242,7 @@ class StoppingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         # uvicorn raises the signal again once it has stopped, which kills the process before
         # `serve` removes its state file and stops the engine: a graceful stop exits 0 instead.
-        self._captured_signals.clear()
+        forget_captured_signals(self)
 
 
 def http_server(
