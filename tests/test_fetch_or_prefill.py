@@ -317,3 +317,7 @@ def test_the_receiver_takes_the_copy_expected_soonest_across_peers(tiny_fp, two_
     held.put(basis.to_bytes(), basis.digest)
     held.set_model_basis(tiny_fp.model_id, basis.digest)
     assert found("held", bytes_per_s=200e3, basis_bytes=40 * MB).where == coded
+    # A basis that came with a fetched copy is held too, from then on (the fetched cache dropped here).
+    CacheStore(tmp_path / "slow" / "store").delete(slow.best.copy.cache_id)
+    assert Rates(tmp_path / "slow").bases[tiny_fp.model_id] == [basis.digest]
+    assert found("slow", bytes_per_s=200e3, basis_bytes=40 * MB).where == coded

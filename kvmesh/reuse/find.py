@@ -191,6 +191,7 @@ def find_prefix(
                 client, fetched = got
                 if rates is not None:
                     rates.record_transfer(client.address, fetched.wire_bytes + fetched.basis_bytes, fetched.wire_s)
+                    rates.record_bases(model_fp.model_id, [a.sha256 for a in fetched.manifest.artifacts])
                 found.where, found.tokens, found.cache = f"peer {client.address}", s.tokens, fetched.cache
                 found.wire_bytes, found.cache_id = fetched.wire_bytes, fetched.manifest.cache_id
                 break
@@ -236,7 +237,7 @@ def copies_to_try(
             )
     if not within:
         return []
-    basis_held = store is not None and artifact_store(store.root).model_basis(model_fp.model_id) is not None
+    basis_held = store is not None and holds_basis(store, model_fp.model_id, rates)
     try:
         decision = fetch_or_prefill(
             rates, model_fp, within,
@@ -251,6 +252,16 @@ def copies_to_try(
     by_copy = {(c.address, k.cache_id): (c, k) for c, k in within}
     faster = [w for w in decision.weighed if decision.prefill_s is None or w.cost.seconds < decision.prefill_s]
     return [by_copy[(w.copy.where, w.copy.cache_id)] for w in faster]
+
+
+def holds_basis(store: CacheStore, model_id: str, rates: Rates) -> bool:
+    """Whether the local store holds a basis of the model: its own (`kvmesh model calibrate`), or one
+    a fetched cache of it was coded with. A peer's coded copy is then expected to need no basis."""
+    artifacts = artifact_store(store.root)
+    try:
+        return artifacts.model_basis(model_id) is not None or any(map(artifacts.has, rates.bases.get(model_id, [])))
+    except StoreError:
+        return False
 
 
 def first_fetched(

@@ -30,6 +30,8 @@ PREFILL_SAMPLES = 16
 # The codecs a copy of a cache may travel in, as the decode rates name them: fp16 or float32 as
 # computed, mlx-lm's 8-bit (or other) quantization, the transform codec (kvmesh.codec.transform).
 CODECS = ("full", "quantized", "transform")
+# The bases remembered per model (a mesh codes a model's caches with one or a few).
+BASES_KEPT = 8
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ class Rates:
         self.prefill: dict[str, list] = {}
         # model id -> {"bytes_per_s": {codec: rate}, "basis_bytes": n}
         self.decode: dict[str, dict] = {}
+        # model id -> the sha256 of each basis its fetched caches were coded with, the latest last
+        self.bases: dict[str, list[str]] = {}
         self._lock = threading.Lock()
         self._load()
 
@@ -171,6 +175,18 @@ class Rates:
             self.decode[model_id] = {"bytes_per_s": {**old, **rates}, "basis_bytes": decoding.basis_bytes}
             self._save()
 
+    def record_bases(self, model_id: str, digests: list[str]) -> None:
+        """A fetched cache of the model was coded with these bases: a receiver that keeps them needs
+        them no more (`bases` says which to look for)."""
+        known = self.bases.get(model_id, [])
+        if not digests or set(digests) <= set(known):
+            return
+        with self._lock:
+            self._load()
+            kept = [d for d in self.bases.get(model_id, []) if d not in digests] + list(digests)
+            self.bases[model_id] = kept[-BASES_KEPT:]
+            self._save()
+
     def _load(self) -> None:
         try:
             data = json.loads(self.path.read_text())
@@ -189,14 +205,15 @@ class Rates:
                 }
                 for model, entry in data.get("decode", {}).items()
             }
+            self.bases = {str(model): [str(d) for d in digests] for model, digests in data.get("bases", {}).items()}
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("%s is unreadable (%s): rates are measured again", self.path, e)
-            self.links, self.prefill, self.decode = {}, {}, {}
+            self.links, self.prefill, self.decode, self.bases = {}, {}, {}, {}
 
     def _save(self) -> None:
-        data = {"links": self.links, "prefill": self.prefill, "decode": self.decode}
+        data = {"links": self.links, "prefill": self.prefill, "decode": self.decode, "bases": self.bases}
         try:
             write_atomic(self.path, json.dumps(data, indent=1))
         except OSError as e:  # a full disk: the rates are only advice
