@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from kvmesh.errors import ConfigError
+from kvmesh.model.loaded import load_model
 from kvmesh.serve.engine import Engine
 from kvmesh.serve.http.app import ServedModel, make_app
 from kvmesh.serve.options import ServeOptions
@@ -27,9 +28,31 @@ from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.serve.server import http_server, listen
 from kvmesh.store import CacheStore
 from support.daemons import loopback_daemon, start_server
+from support.http_clients import InProcessServer
 
 SECRET = "The vault code is 48213. Never tell anyone. " * 24  # a long prefix a client must not probe
 QUESTION = [{"role": "user", "content": "Where do rivers go?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_dir):
+    """The tiny model as `kvmesh serve` loads it, once for the module's in-process servers."""
+    return load_model(str(tiny_dir))
+
+
+@pytest.fixture
+def app_server(tiny_dir, tiny_loaded, tmp_path):
+    """app_server(name, **options) -> the server `kvmesh serve TINY --no-mesh` runs, in this process
+    (support.http_clients.InProcessServer), its data dir tmp_path / name; stopped after the test."""
+    started = []
+
+    def start(name: str, **options) -> InProcessServer:
+        started.append(InProcessServer(tiny_dir, tiny_loaded, tmp_path / name, **options))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture
@@ -243,9 +266,9 @@ def test_a_frozen_local_daemon_costs_a_request_its_short_deadline_once(tiny_dir,
 
 
 @pytest.mark.slow
-def test_a_cache_salt_keeps_one_clients_prompt_from_another(tiny_dir, http_server_process, tmp_path):
-    server = http_server_process(tmp_path / "s", tiny_dir, "--no-mesh", "--min-store-tokens", 16)
-    client = client_of(server.url)
+def test_a_cache_salt_keeps_one_clients_prompt_from_another(app_server, tmp_path):
+    server = app_server("s", min_store_tokens=16)
+    client = server.openai()
 
     def cached(salt: str | None, question: str) -> int:
         messages = [{"role": "system", "content": SECRET}, {"role": "user", "content": question}]
@@ -283,12 +306,12 @@ def test_timeouts_and_the_connection_cap_must_be_positive():
 @pytest.mark.skipif(
     not Path("/proc/self/fd").is_dir(), reason="calls from 127.0.0.2, which only Linux answers unconfigured"
 )
-def test_an_unsalted_client_cannot_read_anothers_prompt_a_token_at_a_time(tiny_dir, http_server_process, tmp_path):
+def test_an_unsalted_client_cannot_read_anothers_prompt_a_token_at_a_time(app_server):
     # A client at 127.0.0.1 asks with a secret in its system prompt; another, at 127.0.0.2 and with no
     # cache_salt (the default), guesses its first digit. Before, the right guess came back with one
     # more cached token than the wrong ones (50 requests read 3 of 5 digits).
-    server = http_server_process(tmp_path / "s", tiny_dir, "--no-mesh", "--min-store-tokens", 100_000)
-    owner = client_of(server.url)
+    server = app_server("s", min_store_tokens=100_000)
+    owner = server.openai()
     http = openai.DefaultHttpxClient(transport=httpx2.HTTPTransport(local_address="127.0.0.2"))
     guesser = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120, http_client=http)
 

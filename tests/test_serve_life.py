@@ -20,10 +20,12 @@ from pathlib import Path
 import openai
 import pytest
 
+from kvmesh.model.loaded import load_model
 from kvmesh.serve.engine import Abandoned, Engine, Job, Started
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.serve.state import read_serve_state, serve_states
 from support.daemons import loopback_daemon, start_server
+from support.http_clients import InProcessServer
 from support.processes import ENV, cli
 
 QUESTION = [{"role": "user", "content": "Where do rivers go?"}]
@@ -38,6 +40,28 @@ def serving(tmp_path):
         server = start_server(tmp_path / name, model_dir, *args, log=tmp_path / f"{name}.serve.log", env=env)
         started.append(server)
         return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_dir):
+    """The tiny model as `kvmesh serve` loads it, once for the module's in-process servers."""
+    return load_model(str(tiny_dir))
+
+
+@pytest.fixture
+def app_server(tiny_dir, tiny_loaded, tmp_path):
+    """app_server(name, peers=(), **options) -> the server `kvmesh serve TINY` runs (`--no-mesh`, or
+    `--peer` each of `peers`), in this process (support.http_clients.InProcessServer), its data dir
+    tmp_path / name; stopped after the test. For the tests of the queue, not of the process."""
+    started = []
+
+    def start(name: str, **options) -> InProcessServer:
+        started.append(InProcessServer(tiny_dir, tiny_loaded, tmp_path / name, **options))
+        return started[-1]
 
     yield start
     for server in started:
@@ -245,13 +269,13 @@ def test_one_log_line_per_request(tiny_dir, serving):
 
 
 @pytest.mark.slow
-def test_lookups_hold_no_one_and_past_the_bound_a_429(tiny_dir, tmp_path, serving):
+def test_lookups_hold_no_one_and_past_the_bound_a_429(tmp_path, app_server):
     # Each new prompt asks a frozen peer (SIGSTOP) and waits its idle timeout; meanwhile a request
     # that memory serves is answered at once, and past --max-requests requests get a 429.
     daemon = loopback_daemon(tmp_path / "peer")
     idle = 6.0
-    server = serving("b", tiny_dir, "--peer", daemon.address, "--idle-timeout", idle, "--max-requests", 3)
-    client = client_of(server.url)
+    server = app_server("b", peers=(daemon.address,), idle_timeout=idle, max_requests=3)
+    client = server.openai()
     warm = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3)  # in memory now
     os.kill(daemon.process.pid, signal.SIGSTOP)
     pool = ThreadPoolExecutor(3)
@@ -277,9 +301,9 @@ def test_lookups_hold_no_one_and_past_the_bound_a_429(tiny_dir, tmp_path, servin
 
 
 @pytest.mark.slow
-def test_a_client_that_leaves_mid_stream_frees_its_place(tiny_dir, serving):
-    server = serving("one", tiny_dir, "--no-mesh", "--max-requests", 1)
-    client = client_of(server.url)
+def test_a_client_that_leaves_mid_stream_frees_its_place(app_server):
+    server = app_server("one", max_requests=1)
+    client = server.openai()
     stream = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4000, stream=True)
     next(iter(stream))
     with pytest.raises(openai.RateLimitError):  # its one place is taken

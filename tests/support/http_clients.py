@@ -162,22 +162,27 @@ def timed(call, *args) -> tuple[object, float]:
 
 
 class InProcessServer:
-    """`kvmesh serve MODEL_DIR --no-mesh` as the command builds it (kvmesh.serve.server.build_app:
-    the same app, engine and prompt cache over a store in `data_dir`, the same uvicorn server and
-    connection bounds), served on a thread of this process at a loopback port: real HTTP for the
-    official clients and raw sockets, with no process started and `loaded` (the model of
-    `model_dir`) loaded once by the caller. `options` are ServeOptions' fields (`max_body_bytes=...`
-    for `--max-body-bytes`)."""
+    """`kvmesh --data-dir DATA_DIR serve MODEL_DIR --no-mesh` (or, with `peers`, `--peer ADDRESS`
+    for each) as the command builds it (kvmesh.serve.server.build_app: the same app, engine and
+    prompt cache over the store in `data_dir`, the prefill rates it keeps there with peers, the same
+    uvicorn server and connection bounds), served on a thread of this process at a loopback port:
+    real HTTP for the official clients and raw sockets, with no process started and `loaded` (the
+    model of `model_dir`) loaded once by the caller. `options` are ServeOptions' fields
+    (`max_body_bytes=...` for `--max-body-bytes`)."""
 
-    def __init__(self, model_dir: Path, loaded: "LoadedModel", data_dir: Path, **options: Any):
+    def __init__(
+        self, model_dir: Path, loaded: "LoadedModel", data_dir: Path, *, peers: tuple[str, ...] = (), **options: Any
+    ):
         # (imported here: the raw clients above serve scripts that load neither MLX nor the server)
         from kvmesh.net.addresses import host_port as url_host_port
+        from kvmesh.reuse.rates import Rates
         from kvmesh.serve.options import ServeOptions
         from kvmesh.serve.server import build_app, http_server, listen
         from kvmesh.store import CacheStore
 
-        settings = ServeOptions(model=str(model_dir), **options)
-        self.serving = build_app(settings, loaded, store=CacheStore(data_dir / "store"), peers=[], credentials=None)
+        settings = ServeOptions(model=str(model_dir), peers=peers, **options)
+        store, rates = CacheStore(data_dir / "store"), Rates(data_dir) if peers else None
+        self.serving = build_app(settings, loaded, store=store, peers=list(peers), credentials=None, rates=rates)
         self.engine = self.serving.engine
         self.server, backlog = http_server(self.serving.app, settings)
         # Listening before uvicorn runs: a client's connection waits in the backlog until it does.
