@@ -62,10 +62,13 @@ def _codes(width: int, plane: bytes, count: int) -> mx.array:
 
 
 def _values(codes: mx.array, offsets: mx.array | None) -> mx.array:
-    """Zigzagged codes -> float32 q + offset * sign(q) (offsets broadcast against the codes; None: 0)."""
-    z = codes.astype(mx.int32)
-    q = ((z >> 1) ^ -(z & 1)).astype(mx.float32)
+    """Zigzagged codes (uint8) -> float32 q + offset * sign(q) (offsets broadcast against the codes;
+    None: 0). Un-zigzagged in bytes (a code of at most 255 is a q of -128..127), then cast once."""
+    q = ((codes >> _ONE) ^ (_ZERO - (codes & _ONE))).view(mx.int8).astype(mx.float32)
     return q if offsets is None else q + offsets * mx.sign(q)
+
+
+_ONE, _ZERO = mx.array(np.uint8(1)), mx.array(np.uint8(0))
 
 
 def _escapes(plane: bytes, escapes: bytes, offset: float) -> tuple[np.ndarray, np.ndarray]:
