@@ -56,11 +56,13 @@ def tiny_loaded(tiny_dir):
 def app_server(tiny_dir, tiny_loaded, tmp_path):
     """app_server(name, peers=(), **options) -> the server `kvmesh serve TINY` runs (`--no-mesh`, or
     `--peer` each of `peers`), in this process (support.http_clients.InProcessServer), its data dir
-    tmp_path / name; stopped after the test. For the tests of the queue, not of the process."""
+    tmp_path / name, its log lines in tmp_path / NAME.serve.log; stopped after the test. For the
+    tests of the queue, not of the process."""
     started = []
 
     def start(name: str, **options) -> InProcessServer:
-        started.append(InProcessServer(tiny_dir, tiny_loaded, tmp_path / name, **options))
+        log = tmp_path / f"{name}.serve.log"
+        started.append(InProcessServer(tiny_dir, tiny_loaded, tmp_path / name, log=log, **options))
         return started[-1]
 
     yield start
@@ -316,8 +318,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_place(app_server):
 
 
 @pytest.mark.slow
-def test_four_concurrent_clients_get_the_texts_of_one_at_a_time(tiny_dir, serving):
-    server = serving("many", tiny_dir, "--no-mesh")
+def test_four_concurrent_clients_get_the_texts_of_one_at_a_time(app_server):
+    server = app_server("many")
     prompts = [f"Client {c} asks question {q} about rivers." for c in range(4) for q in range(5)]
 
     def ask(client: openai.OpenAI, prompt: str, stream: bool) -> str:
@@ -371,7 +373,7 @@ def concurrent_answers(url: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_prefixes_from_the_store_and_a_peer_batch_as_one_made_here(tiny, tiny_dir, tiny_fp, tmp_path, serving):
+def test_prefixes_from_the_store_and_a_peer_batch_as_one_made_here(tiny, tiny_fp, tmp_path, app_server):
     from kvmesh.caches.prefill import prefill
     from kvmesh.store import CacheStore
     from support.references import mlx_lm_text
@@ -387,7 +389,7 @@ def test_prefixes_from_the_store_and_a_peer_batch_as_one_made_here(tiny, tiny_di
     expected = [mlx_lm_text(tiny, chat, max_tokens=16) for chat in chats]
 
     # From the store: each request's prefix is the stored cache, and they decode together.
-    server = serving("store", tiny_dir, "--no-mesh")
+    server = app_server("store")
     assert concurrent_answers(server.url) == expected
     server.stop()
     lines = request_lines(server.log)
@@ -397,7 +399,7 @@ def test_prefixes_from_the_store_and_a_peer_batch_as_one_made_here(tiny, tiny_di
     # From a peer, the same.
     daemon = loopback_daemon(tmp_path / "peer")
     try:
-        server = serving("fetched", tiny_dir, "--peer", daemon.address, "--fetch", "always", "--no-store")
+        server = app_server("fetched", peers=(daemon.address,), fetch="always", store=False)
         assert concurrent_answers(server.url) == expected
         server.stop()
     finally:
@@ -408,11 +410,11 @@ def test_prefixes_from_the_store_and_a_peer_batch_as_one_made_here(tiny, tiny_di
 
 
 @pytest.mark.slow
-def test_a_request_that_must_run_alone_holds_no_batchable_one_behind_it(tiny_dir, serving):
+def test_a_request_that_must_run_alone_holds_no_batchable_one_behind_it(app_server):
     # A seeded request runs alone (mlx-lm's random state is one for a whole batch) and long; plain
     # requests that come meanwhile decode in the batch, between its tokens, and end first.
-    server = serving("alone", tiny_dir, "--no-mesh")
-    client = client_of(server.url)
+    server = app_server("alone")
+    client = server.openai()
     ended: list[str] = []
     pool = ThreadPoolExecutor(4)
 

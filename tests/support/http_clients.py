@@ -7,9 +7,11 @@ small request must keep being answered."""
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -168,10 +170,19 @@ class InProcessServer:
     uvicorn server and connection bounds), served on a thread of this process at a loopback port:
     real HTTP for the official clients and raw sockets, with no process started and `loaded` (the
     model of `model_dir`) loaded once by the caller. `options` are ServeOptions' fields
-    (`max_body_bytes=...` for `--max-body-bytes`)."""
+    (`max_body_bytes=...` for `--max-body-bytes`); `store` False: `--no-store`; `log`: where the
+    package's log lines go while it serves, as the command writes them to its stderr."""
 
     def __init__(
-        self, model_dir: Path, loaded: "LoadedModel", data_dir: Path, *, peers: tuple[str, ...] = (), **options: Any
+        self,
+        model_dir: Path,
+        loaded: "LoadedModel",
+        data_dir: Path,
+        *,
+        peers: tuple[str, ...] = (),
+        store: bool = True,
+        log: Path | None = None,
+        **options: Any,
     ):
         # (imported here: the raw clients above serve scripts that load neither MLX nor the server)
         from kvmesh.net.addresses import host_port as url_host_port
@@ -180,9 +191,11 @@ class InProcessServer:
         from kvmesh.serve.server import build_app, http_server, listen
         from kvmesh.store import CacheStore
 
+        self.log = log
+        self._logging = log_to(log) if log is not None else None
         settings = ServeOptions(model=str(model_dir), peers=peers, **options)
-        store, rates = CacheStore(data_dir / "store"), Rates(data_dir) if peers else None
-        self.serving = build_app(settings, loaded, store=store, peers=list(peers), credentials=None, rates=rates)
+        stored, rates = CacheStore(data_dir / "store") if store else None, Rates(data_dir) if peers else None
+        self.serving = build_app(settings, loaded, store=stored, peers=list(peers), credentials=None, rates=rates)
         self.engine = self.serving.engine
         self.server, backlog = http_server(self.serving.app, settings)
         # Listening before uvicorn runs: a client's connection waits in the backlog until it does.
@@ -207,9 +220,32 @@ class InProcessServer:
         )
 
     def stop(self) -> None:
-        """As `kvmesh serve` stops: uvicorn's open requests end, then the engine and the parsing threads."""
+        """As `kvmesh serve` stops: uvicorn's open requests end, then the engine and the parsing
+        threads (once: a test may stop it before its fixture does)."""
+        if self.server.should_exit:
+            return
         self.server.should_exit = True
         self._thread.join(30)
         self.serving.app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
         self.sock.close()
         self.engine.close(timeout=5.0)
+        if self._logging is not None:
+            self._logging()
+
+
+def log_to(path: Path) -> Callable[[], None]:
+    """The package's log lines from INFO up written to `path` as `kvmesh serve` writes them
+    (kvmesh.daemon.logs' text format); returns what undoes it."""
+    package = logging.getLogger("kvmesh")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    level = package.level
+    package.setLevel(logging.INFO)
+    package.addHandler(handler)
+
+    def undo() -> None:
+        package.removeHandler(handler)
+        package.setLevel(level)
+        handler.close()
+
+    return undo
