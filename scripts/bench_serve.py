@@ -23,6 +23,14 @@ question after one long system prompt, against the same N one after another, wit
 prompt's cache made here (memory), in the local store, or on a peer (a daemon's store): a fresh
 server for each run, and the seconds of both and their ratio for each source. `--model real` runs
 it on SmolLM2-135M-Instruct (float32; OpenBLAS preloaded where installed).
+
+    scripts/dev run python scripts/bench_serve.py --blocks 20 [--model real]
+
+instead measures caches by blocks (#30): an agent session of that many turns through one server
+(each turn the last one's history, its answer and a page of tool output), then the bytes its store
+holds against the sum of each turn's whole copy, and the chunk bytes on the wire when a peer that
+holds the second-to-last turn fetches the last one from that store (a real gRPC server over it)
+against the whole cache's.
 """
 
 import argparse
@@ -38,6 +46,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import mlx_lm
 import openai
@@ -282,6 +291,88 @@ def batching(root: Path, model: Path, clients: int, max_tokens: int, system: str
     return rows
 
 
+def blocks(root: Path, model: Path, turns: int, system: str, pages: str) -> dict:
+    """The figures of `--blocks`: an agent session's store bytes, then a follow-up turn's wire bytes."""
+    from kvmesh.codec.compat import ReceiverProfile
+    from kvmesh.codec.decode import CacheDecoder
+    from kvmesh.model.fingerprint import FileHashCache, fingerprint
+    from kvmesh.net.client import PeerClient
+    from kvmesh.net.server import start_server as start_peer
+    from kvmesh.store import CacheStore
+
+    server = start_server(root / "a", model, "--min-store-tokens", 256, "--no-mesh", log=root / "a.serve.log")
+    try:
+        until_ready(server)
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+        messages = [{"role": "system", "content": system}]
+        for t in range(turns):
+            page = pages[t * 600 : (t + 1) * 600]
+            messages.append({"role": "user", "content": f"Step {t}: the tool returned this page.\n{page}"})
+            answer = client.chat.completions.create(model=model.name, messages=messages, max_tokens=8)
+            messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+    finally:
+        server.stop()  # (its store writes are done once it has stopped)
+    store = CacheStore(root / "a" / "store", max_bytes=None)
+    entries = sorted(store.entries(), key=lambda e: e.num_tokens)
+    on_disk = sum(p.stat().st_size for p in store.entries_dir.glob("*.kvc"))
+    figures: dict[str, Any] = {"entries": len(entries), "on_disk": on_disk, "whole": sum(e.file_bytes for e in entries)}
+    # A peer that holds the second-to-last turn fetches the last one from a server over that store.
+    peer = start_peer(store, "bench", "127.0.0.1:0")
+    receiver = CacheStore(root / "b", max_bytes=None)
+    profile = ReceiverProfile(fingerprint(model, FileHashCache(root / "hashes.sqlite3")))
+    try:
+        with PeerClient(f"127.0.0.1:{peer.port}") as peer_client:
+            for entry, held_from in ((entries[-2], None), (entries[-1], receiver)):
+                with peer_client.fetch(entry.cache_id, profile, held_from=held_from) as transfer:
+                    decoder = CacheDecoder(transfer.manifest, {})
+                    receiver.add(transfer.manifest, decoder.feed_iter(transfer.chunks()))
+                    figures["wire"], figures["whole_wire"] = (
+                        transfer.wire_bytes,
+                        transfer.manifest.encoding.encoded_bytes,
+                    )
+        figures["tokens"] = (entries[-2].num_tokens, entries[-1].num_tokens)
+    finally:
+        peer.stop(grace=0)
+    return figures
+
+
+def main_blocks(args: argparse.Namespace) -> int:
+    corpus = resources.files("kvmesh").joinpath("data/corpus.txt").read_text()
+    system = "You are a coding agent. Read the tool output, say what to do next.\n" + corpus[: args.prefix_tokens * 4]
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-blocks-") as tmp:
+        root = Path(tmp)
+        model = bench_model(args, root)
+        if model is None:
+            return 1
+        f = blocks(root, model, args.blocks, system, corpus[args.prefix_tokens * 4 :])
+    print(
+        f"{args.blocks}-turn agent session through serve ({model.name}): the store holds {f['entries']} entries in "
+        f"{f['on_disk']:,} bytes on disk, against {f['whole']:,} as whole copies "
+        f"({f['whole'] / f['on_disk']:.1f}x less)"
+    )
+    held, last = f["tokens"]
+    print(
+        f"a follow-up turn ({last:,} tokens) fetched by a peer that holds the turn before ({held:,} tokens): "
+        f"{f['wire']:,} chunk bytes on the wire, against {f['whole_wire']:,} for the whole cache "
+        f"({f['wire'] / f['whole_wire']:.1%})"
+    )
+    return 0
+
+
+def bench_model(args: argparse.Namespace, root: Path) -> Path | None:
+    """The model `--model` names: the tiny one, built under `root`, or the real one (None, said
+    why, when it is not installed)."""
+    if args.model != "real":
+        return make_test_model(root / "tiny", "tiny")
+    from support.real_model import MISSING, fast_blas, smollm2_dir
+
+    if MISSING:
+        print(MISSING, file=sys.stderr)
+        return None
+    fast_blas()
+    return smollm2_dir()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=3)
@@ -292,10 +383,13 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=6, help="requests of each client in the concurrency row")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the concurrency row's requests")
     parser.add_argument("--batching", type=int, default=0, help="measure only whether caches from elsewhere batch")
-    parser.add_argument("--model", choices=("tiny", "real"), default="tiny", help="--batching's model")
+    parser.add_argument("--model", choices=("tiny", "real"), default="tiny", help="--batching's and --blocks' model")
+    parser.add_argument("--blocks", type=int, default=0, help="measure only caches by blocks, over this many turns")
     args = parser.parse_args()
     if args.batching:
         return main_batching(args)
+    if args.blocks:
+        return main_blocks(args)
     agent = args.workload == "agent"
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp:
         root = Path(tmp)

@@ -25,6 +25,7 @@ from kvmesh.codec.manifest import (
     ITEMSIZE,
     TENSOR_NAMES,
     ChunkSlot,
+    block_rows_for,
     chunk_count,
     chunk_plan,
     leaf_layers,
@@ -155,6 +156,7 @@ def build_manifest(
         node_id=node_id,
         artifacts=coded_artifacts(cache),
     )
+    manifest.encoding.block_rows = block_rows_for(manifest)  # by blocks where they fit (kvmesh.codec.manifest)
     manifest.encoding.chunk_count = chunk_count(manifest)
     if tail_kl is not None:
         manifest.quality.CopyFrom(pb.Quality(metric="tail_kl", value=tail_kl, tokens=QUALITY_TOKENS))

@@ -134,25 +134,73 @@ def rows_per_chunk(row_bytes: int, chunk_size: int) -> int:
     return max(1, chunk_size // row_bytes)
 
 
+# The cache kinds whose rows are one token each, from the first: a block of them is the same bytes
+# in every cache of that prefix. Windows, attention chunks, recurrent state and coded blobs are not.
+BLOCKWISE_KINDS = (pb.CACHE_KIND_SPARSE_KV, pb.CACHE_KIND_SPARSE_QUANTIZED_KV)
+
+
+def whole_entry_reason(manifest: pb.CacheManifest) -> str | None:
+    """Why the cache is stored and sent whole rather than by blocks (None: it goes by blocks).
+
+    Blocks fit per-token KV layers that kept every position (full attention, any float dtype, or
+    quantized); a layer of another kind (a sliding window, recurrent state, a transform-coded
+    blob) or one that evicted tokens keeps the whole-entry layout."""
+    for i, layer in leaf_layers(manifest.layers):
+        if layer.kind not in BLOCKWISE_KINDS:
+            return f"layer {i} is {kind_name(layer.kind)}, whose state is not one row per token"
+        if layer.n_kept != layer.offset:
+            return f"layer {i} evicted tokens"
+    return None
+
+
+def storage_text(manifest: pb.CacheManifest) -> str:
+    """How the cache is stored and sent, for people (`kvmesh cache show`): by blocks, or whole and why."""
+    if manifest.encoding.block_rows:
+        return f"by blocks of {manifest.encoding.block_rows} tokens (shared prefixes stored and sent once)"
+    why = whole_entry_reason(manifest) or "made before caches went by blocks"
+    return f"whole ({why})"
+
+
+def block_rows_for(manifest: pb.CacheManifest) -> int:
+    """The Encoding.block_rows a new cache of this manifest gets: its block size when it goes by
+    blocks (`whole_entry_reason`), else 0."""
+    return 0 if whole_entry_reason(manifest) else manifest.prefix.block_size
+
+
+def block_chunk_rows(block: int, most: int) -> int:
+    """Rows per chunk of a blockwise tensor that takes at most `most` rows a chunk: one block, or
+    the largest part of one that divides it (a block larger than a chunk travels in equal parts)."""
+    return block if most >= block else max(d for d in range(1, most + 1) if block % d == 0)
+
+
+def _rows_of_chunks(manifest: pb.CacheManifest) -> list[tuple[pb.TensorSpec, int]]:
+    """Each tensor and the rows each of its chunks holds (the last one fewer): as many as the chunk
+    size takes, or for a blockwise cache's tensors whole blocks (`block_chunk_rows`)."""
+    block = manifest.encoding.block_rows
+    found = []
+    for _, layer in leaf_layers(manifest.layers):
+        for t in layer.tensors:
+            if not t.shape[0]:
+                found.append((t, 0))
+                continue
+            rows = rows_per_chunk(t.nbytes // t.shape[0], manifest.encoding.chunk_size)
+            found.append((t, block_chunk_rows(block, rows) if block and layer.kind in BLOCKWISE_KINDS else rows))
+    return found
+
+
 def chunk_count(manifest: pb.CacheManifest) -> int:
     """How many chunks the manifest's tensors make, without building the plan."""
-    total = 0
-    for t in tensor_specs(manifest):
-        if t.shape[0]:
-            rows = rows_per_chunk(t.nbytes // t.shape[0], manifest.encoding.chunk_size)
-            total += -(-t.shape[0] // rows)
-    return total
+    return sum(-(-t.shape[0] // rows) for t, rows in _rows_of_chunks(manifest) if rows)
 
 
 def chunk_plan(manifest: pb.CacheManifest) -> list[ChunkSlot]:
     """The payload's chunks in order; sender and receiver both derive it from the manifest."""
     plan = []
-    for i, t in enumerate(tensor_specs(manifest)):
+    for i, (t, rows) in enumerate(_rows_of_chunks(manifest)):
         n = t.shape[0]
         if not n:
             continue
         row_bytes = t.nbytes // n
-        rows = rows_per_chunk(row_bytes, manifest.encoding.chunk_size)
         for r0 in range(0, n, rows):
             plan.append(ChunkSlot(i, r0 * row_bytes, min(rows, n - r0) * row_bytes, row_bytes))
     return plan
@@ -165,6 +213,7 @@ def content_id(manifest: pb.CacheManifest) -> str:
     stable.ClearField("cache_id")
     stable.ClearField("created_unix_ms")
     stable.ClearField("node_id")
+    stable.ClearField("held")
     return hashlib.sha256(stable.SerializeToString(deterministic=True)).hexdigest()[:32]
 
 

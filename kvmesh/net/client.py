@@ -6,6 +6,7 @@ trailer checked after the last. The client keeps nothing: whoever decodes the ch
 each one as it does) stores them, `kvmesh.generation.fetch_cache`. So the network needs no MLX.
 """
 
+import functools
 import logging
 import queue
 import time
@@ -24,6 +25,7 @@ from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError,
 from kvmesh.net.addresses import peer_address
 from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.flow import IdleWatch
+from kvmesh.net.held import held_indices, held_tokens, local_chunks
 from kvmesh.net.messages import (
     accept,
     check_trailer,
@@ -97,6 +99,8 @@ class Transfer:
         self.manifest = pb.CacheManifest()
         # Chunk bytes received so far (frame headers not counted).
         self.wire_bytes = 0
+        # The chunks the receiver holds, which do not travel (CacheManifest.held), by index.
+        self.held: dict[int, Chunk] = {}
         self._client, self._call, self._outbox = client, call, outbox
         self._stream = iter(call)
         self._progress = progress
@@ -151,6 +155,11 @@ class Transfer:
 
     def refuse(self, rejection: Rejection) -> NoReturn:
         """Tell the peer no (it sends no chunk), then raise CacheRejected."""
+        self.decline(rejection)
+        raise CacheRejected(rejection)
+
+    def decline(self, rejection: Rejection) -> None:
+        """Tell the peer no (it sends no chunk) and wait for it to end the call."""
         self._outbox.put(spb.FetchRequest(decision=reject(rejection)))
         self._outbox.put(None)
         try:
@@ -158,7 +167,7 @@ class Transfer:
                 pass
         except grpc.RpcError:
             pass  # it went away instead: refused all the same
-        raise CacheRejected(rejection)
+        self.close()
 
     def chunks(self) -> Iterator[Chunk]:
         """Accept the cache, then its chunks as they arrive, parsed from their frames (their bytes
@@ -170,6 +179,9 @@ class Transfer:
         self._watchdog.allow(TIMEOUTS.transfer_deadline(encoding.encoded_bytes) if left is None else left)
         self._watchdog.measure_rate(TIMEOUTS.min_receive_rate, rate_window(encoding.chunk_size))
         for i in range(encoding.chunk_count):
+            if (own := self.held.get(i)) is not None:  # held here: it did not travel
+                yield own
+                continue
             frame = self._next(f"chunk {i} of {encoding.chunk_count}")
             self.wire_bytes += len(frame) - FRAME_HEADER.size
             if self._progress:
@@ -276,9 +288,15 @@ class PeerClient:
         progress: Progress | None = None,
         idle_timeout: float = TIMEOUTS.stream_idle,
         deadline: float | None = None,
+        held_from: CacheStore | None = None,
     ) -> Transfer:
         """Open a fetch of a cache (or of a block-aligned prefix of a dense one, `num_tokens`): the
         Transfer, once its manifest arrived and fits `profile`; its `chunks()` accept and bring them.
+
+        With `held_from` (the receiver's store), a blockwise cache whose first blocks that store
+        holds already is asked for again without them (kvmesh.net.held): those chunks come from the
+        store, checked equal to the sender's, and only the rest travel (`wire_bytes`); a store whose
+        copy differs gets the whole cache.
 
         A peer that sends nothing for `idle_timeout` seconds is abandoned, and so is a transfer
         longer than `deadline` (default: Timeouts.transfer_deadline of its bytes). Raises
@@ -286,6 +304,46 @@ class PeerClient:
         then), PeerError when the peer fails or stalls; the Transfer's chunks raise PeerError and
         IntegrityError likewise.
         """
+        open_fetch = functools.partial(
+            self._open_fetch, cache_id, profile, num_tokens, progress=progress, idle_timeout=idle_timeout
+        )
+        transfer = open_fetch(0, deadline=deadline)
+        if held_from is None or (held := held_tokens(held_from, transfer.manifest)) is None:
+            return transfer
+        local_id, tokens = held
+        transfer.decline(Rejection(pb.REJECT_REASON_PREFIX, f"holds its first {tokens} tokens: asks for the rest"))
+        transfer = open_fetch(tokens, deadline=deadline)
+        if not transfer.manifest.HasField("held"):
+            return transfer  # (a peer that leaves nothing out)
+        own = self._own_chunks(held_from, local_id, transfer.manifest, tokens)
+        if isinstance(own, dict):
+            transfer.held = own
+            return transfer
+        log.info("%s: %s; fetching the whole cache", self.address, own.message)
+        transfer.decline(own)
+        return open_fetch(0, deadline=deadline)
+
+    @staticmethod
+    def _own_chunks(
+        store: CacheStore, cache_id: str, manifest: pb.CacheManifest, asked: int
+    ) -> dict[int, Chunk] | Rejection:
+        """The receiver's chunks for those the sender left out, or why they will not do."""
+        held = manifest.held
+        if held.num_tokens != asked or list(held.chunk_indices) != held_indices(manifest, asked):
+            return Rejection(pb.REJECT_REASON_MALFORMED, f"left out other chunks than those of {asked} tokens")
+        return local_chunks(store, cache_id, manifest)
+
+    def _open_fetch(
+        self,
+        cache_id: str,
+        profile: ReceiverProfile,
+        num_tokens: int,
+        held_tokens: int,
+        *,
+        progress: Progress | None,
+        idle_timeout: float,
+        deadline: float | None = None,
+    ) -> Transfer:
         outbox: queue.Queue = queue.Queue()
 
         def requests() -> Iterator[spb.FetchRequest]:
@@ -299,6 +357,7 @@ class PeerClient:
                     num_tokens=num_tokens,
                     profile=profile_to_proto(profile),
                     protocol_version=PROTOCOL_VERSION,
+                    held_tokens=held_tokens,
                 )
             )
         )

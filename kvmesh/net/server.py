@@ -31,6 +31,7 @@ from kvmesh.errors import IntegrityError, NotFoundError, Rejection, StoreError
 from kvmesh.net.flow import IdleWatch, read_within
 from kvmesh.net.guard import Guard, caller
 from kvmesh.net.guard import limits as guard_limits
+from kvmesh.net.held import leave_out
 from kvmesh.net.listening import bind, connections_allowed
 from kvmesh.net.messages import accept, check_trailer, older_protocol, profile_from_proto, reject, trailer
 from kvmesh.net.node_id import host_name
@@ -284,7 +285,8 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         self, opened: spb.FetchOpen, context: grpc.ServicerContext
     ) -> tuple[pb.CacheManifest, Iterator[bytes]] | Rejection:
         """The manifest of what was asked for (the cache, or a prefix cut from it) and its chunk records,
-        or why that prefix cannot be served.
+        or why that prefix cannot be served. A receiver that holds the first `held_tokens` of a
+        blockwise cache is sent the other chunks only (`kvmesh.net.held.leave_out`).
 
         Reading the records starts only when the receiver has accepted.
         """
@@ -294,12 +296,19 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             if not self.policy.shares(manifest.model.model_id):
                 raise NotFoundError(f"no cache {cache_id} in the store")  # unshared looks absent
             if not opened.num_tokens or opened.num_tokens == manifest.prefix.num_tokens:
-                return manifest, self.store.chunk_records(cache_id)
+                return leave_out(manifest, lambda: self.store.chunk_records(cache_id), opened.held_tokens)
             if why := can_cut(manifest, opened.num_tokens):
                 return Rejection(
                     pb.REJECT_REASON_PREFIX, f"cache {cache_id} cannot serve a {opened.num_tokens}-token prefix: {why}"
                 )
-            return cut_prefix(manifest, lambda: self.store.chunk_records(cache_id), opened.num_tokens)
+            cut, records = cut_prefix(manifest, lambda: self.store.chunk_records(cache_id), opened.num_tokens)
+            if not opened.held_tokens:
+                return cut, records
+            return leave_out(
+                cut,
+                lambda: cut_prefix(manifest, lambda: self.store.chunk_records(cache_id), opened.num_tokens)[1],
+                opened.held_tokens,
+            )
         except NotFoundError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (StoreError, IntegrityError) as e:

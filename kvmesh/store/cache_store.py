@@ -23,8 +23,10 @@ import shutil
 import sqlite3
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from kvmesh import paths
 from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, parse_frame
@@ -32,9 +34,9 @@ from kvmesh.codec.compat import validate_manifest
 from kvmesh.codec.manifest import content_id, uncuttable_reason
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
-from kvmesh.store import entry_file, eviction, matching, recovery
+from kvmesh.store import blocks, entry_file, eviction, matching, recovery
 from kvmesh.store.budget import AUTO_BUDGET, resolve_budget
-from kvmesh.store.index import INDEX, Index, StoredEntry
+from kvmesh.store.index import INDEX, Index, StoredEntry, Written
 from kvmesh.store.layout import Layout, verified_manifest
 from kvmesh.store.matching import PrefixMatch
 from kvmesh.v1 import cache_pb2 as pb
@@ -162,16 +164,28 @@ class CacheStore:
         return None
 
     def _write(self, manifest: pb.CacheManifest, chunks: Iterable[Chunk]) -> pb.CacheManifest:
+        """Write an entry: staged, synced, renamed and indexed in one transaction, then the budget
+        kept. A blockwise cache's blocks that another entry holds become references to it
+        (`kvmesh.store.blocks`), pinned from the first chunk until the index commits."""
         self._refuse_writes()
+        manifest.ClearField("held")  # (what one transfer left out: the entry holds every chunk)
         try:
             tmp, f = self.layout.staging_file()
         except OSError as e:
             raise StoreError(f"cannot write to the store at {self.root}: {e.strerror or e}") from e
+        keys = blocks.piece_keys(manifest)
+        try:
+            found = self.index.pin(tmp.name, sorted(set(keys.values())))
+        except sqlite3.Error as e:
+            f.close()
+            tmp.unlink(missing_ok=True)
+            raise StoreError(f"cannot update the store index at {self.root}: {e}") from e
+        writer = blocks.BlockWriter(keys, found)
         try:
             with f:
-                entry_file.write_header(f)
+                entry_file.write_header(f, blocks=bool(found))
                 for chunk in chunks:
-                    entry_file.write_chunk(f, chunk)
+                    writer.write(f, chunk)
                 # The encoder fills in sizes and digest as the last chunk goes out: id it now.
                 manifest.cache_id = content_id(manifest)
                 entry_file.write_footer(f, manifest)
@@ -183,15 +197,14 @@ class CacheStore:
                         f"the cache takes {file_bytes:,} bytes, more than the store's budget of {self.max_bytes:,}"
                     )
                 path = self.layout.path(manifest.cache_id)
-                try:
-                    self.index.add_file(manifest, path, source=tmp)
-                except StoreError:
-                    path.unlink(missing_ok=True)
-                    raise
+                written = Written(tmp.name, writer.refs, writer.referred, writer.new)
+                self.index.add_file(manifest, path, source=tmp, written=written)
         except OSError as e:
             raise StoreError(f"cannot write to the store at {self.root}: {e.strerror or e}") from e
         finally:
             tmp.unlink(missing_ok=True)
+            if found:
+                self.index.unpin(tmp.name)  # (released with the rows when it was indexed)
         eviction.evict(self.layout, self.index, self.max_bytes, keep=manifest.cache_id)
         return manifest
 
@@ -264,14 +277,25 @@ class CacheStore:
         manifest = self.manifest(cache_id)
         path = self.layout.path(cache_id)
         try:
-            with open(path, "rb") as f:
-                yield from entry_file.read_records(f, manifest, source=f"cache {cache_id}")
+            with open(path, "rb") as f, ExitStack() as opened:
+                yield from entry_file.read_records(f, manifest, f"cache {cache_id}", self._segments(opened))
         except FileNotFoundError:
             raise NotFoundError(f"no cache {cache_id} in the store") from None
         except IntegrityError as e:
             self._quarantine(path, str(e))
             raise
         self.touch(cache_id)
+
+    def _segments(self, opened: ExitStack) -> entry_file.Segments:
+        """Opens the entry files a blockwise entry refers to, each once, closed with `opened`."""
+        files: dict[str, BinaryIO] = {}
+
+        def segment(cache_id: str) -> BinaryIO:
+            if cache_id not in files:
+                files[cache_id] = opened.enter_context(open(self.layout.path(cache_id), "rb"))  # noqa: SIM115
+            return files[cache_id]
+
+        return segment
 
     def verify(self, cache_id: str) -> None:
         """Check every chunk of an entry (decoded and checksummed) and its payload digest.

@@ -14,14 +14,37 @@ from kvmesh.store.layout import Layout
 log = logging.getLogger(__name__)
 
 
+# Entry files no entry lists, no other file refers to and no writer has pinned: nothing needs them.
+UNUSED_SQL = """
+    SELECT cache_id, file_bytes FROM segments WHERE cache_id NOT IN (SELECT cache_id FROM entries)
+    AND cache_id NOT IN (SELECT segment FROM refs) AND cache_id NOT IN (SELECT segment FROM pins)"""
+
+
 def remove(layout: Layout, index: Index, db: sqlite3.Connection, cache_id: str) -> bool:
-    """In `db`'s write transaction: an entry's rows and file; True when it had either."""
+    """In `db`'s write transaction: an entry's rows, and its file unless others refer to its blocks
+    (it goes once they no longer do: `collect`); True when it had either."""
     found = index.unindex(db, cache_id)
-    try:
-        layout.path(cache_id).unlink()
-    except FileNotFoundError:
-        return found
+    known = db.execute("SELECT 1 FROM segments WHERE cache_id = ?", (cache_id,)).fetchone() is not None
+    if not known:  # (a file the index never knew as a segment)
+        try:
+            layout.path(cache_id).unlink()
+        except FileNotFoundError:
+            return found
+        return True
+    collect(layout, index, db)
     return True
+
+
+def collect(layout: Layout, index: Index, db: sqlite3.Connection) -> int:
+    """In `db`'s write transaction: delete the entry files nothing needs any more (`UNUSED_SQL`),
+    then those only they referred to, and so on; the bytes freed."""
+    freed = 0
+    while unused := db.execute(UNUSED_SQL).fetchall():
+        for cache_id, size in unused:
+            index.drop_segment(db, cache_id)
+            layout.path(cache_id).unlink(missing_ok=True)
+            freed += size
+    return freed
 
 
 def evict(layout: Layout, index: Index, max_bytes: int | None, *, keep: str = "") -> None:
@@ -37,14 +60,16 @@ def evict(layout: Layout, index: Index, max_bytes: int | None, *, keep: str = ""
             rows = db.execute(
                 "SELECT cache_id, file_bytes FROM entries ORDER BY last_used_ms DESC, created_ms DESC"
             ).fetchall()
-            total = sum(size for _, size in rows)
+            # Each file once: an entry whose blocks others share frees only what is its own.
+            total = db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM segments").fetchone()[0]
+            total -= collect(layout, index, db)
             for cache_id, size in reversed(rows):
                 if total <= max_bytes:
                     break
                 if cache_id != keep:
-                    remove(layout, index, db, cache_id)
+                    index.unindex(db, cache_id)
                     evicted.append((cache_id, size))
-                    total -= size
+                    total -= collect(layout, index, db)
     except (sqlite3.Error, OSError) as e:
         log.warning(
             "could not evict to keep the store within %s bytes%s: %s",

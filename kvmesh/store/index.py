@@ -14,20 +14,22 @@ import time
 import uuid
 from collections.abc import Sequence
 from contextlib import closing, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
 from kvmesh.codec.manifest import cuttable, lossy, measured_loss
 from kvmesh.errors import StoreError
+from kvmesh.store.blocks import Piece
 from kvmesh.v1 import cache_pb2 as pb
 
 log = logging.getLogger(__name__)
 # Raised whenever the index's tables change, or what a column is derived from; an index of another
 # version is rebuilt from the files (5: `lossy` reads quantized layers, not only the method, so
 # entries of bits alone recorded as `full` lose their lossless mark; 6: transform-coded entries are
-# `cuttable`, their shorter prefixes re-coded by kvmesh.codec.cut).
-INDEX_VERSION = 6
+# `cuttable`, their shorter prefixes re-coded by kvmesh.codec.cut; 7: entry files are segments whose
+# blocks others refer to, kvmesh.store.blocks).
+INDEX_VERSION = 7
 INDEX = "index.sqlite3"
 
 
@@ -69,7 +71,31 @@ SCHEMA_SQL = """
     CREATE TABLE IF NOT EXISTS blocks (
         cache_id TEXT NOT NULL, idx INTEGER NOT NULL, hash BLOB NOT NULL, PRIMARY KEY (cache_id, idx));
     CREATE INDEX IF NOT EXISTS blocks_hash ON blocks (hash);
+    CREATE TABLE IF NOT EXISTS segments (cache_id TEXT PRIMARY KEY, file_bytes INTEGER NOT NULL);
+    CREATE TABLE IF NOT EXISTS refs (cache_id TEXT NOT NULL, segment TEXT NOT NULL, PRIMARY KEY (cache_id, segment));
+    CREATE INDEX IF NOT EXISTS refs_segment ON refs (segment);
+    CREATE TABLE IF NOT EXISTS pieces (
+        key BLOB PRIMARY KEY, segment TEXT NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL,
+        digest INTEGER NOT NULL);
+    CREATE INDEX IF NOT EXISTS pieces_segment ON pieces (segment);
+    CREATE TABLE IF NOT EXISTS pins (writer TEXT NOT NULL, segment TEXT NOT NULL);
 """
+TABLES = ("entries", "blocks", "segments", "refs", "pieces", "pins")
+
+
+SEGMENT_SQL = "SELECT 1 FROM segments WHERE cache_id = ?"
+TOUCH_SQL = "UPDATE entries SET last_used_ms = ? WHERE cache_id = ?"
+
+
+@dataclass
+class Written:
+    """What a writer wrote of blocks (kvmesh.store.blocks.BlockWriter): the entries it refers to,
+    the data bytes those references stand for, and the pieces it holds (key, offset, length, digest)."""
+
+    writer: str = ""
+    refs: set[str] = field(default_factory=set)
+    referred: int = 0
+    pieces: list[tuple[bytes, int, int, int]] = field(default_factory=list)
 
 
 class Transaction:
@@ -129,7 +155,7 @@ class Index:
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version != INDEX_VERSION:
                 # Another version's index: forget it; recovery indexes the entry files this one reads.
-                db.executescript("DROP TABLE IF EXISTS entries; DROP TABLE IF EXISTS blocks;")
+                db.executescript("".join(f"DROP TABLE IF EXISTS {table};" for table in TABLES))
                 db.execute(f"PRAGMA user_version = {INDEX_VERSION}")
             db.executescript(SCHEMA_SQL)
             if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
@@ -181,8 +207,9 @@ class Index:
         return nullcontext(self.connection())
 
     def ids(self) -> set[str]:
+        """The entry files the index knows: entries, and those kept only for the blocks others use."""
         with self.read() as db:
-            return {row[0] for row in db.execute("SELECT cache_id FROM entries")}
+            return {row[0] for row in db.execute("SELECT cache_id FROM entries UNION SELECT cache_id FROM segments")}
 
     def select(self, clause: str, args: tuple = ()) -> list[StoredEntry]:
         with self.read() as db:
@@ -224,25 +251,99 @@ class Index:
         )
 
     def add_file(
-        self, manifest: pb.CacheManifest, path: Path, *, source: Path | None = None, only_new: bool = False
+        self,
+        manifest: pb.CacheManifest,
+        path: Path,
+        *,
+        source: Path | None = None,
+        only_new: bool = False,
+        written: Written | None = None,
     ) -> bool:
         """Index the entry file at `path`, first renaming `source` there; True when it was indexed.
 
         The rename and the rows are one write transaction: another process's eviction (rows and
         file, also one) comes wholly before or after, never between. `only_new` (recovery) indexes
         a file only while it still exists and has no row: another process may have evicted or
-        indexed it since it was listed.
+        indexed it since it was listed. `written`: what its writer referred to and wrote of blocks
+        (its pins are released with it).
         """
+        written = written or Written()
+        renamed = False
         try:
             with self.write() as db:
+                held = [s for s in written.refs if db.execute(SEGMENT_SQL, (s,)).fetchone()]
+                if source is not None and (gone := sorted(written.refs - set(held))):
+                    raise StoreError(
+                        f"the store lost the entry {gone[0]} whose blocks this cache shares: store it again"
+                    )
+                if source is not None and db.execute(SEGMENT_SQL, (manifest.cache_id,)).fetchone() and path.is_file():
+                    # Held already (as an entry, or for blocks others use): the file others refer to stays.
+                    if not self.has(db, manifest.cache_id):
+                        self.insert(db, manifest, path.stat().st_size + written.referred)
+                    db.execute(TOUCH_SQL, (now_ms(), manifest.cache_id))
+                    db.execute("DELETE FROM pins WHERE writer = ?", (written.writer,))
+                    return True
                 if source is not None:
                     os.replace(source, path)
+                    renamed = True
                 elif only_new and (not path.is_file() or self.has(db, manifest.cache_id)):
                     return False
-                self.insert(db, manifest, path.stat().st_size)
-        except sqlite3.Error as e:
+                physical = path.stat().st_size
+                self.insert(db, manifest, physical + written.referred)
+                self.drop_segment(db, manifest.cache_id)
+                db.execute("INSERT INTO segments VALUES (?, ?)", (manifest.cache_id, physical))
+                db.executemany("INSERT INTO refs VALUES (?, ?)", [(manifest.cache_id, s) for s in written.refs])
+                db.executemany(
+                    "INSERT OR IGNORE INTO pieces VALUES (?, ?, ?, ?, ?)",
+                    [(key, manifest.cache_id, *place) for key, *place in written.pieces],
+                )
+                db.execute("DELETE FROM pins WHERE writer = ?", (written.writer,))
+        except (sqlite3.Error, OSError) as e:
+            if renamed:  # the rows were rolled back: the file must not stay unindexed
+                path.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise
             raise StoreError(f"cannot update the store index at {self.root}: {e}") from e
         return True
+
+    def pin(self, writer: str, keys: Sequence[bytes]) -> dict[bytes, Piece]:
+        """The pieces of these keys the store holds, their files pinned for `writer` (eviction
+        leaves them until its entry is indexed or recovery finds the writer gone)."""
+        found: dict[bytes, Piece] = {}
+        if not keys:
+            return found
+        with self.write() as db:
+            for start in range(0, len(keys), 500):
+                part = keys[start : start + 500]
+                rows = db.execute(
+                    "SELECT key, segment, offset, length, digest FROM pieces "
+                    f"WHERE key IN ({','.join('?' * len(part))})",
+                    tuple(part),
+                )
+                found.update({key: Piece(*place) for key, *place in rows})
+            db.executemany("INSERT INTO pins VALUES (?, ?)", [(writer, s) for s in {p.segment for p in found.values()}])
+        return found
+
+    def release_pins(self, alive: set[str]) -> None:
+        """Release the pins of writers that are gone (`alive`: the staging files left, by name)."""
+        with self.write() as db:
+            writers = {row[0] for row in db.execute("SELECT DISTINCT writer FROM pins")}
+            db.executemany("DELETE FROM pins WHERE writer = ?", [(w,) for w in writers - alive])
+
+    def unpin(self, writer: str) -> None:
+        """Release a writer's pins (its write failed); best effort, as recovery releases them too."""
+        try:
+            with self.write() as db:
+                db.execute("DELETE FROM pins WHERE writer = ?", (writer,))
+        except sqlite3.Error as e:
+            log.debug("could not release the pins of %s: %s", writer, e)
+
+    @staticmethod
+    def drop_segment(db: sqlite3.Connection, cache_id: str) -> None:
+        """Forget an entry file as a segment: its size, what it refers to, the pieces it holds."""
+        db.execute("DELETE FROM segments WHERE cache_id = ?", (cache_id,))
+        db.execute("DELETE FROM refs WHERE cache_id = ?", (cache_id,))
+        db.execute("DELETE FROM pieces WHERE segment = ?", (cache_id,))
 
     @staticmethod
     def unindex(db: sqlite3.Connection, cache_id: str) -> bool:
@@ -255,13 +356,13 @@ class Index:
         """Record a use (for LRU eviction); skipped, not failed, when the disk is full."""
         try:
             with self.write() as db:
-                db.execute("UPDATE entries SET last_used_ms = ? WHERE cache_id = ?", (now_ms(), cache_id))
+                db.execute(TOUCH_SQL, (now_ms(), cache_id))
         except sqlite3.Error as e:
             log.debug("could not record a use of %s: %s", cache_id, e)
 
     def total_bytes(self) -> int:
         with self.read() as db:
-            return db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM entries").fetchone()[0]
+            return db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM segments").fetchone()[0]
 
     def blocks_matched(self, model_id: str, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each entry of the model: how many leading blocks it shares with these hashes.

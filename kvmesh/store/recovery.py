@@ -13,7 +13,8 @@ import sqlite3
 from pathlib import Path
 
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
-from kvmesh.store.index import Index, now_ms
+from kvmesh.store import entry_file
+from kvmesh.store.index import Index, Written, now_ms
 from kvmesh.store.layout import LEGACY_STAGING, Layout, abandoned, remove_if_abandoned, verified_manifest
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def recover(layout: Layout, index: Index) -> None:
             remove_if_abandoned(leftover)
     indexed = index.ids()
     try:
+        index.release_pins({p.name for p in layout.incoming_dir.iterdir()} if layout.incoming_dir.is_dir() else set())
         on_disk = layout.entry_files()
         forget_missing(layout, index, indexed, on_disk)
         index_unindexed(layout, index, indexed, on_disk, writable=True)
@@ -54,6 +56,7 @@ def forget_missing(layout: Layout, index: Index, indexed: set[str], on_disk: dic
         for cache_id in missing:
             if not layout.path(cache_id).exists():  # (a link there to nothing stays: not ours)
                 forgotten += index.unindex(db, cache_id)
+                index.drop_segment(db, cache_id)
     if forgotten:
         log.warning("forgot %d index entries whose files are gone", forgotten)
 
@@ -73,7 +76,12 @@ def index_unindexed(
         except (IntegrityError, StoreError) as e:
             quarantine(layout, index, path, str(e), writable=writable)
             continue
-        added += index.add_file(manifest, path, only_new=True)
+        try:
+            with open(path, "rb") as f:  # what it refers to must be known before anything is evicted
+                refs = entry_file.references(f, manifest)
+        except OSError:
+            continue
+        added += index.add_file(manifest, path, only_new=True, written=Written(refs=refs))
     if added:
         log.info("indexed %d entry files the index lacked", added)
 
@@ -92,6 +100,7 @@ def quarantine(layout: Layout, index: Index, path: Path, problem: str, *, writab
     try:
         with index.write() as db:
             index.unindex(db, cache_id)
+            index.drop_segment(db, cache_id)
     except sqlite3.Error as e:
         log.error("cannot unindex %s: %s", cache_id, e)
     if not writable:

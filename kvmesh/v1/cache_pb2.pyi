@@ -219,7 +219,7 @@ class Quality(_message.Message):
     def __init__(self, metric: _Optional[str] = ..., value: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Encoding(_message.Message):
-    __slots__ = ("codec", "level", "byte_shuffle", "chunk_size", "chunk_count", "raw_bytes", "encoded_bytes", "digest_algorithm", "payload_digest")
+    __slots__ = ("codec", "level", "byte_shuffle", "chunk_size", "chunk_count", "raw_bytes", "encoded_bytes", "digest_algorithm", "payload_digest", "block_rows")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     BYTE_SHUFFLE_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class Encoding(_message.Message):
     ENCODED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ROWS_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     level: int
     byte_shuffle: bool
@@ -238,10 +239,23 @@ class Encoding(_message.Message):
     encoded_bytes: int
     digest_algorithm: DigestAlgorithm
     payload_digest: bytes
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., level: _Optional[int] = ..., byte_shuffle: _Optional[bool] = ..., chunk_size: _Optional[int] = ..., chunk_count: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., payload_digest: _Optional[bytes] = ...) -> None: ...
+    block_rows: int
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., level: _Optional[int] = ..., byte_shuffle: _Optional[bool] = ..., chunk_size: _Optional[int] = ..., chunk_count: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., payload_digest: _Optional[bytes] = ..., block_rows: _Optional[int] = ...) -> None: ...
+
+class HeldPrefix(_message.Message):
+    __slots__ = ("num_tokens", "chunk_indices", "raw_lengths", "checksums")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    RAW_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    chunk_indices: _containers.RepeatedScalarFieldContainer[int]
+    raw_lengths: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_tokens: _Optional[int] = ..., chunk_indices: _Optional[_Iterable[int]] = ..., raw_lengths: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CacheManifest(_message.Message):
-    __slots__ = ("schema_version", "cache_id", "model", "prefix", "num_layers", "num_kv_heads", "head_dim", "dtype", "layers", "compression", "encoding", "created_unix_ms", "node_id", "quality", "artifacts")
+    __slots__ = ("schema_version", "cache_id", "model", "prefix", "num_layers", "num_kv_heads", "head_dim", "dtype", "layers", "compression", "encoding", "created_unix_ms", "node_id", "quality", "artifacts", "held")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +271,7 @@ class CacheManifest(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     cache_id: str
     model: _model_pb2.ModelFingerprint
@@ -272,7 +287,8 @@ class CacheManifest(_message.Message):
     node_id: str
     quality: Quality
     artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
-    def __init__(self, schema_version: _Optional[int] = ..., cache_id: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., prefix: _Optional[_Union[Prefix, _Mapping]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., quality: _Optional[_Union[Quality, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ...) -> None: ...
+    held: HeldPrefix
+    def __init__(self, schema_version: _Optional[int] = ..., cache_id: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., prefix: _Optional[_Union[Prefix, _Mapping]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_model_pb2.DType, str]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., encoding: _Optional[_Union[Encoding, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., quality: _Optional[_Union[Quality, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., held: _Optional[_Union[HeldPrefix, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "tensor", "byte_offset", "raw_length", "checksum", "data")

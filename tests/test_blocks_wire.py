@@ -1,0 +1,61 @@
+"""A peer that holds the first blocks of a cache is sent only the rest (#30), over the real gRPC
+server and client: the manifest says which chunks stay home, the receiver checks its own equal
+them before it accepts, and what it decodes is the sender's cache exactly."""
+
+import pytest
+
+from kvmesh.caches.prefill import prefill
+from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.codec.decode import CacheDecoder, decode_chunks
+from kvmesh.codec.prefix import BLOCK_SIZE
+from kvmesh.net.client import PeerClient
+from kvmesh.store import CacheStore
+from support.references import same_tensors
+from support.stores import put
+
+TURN4, TURN5 = 590, 720
+
+
+@pytest.fixture(scope="module")
+def turns(tiny, long_ids):
+    """Turns 4 and 5 of a conversation, prefilled a block at a time as a server extends its cache."""
+    return {n: prefill(tiny[0], long_ids[:n], step_size=BLOCK_SIZE).cache for n in (TURN4, TURN5)}
+
+
+def fetch_into(store: CacheStore, address: str, cache_id: str, profile: ReceiverProfile):
+    """Fetch a cache into `store` as kvmesh.reuse's fetch_cache does, with the store's held blocks:
+    (the manifest stored, the decoded cache, chunk bytes on the wire)."""
+    with PeerClient(address) as client, client.fetch(cache_id, profile, held_from=store) as transfer:
+        decoder = CacheDecoder(transfer.manifest, {})
+        manifest = store.add(transfer.manifest, decoder.feed_iter(transfer.chunks()))
+        return manifest, decoder.finish(), transfer.wire_bytes
+
+
+def test_a_peer_holding_turn_4_fetches_only_turn_5s_new_blocks(turns, long_ids, tiny_fp, grpc_peers, tmp_path):
+    sender = grpc_peers.start(tmp_path / "a", store_budget=0)
+    turn5 = put(sender.store, turns[TURN5], tiny_fp, long_ids[:TURN5])
+    receiver = CacheStore(tmp_path / "b", max_bytes=None)
+    put(receiver, turns[TURN4], tiny_fp, long_ids[:TURN4])
+    profile = ReceiverProfile(tiny_fp, prompt=long_ids[:TURN5])
+    manifest, cache, wire = fetch_into(receiver, sender.address, turn5.cache_id, profile)
+    assert manifest.cache_id == turn5.cache_id and not manifest.HasField("held")
+    assert same_tensors(cache, turns[TURN5])
+    # Only the blocks from 512 on travelled: 208 of 720 rows, against the whole cache's bytes.
+    held = TURN4 // BLOCK_SIZE * BLOCK_SIZE
+    share = (TURN5 - held) / TURN5
+    assert wire < turn5.encoding.encoded_bytes * share * 1.1, (wire, turn5.encoding.encoded_bytes)
+    stats = sender.server.service.counters.snapshot()
+    assert stats.chunk_bytes_sent == wire and stats.fetches_completed == 1
+    # What was stored reads back whole, its held blocks shared with turn 4 on the disk.
+    assert same_tensors(decode_chunks(manifest, receiver.chunks(manifest.cache_id)), turns[TURN5])
+
+
+def test_a_receiver_whose_blocks_differ_gets_the_whole_cache(turns, long_ids, tiny_fp, grpc_peers, tmp_path):
+    sender = grpc_peers.start(tmp_path / "a", store_budget=0)
+    turn5 = put(sender.store, turns[TURN5], tiny_fp, long_ids[:TURN5])
+    receiver = CacheStore(tmp_path / "b", max_bytes=None)
+    put(receiver, turns[TURN4], tiny_fp, long_ids[:TURN4], codec="none")  # the same rows, other bytes
+    profile = ReceiverProfile(tiny_fp, prompt=long_ids[:TURN5])
+    manifest, cache, wire = fetch_into(receiver, sender.address, turn5.cache_id, profile)
+    assert manifest.cache_id == turn5.cache_id and same_tensors(cache, turns[TURN5])
+    assert wire == turn5.encoding.encoded_bytes
