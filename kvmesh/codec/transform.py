@@ -86,10 +86,13 @@ def pack_integers(q: np.ndarray) -> tuple[bytes, bytes]:
 
 def _zigzag(q: mx.array) -> mx.array:
     """Signed integers (in any dtype that holds them) -> zigzagged uint32 (0, -1, 1, -2 -> 0, 1, 2, 3)."""
-    if q.size and not (q.max() < 2**31 and q.min() >= -(2**31)).item():
+    lo, hi = (int(q.min().item()), int(q.max().item())) if q.size else (0, 0)
+    if hi >= 2**31 or lo < -(2**31):
         raise TransformCodecError("a coefficient beyond 32 bits: the step is far too fine")
-    flat = q.astype(mx.int64)
-    return mx.where(flat < 0, -2 * flat - 1, 2 * flat).astype(mx.uint32)
+    wide = mx.int32 if lo >= -(2**30) and hi < 2**30 else mx.int64  # (2q must fit)
+    flat = q.astype(wide)
+    bits = mx.array(1, wide), mx.array(31 if wide == mx.int32 else 63, wide)
+    return ((flat << bits[0]) ^ (flat >> bits[1])).astype(mx.uint32)
 
 
 def code_width(top: int) -> int:
@@ -179,7 +182,7 @@ def _positions_bht(positions: Any, b: int, h: int, t: int) -> np.ndarray:
 class _Prepared:
     """One tensor of one layer, projected once; quantized per trial step."""
 
-    coeffs: mx.array  # (N, F) coefficients / tensor scale
+    coeffs: mx.array  # (F, N) coefficients / tensor scale, component-major (as they are coded)
     basis: TensorBasis
     raw: bytes  # the sink and recent rows, (B, H, rows, D), in `raw_dtype`
     raw_dtype: str
@@ -222,7 +225,7 @@ def _prepare(
         layer = []
         m = t - s - r
         for kind, x, tb in (("k", keys, basis.keys[j]), ("v", values, basis.values[j])):
-            coeffs = mx.zeros((0, h * d))
+            coeffs = mx.zeros((h * d, 0))
             if m:
                 block = x[:, :, s : t - r].transpose(0, 2, 1, 3)  # (B, T', H, D): token-major
                 if kind == "k":
@@ -230,6 +233,7 @@ def _prepare(
                     block = rotate(block, cos, sin, basis.rotaries[j], inverse=True)
                 centred = block.reshape(b * m, h * d) - tb.on_mlx("mean")
                 coeffs = (centred @ tb.on_mlx("analysis")) * mx.array(np.float32(1.0 / tb.scale))
+                coeffs = mx.contiguous(coeffs.T)  # once, not per trial step: MLX is slow on strided arrays
                 mx.eval(coeffs)
             layer.append(_Prepared(coeffs, tb, *_raw_rows(k if kind == "k" else v, s, r)))
         contiguous = t == 0 or bool((pos == pos.flat[0] + np.arange(t, dtype=np.int32)).all())
@@ -250,15 +254,15 @@ def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: flo
         rms = p.basis.rms / p.basis.scale
         n = kept_components(rms, kstep)
         groups: list = []
-        if n and p.coeffs.shape[0]:
-            scaled = p.coeffs[:, :n].T / mx.array(np.float32(kstep))  # component-major
+        if n and p.coeffs.shape[1]:
+            scaled = p.coeffs[:n] / mx.array(np.float32(kstep))
             q = mx.round(scaled)
             zz = _zigzag(q)
             tops = np.asarray(zz.max(axis=1))
             nonzero, offsets = _bin_offsets(scaled, q)
         at = 0
         for count in component_groups(rms, kstep, n):
-            if not p.coeffs.shape[0]:
+            if not p.coeffs.shape[1]:
                 groups.append([count, 2, out.add(b"", True), None, 0.0])
                 continue
             top = int(tops[at : at + count].max())
