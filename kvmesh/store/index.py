@@ -12,7 +12,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -324,11 +324,14 @@ class Index:
             db.executemany("INSERT INTO pins VALUES (?, ?)", [(writer, s) for s in {p.segment for p in found.values()}])
         return found
 
-    def release_pins(self, alive: set[str]) -> None:
-        """Release the pins of writers that are gone (`alive`: the staging files left, by name)."""
+    def release_pins(self, alive: Callable[[], set[str]]) -> None:
+        """Release the pins of writers that are gone (`alive()`: the staging files left, by name),
+        listed inside the transaction: a writer makes its file before it pins, so one that pinned
+        before is listed."""
         with self.write() as db:
             writers = {row[0] for row in db.execute("SELECT DISTINCT writer FROM pins")}
-            db.executemany("DELETE FROM pins WHERE writer = ?", [(w,) for w in writers - alive])
+            if writers:
+                db.executemany("DELETE FROM pins WHERE writer = ?", [(w,) for w in writers - alive()])
 
     def unpin(self, writer: str) -> None:
         """Release a writer's pins (its write failed); best effort, as recovery releases them too."""

@@ -33,7 +33,7 @@ def recover(layout: Layout, index: Index) -> None:
             remove_if_abandoned(leftover)
     indexed = index.ids()
     try:
-        index.release_pins({p.name for p in layout.incoming_dir.iterdir()} if layout.incoming_dir.is_dir() else set())
+        index.release_pins(lambda: {p.name for p in layout.incoming_dir.iterdir()})
         on_disk = layout.entry_files()
         forget_missing(layout, index, indexed, on_disk)
         index_unindexed(layout, index, indexed, on_disk, writable=True)
