@@ -306,7 +306,8 @@ def blocks(root: Path, model: Path, turns: int, system: str, pages: str) -> dict
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
         messages = [{"role": "system", "content": system}]
         for t in range(turns):
-            page = pages[t * 600 : (t + 1) * 600]
+            at = t * 600 % max(1, len(pages) - 600)  # (the corpus's pages again once they run out)
+            page = pages[at : at + 600]
             messages.append({"role": "user", "content": f"Step {t}: the tool returned this page.\n{page}"})
             answer = client.chat.completions.create(model=model.name, messages=messages, max_tokens=8)
             messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
@@ -344,7 +345,7 @@ def main_blocks(args: argparse.Namespace) -> int:
         model = bench_model(args, root)
         if model is None:
             return 1
-        f = blocks(root, model, args.blocks, system, corpus[args.prefix_tokens * 4 :])
+        f = blocks(root, model, args.blocks, system, corpus)
     print(
         f"{args.blocks}-turn agent session through serve ({model.name}): the store holds {f['entries']} entries in "
         f"{f['on_disk']:,} bytes on disk, against {f['whole']:,} as whole copies "
