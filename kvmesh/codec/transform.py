@@ -25,9 +25,11 @@ basis fits every position. Then:
 `encode_layers(..., ratio=r)` searches the step (secant steps inside a bisected bracket) until the
 bytes are 1/r of the fp16 cache's. `key_factor` makes the keys' step that much coarser than the
 values' (2 measured best on SmolLM2 at 4-8x).
-`decode_layers` gives arrays of that dtype in mlx-lm's KVCache layout (batch, kv_heads, tokens, head_dim),
-keys with RoPE re-applied at their positions. Everything is vectorized (NumPy, MLX); no Python loop
-runs per value, only per layer.
+`kvmesh.codec.transform_decode.decode_layers` gives arrays of that dtype in mlx-lm's KVCache layout
+(batch, kv_heads, tokens, head_dim), keys with RoPE re-applied at their positions. Both directions
+are MLX graphs over a whole layer (all its heads in each operation), so a Mac runs them on its GPU;
+only zstd, the headers and the escaped codes' rare uint32s pass through NumPy. No Python loop runs
+per value or per head, only per layer and per run of components.
 
 Each layer is its own blob (so a layer decodes as soon as its bytes arrive): `MAGIC` (`MAGIC_RAW_DTYPE`
 when its raw rows are not float16, which a kvmesh reading only float16 ones refuses rather than
@@ -86,7 +88,10 @@ def pack_integers(q: np.ndarray) -> tuple[bytes, bytes]:
 
 def _zigzag(q: mx.array) -> mx.array:
     """Signed integers (in any dtype that holds them) -> zigzagged uint32 (0, -1, 1, -2 -> 0, 1, 2, 3)."""
-    lo, hi = (int(q.min().item()), int(q.max().item())) if q.size else (0, 0)
+    bounds = np.asarray(mx.stack([q.min(), q.max()])) if q.size else np.zeros(2)
+    if not np.isfinite(bounds).all():
+        raise TransformCodecError("the cache holds NaN or infinite numbers")
+    lo, hi = int(bounds[0]), int(bounds[1])
     if hi >= 2**31 or lo < -(2**31):
         raise TransformCodecError("a coefficient beyond 32 bits: the step is far too fine")
     wide = mx.int32 if lo >= -(2**30) and hi < 2**30 else mx.int64  # (2q must fit)
@@ -107,7 +112,7 @@ def pack_codes(q: np.ndarray | mx.array) -> tuple[int, bytes, bytes]:
     which codes bytes, sees the joint statistics of several small codes and can spend less than a
     bit on each); larger ones one byte each, 255 escaping to a uint32 in `escapes`."""
     zz = _zigzag(q if isinstance(q, mx.array) else mx.array(np.asarray(q, dtype=np.int64))).reshape(-1)
-    top = int(zz.max().item()) if zz.size else 0
+    top = int(np.asarray(zz.max())) if zz.size else 0
     width = code_width(top)
     return (width, *_pack(zz, width, top))
 
