@@ -179,11 +179,10 @@ def find_prefix(
                 found.where, found.tokens, found.cache_id = LOCAL_STORE, s.tokens, s.cache_id
                 break
             # Every peer's copy of this length, weighed together.
-            group = [j for j in range(i, len(sources)) if sources[j].peer is not None and sources[j].tokens == s.tokens]
+            group = {j: o for j in range(i, len(sources)) if (o := sources[j].peer) and sources[j].tokens == s.tokens}
             tried.update(group)
             offers = copies_to_try(
-                [sources[j].peer for j in group],  # type: ignore[misc]
-                found, model_fp, store,
+                list(group.values()), found, model_fp, store,
                 tokens=s.tokens, held=held_tokens(sources, s, min_tokens), max_kl=max_kl, rates=rates,
                 idle_timeout=idle_timeout, budget=mesh,
             )  # fmt: skip
