@@ -183,57 +183,61 @@ def remove_rope(x: mx.array, positions: Any, rotary: Rotary) -> mx.array:
 
 
 def rotation_table(rotary: Rotary, positions: Any) -> tuple[mx.array, mx.array]:
-    """(cos, sin), each (P, dims/2) float32, of the angles `mx.fast.rope` uses at these positions (P,).
+    """(C, S), each (P, dims) float32, of the angles `mx.fast.rope` uses at these positions (P,):
+    `rotate` gives x * C + pairs_swapped(x) * S, so C holds each pair's cosine twice and S its
+    sine, negated where the pair's first element takes it.
 
-    Taken from the kernel itself (it rotates unit pairs), so a rotation applied with them (`rotate`)
-    matches the model's own to float rounding. One call per distinct set of positions serves every
-    layer with the same rotary settings.
+    Taken from the kernel itself (it rotates unit pairs), so a rotation applied with them matches
+    the model's own to float rounding. One call per distinct set of positions serves every layer
+    with the same rotary settings.
     """
     pos = np.asarray(positions, dtype=np.int32).reshape(-1)
     half = rotary.dims // 2
     unit = np.zeros((1, rotary.dims), dtype=np.float32)
-    if rotary.traditional:
-        unit[0, 0::2] = 1.0
-    else:
-        unit[0, :half] = 1.0
+    first = (slice(0, None, 2), slice(1, None, 2)) if rotary.traditional else (slice(0, half), slice(half, None))
+    unit[0, first[0]] = 1.0
     if pos.size == 0:
-        return mx.zeros((0, half)), mx.zeros((0, half))
+        return mx.zeros((0, rotary.dims)), mx.zeros((0, rotary.dims))
     x = mx.broadcast_to(mx.array(unit), (pos.size, rotary.dims)).reshape(1, pos.size, 1, rotary.dims)
     out = apply_rope(x, pos.reshape(1, -1, 1), rotary).reshape(pos.size, rotary.dims)
+    cos, sin = out[:, first[0]], out[:, first[1]]
     if rotary.traditional:
-        return mx.contiguous(out[:, 0::2]), mx.contiguous(out[:, 1::2])
-    return mx.contiguous(out[:, :half]), mx.contiguous(out[:, half:])
+        return (
+            mx.stack([cos, cos], axis=-1).reshape(pos.size, rotary.dims),
+            mx.stack([-sin, sin], axis=-1).reshape(pos.size, rotary.dims),
+        )
+    return mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1)
 
 
 def token_major_tables(rotary: Rotary, positions: np.ndarray, memo: dict) -> tuple[mx.array, mx.array]:
-    """(cos, sin) of the kernel's angles at positions (B, H, T), shaped to broadcast over token-major
-    blocks (B, T, H, dims/2); one table per distinct (rotary, positions) in `memo` (a cache's layers
-    mostly share theirs)."""
+    """`rotation_table` at positions (B, H, T), shaped to broadcast over token-major blocks
+    (B, T, H, dims); one table per distinct (rotary, positions) in `memo` (a cache's layers mostly
+    share theirs)."""
     b, h, t = positions.shape
     same = bool((positions == positions[:1, :1]).all())
     use = positions[0, 0] if same else positions
     key = (rotary, same, use.shape, np.ascontiguousarray(use).tobytes())
     if key not in memo:
-        cos, sin = rotation_table(rotary, use.reshape(-1))
-        half = cos.shape[1]
+        tables = rotation_table(rotary, use.reshape(-1))
         if same:
-            memo[key] = (cos.reshape(1, t, 1, half), sin.reshape(1, t, 1, half))
+            memo[key] = tuple(a.reshape(1, t, 1, rotary.dims) for a in tables)
         else:
-            memo[key] = tuple(a.reshape(b, h, t, half).transpose(0, 2, 1, 3) for a in (cos, sin))
+            memo[key] = tuple(a.reshape(b, h, t, rotary.dims).transpose(0, 2, 1, 3) for a in tables)
+        mx.eval(*memo[key])
     return memo[key]
 
 
 def rotate(x: mx.array, cos: mx.array, sin: mx.array, rotary: Rotary, inverse: bool = False) -> mx.array:
-    """x (..., head_dim) float32 rotated by the angles of (cos, sin) (broadcastable to x[..., :dims/2]);
-    `inverse` rotates back; dims beyond `rotary.dims` pass through. Each product and sum is its own
-    float32 operation (no fused multiply-add), so any device gives the same floats."""
+    """x (..., head_dim) float32 rotated by the angles of `rotation_table`'s (C, S) (broadcastable to
+    x[..., :dims]); `inverse` rotates back; dims beyond `rotary.dims` pass through. Each product
+    and sum is its own float32 operation (no fused multiply-add): the same floats on any device,
+    and as `a * cos - b * sin`, `a * sin + b * cos` pair by pair."""
     dims, half = rotary.dims, rotary.dims // 2
-    if inverse:
-        sin = -sin
+    rotated = x[..., :dims] if dims < x.shape[-1] else x
     if rotary.traditional:
-        a, b = x[..., 0:dims:2], x[..., 1:dims:2]
-        out = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], dims)
+        pairs = rotated.reshape(*rotated.shape[:-1], half, 2)
+        swapped = pairs[..., ::-1].reshape(rotated.shape)
     else:
-        a, b = x[..., :half], x[..., half:dims]
-        out = mx.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+        swapped = mx.concatenate([rotated[..., half:], rotated[..., :half]], axis=-1)
+    out = rotated * cos + swapped * (-sin if inverse else sin)
     return out if dims == x.shape[-1] else mx.concatenate([out, x[..., dims:]], axis=-1)
