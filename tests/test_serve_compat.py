@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 import uvicorn
 from mlx_lm.models.cache import KVCache, LRUPromptCache
+from sse_starlette.sse import AppStatus
 from uvicorn.server import ServerState
 
 from kvmesh.compat import prompt_cache as compat_cache
@@ -58,10 +59,14 @@ def test_an_h11_protocol_has_the_attributes_the_guard_reads():
 
 @pytest.fixture
 def sigterm_calls():
-    """The SIGTERM handler uvicorn restores when it stops, recording each call."""
+    """The SIGTERM handler uvicorn restores when it stops, recording each call. sse-starlette's
+    patch of `Server.handle_exit` ends every stream of the process once any server is told to exit
+    (AppStatus.should_exit, never reset): the flag is put back, or later tests' streams end at once."""
     calls: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: calls.append(sig))
+    exiting = AppStatus.should_exit
     yield calls
+    AppStatus.should_exit = exiting
     signal.signal(signal.SIGTERM, previous)
 
 
