@@ -43,7 +43,7 @@ from kvmesh.codec.coded import TransformCoding, transform_code  # noqa: E402
 from kvmesh.codec.decode import decode_chunks  # noqa: E402
 from kvmesh.codec.encode import encode_cache  # noqa: E402
 from kvmesh.codec.levels import LEVELS  # noqa: E402
-from kvmesh.codec.rate import synthetic_basis, synthetic_layers  # noqa: E402
+from kvmesh.codec.rate import measure_decode_rate, synthetic_basis, synthetic_layers  # noqa: E402
 from kvmesh.codec.rotary import model_rotaries  # noqa: E402
 from kvmesh.codec.transform import encode_layers, fp16_nbytes, layers_of_cache  # noqa: E402
 from kvmesh.codec.transform_decode import decode_layers  # noqa: E402
@@ -208,6 +208,9 @@ def main() -> None:
         context = prompt_tokens(tokenizer, bq.with_facts(texts[args.texts[0]]), "", chat=True)
         real_cache_speed(model, context, basis, smollm2_dir(), args.repeat)
         synthetic_speed(smollm2_dir(), args.repeat)
+        for heads, head_dim in ((3, 64), (8, 128)):
+            rate = measure_decode_rate(heads, head_dim)
+            print(f"measure_decode_rate({heads}, {head_dim}): {rate / 1e9:.3f} GB/s")
         return
     rows = []
     for name in args.texts:
