@@ -103,14 +103,16 @@ def probe(model, tokenizer, cache, rest, probes, reference):
     return reference, {"kl": kl, "top1": top1, "facts": facts, "fact_nll": fact_nll}
 
 
-def best_of(fn, repeat: int) -> float:
-    """The fastest of `repeat` timed calls (the machine is shared), after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+def best_times(runs: dict, repeat: int) -> dict[str, float]:
+    """The fastest of `repeat` timed calls of each run, after a warm-up round; taken round-robin, so
+    that a shared machine's changing load weighs on all of them alike."""
+    best = {name: float("inf") for name in runs}
+    for round_ in range(repeat + 1):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            if round_:
+                best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -120,19 +122,23 @@ def speed_rows(name: str, layers, basis: Basis, cache, fp, repeat: int) -> None:
     step = LEVELS["default"].step
     fp16 = fp16_nbytes(layers)
     enc = encode_layers(layers, basis, step=step)
-    encode_s = best_of(lambda: encode_layers(layers, basis, step=step), repeat)
-    decode_s = best_of(lambda: mx.eval(decode_layers(enc.blobs, basis)), repeat)
     coding = TransformCoding(basis, step)
-    coded = transform_code(cache, coding)
-    encoded = encode_cache(coded, fp, list(range(cache[0].offset)))
+    encoded = encode_cache(transform_code(cache, coding), fp, list(range(cache[0].offset)))
     chunks = list(encoded.chunks)
     bases = {basis.digest: basis}
-    wire_s = best_of(lambda: decode_chunks(encoded.manifest, iter(chunks), bases=bases), repeat)
-    code_s = best_of(lambda: list(encode_cache(transform_code(cache, coding), fp, range(cache[0].offset)).chunks), 1)
+    s = best_times(
+        {
+            "encode": lambda: encode_layers(layers, basis, step=step),
+            "decode": lambda: mx.eval(decode_layers(enc.blobs, basis)),
+            "wire encode": lambda: list(encode_cache(transform_code(cache, coding), fp, range(cache[0].offset)).chunks),
+            "wire decode": lambda: decode_chunks(encoded.manifest, iter(chunks), bases=bases),
+        },
+        repeat,
+    )
     print(
         f"{name}: {fp16 / 1e6:.1f} MB fp16, coded {enc.nbytes / 1e6:.2f} MB ({enc.ratio:.2f}x) at step {step}: "
-        f"encode {fp16 / encode_s / 1e9:.3f} GB/s, decode {fp16 / decode_s / 1e9:.3f} GB/s; "
-        f"wire path: encode {fp16 / code_s / 1e9:.3f} GB/s, decode {fp16 / wire_s / 1e9:.3f} GB/s"
+        f"encode {fp16 / s['encode'] / 1e9:.3f} GB/s, decode {fp16 / s['decode'] / 1e9:.3f} GB/s; wire path: "
+        f"encode {fp16 / s['wire encode'] / 1e9:.3f} GB/s, decode {fp16 / s['wire decode'] / 1e9:.3f} GB/s"
     )
 
 
