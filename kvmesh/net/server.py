@@ -142,7 +142,11 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
 
     def Info(self, request, context):
         self._admit(context)
-        entries = [e for e in self.store.entries() if self.policy.shares(e.model_id)]
+        every = self.store.entries()
+        entries = [e for e in every if self.policy.shares(e.model_id)]
+        # The disk the store takes (its shared blocks once), unless some of it is not shared: then
+        # what the shared entries would take whole, which tells nothing of the others.
+        held = self.store.total_bytes() if len(entries) == len(every) else sum(e.file_bytes for e in entries)
         return spb.InfoResponse(
             node_id=self.node_id,
             version=__version__,
@@ -150,7 +154,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             model_ids=sorted({e.model_id for e in entries}),
             store=spb.StoreStats(
                 entries=len(entries),
-                bytes=sum(e.file_bytes for e in entries),
+                bytes=held,
                 budget_bytes=self.store.max_bytes or 0,
             ),
             transfers=self.counters.snapshot(),
