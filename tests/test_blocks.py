@@ -98,3 +98,17 @@ def test_caches_whose_state_is_not_per_token_stay_whole(tiny, long_ids, tiny_fp,
     store = CacheStore(tmp_path / "store")
     m = put(store, prefill(tiny[0], long_ids[:300], snap).cache, tiny_fp, long_ids[:300], snap)
     assert m.encoding.block_rows == 0 and "evicted" in whole_entry_reason(m)
+
+
+def test_8_bit_caches_go_by_blocks_too(tiny, long_ids, tiny_fp, tmp_path):
+    press = make_press("quantize", {"kv_bits": 8})
+    store = CacheStore(tmp_path / "store", max_bytes=None)
+    turns = [
+        (long_ids[:n], press.apply(prefill(tiny[0], long_ids[:n], step_size=BLOCK_SIZE).cache)) for n in (300, 420)
+    ]
+    stored = [put(store, cache, tiny_fp, tokens, press) for tokens, cache in turns]
+    assert [m.encoding.block_rows for m in stored] == [BLOCK_SIZE] * 2
+    whole = sum(e.file_bytes for e in store.entries())
+    assert disk_bytes(store) < whole * 0.75  # the two blocks of the first turn are stored once
+    for m, (_, cache) in zip(stored, turns, strict=True):
+        assert same_tensors(decode_chunks(m, store.chunks(m.cache_id)), cache)
