@@ -52,11 +52,16 @@ def test_a_conversations_turns_store_each_history_block_once(turns, tiny_fp, tmp
     # Every turn reads back exactly, references resolved.
     for m, (_, cache) in zip(stored, turns, strict=True):
         assert same_tensors(decode_chunks(m, store.chunks(m.cache_id)), cache)
-    # A fresh index (lost, or of an older version) is rebuilt with what each file refers to.
+    # A fresh index (lost, or of an older version) is rebuilt with what each file refers to and
+    # holds: the same entries and sizes, and a turn stored again shares the same blocks.
+    listed = {e.cache_id: e.file_bytes for e in store.entries()}
     (tmp_path / "store" / "index.sqlite3").unlink()
     reopened = CacheStore(tmp_path / "store", max_bytes=None)
-    assert {e.cache_id for e in reopened.entries()} == {m.cache_id for m in stored}
+    assert {e.cache_id: e.file_bytes for e in reopened.entries()} == listed
     assert reopened.total_bytes() == on_disk
+    reopened.delete(stored[-1].cache_id)
+    put(reopened, turns[-1][1], tiny_fp, turns[-1][0])
+    assert disk_bytes(reopened) == on_disk
 
 
 def test_evicting_a_turn_keeps_the_blocks_later_turns_share(turns, tiny_fp, tmp_path):

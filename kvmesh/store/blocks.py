@@ -97,3 +97,14 @@ class BlockWriter:
         offset = entry_file.write_chunk(f, chunk)
         if key is not None:
             self.new.append((key, offset, len(chunk.data), digest))
+
+
+def pieces_of(f: BinaryIO, manifest: pb.CacheManifest, inline: dict[int, tuple[int, int]]) -> list[tuple]:
+    """The pieces an entry file holds (key, offset, length, digest), from where its chunks' data
+    lies (`kvmesh.store.entry_file.layout`): what a rebuilt index offers later writers to share."""
+    found = []
+    for index, key in piece_keys(manifest).items():
+        if (place := inline.get(index)) is not None:
+            f.seek(place[0])
+            found.append((key, *place, data_digest(f.read(place[1]))))
+    return found

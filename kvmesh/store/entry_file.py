@@ -154,25 +154,29 @@ def resolve(record: bytes, segments: Segments | None, where: str, limit: int) ->
     return record[: FRAME_HEADER.size] + data
 
 
-def references(f: BinaryIO, manifest: pb.CacheManifest) -> set[str]:
-    """The entries an entry file refers to (read from its record headers alone: the index's rows of
-    them are rebuilt from this). Damage is left to the reads that check every record."""
+def layout(f: BinaryIO, manifest: pb.CacheManifest) -> tuple[set[str], int, dict[int, tuple[int, int]]]:
+    """What an entry file refers to and how many data bytes its references stand for, and where
+    each chunk's data lies in it when it holds the data itself (by chunk index: offset, length),
+    read from its record headers: the index's rows of them are rebuilt from this. Damage is left to
+    the reads that check every record."""
     f.seek(0)
-    if f.read(len(MAGIC)) != MAGIC_BLOCKS:
-        return set()
-    found = set()
-    for _ in range(manifest.encoding.chunk_count):
+    blocks = f.read(len(MAGIC)) == MAGIC_BLOCKS
+    refs, referred, inline = set(), 0, {}
+    for i in range(manifest.encoding.chunk_count):
         header = f.read(RECORD_HEADER.size)
         if len(header) != RECORD_HEADER.size:
             break
         length, _ = RECORD_HEADER.unpack(header)
-        if length & REF_FLAG:
+        if blocks and length & REF_FLAG:
             record = f.read(length & ~REF_FLAG)
             if len(record) == FRAME_HEADER.size + REF.size:
-                found.add(REF.unpack_from(record, FRAME_HEADER.size)[0].hex())
+                segment, _, length, _ = REF.unpack_from(record, FRAME_HEADER.size)
+                refs.add(segment.hex())
+                referred += length
         else:
+            inline[i] = (f.tell() + FRAME_HEADER.size, length - FRAME_HEADER.size)
             f.seek(length, os.SEEK_CUR)
-    return found
+    return refs, referred, inline
 
 
 def frame_of_v1(record: bytes) -> bytes:

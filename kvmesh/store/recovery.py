@@ -13,7 +13,7 @@ import sqlite3
 from pathlib import Path
 
 from kvmesh.errors import IntegrityError, NotFoundError, StoreError
-from kvmesh.store import entry_file
+from kvmesh.store import blocks, entry_file
 from kvmesh.store.index import Index, Written, now_ms
 from kvmesh.store.layout import LEGACY_STAGING, Layout, abandoned, remove_if_abandoned, verified_manifest
 
@@ -78,10 +78,11 @@ def index_unindexed(
             continue
         try:
             with open(path, "rb") as f:  # what it refers to must be known before anything is evicted
-                refs = entry_file.references(f, manifest)
+                refs, referred, inline = entry_file.layout(f, manifest)
+                written = Written("", refs, referred, blocks.pieces_of(f, manifest, inline))
         except OSError:
             continue
-        added += index.add_file(manifest, path, only_new=True, written=Written(refs=refs))
+        added += index.add_file(manifest, path, only_new=True, written=written)
     if added:
         log.info("indexed %d entry files the index lacked", added)
 
