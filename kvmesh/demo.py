@@ -30,9 +30,9 @@ from kvmesh.errors import CacheRejected, KvmeshError, PeerError
 from kvmesh.model.fingerprint import FileHashCache, fingerprint
 from kvmesh.model.loaded import LoadedModel
 from kvmesh.model.testmodels import make_test_model
-from kvmesh.net.authority import enrol
 from kvmesh.net.client import PeerClient
-from kvmesh.net.credentials import init_mesh, load_credentials
+from kvmesh.net.mesh.credentials import load_credentials
+from kvmesh.net.mesh.enrolment import enrol, init_mesh
 from kvmesh.net.node_id import node_id
 from kvmesh.paths import store_dir
 from kvmesh.reuse.fetch import fetch_cache
