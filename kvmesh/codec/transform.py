@@ -55,7 +55,6 @@ from kvmesh.codec.layer_blob import (
     MAGIC_RAW_DTYPE,
     TransformCodecError,
     Writer,
-    pack_zigzag,
 )
 from kvmesh.codec.rotary import rotate, token_major_tables
 from kvmesh.codec.transform_decode import RAW_DTYPES
@@ -83,17 +82,29 @@ def kept_components(rms: np.ndarray, step: float) -> int:
 
 def pack_integers(q: np.ndarray) -> tuple[bytes, bytes]:
     """Signed integers -> (one zigzagged byte each, the escaped ones as little-endian uint32)."""
-    return pack_zigzag(np.asarray(_zigzag(mx.array(np.asarray(q, dtype=np.int64)))), 8)
+    zz, top = _zigzag_all(q)
+    return _pack(zz, 8, top)
 
 
-def _zigzag(q: mx.array) -> mx.array:
-    """Signed integers (in any dtype that holds them) -> zigzagged uint32 (0, -1, 1, -2 -> 0, 1, 2, 3)."""
-    bounds = np.asarray(mx.stack([q.min(), q.max()])) if q.size else np.zeros(2)
+def _zigzag_all(q: np.ndarray | mx.array) -> tuple[mx.array, int]:
+    """Signed integers -> (zigzagged, flat; the largest of them)."""
+    flat = (q if isinstance(q, mx.array) else mx.array(np.asarray(q, dtype=np.int64))).reshape(-1)
+    lo, hi = _bounds(np.asarray(mx.stack([flat.min(), flat.max()]))) if flat.size else (0, 0)
+    return _zigzag(flat, lo, hi), max(2 * hi, -2 * lo - 1, 0)
+
+
+def _bounds(bounds: np.ndarray) -> tuple[int, int]:
+    """(smallest, largest) of some integers, refused unless they fit 32 bits."""
     if not np.isfinite(bounds).all():
         raise TransformCodecError("the cache holds NaN or infinite numbers")
-    lo, hi = int(bounds[0]), int(bounds[1])
-    if hi >= 2**31 or lo < -(2**31):
+    if bounds[1] >= 2**31 or bounds[0] < -(2**31):
         raise TransformCodecError("a coefficient beyond 32 bits: the step is far too fine")
+    return int(bounds[0]), int(bounds[1])
+
+
+def _zigzag(q: mx.array, lo: int, hi: int) -> mx.array:
+    """Signed integers between lo and hi (in any dtype that holds them) -> zigzagged uint32
+    (0, -1, 1, -2 -> 0, 1, 2, 3)."""
     wide = mx.int32 if lo >= -(2**30) and hi < 2**30 else mx.int64  # (2q must fit)
     flat = q.astype(wide)
     bits = mx.array(1, wide), mx.array(31 if wide == mx.int32 else 63, wide)
@@ -111,8 +122,7 @@ def pack_codes(q: np.ndarray | mx.array) -> tuple[int, bytes, bytes]:
     Zigzagged codes below 4 go four to a byte, below 16 two to a byte (so that the entropy coder,
     which codes bytes, sees the joint statistics of several small codes and can spend less than a
     bit on each); larger ones one byte each, 255 escaping to a uint32 in `escapes`."""
-    zz = _zigzag(q if isinstance(q, mx.array) else mx.array(np.asarray(q, dtype=np.int64))).reshape(-1)
-    top = int(np.asarray(zz.max())) if zz.size else 0
+    zz, top = _zigzag_all(q)
     width = code_width(top)
     return (width, *_pack(zz, width, top))
 
@@ -134,18 +144,23 @@ def _pack(zz: mx.array, width: int, top: int) -> tuple[bytes, bytes]:
     return np.asarray(packed).tobytes(), b""
 
 
-def _bin_offsets(scaled: mx.array, q: mx.array) -> tuple[np.ndarray, np.ndarray]:
-    """Per component (row), the count of nonzero codes and the sum of |x| - |q| over them, x in
-    units of the step (float64, to be summed over a group's components: `_centroid_offset`)."""
+def _row_stats(scaled: mx.array, q: mx.array) -> tuple[np.ndarray, ...]:
+    """Per component (row), in one evaluation: the smallest and largest code, the count of nonzero
+    codes and the sum of |x| - |q| over them, x in units of the step (float64, to be summed over a
+    group's components: `_centroid_offset`)."""
     nonzero = q != 0
-    count = nonzero.astype(mx.int32).sum(axis=1)
-    total = mx.where(nonzero, mx.abs(scaled) - mx.abs(q), 0.0).sum(axis=1)
-    mx.eval(count, total)
-    return np.asarray(count).astype(np.int64), np.asarray(total).astype(np.float64)
+    stats = (
+        q.min(axis=1),
+        q.max(axis=1),
+        nonzero.astype(mx.int32).sum(axis=1),
+        mx.where(nonzero, mx.abs(scaled) - mx.abs(q), 0.0).sum(axis=1),
+    )
+    mx.eval(*stats)
+    return tuple(np.asarray(a).astype(np.float64) for a in stats)
 
 
 def _centroid_offset(count: np.ndarray, total: np.ndarray) -> float:
-    """The mean of |x| - |q| over a group's nonzero codes (from `_bin_offsets` of its components):
+    """The mean of |x| - |q| over a group's nonzero codes (from `_row_stats` of its components):
     where a nonzero code's values lie on average within its bin (below its centre for peaked
     distributions). The decoder reconstructs q + offset * sign(q), which lowers the error at no
     cost in bits."""
@@ -262,9 +277,10 @@ def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: flo
         if n and p.coeffs.shape[1]:
             scaled = p.coeffs[:n] / mx.array(np.float32(kstep))
             q = mx.round(scaled)
-            zz = _zigzag(q)
-            tops = np.asarray(zz.max(axis=1))
-            nonzero, offsets = _bin_offsets(scaled, q)
+            lows, highs, nonzero, offsets = _row_stats(scaled, q)
+            zz = _zigzag(q, *_bounds(np.array([lows.min(), highs.max()])))
+            # The largest zigzagged code of each component, from its extremes.
+            tops = np.maximum(2 * np.maximum(highs, 0), np.where(lows < 0, -2 * lows - 1, 0)).astype(np.int64)
         at = 0
         for count in component_groups(rms, kstep, n):
             if not p.coeffs.shape[1]:
