@@ -63,7 +63,7 @@ from kvmesh.net.credentials import load_credentials
 from kvmesh.reuse.calibration import ensure_calibrated
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.reuse.rates import Rates
-from kvmesh.reuse.weigh import codec_of, fetch_or_prefill
+from kvmesh.reuse.weigh import codec_of, fetch_or_prefill, record_fetch
 from kvmesh.store import CacheStore
 
 model_dir, address, mesh_dir, rates_dir, tokens_file = sys.argv[1:6]
@@ -88,7 +88,7 @@ for n in json.loads(sys.argv[6]):
                                       store=CacheStore(Path(receiver)))
             mx.eval([t for layer in fetched.cache for t in layer.state])
             measured[codec_of(candidate)] = time.perf_counter() - start
-        rates.record_transfer(address, fetched.wire_bytes + fetched.basis_bytes, fetched.wire_s)
+        record_fetch(rates, fp.model_id, address, candidate, fetched)
     start = time.perf_counter()
     run_prompt(model, tokens)
     measured["prefill"] = time.perf_counter() - start

@@ -75,19 +75,24 @@ def test_rates_are_kept_in_the_data_dir_and_shared(tmp_path, caplog):
     assert rates.link_rate("a:1") is None and rates.prefill_model("m") is None
     rates.record_probe("a:1", 50e6)
     assert rates.link_rate("a:1") == 50e6 and rates.link_source("a:1") == "probed"
-    rates.record_transfer("a:1", 10 * MB, 0.01 + 10 * MB / 100e6)  # a transfer replaces the probe
+    rates.record_transfer("a:1", 10 * MB, 10 * MB / 100e6)  # a transfer replaces the probe
     assert rates.link_rate("a:1") == pytest.approx(100e6) and rates.link_source("a:1") == "measured on 1 transfer"
     rates.record_probe("a:1", 1e9)  # ...and a later probe never overrides transfers
-    rates.record_transfer("a:1", 10 * MB, 0.01 + 10 * MB / 200e6)
+    rates.record_transfer("a:1", 10 * MB, 10 * MB / 200e6)
     assert rates.link_rate("a:1") == pytest.approx(150e6) and rates.link_source("a:1") == "measured on 2 transfers"
     rates.record_transfer("a:1", 1000, 0.5)  # too small to say anything about the link
     assert rates.link_rate("a:1") == pytest.approx(150e6)
+    # A stream that decoding paced says only that the link is at least that fast.
+    rates.record_transfer("a:1", 10 * MB, 10 * MB / 50e6, at_least=True)
+    assert rates.link_rate("a:1") == pytest.approx(150e6) and rates.link_source("a:1") == "measured on 2 transfers"
+    rates.record_transfer("a:1", 10 * MB, 10 * MB / 250e6, at_least=True)
+    assert rates.link_rate("a:1") == pytest.approx(200e6) and rates.link_source("a:1") == "measured on 3 transfers"
 
     other = Rates(tmp_path)  # another process: `kvmesh serve` next to `kvmesh generate`
     other.record_prefill("m", 128, 1.0)
     rates.record_prefill("m", 512, 4.0, context=100)
     assert json.loads((tmp_path / "rates.json").read_text())["prefill"]["m"] == [[128, 0, 1.0], [512, 100, 4.0]]
-    assert Rates(tmp_path).link_rate("a:1") == pytest.approx(150e6)
+    assert Rates(tmp_path).link_rate("a:1") == pytest.approx(200e6)
     for i in range(2 * PREFILL_SAMPLES):
         rates.record_prefill("m", 100 + i, 1.0)
     assert len(Rates(tmp_path).prefill["m"]) == PREFILL_SAMPLES
@@ -290,7 +295,7 @@ def receiver(data_dir, model_id, full, coded, *, bytes_per_s, basis_bytes):
     fp16 at 1 GB/s and the transform codec at 10 MB/s, and counts `basis_bytes` for a missing basis."""
     rates = Rates(timed(data_dir, model_id, 1))
     for address in (full, coded):
-        rates.record_transfer(address, 10 * MB, FETCH_SETUP_S + 10 * MB / bytes_per_s)
+        rates.record_transfer(address, 10 * MB, 10 * MB / bytes_per_s)
     rates.record_decoding(model_id, Decoding({"full": 1e9, "transform": 10e6}, basis_bytes=basis_bytes))
     return rates
 

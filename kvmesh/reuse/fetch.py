@@ -34,9 +34,22 @@ class Fetched:
     # Whether it was also kept in the local store.
     kept: bool = False
     # Bytes of the bases it needed that were fetched first (0: all were here), and the seconds from
-    # the request to its last byte: what the link rate is measured from (decoding overlaps it).
+    # the request to its last byte.
     basis_bytes: int = 0
     wire_s: float = 0.0
+    # The chunks' bytes after the first one and the seconds from the first chunk to the last: the
+    # link rate's measure, without the setup and the basis (kvmesh.reuse.weigh.record_fetch).
+    stream_bytes: int = 0
+    stream_s: float = 0.0
+
+
+@dataclass
+class Arrivals:
+    """When the first and the latest chunk of a transfer came, and the bytes after the first."""
+
+    first: float = 0.0
+    last: float = 0.0
+    after_first: int = 0
 
 
 def fetch_cache(
@@ -77,7 +90,7 @@ def fetch_cache(
                 fetch.refuse(Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}"))
             store = None  # decode it all the same, without keeping it
         decoder = CacheDecoder(manifest, bases)
-        arrived = [start]
+        arrived = Arrivals(start, start)
         decoded = decoder.feed_iter(timed(fetch.chunks(), arrived))
         if store is not None:
             manifest = store.add(manifest, decoded)
@@ -93,14 +106,20 @@ def fetch_cache(
         fetch.wire_bytes,
         kept=store is not None,
         basis_bytes=missing,
-        wire_s=arrived[0] - start,
+        wire_s=arrived.last - start,
+        stream_bytes=arrived.after_first,
+        stream_s=arrived.last - arrived.first,
     )
 
 
-def timed(chunks: Iterable[Chunk], arrived: list[float]) -> Iterator[Chunk]:
-    """`chunks`, noting in `arrived[0]` when the latest one came."""
-    for chunk in chunks:
-        arrived[0] = time.perf_counter()
+def timed(chunks: Iterable[Chunk], arrived: Arrivals) -> Iterator[Chunk]:
+    """`chunks`, noting in `arrived` when each came."""
+    for i, chunk in enumerate(chunks):
+        arrived.last = time.perf_counter()
+        if i == 0:
+            arrived.first = arrived.last
+        else:
+            arrived.after_first += len(chunk.data)
         yield chunk
 
 

@@ -24,7 +24,7 @@ from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.reuse.fetch import Fetched, fetch_cache
 from kvmesh.reuse.rates import Rates
 from kvmesh.reuse.records import CachedPrefix
-from kvmesh.reuse.weigh import Offer, fetch_or_prefill, within_floor
+from kvmesh.reuse.weigh import Offer, fetch_or_prefill, record_fetch, within_floor
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store, stored_bases
 from kvmesh.v1.service_pb2 import Candidate
@@ -187,10 +187,9 @@ def find_prefix(
                 idle_timeout=idle_timeout, budget=mesh,
             )  # fmt: skip
             if got := first_fetched(offers, found, profile, s.tokens, store, progress, idle_timeout, mesh):
-                client, fetched = got
+                client, candidate, fetched = got
                 if rates is not None:
-                    rates.record_transfer(client.address, fetched.wire_bytes + fetched.basis_bytes, fetched.wire_s)
-                    rates.record_bases(model_fp.model_id, [a.sha256 for a in fetched.manifest.artifacts])
+                    record_fetch(rates, model_fp.model_id, client.address, candidate, fetched)
                 found.where, found.tokens, found.cache = f"peer {client.address}", s.tokens, fetched.cache
                 found.wire_bytes, found.cache_id = fetched.wire_bytes, fetched.manifest.cache_id
                 break
@@ -272,9 +271,9 @@ def first_fetched(
     progress: Progress | None,
     idle_timeout: float,
     budget: Budget,
-) -> tuple[PeerClient, Fetched] | None:
+) -> tuple[PeerClient, Candidate, Fetched] | None:
     """The first of `offers` fetched (a block-aligned prefix of `tokens` of it), with the client it
-    came over; one that fails is skipped with its reason, and None when none delivers."""
+    came over and its candidate; one that fails is skipped with its reason, and None when none delivers."""
     for client, candidate in offers:
         if budget.left() <= 0:
             found.skipped.append(f"{candidate.cache_id} at {client.address}: {budget.spent}")
@@ -295,7 +294,7 @@ def first_fetched(
             log.warning("%s", e)
             found.skipped.append(str(e))
             continue
-        return client, fetched
+        return client, candidate, fetched
     return None
 
 

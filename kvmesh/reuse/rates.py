@@ -142,15 +142,18 @@ class Rates:
                 self.links[address] = {"bytes_per_s": bytes_per_s, "transfers": 0}
                 self._save()
 
-    def record_transfer(self, address: str, wire_bytes: int, seconds: float) -> None:
-        """A fetch from `address` moved `wire_bytes` in `seconds` (from the request to its last byte)."""
-        if wire_bytes < MIN_TIMED_BYTES or seconds <= FETCH_SETUP_S:
+    def record_transfer(self, address: str, wire_bytes: int, seconds: float, *, at_least: bool = False) -> None:
+        """A fetch from `address` streamed `wire_bytes` in `seconds` (its setup excluded). With
+        `at_least`, decoding paced it: the link is at least that fast, so it only ever raises the rate."""
+        if wire_bytes < MIN_TIMED_BYTES or seconds <= 0:
             return
         with self._lock:
             self._load()
             entry = self.links.get(address, {})
-            rate = wire_bytes / (seconds - FETCH_SETUP_S)
+            rate = wire_bytes / seconds
             old = entry.get("bytes_per_s") if entry.get("transfers") else None  # a probe gives way
+            if at_least and old is not None and rate <= old:
+                return
             self.links[address] = {"bytes_per_s": blend(old, rate), "transfers": entry.get("transfers", 0) + 1}
             self._save()
 

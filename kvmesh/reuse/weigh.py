@@ -8,10 +8,13 @@ from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.reuse.choice import Copy, Decision, choose, probe_bytes
+from kvmesh.reuse.fetch import Fetched
 from kvmesh.reuse.rates import Rates
 from kvmesh.v1.service_pb2 import Candidate
 
 Offer = tuple[PeerClient, Candidate]
+# A stream within this factor of the decode rate of its codec may have been paced by decoding.
+DECODE_BOUND = 1.25
 
 
 def codec_of(candidate: Candidate) -> str:
@@ -72,3 +75,15 @@ def fetch_or_prefill(
             )
         )
     return choose(tokens, copies, prefill, context=held)
+
+
+def record_fetch(rates: Rates, model_id: str, address: str, candidate: Candidate, fetched: Fetched) -> None:
+    """What a fetch of `candidate` from `address` says of the link (its stream, setup and basis
+    excluded; a stream that decoding may have paced, within DECODE_BOUND of this machine's decode
+    rate of its codec, only ever raises the rate) and of the bases the model's caches are coded with."""
+    decoding = rates.decoding(model_id)
+    decode_rate = decoding.bytes_per_s.get(codec_of(candidate)) if decoding else None
+    streamed = fetched.stream_bytes / fetched.stream_s if fetched.stream_s > 0 else 0.0
+    paced = decode_rate is not None and streamed * DECODE_BOUND >= decode_rate
+    rates.record_transfer(address, fetched.stream_bytes, fetched.stream_s, at_least=paced)
+    rates.record_bases(model_id, [a.sha256 for a in fetched.manifest.artifacts])
