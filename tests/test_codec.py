@@ -13,7 +13,7 @@ from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import CacheDecoder, decode_chunks
 from kvmesh.codec.encode import EncodeOptions, build_manifest, encode_cache, encode_chunks
-from kvmesh.codec.manifest import chunk_plan, content_id
+from kvmesh.codec.manifest import chunk_count, chunk_plan, content_id
 from kvmesh.codec.prefix import PrefixKey
 from kvmesh.errors import IntegrityError
 from support.references import assert_same_caches
@@ -216,7 +216,17 @@ def test_a_cut_refuses_what_it_cannot_serve_and_damage_it_reads(caches, tiny_fp,
     manifest, chunks = encoded(*caches["dense", mx.float32], tiny_fp, prompt_ids, chunk_size=5000)
     with pytest.raises(ValueError, match="multiples of 128"):
         cut_prefix(manifest, lambda: iter(()), 100)
-    # A partial chunk (re-encoded by the cut) whose bytes do not match its checksum.
+    # A blockwise cache's chunks end at block edges: a block-aligned cut re-encodes none of them.
+    assert not [s for s in chunk_plan(manifest) if s.byte_offset < 128 * s.row_bytes < s.byte_offset + s.raw_length]
+    # A cache made before caches went by blocks (stores still hold them) has chunks across the cut:
+    # a partial chunk (re-encoded by the cut) whose bytes do not match its checksum is refused.
+    cache, press = caches["dense", mx.float32]
+    manifest = build_manifest(
+        cache, tiny_fp, PrefixKey.of(prompt_ids), press, options=EncodeOptions("zstd", 1, True, 5000)
+    )
+    manifest.encoding.block_rows = 0
+    manifest.encoding.chunk_count = chunk_count(manifest)
+    chunks = list(encode_chunks(cache, manifest))
     partial = next(
         i
         for i, s in enumerate(chunk_plan(manifest))
