@@ -45,6 +45,7 @@ from kvmesh.store import CacheStore  # noqa: E402
 from kvmesh.store.artifacts import artifact_store  # noqa: E402
 from support import namespaces  # noqa: E402
 from support.daemons import start_daemon  # noqa: E402
+from support.mesh import make_mesh  # noqa: E402
 
 PORT = 7479
 TOLERANCE = 1.10
@@ -59,7 +60,7 @@ from kvmesh.caches.prefill import run_prompt
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.model.fingerprint import fingerprint
 from kvmesh.net.client import PeerClient
-from kvmesh.net.credentials import load_credentials
+from kvmesh.net.mesh.credentials import load_credentials
 from kvmesh.reuse.calibration import ensure_calibrated
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.reuse.rates import Rates
@@ -148,7 +149,7 @@ def main() -> None:
         stored_copies(model, tokenizer, fp, document, args.lengths, store)
         (root / "tokens.json").write_text(json.dumps(document))
         server_dir, client_dir = root / "server", root / "client"
-        namespaces.make_mesh(server_dir, client_dir)
+        make_mesh(server_dir, client_dir)
         with namespaces.Link(f"kvc{os.getpid() % 100000}") as link:
             daemon = start_daemon(
                 server_dir,

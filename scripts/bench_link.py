@@ -34,6 +34,7 @@ from kvmesh.store import CacheStore
 from support import namespaces
 from support.bench_caches import add_cache_arguments, tiled_cache
 from support.daemons import start_daemon
+from support.mesh import make_mesh
 
 PORT = 7478
 
@@ -46,7 +47,7 @@ from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.net.client import PeerClient
-from kvmesh.net.credentials import load_credentials
+from kvmesh.net.mesh.credentials import load_credentials
 from kvmesh.v1 import model_pb2
 
 address, data_dir, cache_id, fp_hex, repeat = sys.argv[1:6]
@@ -134,7 +135,7 @@ def main() -> None:
         stored = store_codecs(store, tiled, fp, tokens)
         del tiled
         server_dir, client_dir = root / "server", root / "client"
-        namespaces.make_mesh(server_dir, client_dir)
+        make_mesh(server_dir, client_dir)
         with namespaces.Link(f"kvb{os.getpid() % 100000}") as link:
             common = ["--store", store.root, "--port", PORT, "--no-discovery", "--log-level", "warning"]
             remote = start_daemon(server_dir, "--interface", namespaces.SERVER_IP, *common, command=link.in_server())

@@ -31,7 +31,7 @@ from kvmesh.caches.prefill import generate_from_cache
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.model.fingerprint import fingerprint
 from kvmesh.net.client import PeerClient
-from kvmesh.net.credentials import load_credentials
+from kvmesh.net.mesh.credentials import load_credentials
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.reuse.find import load_prefix
 from kvmesh.store import CacheStore
@@ -90,6 +90,7 @@ def shaped(links: list[float], tokens: int) -> None:
     from kvmesh.store.artifacts import artifact_store
     from support import namespaces
     from support.daemons import start_daemon
+    from support.mesh import make_mesh
 
     if why := namespaces.missing():
         sys.exit(f"bench_transfer --links: {why}")
@@ -116,7 +117,7 @@ def shaped(links: list[float], tokens: int) -> None:
         (root / "prompt.json").write_text(json.dumps(document[: tokens + 1]))
         copies = [["coded, basis fetched", coded_id], ["coded, basis held", coded_id], ["full", full_id]]
         server_dir, client_dir = root / "server", root / "client"
-        namespaces.make_mesh(server_dir, client_dir)
+        make_mesh(server_dir, client_dir)
         with namespaces.Link(f"kvt{os.getpid() % 100000}") as link:
             daemon = start_daemon(
                 server_dir,

@@ -35,6 +35,8 @@ MLX_FREE = [
     "kvmesh.codec.layer_blob",
     "kvmesh.store",
     "kvmesh.store.entry_file",
+    "kvmesh.reuse.rates",
+    "kvmesh.reuse.choice",
     "kvmesh.net.timeouts",
     "kvmesh.net.transport",
     "kvmesh.net.messages",

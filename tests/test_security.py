@@ -20,19 +20,10 @@ from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.daemon.control import DaemonProcess
 from kvmesh.errors import CacheRejected, CredentialsError, PeerError
-from kvmesh.net.authority import enrol
 from kvmesh.net.client import PeerClient
-from kvmesh.net.credentials import (
-    MeshCredentials,
-    export_bundle,
-    init_mesh,
-    issue_node_cert,
-    join_mesh,
-    load_credentials,
-    renew,
-    renew_if_due,
-    write_authority,
-)
+from kvmesh.net.mesh.credentials import MeshCredentials, load_credentials
+from kvmesh.net.mesh.enrolment import enrol, export_bundle, init_mesh, join_mesh, renew, renew_if_due, write_authority
+from kvmesh.net.mesh.pki import issue_node_cert
 from kvmesh.net.node_id import node_id
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import MAX_MESSAGE_BYTES, method, open_channel, serialize

@@ -26,6 +26,7 @@ from support.http_clients import InProcessServer
 from support.processes import cli
 from support.references import mlx_lm_text, mlx_lm_tokens
 from support.stores import put
+from support.waiting import wait_for
 
 SYSTEM = "You answer questions about rivers, briefly and plainly. " * 24  # a long shared prefix
 QUESTION = [{"role": "user", "content": "Where do rivers go?"}]
@@ -344,6 +345,8 @@ def test_two_servers_share_a_long_system_prompt_over_the_mesh(tiny, tiny_dir, ht
             tiny_dir, "b", "--peer", daemon.address, "--min-store-tokens", 64, "--fetch", "always"
         )
         chat(client_a, [{"role": "system", "content": SYSTEM}, *QUESTION], max_tokens=4)
+        # A keeps the cache in its store after its answer (the answer waits for no disk).
+        wait_for(lambda: CacheStore(tmp_path / "a" / "store").entries(), 60, what="A's cache in its store")
         other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a delta?"}]
         answer = chat(client_b, other, max_tokens=8)
     finally:

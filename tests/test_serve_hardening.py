@@ -29,6 +29,7 @@ from kvmesh.serve.server import http_server, listen
 from kvmesh.store import CacheStore
 from support.daemons import loopback_daemon, start_server
 from support.http_clients import InProcessServer
+from support.waiting import wait_for
 
 SECRET = "The vault code is 48213. Never tell anyone. " * 24  # a long prefix a client must not probe
 QUESTION = [{"role": "user", "content": "Where do rivers go?"}]
@@ -283,8 +284,9 @@ def test_a_cache_salt_keeps_one_clients_prompt_from_another(app_server, tmp_path
     assert cached(salt_b, "Where do rivers go?") == 0
     assert not CacheStore(tmp_path / "s" / "store").entries()  # salted caches never reach the store
     assert cached(None, "Where do rivers go?") == 0
-    # What an unsalted request leaves is every client's (in memory and the store, as before).
-    assert len(CacheStore(tmp_path / "s" / "store").entries()) == 1
+    # What an unsalted request leaves is every client's (in memory and, once written after its
+    # answer, the store, as before).
+    wait_for(lambda: len(CacheStore(tmp_path / "s" / "store").entries()) == 1, 60, what="the unsalted cache stored")
     assert cached(salt_b, "Why is the sea salty?") > 100
 
     with pytest.raises(openai.BadRequestError) as refused:

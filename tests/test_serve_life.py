@@ -137,7 +137,7 @@ def test_the_banner_state_file_and_health_say_how_it_serves(tiny_dir, tmp_path, 
     wait_for(lambda: health(nodaemon.url)[0] == 200, what="calibration")
     assert nodaemon.stop() == 0
     banner = nodaemon.process.stdout.read()
-    assert "calibrating the prefill rate here" in banner and '/health says "starting"' in banner
+    assert "calibrating the prefill and decode rates here" in banner and '/health says "starting"' in banner
     assert "calibrated in" in nodaemon.log.read_text()
 
     daemon = loopback_daemon(tmp_path / "withdaemon")

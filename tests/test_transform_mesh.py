@@ -115,6 +115,8 @@ def test_cache_show_prints_each_layer_codec_and_the_prefixes_it_serves(coded):
     }
     text = cli("cache", "show", cache_id, "--store", store).stdout
     assert f"serves       its prefix of {n:,} tokens and every multiple of 128 up to {longest:,}\n" in text
+    # A coded layer's rows are not one per token: the entry is stored and sent whole, and says so.
+    assert "stored       whole (layer 0 is " in text
     assert all(layer["codec"].startswith("transform k ") for layer in layers)
     manifest = CacheStore(store).manifest(cache_id)
     assert [layer["bytes"] for layer in layers] == [layer.tensors[0].nbytes for layer in manifest.layers]

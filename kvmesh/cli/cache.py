@@ -87,7 +87,14 @@ def known_names(args: Args) -> Callable[[Any], str]:
 def show(args: Args) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from kvmesh.codec.manifest import CODEC_NAMES, compression_name, layer_report, served_prefixes, served_text
+    from kvmesh.codec.manifest import (
+        CODEC_NAMES,
+        compression_name,
+        layer_report,
+        served_prefixes,
+        served_text,
+        storage_text,
+    )
 
     store, cache_id = stored(args)
     manifest = store.manifest(cache_id)
@@ -109,6 +116,7 @@ def show(args: Args) -> int:
         quality = manifest.quality
         print(f"  quality      {quality.metric} {quality.value:.4f} nats/token over its last {quality.tokens} tokens")
     print(f"  serves       {served_text(served)}")
+    print(f"  stored       {storage_text(manifest)}")
     for row in layers:
         if "arrays" in row:
             held = "arrays " + " ".join("x".join(map(str, shape)) for shape in row["arrays"])

@@ -204,7 +204,7 @@ def stored(args: Args) -> tuple[Any, str]:
 def mesh_credentials(args: Args) -> Any:
     """This node's mesh credentials (renewed if due), if it has joined a mesh: for commands that dial peers.
     A node without an id has joined none, and none is made for it (its data dir may be read-only)."""
-    from kvmesh.net.credentials import renew_if_due
+    from kvmesh.net.mesh.enrolment import renew_if_due
     from kvmesh.net.node_id import stored_node_id
 
     own = stored_node_id(data_dir(args))

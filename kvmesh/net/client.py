@@ -3,7 +3,7 @@
 `fetch` is manifest first: it checks the manifest against the local model and prompt, and only
 once the caller accepts do chunks move, handed over as they arrive, parsed from their frames, the
 trailer checked after the last. The client keeps nothing: whoever decodes the chunks (and checks
-each one as it does) stores them, `kvmesh.generation.fetch_cache`. So the network needs no MLX.
+each one as it does) stores them, `kvmesh.reuse.fetch.fetch_cache`. So the network needs no MLX.
 """
 
 import functools
@@ -23,9 +23,9 @@ from kvmesh.codec.compat import ReceiverProfile, check_manifest
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, tokens_served
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
 from kvmesh.net.addresses import peer_address
-from kvmesh.net.credentials import MeshCredentials
 from kvmesh.net.flow import IdleWatch
 from kvmesh.net.held import held_indices, held_tokens, local_chunks
+from kvmesh.net.mesh.credentials import MeshCredentials
 from kvmesh.net.messages import (
     accept,
     check_trailer,

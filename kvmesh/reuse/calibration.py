@@ -13,8 +13,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from kvmesh.caches.prefill import prefill, run_prompt, time_prefills
-from kvmesh.caches.presses import make_press
+from kvmesh.caches.prefill import run_prompt, time_prefills
+from kvmesh.caches.presses import Press, make_press
 from kvmesh.codec.basis import fit_basis
 from kvmesh.codec.calibration import full_attention_layers
 from kvmesh.codec.coded import TransformCoding, transform_code
@@ -26,8 +26,10 @@ from kvmesh.codec.transform import layers_of_cache
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.reuse.rates import Decoding, Rates
 
-# The cache the decoders are timed on: long enough that per-chunk costs are a small share.
-DECODE_SAMPLE_TOKENS = 512
+# The cache the decoders are timed on: long enough that per-chunk costs are a small share, short
+# enough that its one prefill costs a server's start little (512 tokens and three prefills took
+# 4.4 s of a tiny model's start here; this, one prefill of 256, about a second).
+DECODE_SAMPLE_TOKENS = 256
 
 
 def ensure_calibrated(
@@ -53,11 +55,11 @@ def measure_decoding(model: nn.Module, model_fp: ModelFingerprint, tokens: int =
     """This machine's decode rate of the model's caches in each codec (bytes on the wire per second),
     timed on a cache of `tokens` arbitrary tokens, and the size of a basis of the model's geometry."""
     prompt = [1 + i % 97 for i in range(tokens)]
-    full = prefill(model, prompt).cache
+    fresh, _, _ = run_prompt(model, prompt)  # mlx-lm's own caches, run once: every copy is made of them
+    full = Press().apply(fresh)
     rates = {"full": decode_rate(full, model_fp, prompt)}
     quantize = make_press("quantize", {"kv_bits": 8})
-    rates["quantized"] = decode_rate(prefill(model, prompt, quantize).cache, model_fp, prompt, quantize)
-    fresh, _, _ = run_prompt(model, prompt)  # mlx-lm's own caches: what a basis is fitted on
+    rates["quantized"] = decode_rate(quantize.apply(fresh), model_fp, prompt, quantize)
     layers = full_attention_layers(model, fresh)
     if not layers:  # nothing the transform codec codes in this model
         return Decoding(rates)

@@ -78,7 +78,13 @@ def fetch_cache(
     """
     start = time.perf_counter()
     fetch = client.fetch(
-        cache_id, profile, num_tokens=num_tokens, progress=progress, idle_timeout=idle_timeout, deadline=deadline
+        cache_id,
+        profile,
+        num_tokens=num_tokens,
+        progress=progress,
+        idle_timeout=idle_timeout,
+        deadline=deadline,
+        held_from=store,  # the first blocks this store holds already stay home: only the rest travel
     )
     with fetch:
         manifest = fetch.manifest

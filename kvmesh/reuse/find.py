@@ -19,7 +19,7 @@ from kvmesh.codec.decode import decode_chunks
 from kvmesh.errors import CacheRejected, IntegrityError, PeerError, StoreError
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient, Progress
-from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.mesh.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.reuse.fetch import Fetched, fetch_cache
 from kvmesh.reuse.rates import Rates

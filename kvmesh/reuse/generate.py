@@ -10,7 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvmesh.caches.prefill import generate_from_cache, greedy
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import Progress
-from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.mesh.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.reuse.calibration import ensure_calibrated
 from kvmesh.reuse.find import find_prefix

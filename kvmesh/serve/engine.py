@@ -33,7 +33,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 
-from kvmesh.reuse.calibration import ensure_calibrated as calibrate
+from kvmesh.reuse.calibration import ensure_calibrated
 from kvmesh.reuse.records import CachedPrefix
 from kvmesh.serve.batch import Batch, batchable, batchable_model, merge_ready
 from kvmesh.serve.jobs import (  # (the engine's vocabulary: importers take it from here too)
@@ -218,13 +218,17 @@ class Engine:
         self._stage(job, "waiting")
         self._jobs.put(job)
 
+    def _announce_calibration(self) -> None:
+        log.info("calibrating this machine's prefill and decode rates (a few prefills) before the first request")
+        self.doing = "calibrating this machine's prefill and decode rates"
+
     def _run(self) -> None:
         rates = self.prompt_cache.rates
-        if rates is not None and rates.prefill_model(self.prompt_cache.model_fp.model_id) is None:
-            log.info("calibrating this machine's prefill rate (a few prefills) before the first request")
-            self.doing = "calibrating this machine's prefill rate"
-            start = time.monotonic()
-            calibrate(self.model, self.prompt_cache.model_fp, rates)  # before the first request's choice
+        start = time.monotonic()
+        # Before the first request's choice: what is not measured yet here is measured now.
+        if rates is not None and ensure_calibrated(
+            self.model, self.prompt_cache.model_fp, rates, announce=self._announce_calibration
+        ):
             log.info("calibrated in %.1f s", time.monotonic() - start)
         self.ready.set()
         batch = (
@@ -358,9 +362,11 @@ class Engine:
             )
 
     def _complete(self, job: Job, output: Output, hit: CachedPrefix, cache: list[Any] | None) -> None:
-        """A job's end: the rest of its text, its cache kept, then Done (and its log line). The text
-        is out first; the request completes once its cache is kept, so that the next request, here
-        or on any peer, finds it. A job that ended in its prefill (`cache` None) only leaves."""
+        """A job's end: the rest of its text, its cache kept in memory, Done (and its log line), then
+        its cache kept in the store. Memory has it before the request completes, so that the next
+        request here finds it; the store's write (for peers, and for after a restart) comes after
+        the answer, which never waits for a disk. A job that ended in its prefill (`cache` None)
+        only leaves."""
         self._release(job)
         if cache is None:
             if self._stopping.is_set():
@@ -371,8 +377,6 @@ class Engine:
         covered = self.prompt_cache.insert(
             job.tokens + output.generated, cache, partition=job.partition, client=job.client
         )
-        if job.partition is None:  # a salted request's cache stays in its own partition of memory
-            self.prompt_cache.persist(covered, cache)
         done = output.done(hit)
         self._served += 1
         log.info(
@@ -390,3 +394,12 @@ class Engine:
             output.tokens_per_second(),
         )
         job.put(done)
+        if job.partition is None:  # a salted request's cache stays in its own partition of memory
+            start = time.monotonic()
+            if self.prompt_cache.persist(covered, cache):
+                log.info(
+                    "kept request %d's cache of %d tokens in the store (%.3f s)",
+                    self._served,
+                    len(covered),
+                    time.monotonic() - start,
+                )

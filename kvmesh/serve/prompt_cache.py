@@ -4,7 +4,7 @@ Memory is mlx-lm's own `LRUPromptCache` (`MemoryTier`): the caches of recent req
 completion) as mlx-lm left them, bounded in bytes and in number, least recently used first out; a
 cache there also serves a shorter prefix of itself where trimming a copy gives exactly that prefix's
 cache (`kvmesh.caches.kinds.trims_exactly`). What memory lacks is looked up in the local store and
-on the mesh's peers (`kvmesh.generation.find_prefix`: manifest first, block hashes only). After a
+on the mesh's peers (`kvmesh.reuse.find.find_prefix`: manifest first, block hashes only). After a
 request its cache goes back to memory, and, when it covers at least `min_store_tokens`, into the local store too, where
 every peer can find it.
 
@@ -48,7 +48,7 @@ from kvmesh.compat import prompt_cache as compat
 from kvmesh.compression import compress
 from kvmesh.errors import KvmeshError
 from kvmesh.model.fingerprint import ModelFingerprint
-from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.mesh.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.reuse.find import find_prefix
 from kvmesh.reuse.rates import Rates
@@ -270,13 +270,14 @@ class MeshPromptCache:
             self.memory.insert_cache(partition, list(covered), cache, owner=client)
         return covered
 
-    def persist(self, tokens: tuple[int, ...], cache: list[Any]) -> None:
-        """Keep a cache of at least `min_store_tokens` in the local store too, where peers find it."""
+    def persist(self, tokens: tuple[int, ...], cache: list[Any]) -> bool:
+        """Keep a cache of at least `min_store_tokens` in the local store too, where peers find it:
+        whether this call wrote it (by blocks, a conversation's next turn writes only its new ones)."""
         if self.store is None or len(tokens) < self.min_store_tokens:
-            return
+            return False
         match = self.store.lookup(self.model_fp.model_id, tokens)
         if match is not None and match.tokens == len(tokens):
-            return  # already there
+            return False  # already there
         try:
             pressed = self.press.apply(cache)
             loss = tail_kl(self.model, cache, pressed, tokens) if self.press.lossy and self.model else None
@@ -286,3 +287,5 @@ class MeshPromptCache:
             self.store.add(*encode_cache(pressed, self.model_fp, list(tokens), self.press, tail_kl=loss))
         except KvmeshError as e:  # a full disk or a budget: memory still has it
             log.warning("not kept in the store: %s", e)
+            return False
+        return True

@@ -27,7 +27,7 @@ from kvmesh.compression import model_basis
 from kvmesh.errors import KvmeshError
 from kvmesh.model.loaded import LoadedModel, context_length, local_model_dir
 from kvmesh.net.addresses import host_port
-from kvmesh.net.credentials import MeshCredentials
+from kvmesh.net.mesh.credentials import MeshCredentials
 from kvmesh.reuse.rates import Rates
 from kvmesh.serve.connections import ConnectionGuard, descriptor_backlog, guarded_protocol
 from kvmesh.serve.engine import Engine
@@ -111,7 +111,10 @@ def build_app(
         aliases=frozenset({Path(model_path).name, model_path, fp.model_id, fp.repo_id} - {""}),
         context_length=context_length(local_model_dir(model_path)),
     )
-    calibrating = prompt_cache.rates is not None and prompt_cache.rates.prefill_model(fp.model_id) is None
+    rates = prompt_cache.rates
+    calibrating = rates is not None and (
+        rates.prefill_model(fp.model_id) is None or rates.decoding(fp.model_id) is None
+    )
     engine = Engine(model, tokenizer, prompt_cache, max_held=options.max_requests)
     app = make_app(
         engine,
@@ -172,7 +175,9 @@ def serve(
     limit = f"up to {options.max_tokens}" if options.max_tokens else "to the end of the context"
     announce(f"  a request without max_tokens generates {limit} ({served.context_length:,} tokens in all)")
     if serving.calibrating:
-        announce('  calibrating the prefill rate here (once): /health says "starting" until done; requests wait')
+        announce(
+            '  calibrating the prefill and decode rates here (once): /health says "starting" until done; requests wait'
+        )
     try:
         server.run(sockets=sockets)
     finally:

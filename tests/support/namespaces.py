@@ -14,8 +14,6 @@ import signal
 import subprocess
 import sys
 
-from support.mesh import make_mesh as make_mesh  # scripts/bench_choice.py, bench_link.py call it here
-
 SERVER_IP, CLIENT_IP = "10.78.0.1", "10.78.0.2"
 
 
