@@ -17,6 +17,7 @@ from kvmesh.store.artifacts import artifact_store
 from kvmesh.v1 import cache_pb2 as pb
 from support.daemons import Daemons
 from support.processes import cli
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -139,6 +140,7 @@ def test_serve_compress_keeps_its_caches_transform_coded(tiny_dir, tmp_path):
         messages = [{"role": "user", "content": PROMPT}]
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
         store = CacheStore(data / "store")
+        wait_for(lambda: store.entries(), 60, what="the coded cache kept after the answer")
         (entry,) = store.entries()
         manifest = store.manifest(entry.cache_id)
         assert manifest.artifacts and all(layer.kind == pb.CACHE_KIND_TRANSFORM_KV for layer in manifest.layers)

@@ -77,6 +77,9 @@ PREFILL_STEP = 512
 LOOKUP_THREADS = 8
 # What a refused client is told to wait before trying again (seconds, the Retry-After header).
 RETRY_AFTER_S = 1
+# How long a stop waits for the store's write of an answered request's cache (it follows the answer):
+# a write of a long conversation's new blocks takes a fraction of a second, a `--compress` one seconds.
+STORE_WRITE_GRACE_S = 30.0
 
 
 class Busy(Exception):
@@ -114,6 +117,7 @@ class Engine:
         # id(job) -> (job, "lookup" | "waiting" | "generating"); a Place counts as "lookup"
         self._held: dict[int, tuple[Job | Place, str]] = {}
         self._stopping = threading.Event()
+        self._writing = threading.Event()  # set while an answered request's cache goes to the store
         # Set once the engine can answer (after calibration): /health says "starting" until then.
         self.ready = threading.Event()
         self._served = 0
@@ -179,10 +183,15 @@ class Engine:
             if not job.cancelled.is_set():
                 job.put(Abandoned("the server is stopping"))
 
-    def close(self, timeout: float = 1.0) -> bool:
-        """Stop, and wait for the generation thread: whether it ended within `timeout` seconds."""
+    def close(self, timeout: float = 1.0, *, write_grace: float = STORE_WRITE_GRACE_S) -> bool:
+        """Stop, and wait for the generation thread: whether it ended within `timeout` seconds, or
+        within `write_grace` more while it keeps an answered request's cache in the store (a stop
+        right after an answer keeps its cache, as when the answer waited for the write)."""
         self.stop()
         self._thread.join(timeout=timeout)
+        if self._thread.is_alive() and self._writing.is_set():
+            log.info("finishing the store's write of an answered request's cache before stopping")
+            self._thread.join(timeout=write_grace)
         return not self._thread.is_alive()
 
     def _drop(self, job: Job) -> None:
@@ -396,7 +405,13 @@ class Engine:
         job.put(done)
         if job.partition is None:  # a salted request's cache stays in its own partition of memory
             start = time.monotonic()
-            if self.prompt_cache.persist(covered, cache):
+            self.doing = "keeping an answered request's cache in the store"
+            self._writing.set()
+            try:
+                kept = self.prompt_cache.persist(covered, cache)
+            finally:
+                self._writing.clear()
+            if kept:
                 log.info(
                     "kept request %d's cache of %d tokens in the store (%.3f s)",
                     self._served,
