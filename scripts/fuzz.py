@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run the fuzz harness (tests/test_fuzz.py) for longer than the test suite does.
+"""Run the fuzz harness (tests/unit/codec/test_fuzz.py) for longer than the test suite does.
 
     scripts/dev run python scripts/fuzz.py [--examples 20000]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the protobuf and gRPC stubs in kvmesh/v1/ from proto/kvmesh/v1/*.proto.
 
-Run after editing a .proto file and commit the result; tests/test_proto_stubs.py fails when the
+Run after editing a .proto file and commit the result; tests/unit/net/test_proto_stubs.py fails when the
 committed stubs differ from what this script generates.
 """
 

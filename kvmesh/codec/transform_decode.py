@@ -12,7 +12,7 @@ copy of its numbers.
 
 The floats are those of the NumPy decoder that came before it, on any device: the same products,
 each product and sum of the rotation its own float32 operation, the same conversions
-(`tests/test_transform_decoder.py` checks them against it).
+(`tests/unit/codec/test_transform_decoder.py` checks them against it).
 """
 
 from collections.abc import Sequence

@@ -1,4 +1,4 @@
-"""Every use kvmesh makes of mlx-lm's private names, each checked by tests/test_compat_names.py.
+"""Every use kvmesh makes of mlx-lm's private names, each checked by tests/unit/model/test_compat_names.py.
 
 mlx-lm's public API lacks what kvmesh needs in five places: a base class for caches of its own, the
 model classes of a config (to build a model from random weights), a sliding-window layer's write

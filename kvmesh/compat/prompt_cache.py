@@ -1,5 +1,5 @@
 """Every use kvmesh makes of the private parts of mlx-lm's `LRUPromptCache`, each checked by
-tests/test_serve_compat.py.
+tests/unit/serve/test_serve_compat.py.
 
 The server's memory tier (kvmesh.serve.prompt_cache.MemoryTier) is mlx-lm's prompt cache, which
 lacks three things in public: how many tokens of a prompt an entry serves without copying it (its

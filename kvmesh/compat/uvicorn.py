@@ -1,4 +1,4 @@
-"""Every use kvmesh makes of uvicorn's private names, each checked by tests/test_serve_compat.py
+"""Every use kvmesh makes of uvicorn's private names, each checked by tests/unit/serve/test_serve_compat.py
 (uvicorn is pinned to the minor version they were checked against, in pyproject.toml).
 
 The server bounds its connections (kvmesh.serve.connections) by subclassing uvicorn's h11 protocol,

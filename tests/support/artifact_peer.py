@@ -8,7 +8,7 @@ streams as zeros, so a receiver that asks gets every byte announced.
 
 Each Artifact call appends `<sha256> <bytes sent>` to FILE once it ends. It prints `listening on
 127.0.0.1:PORT` once it serves (plaintext, on loopback) and serves until killed. Used by
-tests/test_poisoned_basis.py and for the figures of issue 32.
+tests/unit/codec/test_poisoned_basis.py and for the figures of issue 32.
 """
 
 import argparse

@@ -5,7 +5,7 @@ candidates, stalls before it answers a fetch, or trickles the chunks of a real c
     python tests/support/hostile_peer.py --store DIR [--bogus N] [--stall SECONDS] [--trickle SECONDS]
 
 It prints `listening on 127.0.0.1:PORT` once it serves (plaintext, on loopback: the receivers in
-the tests are local) and serves until killed. Used by tests/test_misbehaving_member.py and the soak.
+the tests are local) and serves until killed. Used by tests/scenario/test_misbehaving_member.py and the soak.
 """
 
 import argparse

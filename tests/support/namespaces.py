@@ -1,7 +1,7 @@
 """Hosts on one machine in network namespaces: two joined by a veth pair whose sending side can be
 limited to a link rate with `tbf` (the benchmarks: each namespace has its own network stack, so
 traffic between them crosses a real link, TLS and all, as between two hosts), or several on one
-bridge (tests/test_netns.py).
+bridge (tests/scenario/test_netns.py).
 
 Needs Linux, root and iproute2. Every name carries the caller's prefix, and `down` removes exactly
 what `up` made (also after a failure); nothing touches the host's own network.

@@ -1,7 +1,7 @@
 """Stores that hold transform-coded caches whose basis is poisoned (NaN, inf or huge numbers, each
 with the digest of its own bytes, so a digest check alone passes it), written past the store's
 checks as a liar or an older kvmesh keeps them; and the peers (support.artifact_peer processes)
-that serve them unchecked. Used by scripts/soak.py; the same poisons as tests/test_poisoned_basis.py.
+that serve them unchecked. Used by scripts/soak.py; the same poisons as tests/unit/codec/test_poisoned_basis.py.
 """
 
 import json

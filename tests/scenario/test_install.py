@@ -4,13 +4,12 @@ virtual environment puts a working `kvmesh` on that environment's PATH."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from support.checkout import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 
 def test_pip_install_of_the_checkout_gives_a_working_kvmesh(tmp_path):

@@ -106,7 +106,7 @@ def test_load_prompt_cache_rebuilds_a_registered_class(tmp_path):
 def test_mlx_lm_utils_still_sets_the_descriptor_limit_as_it_is_imported():
     """tolerate_mlx_lm_descriptor_limit wraps the import of mlx_lm.utils: it must still be the module
     that sets the limit, at import, and be found by the path finder as a source file (the whole
-    path, a low hard limit and a model loaded under it, is tests/test_store_environment.py's)."""
+    path, a low hard limit and a model loaded under it, is tests/unit/store/test_store_environment.py's)."""
     package = importlib.util.find_spec("mlx_lm")
     assert package is not None
     spec = importlib.machinery.PathFinder.find_spec(compat.MLX_LM_UTILS, package.submodule_search_locations)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import kvmesh
+from support.checkout import ROOT
 from support.processes import ENV, cli
 
-ROOT = Path(__file__).resolve().parent.parent
 # Everything below the CLI that handles no arrays: the daemon imports only these.
 MLX_FREE = [
     "kvmesh",

@@ -1,6 +1,6 @@
 """The public API's shape: the facade's three lists name the same things, options are passed by
 keyword, and the network client hands whoever decodes the chunks only what it checked itself: the
-frames, and a trailer that must state what the manifest announced (tests/test_layers.py checks that
+frames, and a trailer that must state what the manifest announced (tests/unit/test_layers.py checks that
 it loads no MLX)."""
 
 import ast

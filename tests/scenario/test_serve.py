@@ -359,7 +359,7 @@ def test_two_servers_share_a_long_system_prompt_over_the_mesh(tiny, tiny_dir, ht
     second = tokenizer.apply_chat_template(other, add_generation_prompt=True)
     shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
     assert mesh["prefix_from"] == f"peer {daemon.address}" and mesh["wire_bytes"] > 0 and mesh["cache_id"]
-    # The names `kvmesh generate --json` gives too (tests/test_cli.py).
+    # The names `kvmesh generate --json` gives too (tests/scenario/test_cli.py).
     assert {"prefix_tokens", "prefix_s", "skipped", "fetch_or_prefill"} <= set(mesh) and "choices" not in mesh
     # A's cache of its whole conversation serves B the block-aligned part of the prefix they share.
     assert answer.usage.prompt_tokens_details.cached_tokens == shared // 128 * 128 > 0
@@ -368,7 +368,7 @@ def test_two_servers_share_a_long_system_prompt_over_the_mesh(tiny, tiny_dir, ht
 
 def test_a_frozen_peer_costs_the_idle_timeout_not_an_error(tiny, tiny_dir, tiny_fp, http_server, tmp_path):
     # A's store holds the cache of the whole conversation; its daemon is frozen (SIGSTOP) when B asks.
-    # (A freeze in the middle of a transfer: tests/test_reliability.py.)
+    # (A freeze in the middle of a transfer: tests/scenario/test_reliability.py.)
     model, tokenizer = tiny
     messages = [{"role": "system", "content": SYSTEM}, *QUESTION]
     tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

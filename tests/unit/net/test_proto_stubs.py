@@ -1,9 +1,8 @@
 """The committed stubs in kvmesh/v1 must be what scripts/gen_proto.py generates from proto/."""
 
 import importlib.util
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support.checkout import ROOT
 
 
 def load_generator():

@@ -10,15 +10,15 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvmesh.cli import build_parser
+from support.checkout import ROOT
 from support.daemons import start_server
 from support.processes import ENV
 
-README = Path(__file__).parent.parent / "README.md"
+README = ROOT / "README.md"
 
 
 def blocks(language: str) -> list[str]:

@@ -92,7 +92,7 @@ def test_without_the_basis_anywhere_the_cache_is_refused_with_its_reason(coded, 
         stats = client.info().transfers
     assert stats.chunk_bytes_sent == 0 and stats.fetches_rejected == 1
     # A daemon without the basis refuses a publish of such a cache at once, and stores nothing (one
-    # that holds the cache already is sent nothing: d answers so, tests/test_cli_transfers.py).
+    # that holds the cache already is sent nothing: d answers so, tests/scenario/test_cli_transfers.py).
     empty = tmp_path / "e-store"
     e = daemons.start(tmp_path / "e.data", "--store", empty)
     published = cli("publish", cache_id, e.address, "--store", store_a, data_dir=tmp_path / "me", check=False)

@@ -432,7 +432,7 @@ def test_cli_mistakes_are_one_line_each(tiny_dir, tmp_path):
     token = cli("mesh", "token", data_dir=tmp_path / "m2").stdout.strip().splitlines()[0]
     before = (tmp_path / "m1" / "mesh" / "trust.pem").read_bytes()
     # Refused before anything is dialled (port 9 has no listener): leaving a mesh takes --replace
-    # (tests/test_membership.py joins with it).
+    # (tests/scenario/test_membership.py joins with it).
     joined = cli("mesh", "join", token, "127.0.0.1:9", data_dir=tmp_path / "m1", check=False)
     assert joined.returncode == 1 and "already belongs to a mesh" in joined.stderr
     assert (tmp_path / "m1" / "mesh" / "trust.pem").read_bytes() == before
