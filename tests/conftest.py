@@ -17,19 +17,10 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 PROCESS_FIXTURES = {"daemons", "serve", "http_server", "daemon_a"}
 
 
-# Under pytest-xdist (`-n 2 --dist loadgroup`), tests that must not run beside each other share a
-# group, which one worker runs one test after another: daemons that advertise over mDNS on this host
-# find every other test's advertising daemons too.
-SERIAL_GROUPS = {"test_daemon.py": "mdns", "test_hostile_lan.py": "mdns"}
-
-
 def pytest_collection_modifyitems(config, items):
-    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        if grouped and (group := SERIAL_GROUPS.get(item.path.name)):
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 # What a test starts on purpose: Python (a child script, the example, mlx-lm's command), the kvmesh
