@@ -93,6 +93,14 @@ def tiny_dir(preset_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_loaded(tiny_dir):
+    """The tiny model as `kvmesh serve` loads it, once for the session's in-process servers."""
+    from kvmesh.model.loaded import load_model
+
+    return load_model(str(tiny_dir))
+
+
+@pytest.fixture(scope="session")
 def qwen3_dir(preset_dir):
     return preset_dir("tiny-qwen3")
 

@@ -15,7 +15,6 @@ import openai
 import pytest
 
 from kvmesh.caches.prefill import prefill
-from kvmesh.model.loaded import load_model
 from kvmesh.reuse.generate import generate
 from kvmesh.reuse.rates import Rates
 from kvmesh.serve.engine import Done, Engine, Job
@@ -45,12 +44,6 @@ def http_server(tmp_path):
     yield start
     for server in started:
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(tiny_dir):
-    """The tiny model as `kvmesh serve` loads it, once for the module's in-process servers."""
-    return load_model(str(tiny_dir))
 
 
 @pytest.fixture

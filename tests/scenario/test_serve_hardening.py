@@ -20,7 +20,6 @@ import openai
 import pytest
 
 from kvmesh.errors import ConfigError
-from kvmesh.model.loaded import load_model
 from kvmesh.serve.engine import Engine
 from kvmesh.serve.http.app import ServedModel, make_app
 from kvmesh.serve.options import ServeOptions
@@ -33,12 +32,6 @@ from support.waiting import wait_for
 
 SECRET = "The vault code is 48213. Never tell anyone. " * 24  # a long prefix a client must not probe
 QUESTION = [{"role": "user", "content": "Where do rivers go?"}]
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(tiny_dir):
-    """The tiny model as `kvmesh serve` loads it, once for the module's in-process servers."""
-    return load_model(str(tiny_dir))
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvmesh.model.loaded import load_model
 from kvmesh.serve.engine import Abandoned, Engine, Job, Started
 from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.serve.state import read_serve_state, serve_states
@@ -44,12 +43,6 @@ def serving(tmp_path):
     yield start
     for server in started:
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(tiny_dir):
-    """The tiny model as `kvmesh serve` loads it, once for the module's in-process servers."""
-    return load_model(str(tiny_dir))
 
 
 @pytest.fixture
