@@ -6,9 +6,10 @@ import pytest
 
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
-from kvmesh.codec.decode import CacheDecoder, decode_chunks
+from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.prefix import BLOCK_SIZE
 from kvmesh.net.client import PeerClient
+from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.store import CacheStore
 from support.references import same_tensors
 from support.stores import put
@@ -23,12 +24,13 @@ def turns(tiny, long_ids):
 
 
 def fetch_into(store: CacheStore, address: str, cache_id: str, profile: ReceiverProfile):
-    """Fetch a cache into `store` as kvmesh.reuse's fetch_cache does, with the store's held blocks:
-    (the manifest stored, the decoded cache, chunk bytes on the wire)."""
-    with PeerClient(address) as client, client.fetch(cache_id, profile, held_from=store) as transfer:
-        decoder = CacheDecoder(transfer.manifest, {})
-        manifest = store.add(transfer.manifest, decoder.feed_iter(transfer.chunks()))
-        return manifest, decoder.finish(), transfer.wire_bytes
+    """Fetch a cache into `store` the way generate and serve do (kvmesh.reuse.fetch.fetch_cache, which
+    leaves home the blocks the store holds): (the manifest stored, the decoded cache, chunk bytes
+    on the wire)."""
+    with PeerClient(address) as client:
+        fetched = fetch_cache(client, cache_id, profile, store=store)
+    assert fetched.kept
+    return fetched.manifest, fetched.cache, fetched.wire_bytes
 
 
 def test_a_peer_holding_turn_4_fetches_only_turn_5s_new_blocks(turns, long_ids, tiny_fp, grpc_peers, tmp_path):
