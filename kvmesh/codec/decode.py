@@ -159,6 +159,10 @@ class CacheDecoder:
         except (BasisError, TransformCodecError) as e:
             # Its bytes matched their checksums: the sender coded it wrong, or with another basis.
             raise IntegrityError(f"a transform-coded layer does not decode: {e}") from None
+        except MemoryError:
+            raise
+        except Exception as e:  # a blob consistent with its checksums whose content MLX cannot take
+            raise IntegrityError(f"a transform-coded layer does not decode: {type(e).__name__}: {e}") from None
 
     def _write(self, chunk: Chunk, raw: Raw) -> None:
         slot = self.checker.plan[chunk.index]

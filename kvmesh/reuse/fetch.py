@@ -3,7 +3,7 @@
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvmesh.codec.arrays import Layer
@@ -97,12 +97,15 @@ def fetch_cache(
             store = None  # decode it all the same, without keeping it
         decoder = CacheDecoder(manifest, bases)
         arrived = Arrivals(start, start)
-        decoded = decoder.feed_iter(timed(fetch.chunks(), arrived))
+        decoded = decoder.feed_iter(timed(fetch.chunks(), arrived, fetch.held))
         if store is not None:
-            manifest = store.add(manifest, decoded)
-        else:
-            for _ in decoded:
-                pass
+            try:
+                manifest = store.add(manifest, decoded)
+            except StoreError as e:  # the store failed, not the cache: it is decoded all the same
+                log.warning("the fetched cache is used but not kept: %s", e)
+                store = None
+        for _ in decoded:  # (what store.add left: all of it when nothing keeps it)
+            pass
         cache = decoder.finish()
     seconds = time.perf_counter() - start
     return Fetched(
@@ -118,14 +121,17 @@ def fetch_cache(
     )
 
 
-def timed(chunks: Iterable[Chunk], arrived: Arrivals) -> Iterator[Chunk]:
-    """`chunks`, noting in `arrived` when each came."""
-    for i, chunk in enumerate(chunks):
-        arrived.last = time.perf_counter()
-        if i == 0:
-            arrived.first = arrived.last
-        else:
-            arrived.after_first += len(chunk.data)
+def timed(chunks: Iterable[Chunk], arrived: Arrivals, held: Container[int] = ()) -> Iterator[Chunk]:
+    """`chunks`, noting in `arrived` when each that travelled came (the `held` ones, this store's
+    own, come at once: counted, they would flatter the link's rate)."""
+    first = True
+    for chunk in chunks:
+        if chunk.index not in held:
+            arrived.last = time.perf_counter()
+            if first:
+                arrived.first, first = arrived.last, False
+            else:
+                arrived.after_first += len(chunk.data)
         yield chunk
 
 

@@ -402,19 +402,29 @@ class Engine:
             (output.first_token or time.monotonic()) - job.submitted,
             output.tokens_per_second(),
         )
+        stores = job.partition is None  # a salted request's cache stays in its own partition of memory
+        if stores:
+            self._writing.set()  # before the answer is out: a stop that follows the answer waits for it
         job.put(done)
-        if job.partition is None:  # a salted request's cache stays in its own partition of memory
-            start = time.monotonic()
-            self.doing = "keeping an answered request's cache in the store"
-            self._writing.set()
-            try:
-                kept = self.prompt_cache.persist(covered, cache)
-            finally:
-                self._writing.clear()
-            if kept:
-                log.info(
-                    "kept request %d's cache of %d tokens in the store (%.3f s)",
-                    self._served,
-                    len(covered),
-                    time.monotonic() - start,
-                )
+        if stores:
+            self._keep_in_store(covered, cache, self._served)
+
+    def _keep_in_store(self, covered: tuple[int, ...], cache: list[Any], served: int) -> None:
+        """An answered request's cache into the store. Its answer is out and the batch goes on, so
+        whatever goes wrong here reaches no request: it is logged, and memory still has the cache."""
+        start = time.monotonic()
+        self.doing = "keeping an answered request's cache in the store"
+        try:
+            kept = self.prompt_cache.persist(covered, cache)
+        except Exception:
+            log.exception("request %d's cache was not kept in the store", served)
+            kept = False
+        finally:
+            self._writing.clear()
+        if kept:
+            log.info(
+                "kept request %d's cache of %d tokens in the store (%.3f s)",
+                served,
+                len(covered),
+                time.monotonic() - start,
+            )

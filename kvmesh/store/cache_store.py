@@ -196,6 +196,13 @@ class CacheStore:
                     raise StoreError(
                         f"the cache takes {file_bytes:,} bytes, more than the store's budget of {self.max_bytes:,}"
                     )
+                # Its own bytes and the files whose blocks it shares: no eviction can free those.
+                kept = file_bytes + self.index.kept_alive_bytes(writer.refs) if writer.refs else file_bytes
+                if self.max_bytes is not None and kept > self.max_bytes:
+                    raise StoreError(
+                        f"the cache keeps {kept:,} bytes on disk with the blocks it shares, more than the "
+                        f"store's budget of {self.max_bytes:,}"
+                    )
                 path = self.layout.path(manifest.cache_id)
                 written = Written(tmp.name, writer.refs, writer.referred, writer.new)
                 self.index.add_file(manifest, path, source=tmp, written=written)
@@ -278,16 +285,22 @@ class CacheStore:
         path = self.layout.path(cache_id)
         try:
             with open(path, "rb") as f, ExitStack() as opened:
-                yield from entry_file.read_records(f, manifest, f"cache {cache_id}", self._segments(opened))
+                # Every file it refers to opened before the first record: an eviction meanwhile unlinks
+                # them, and an open file outlives its unlink.
+                segments = self._segments(opened, self.index.refs_of(cache_id))
+                yield from entry_file.read_records(f, manifest, f"cache {cache_id}", segments)
         except FileNotFoundError:
-            raise NotFoundError(f"no cache {cache_id} in the store") from None
+            raise NotFoundError(
+                f"no cache {cache_id} in the store (or the blocks it shares went with an eviction)"
+            ) from None
         except IntegrityError as e:
             self._quarantine(path, str(e))
             raise
         self.touch(cache_id)
 
-    def _segments(self, opened: ExitStack) -> entry_file.Segments:
-        """Opens the entry files a blockwise entry refers to, each once, closed with `opened`."""
+    def _segments(self, opened: ExitStack, now: list[str]) -> entry_file.Segments:
+        """Opens the entry files a blockwise entry refers to, each once, closed with `opened`: those
+        `now` at once (a missing one raises FileNotFoundError here), any other when first read."""
         files: dict[str, BinaryIO] = {}
 
         def segment(cache_id: str) -> BinaryIO:
@@ -295,6 +308,8 @@ class CacheStore:
                 files[cache_id] = opened.enter_context(open(self.layout.path(cache_id), "rb"))  # noqa: SIM115
             return files[cache_id]
 
+        for cache_id in now:
+            segment(cache_id)
         return segment
 
     def verify(self, cache_id: str) -> None:

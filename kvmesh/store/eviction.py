@@ -20,6 +20,10 @@ UNUSED_SQL = """
     AND cache_id NOT IN (SELECT segment FROM refs) AND cache_id NOT IN (SELECT segment FROM pins)"""
 
 
+# Whether another entry file refers to this one's blocks.
+SHARED_SQL = "SELECT 1 FROM refs WHERE segment = ? LIMIT 1"
+
+
 def remove(layout: Layout, index: Index, db: sqlite3.Connection, cache_id: str) -> bool:
     """In `db`'s write transaction: an entry's rows, and its file unless others refer to its blocks
     (it goes once they no longer do: `collect`); True when it had either."""
@@ -63,13 +67,23 @@ def evict(layout: Layout, index: Index, max_bytes: int | None, *, keep: str = ""
             # Each file once: an entry whose blocks others share frees only what is its own.
             total = db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM segments").fetchone()[0]
             total -= collect(layout, index, db)
-            for cache_id, size in reversed(rows):
-                if total <= max_bytes:
-                    break
-                if cache_id != keep:
+            gone: set[str] = set()
+            # Least recently used first, passing over an entry whose blocks an entry that stays shares
+            # (removing it would free nothing); again while a pass frees something, for the entries
+            # that only the removed ones shared.
+            freeing = True
+            while total > max_bytes and freeing:
+                freeing = False
+                for cache_id, size in reversed(rows):
+                    if total <= max_bytes:
+                        break
+                    if cache_id == keep or cache_id in gone or db.execute(SHARED_SQL, (cache_id,)).fetchone():
+                        continue
                     index.unindex(db, cache_id)
+                    gone.add(cache_id)
                     evicted.append((cache_id, size))
                     total -= collect(layout, index, db)
+                    freeing = True
     except (sqlite3.Error, OSError) as e:
         log.warning(
             "could not evict to keep the store within %s bytes%s: %s",

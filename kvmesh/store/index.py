@@ -211,6 +211,11 @@ class Index:
         with self.read() as db:
             return {row[0] for row in db.execute("SELECT cache_id FROM entries UNION SELECT cache_id FROM segments")}
 
+    def refs_of(self, cache_id: str) -> list[str]:
+        """The entry files whose blocks this entry's file refers to."""
+        with self.read() as db:
+            return [row[0] for row in db.execute("SELECT segment FROM refs WHERE cache_id = ?", (cache_id,))]
+
     def select(self, clause: str, args: tuple = ()) -> list[StoredEntry]:
         with self.read() as db:
             rows = db.execute(f"SELECT {ENTRY_COLUMNS} FROM entries {clause}", args).fetchall()
@@ -362,6 +367,20 @@ class Index:
                 db.execute(TOUCH_SQL, (now_ms(), cache_id))
         except sqlite3.Error as e:
             log.debug("could not record a use of %s: %s", cache_id, e)
+
+    def kept_alive_bytes(self, refs: set[str]) -> int:
+        """The bytes of the entry files `refs` name and of every file they refer to in turn: what a
+        new entry referring to `refs` keeps on the disk besides its own file."""
+        seen: set[str] = set()
+        with self.read() as db:
+            todo = list(refs)
+            while todo:
+                if (segment := todo.pop()) not in seen:
+                    seen.add(segment)
+                    todo += [row[0] for row in db.execute("SELECT segment FROM refs WHERE cache_id = ?", (segment,))]
+            return sum(
+                row[0] for s in seen for row in db.execute("SELECT file_bytes FROM segments WHERE cache_id = ?", (s,))
+            )
 
     def total_bytes(self) -> int:
         with self.read() as db:

@@ -30,6 +30,8 @@ def fetch_into(store: CacheStore, address: str, cache_id: str, profile: Receiver
     with PeerClient(address) as client:
         fetched = fetch_cache(client, cache_id, profile, store=store)
     assert fetched.kept
+    # The link's rate is timed on what travelled: the held chunks, read here at once, would flatter it.
+    assert fetched.stream_bytes < fetched.wire_bytes
     return fetched.manifest, fetched.cache, fetched.wire_bytes
 
 

@@ -10,10 +10,11 @@ import pytest
 
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
+from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.manifest import whole_entry_reason
 from kvmesh.codec.prefix import BLOCK_SIZE
-from kvmesh.errors import NotFoundError
+from kvmesh.errors import NotFoundError, StoreError
 from kvmesh.store import CacheStore
 from support.references import same_tensors
 from support.stores import put
@@ -117,3 +118,44 @@ def test_8_bit_caches_go_by_blocks_too(tiny, long_ids, tiny_fp, tmp_path):
     assert disk_bytes(store) < whole * 0.75  # the two blocks of the first turn are stored once
     for m, (_, cache) in zip(stored, turns, strict=True):
         assert same_tensors(decode_chunks(m, store.chunks(m.cache_id)), cache)
+
+
+def test_eviction_passes_over_entries_whose_blocks_a_staying_entry_shares(turns, tiny, long_ids, tiny_fp, tmp_path):
+    sizes = CacheStore(tmp_path / "probe", max_bytes=None)
+    for tokens, cache in turns:
+        put(sizes, cache, tiny_fp, tokens)
+    conversation = disk_bytes(sizes)
+    store = CacheStore(tmp_path / "store", max_bytes=int(conversation * 1.05))
+    stored = [put(store, cache, tiny_fp, tokens) for tokens, cache in turns]
+    # A newer, unrelated cache puts the store over its budget. Turns 1 to 4 free nothing while the
+    # last turn shares their blocks: only the last turn's own file can go, and the four stay listed
+    # (removing them first, as the oldest, would have emptied the store of the whole conversation).
+    other = long_ids[::-1][:100]
+    newest = put(store, prefill(tiny[0], other).cache, tiny_fp, other)
+    listed = {e.cache_id for e in store.entries()}
+    assert listed == {m.cache_id for m in stored[:-1]} | {newest.cache_id}
+    assert disk_bytes(store) == store.total_bytes() <= store.max_bytes
+    for m, (_, cache) in zip(stored[:-1], turns, strict=False):
+        assert same_tensors(decode_chunks(m, store.chunks(m.cache_id)), cache)
+
+
+def test_a_cache_whose_shared_blocks_outgrow_the_budget_is_refused_whole(turns, tiny_fp, tmp_path):
+    store = CacheStore(tmp_path / "store", max_bytes=None)
+    first = put(store, turns[0][1], tiny_fp, turns[0][0])
+    small = CacheStore(tmp_path / "store", max_bytes=first.encoding.encoded_bytes + 40_000)
+    with pytest.raises(StoreError, match="with the blocks it shares, more than the store's budget"):
+        put(small, turns[1][1], tiny_fp, turns[1][0])
+    assert [e.cache_id for e in small.entries()] == [first.cache_id]  # nothing half-written, nothing lost
+
+
+def test_a_reader_keeps_the_blocks_an_eviction_unlinks_meanwhile(turns, tiny_fp, tmp_path):
+    store = CacheStore(tmp_path / "store", max_bytes=None)
+    first, second, third = (put(store, cache, tiny_fp, tokens) for tokens, cache in turns[:3])
+    store.delete(first.cache_id)
+    store.delete(second.cache_id)  # their files stay: the third turn shares their blocks
+    records = store.chunk_records(third.cache_id)
+    read = [next(records)]
+    CacheStore(tmp_path / "store", max_bytes=None).delete(third.cache_id)  # another writer, meanwhile
+    assert disk_bytes(store) == 0  # every file is unlinked, and yet:
+    read += list(records)
+    assert same_tensors(decode_chunks(third, map(parse_frame, read)), turns[2][1])
