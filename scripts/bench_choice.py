@@ -44,8 +44,6 @@ from kvmesh.paths import rates_file  # noqa: E402
 from kvmesh.store import CacheStore  # noqa: E402
 from kvmesh.store.artifacts import artifact_store  # noqa: E402
 from support import namespaces  # noqa: E402
-from support.daemons import start_daemon  # noqa: E402
-from support.mesh import make_mesh  # noqa: E402
 
 PORT = 7479
 TOLERANCE = 1.10
@@ -148,50 +146,41 @@ def main() -> None:
         store = CacheStore(root / "store")
         stored_copies(model, tokenizer, fp, document, args.lengths, store)
         (root / "tokens.json").write_text(json.dumps(document))
-        server_dir, client_dir = root / "server", root / "client"
-        make_mesh(server_dir, client_dir)
-        with namespaces.Link(f"kvc{os.getpid() % 100000}") as link:
-            daemon = start_daemon(
-                server_dir,
-                *("--store", store.root, "--interface", namespaces.SERVER_IP, "--port", PORT, "--no-discovery"),
-                command=link.in_server(),
-            )
-            try:
-                rates_dir = root / "rates"
-                for i, mbit in enumerate(args.rates):
-                    link.shape(mbit * 1e6)
-                    # A new peer on this link: timed prefills and decoders stay, the link history does not.
-                    peer_rates = root / f"rates-{i}"
-                    peer_rates.mkdir()
-                    if rates_file(rates_dir).exists():
-                        kept = json.loads(rates_file(rates_dir).read_text())
-                        rates_file(peer_rates).write_text(json.dumps({**kept, "links": {}}))
-                    out = subprocess.run(
-                        [
-                            *link.in_client(),
-                            sys.executable,
-                            "-c",
-                            CHILD,
-                            str(model_dir),
-                            f"{namespaces.SERVER_IP}:{PORT}",
-                            str(client_dir),
-                            str(peer_rates),
-                            str(root / "tokens.json"),
-                            json.dumps(args.lengths),
-                        ],
-                        capture_output=True,
-                        text=True,
-                    )
-                    if out.returncode:
-                        sys.exit(f"the client failed: {out.stderr.strip()}")
-                    rates_dir = peer_rates
-                    for line in out.stdout.splitlines():
-                        row = json.loads(line)
-                        table.add_row(*judged(row, mbit))
-                        rows.append(row)
-                        print(f"{mbit:g} Mbit/s, {row['tokens']} tokens: {row['chose']} ({row['why']})")
-            finally:
-                daemon.stop()
+        across = namespaces.member_daemon_across_a_link(root, store.root, f"kvc{os.getpid() % 100000}", PORT)
+        with across as (link, client_dir):
+            rates_dir = root / "rates"
+            for i, mbit in enumerate(args.rates):
+                link.shape(mbit * 1e6)
+                # A new peer on this link: timed prefills and decoders stay, the link history does not.
+                peer_rates = root / f"rates-{i}"
+                peer_rates.mkdir()
+                if rates_file(rates_dir).exists():
+                    kept = json.loads(rates_file(rates_dir).read_text())
+                    rates_file(peer_rates).write_text(json.dumps({**kept, "links": {}}))
+                out = subprocess.run(
+                    [
+                        *link.in_client(),
+                        sys.executable,
+                        "-c",
+                        CHILD,
+                        str(model_dir),
+                        f"{namespaces.SERVER_IP}:{PORT}",
+                        str(client_dir),
+                        str(peer_rates),
+                        str(root / "tokens.json"),
+                        json.dumps(args.lengths),
+                    ],
+                    capture_output=True,
+                    text=True,
+                )
+                if out.returncode:
+                    sys.exit(f"the client failed: {out.stderr.strip()}")
+                rates_dir = peer_rates
+                for line in out.stdout.splitlines():
+                    row = json.loads(line)
+                    table.add_row(*judged(row, mbit))
+                    rows.append(row)
+                    print(f"{mbit:g} Mbit/s, {row['tokens']} tokens: {row['chose']} ({row['why']})")
     Console(width=160).print(table)
     good = sum(r["ok"] for r in rows)
     print(

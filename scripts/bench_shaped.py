@@ -89,8 +89,6 @@ def shaped(links: list[float], tokens: int) -> None:
     from kvmesh.store import CacheStore
     from kvmesh.store.artifacts import artifact_store
     from support import namespaces
-    from support.daemons import start_daemon
-    from support.mesh import make_mesh
 
     if why := namespaces.missing():
         sys.exit(f"bench_transfer --links: {why}")
@@ -116,48 +114,39 @@ def shaped(links: list[float], tokens: int) -> None:
         artifact_store(store.root).put(basis.to_bytes(), basis.digest)
         (root / "prompt.json").write_text(json.dumps(document[: tokens + 1]))
         copies = [["coded, basis fetched", coded_id], ["coded, basis held", coded_id], ["full", full_id]]
-        server_dir, client_dir = root / "server", root / "client"
-        make_mesh(server_dir, client_dir)
-        with namespaces.Link(f"kvt{os.getpid() % 100000}") as link:
-            daemon = start_daemon(
-                server_dir,
-                *("--store", store.root, "--interface", namespaces.SERVER_IP, "--port", PORT, "--no-discovery"),
-                command=link.in_server(),
-            )
-            try:
-                for mbit in links:
-                    link.shape(mbit * 1e6)
-                    out = subprocess.run(
-                        [
-                            *link.in_client(),
-                            sys.executable,
-                            "-c",
-                            CHILD,
-                            str(model_dir),
-                            f"{namespaces.SERVER_IP}:{PORT}",
-                            str(client_dir),
-                            str(root / "prompt.json"),
-                            json.dumps(copies),
-                        ],
-                        capture_output=True,
-                        text=True,
+        across = namespaces.member_daemon_across_a_link(root, store.root, f"kvt{os.getpid() % 100000}", PORT)
+        with across as (link, client_dir):
+            for mbit in links:
+                link.shape(mbit * 1e6)
+                out = subprocess.run(
+                    [
+                        *link.in_client(),
+                        sys.executable,
+                        "-c",
+                        CHILD,
+                        str(model_dir),
+                        f"{namespaces.SERVER_IP}:{PORT}",
+                        str(client_dir),
+                        str(root / "prompt.json"),
+                        json.dumps(copies),
+                    ],
+                    capture_output=True,
+                    text=True,
+                )
+                if out.returncode:
+                    sys.exit(f"the client failed: {out.stderr.strip()}")
+                for line in out.stdout.splitlines():
+                    row = json.loads(line)
+                    print(json.dumps({"mbit": mbit, **row}))
+                    cells = [f"{row[k]:.2f}" if k in row else "-" for k in ("wire_s", "decode_s", "fetch_s")]
+                    table.add_row(
+                        f"{mbit:g}",
+                        row["copy"],
+                        f"{row['wire_bytes'] / 1e6:.2f}" if "wire_bytes" in row else "-",
+                        f"{row['basis_bytes'] / 1e6:.2f}" if "basis_bytes" in row else "-",
+                        *cells,
+                        f"{row['ttft_s']:.2f}",
                     )
-                    if out.returncode:
-                        sys.exit(f"the client failed: {out.stderr.strip()}")
-                    for line in out.stdout.splitlines():
-                        row = json.loads(line)
-                        print(json.dumps({"mbit": mbit, **row}))
-                        cells = [f"{row[k]:.2f}" if k in row else "-" for k in ("wire_s", "decode_s", "fetch_s")]
-                        table.add_row(
-                            f"{mbit:g}",
-                            row["copy"],
-                            f"{row['wire_bytes'] / 1e6:.2f}" if "wire_bytes" in row else "-",
-                            f"{row['basis_bytes'] / 1e6:.2f}" if "basis_bytes" in row else "-",
-                            *cells,
-                            f"{row['ttft_s']:.2f}",
-                        )
-            finally:
-                daemon.stop()
     Console(width=140).print(table)
     print(
         "wire s: request to the last byte (connecting and TLS, the basis when fetched, included); decode s: the "

@@ -13,6 +13,8 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 SERVER_IP, CLIENT_IP = "10.78.0.1", "10.78.0.2"
 
@@ -144,3 +146,25 @@ class Bridge(Namespaces):
             ip("-n", self.hub, "link", "set", f"veth{i}", "master", "br0", "up")
             ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             ip("-n", ns, "link", "set", "eth0", "up")
+
+
+@contextlib.contextmanager
+def member_daemon_across_a_link(root: Path, store: Path, prefix: str, port: int) -> Iterator[tuple[Link, Path]]:
+    """A mesh of two (root/server, root/client), the server's daemon serving `store` at SERVER_IP:port
+    in the server's namespace of a fresh Link, stopped at the end: (the link, the client's data dir),
+    for benches that fetch across a shaped link."""
+    from support.daemons import start_daemon
+    from support.mesh import make_mesh
+
+    server_dir, client_dir = root / "server", root / "client"
+    make_mesh(server_dir, client_dir)
+    with Link(prefix) as link:
+        daemon = start_daemon(
+            server_dir,
+            *("--store", store, "--interface", SERVER_IP, "--port", port, "--no-discovery"),
+            command=link.in_server(),
+        )
+        try:
+            yield link, client_dir
+        finally:
+            daemon.stop()
