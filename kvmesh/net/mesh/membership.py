@@ -276,17 +276,18 @@ def _call_error(address: str, e: grpc.RpcError, what: str) -> CredentialsError:
 
 def request_join(address: str, request: mpb.JoinRequest, timeout: float = TIMEOUTS.call) -> mpb.JoinResponse:
     """Send a join request to the authority's join port; JoinRefused or CredentialsError if it fails."""
-    with grpc.insecure_channel(address, options=JOIN_PORT_OPTIONS) as channel:
-        try:
-            return membership_pb2_grpc.MembershipStub(channel).Join(request, timeout=timeout)
-        except grpc.RpcError as e:
-            raise _call_error(address, e, "join") from None
+    return _call_authority(address, "Join", request, "join", timeout)
 
 
 def request_renewal(address: str, request: mpb.RenewRequest, timeout: float = TIMEOUTS.call) -> mpb.RenewResponse:
     """Ask the authority's join port for a fresh certificate; JoinRefused or CredentialsError if it fails."""
+    return _call_authority(address, "Renew", request, "renewal", timeout)
+
+
+def _call_authority(address: str, method: str, request: Any, what: str, timeout: float) -> Any:
+    """One call to the authority's join port (plaintext: the caller has no certificate yet)."""
     with grpc.insecure_channel(address, options=JOIN_PORT_OPTIONS) as channel:
         try:
-            return membership_pb2_grpc.MembershipStub(channel).Renew(request, timeout=timeout)
+            return getattr(membership_pb2_grpc.MembershipStub(channel), method)(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise _call_error(address, e, "renewal") from None
+            raise _call_error(address, e, what) from None
