@@ -197,7 +197,7 @@ class CacheStore:
                         f"the cache takes {file_bytes:,} bytes, more than the store's budget of {self.max_bytes:,}"
                     )
                 # Its own bytes and the files whose blocks it shares: no eviction can free those.
-                kept = file_bytes + self.index.kept_alive_bytes(writer.refs) if writer.refs else file_bytes
+                kept = file_bytes + self.index.kept_alive_bytes(writer.refs)
                 if self.max_bytes is not None and kept > self.max_bytes:
                     raise StoreError(
                         f"the cache keeps {kept:,} bytes on disk with the blocks it shares, more than the "
