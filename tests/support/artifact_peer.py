@@ -12,7 +12,6 @@ tests/unit/codec/test_poisoned_basis.py and for the figures of issue 32.
 """
 
 import argparse
-import os
 import subprocess
 import sys
 import threading
@@ -69,15 +68,10 @@ class ArtifactPeer(KvMeshService):
 def start(store: Path, calls: Path, *args: object) -> tuple[subprocess.Popen, str]:
     """This script in a new process serving `store` with ARGS (its flags); (process, address) once
     it listens. The caller kills it."""
+    from support.processes import start_listening  # (here: this file also runs as a script, without support)
+
     command = [sys.executable, __file__, "--store", str(store), "--calls", str(calls), *map(str, args)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-    line = process.stdout.readline() if process.stdout else ""
-    if not line.startswith("listening on "):
-        process.kill()
-        process.wait()
-        raise AssertionError(f"the artefact peer did not start: {line!r}")
-    return process, line.split()[-1]
+    return start_listening(command, "the artefact peer")
 
 
 def main() -> int:

@@ -9,7 +9,6 @@ the tests are local) and serves until killed. Used by tests/scenario/test_misbeh
 """
 
 import argparse
-import os
 import subprocess
 import sys
 import threading
@@ -82,15 +81,9 @@ class Hostile(KvMeshService):
 def start(store, *args) -> tuple[subprocess.Popen, str]:
     """This script in a new process serving `store` with ARGS (its flags); (process, address) once
     it listens. The caller kills it."""
-    command = [sys.executable, __file__, "--store", str(store), *map(str, args)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-    line = process.stdout.readline() if process.stdout else ""
-    if not line.startswith("listening on "):
-        process.kill()
-        process.wait()
-        raise AssertionError(f"the hostile peer did not start: {line!r}")
-    return process, line.split()[-1]
+    from support.processes import start_listening  # (here: this file also runs as a script, without support)
+
+    return start_listening([sys.executable, __file__, "--store", str(store), *map(str, args)], "the hostile peer")
 
 
 def main() -> int:

@@ -35,3 +35,15 @@ def rss(pid: int, missing: int | None = None) -> int:
     if missing is None:
         raise AssertionError(f"process {pid} has no VmRSS")
     return missing
+
+
+def start_listening(command: list[str], what: str) -> tuple[subprocess.Popen, str]:
+    """`command` in a new process, once it prints `listening on ADDRESS`: (process, address); the
+    caller kills it. One that says anything else first is killed, and fails the test."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=ENV)
+    line = process.stdout.readline() if process.stdout else ""
+    if not line.startswith("listening on "):
+        process.kill()
+        process.wait()
+        raise AssertionError(f"{what} did not start: {line!r}")
+    return process, line.split()[-1]
