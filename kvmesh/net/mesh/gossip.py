@@ -19,7 +19,7 @@ from concurrent import futures
 import grpc
 
 from kvmesh.net.mesh.credentials import Membership
-from kvmesh.net.mesh.revocation import Revocations
+from kvmesh.net.mesh.revocation import RevocationList, Revocations
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import open_channel
 from kvmesh.v1 import membership_pb2 as mpb
@@ -64,12 +64,13 @@ class Gossip:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-revocations", daemon=True)
         self._pushes = futures.ThreadPoolExecutor(PUSHES_AT_ONCE, thread_name_prefix="kvmesh-revocations-push")
-        # Pushes one at a time, each version once: (version, peers that took it, live peers).
+        # One push at a time, each version once: the newest version's push, started as it was taken.
+        self._pusher = futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-revocations-spread")
         self._push_lock = threading.Lock()
-        self._pushed = (0, 0, 0)
+        self._pushed: tuple[int, futures.Future[tuple[int, int]]] | None = None
 
     def start(self) -> None:
-        self.revocations.on_adopted = self.spread_soon
+        self.revocations.on_adopting = self.spread_soon
         self._thread.start()
 
     def round(self) -> None:
@@ -81,36 +82,41 @@ class Gossip:
             data = ask_peer(address, self.credentials, self.revocations.version, timeout=max(1.0, self.interval))
             self.revocations.adopt(data or b"", source=f"peer {address}")
 
-    def spread(self) -> tuple[int, int]:
-        """Push the list held to every live peer, once per version (`kvmesh mesh remove` asks for the
-        push its adoption started): (peers that took it, live peers)."""
+    def spread_soon(self, revocations: RevocationList) -> None:
+        """Push `revocations` to the peers live now, on a thread of its own: called as the list is
+        taken, maybe inside a peer's call, before this node enforces it, so that the push reaches the
+        nodes it removes too (once enforced, the health checks drop them: they would never learn it)."""
+        if self.revocations.own_id in revocations.node_ids or self._stop.is_set():
+            return  # its peers refuse this node's calls: they learn it from the authority instead
+        addresses = self.peers()
         with self._push_lock:
-            version = self.revocations.version
-            if version and self._pushed[0] >= version:
-                return self._pushed[1], self._pushed[2]
-            addresses = self.peers()
-            if not version or not addresses or self._stop.is_set():
-                return 0, len(addresses)
-            data = self.revocations.current.to_bytes()
+            if self._pushed is None or self._pushed[0] < revocations.version:
+                self._pushed = (revocations.version, self._pusher.submit(self._push, revocations, addresses))
+
+    def spread(self) -> tuple[int, int]:
+        """Wait for the push of the list held (`kvmesh mesh remove` asks for the push its adoption
+        started): (peers that took it, peers live when it was taken)."""
+        with self._push_lock:
+            pushed = self._pushed
+        if pushed is None or pushed[0] != self.revocations.version:
+            return 0, len(self.peers())
+        return pushed[1].result()
+
+    def _push(self, revocations: RevocationList, addresses: list[str]) -> tuple[int, int]:
+        data = revocations.to_bytes()
+        try:
             calls = [
-                self._pushes.submit(ask_peer, a, self.credentials, version, TIMEOUTS.prove, data) for a in addresses
+                self._pushes.submit(ask_peer, a, self.credentials, revocations.version, TIMEOUTS.prove, data)
+                for a in addresses
             ]
             answered = sum(call.result() is not None for call in calls)
-            self._pushed = (version, answered, len(addresses))
-        log.info("revocation list version %d pushed to %d of %d live peers", version, answered, len(addresses))
-        return answered, len(addresses)
-
-    def spread_soon(self) -> None:
-        """`spread` on a thread of its own: called as a list is adopted, maybe inside a peer's call."""
-        if self.revocations.revoked(self.revocations.own_id):
-            return  # its peers refuse this node's calls: they learn it from the authority instead
-        threading.Thread(target=self._spread_quietly, name="kvmesh-revocations-spread", daemon=True).start()
-
-    def _spread_quietly(self) -> None:
-        try:
-            self.spread()
         except Exception:  # a failed push leaves the periodic asking to carry the list
             log.exception("pushing the revocation list failed; peers get it when they next ask")
+            return 0, len(addresses)
+        log.info(
+            "revocation list version %d pushed to %d of %d live peers", revocations.version, answered, len(addresses)
+        )
+        return answered, len(addresses)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -121,7 +127,8 @@ class Gossip:
 
     def stop(self) -> None:
         self._stop.set()
-        self.revocations.on_adopted = None
+        self.revocations.on_adopting = None
         if self._thread.is_alive():
             self._thread.join()
+        self._pusher.shutdown(wait=True, cancel_futures=True)
         self._pushes.shutdown(wait=True, cancel_futures=True)

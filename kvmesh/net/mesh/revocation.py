@@ -113,8 +113,9 @@ class Revocations:
     """The revocation list a daemon holds and enforces: the newest valid one it has seen, on disk
     too, so a restart keeps it. Thread-safe: the server's calls read it as the gossip adopts.
 
-    `own_id`: this node's id, so that a list removing it says so in the log. `on_adopted` is called
-    after each newer list is taken (the daemon pushes it on to its peers then: kvmesh.net.mesh.gossip).
+    `own_id`: this node's id, so that a list removing it says so in the log. `on_adopting` is called
+    with each newer list as it is taken, before this node enforces it (the daemon pushes it on to its
+    peers then, the ones it removes among them: kvmesh.net.mesh.gossip).
     """
 
     def __init__(self, data_dir: Path, trust_pem: bytes, own_id: str = ""):
@@ -122,7 +123,7 @@ class Revocations:
         self._lock = threading.Lock()
         self._mtime_ns = -1
         self.current = EMPTY
-        self.on_adopted: Callable[[], None] | None = None
+        self.on_adopting: Callable[[RevocationList], None] | None = None
         self.reload()
 
     @property
@@ -169,6 +170,8 @@ class Revocations:
             if persist:
                 write_list(self.data_dir, candidate)
             newly = sorted(set(candidate.node_ids) - set(self.current.node_ids))
+            if self.on_adopting is not None:
+                self.on_adopting(candidate)
             self.current = candidate
         log.info(
             "revocation list version %d from %s: %s removed from the mesh",
@@ -183,6 +186,4 @@ class Revocations:
                 self.own_id,
                 candidate.version,
             )
-        if self.on_adopted is not None:
-            self.on_adopted()
         return True
