@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Any
 
@@ -117,7 +117,10 @@ class Engine:
         # id(job) -> (job, "lookup" | "waiting" | "generating"); a Place counts as "lookup"
         self._held: dict[int, tuple[Job | Place, str]] = {}
         self._stopping = threading.Event()
-        self._writing = threading.Event()  # set while an answered request's cache goes to the store
+        # Answered requests' caches go to the store on a thread of their own, one after another, so
+        # that neither the answer nor the batch's next tokens wait for a disk.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-store-write")
+        self._writes: set[Future[None]] = set()
         # Set once the engine can answer (after calibration): /health says "starting" until then.
         self.ready = threading.Event()
         self._served = 0
@@ -184,14 +187,20 @@ class Engine:
                 job.put(Abandoned("the server is stopping"))
 
     def close(self, timeout: float = 1.0, *, write_grace: float = STORE_WRITE_GRACE_S) -> bool:
-        """Stop, and wait for the generation thread: whether it ended within `timeout` seconds, or
-        within `write_grace` more while it keeps an answered request's cache in the store (a stop
-        right after an answer keeps its cache, as when the answer waited for the write)."""
+        """Stop, and wait for the generation thread: whether it ended within `timeout` seconds and
+        the store's writes of answered requests' caches within `write_grace` more (a stop right after
+        an answer keeps its cache, as when the answer waited for the write)."""
         self.stop()
         self._thread.join(timeout=timeout)
-        if self._thread.is_alive() and self._writing.is_set():
-            log.info("finishing the store's write of an answered request's cache before stopping")
-            self._thread.join(timeout=write_grace)
+        with self._lock:
+            writes = set(self._writes)
+        if writes:
+            log.info("finishing the store's writes of %d answered requests' caches before stopping", len(writes))
+            wait(writes, timeout=write_grace)
+        self._writer.shutdown(wait=False, cancel_futures=True)
+        if not self._thread.is_alive() and not all(w.done() for w in writes):
+            self.doing = "keeping answered requests' caches in the store"
+            return False
         return not self._thread.is_alive()
 
     def _drop(self, job: Job) -> None:
@@ -402,25 +411,32 @@ class Engine:
             (output.first_token or time.monotonic()) - job.submitted,
             output.tokens_per_second(),
         )
-        stores = job.partition is None  # a salted request's cache stays in its own partition of memory
-        if stores:
-            self._writing.set()  # before the answer is out: a stop that follows the answer waits for it
+        if job.partition is None:  # a salted request's cache stays in its own partition of memory
+            # Queued before the answer is out: a stop that follows the answer waits for the write.
+            # (Memory's entries are never extended in place, so the writer reads what was answered.)
+            try:
+                with self._lock:
+                    write = self._writer.submit(self._keep_in_store, covered, cache, self._served)
+                    self._writes.add(write)
+                write.add_done_callback(self._written)
+            except RuntimeError:  # the writer is shut down: the stop's grace for writes is spent
+                log.warning("request %d's cache was not kept in the store: the server stopped", self._served)
         job.put(done)
-        if stores:
-            self._keep_in_store(covered, cache, self._served)
+
+    def _written(self, write: Future[None]) -> None:
+        with self._lock:
+            self._writes.discard(write)
 
     def _keep_in_store(self, covered: tuple[int, ...], cache: list[Any], served: int) -> None:
-        """An answered request's cache into the store. Its answer is out and the batch goes on, so
-        whatever goes wrong here reaches no request: it is logged, and memory still has the cache."""
+        """An answered request's cache into the store, on the writer's thread. Its answer is out and
+        the batch goes on, so whatever goes wrong here reaches no request: it is logged, and memory
+        still has the cache."""
         start = time.monotonic()
-        self.doing = "keeping an answered request's cache in the store"
         try:
             kept = self.prompt_cache.persist(covered, cache)
         except Exception:
             log.exception("request %d's cache was not kept in the store", served)
             kept = False
-        finally:
-            self._writing.clear()
         if kept:
             log.info(
                 "kept request %d's cache of %d tokens in the store (%.3f s)",

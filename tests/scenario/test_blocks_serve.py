@@ -80,10 +80,15 @@ def test_an_answer_is_out_before_its_cache_is_written(tiny_dir, tmp_path):
             # No write can reach the store now; the whole answer comes all the same.
             answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24)
             assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 24
+            # Nor does the next request wait for it: generation goes on beside the pending write.
+            other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[1]}]
+            second = client.chat.completions.create(model="tiny", messages=other, max_tokens=24)
+            assert second.usage.completion_tokens == 24
             assert kept(log) == 0
-        # The write waited for the index, and lands once it is free.
-        wait_for(lambda: kept(log) == 1, 60, what="the cache kept in the store")
+        # The writes waited for the index, and land once it is free.
+        wait_for(lambda: kept(log) == 2, 60, what="both caches kept in the store")
     finally:
         server.stop()
-    (entry,) = CacheStore(tmp_path / "s" / "store", max_bytes=None).entries()
-    assert entry.num_tokens >= answer.usage.prompt_tokens  # the conversation so far, answer and all
+    first, then = CacheStore(tmp_path / "s" / "store", max_bytes=None).entries()  # in the order written
+    # Each conversation so far, answer and all.
+    assert first.num_tokens >= answer.usage.prompt_tokens and then.num_tokens >= second.usage.prompt_tokens
