@@ -21,6 +21,7 @@ from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis
 from kvmesh.codec.levels import CALIBRATION_TOKENS, LEVELS
 from kvmesh.errors import IntegrityError, KvmeshError, StoreError
 from kvmesh.model.loaded import LoadedModel
+from kvmesh.progress import Progress
 from kvmesh.store.artifacts import artifact_store
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def model_basis(
     texts: Mapping[str, str] | None = None,
     tokens_per_text: int = CALIBRATION_TOKENS,
     refit: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
     on_fit: Callable[[], None] | None = None,
 ) -> tuple[Basis, Calibrated | None]:
     """The basis this Mac codes `loaded`'s caches with, and the calibration when one ran now (on

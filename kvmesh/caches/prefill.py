@@ -8,7 +8,7 @@ consumer that holds a cache of a prefix feeds only its suffix instead (`generate
 """
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -22,8 +22,7 @@ from kvmesh.caches.kinds import check_supported
 from kvmesh.caches.presses import Press
 from kvmesh.caches.quality import tail_kl
 from kvmesh.caches.sparse import stored_nbytes
-
-ProgressFn = Callable[[int, int], None]
+from kvmesh.progress import Progress
 
 
 @dataclass
@@ -45,7 +44,7 @@ def run_prompt(
     *,
     observe_last: int = 0,
     step_size: int = 512,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
 ) -> tuple[list, mx.array, dict | None]:
     """Run `tokens` through `model` into a fresh dense cache.
 
@@ -79,7 +78,7 @@ def prefill(
     press: Press | None = None,
     *,
     step_size: int = 512,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
 ) -> Prefilled:
     """Run `tokens` through `model` into a fresh cache, then compress it with `press`."""
     press = press or Press()
@@ -104,7 +103,7 @@ def greedy(logits: mx.array) -> mx.array:
 
 
 def generate_from_cache(
-    model: nn.Module, cache: list, suffix, *, max_tokens: int, sampler=greedy, progress: ProgressFn | None = None
+    model: nn.Module, cache: list, suffix, *, max_tokens: int, sampler=greedy, progress: Progress | None = None
 ) -> Iterator[tuple[int, mx.array]]:
     """Continue a prompt whose prefix is in `cache` by feeding only `suffix`: yields (token, logprobs).
     `progress(done, total)` follows the prefill of `suffix` (mlx-lm's prompt_progress_callback)."""

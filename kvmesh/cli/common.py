@@ -14,6 +14,7 @@ from typing import Any
 
 from kvmesh import paths
 from kvmesh.errors import KvmeshError
+from kvmesh.progress import Progress
 
 Args = argparse.Namespace
 # The `add_subparsers()` object commands are added to.
@@ -320,7 +321,7 @@ class Stages:
         if bar is not None:
             bar.__enter__()
 
-    def stage(self, description: str, unit: str) -> Callable[[int, int], None]:
+    def stage(self, description: str, unit: str) -> Progress:
         """The update function of a stage (progress_bar's)."""
         bar, update = progress_bar(description, unit)
 
@@ -332,7 +333,7 @@ class Stages:
         return on
 
 
-def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int], None]]:
+def progress_bar(description: str, unit: str) -> tuple[Any, Progress]:
     """A rich progress bar on stderr and its update function: how much of how much, in `unit`
     ("bytes", or a count such as "tokens"), at what rate, and how long is left. When stderr is not a
     terminal, plain lines say the same now and then (PlainProgress)."""
@@ -341,12 +342,12 @@ def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int],
         BarColumn,
         DownloadColumn,
         MofNCompleteColumn,
-        Progress,
         ProgressColumn,
         TextColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
+    from rich.progress import Progress as RichProgress
     from rich.text import Text
 
     class CountSpeed(ProgressColumn):
@@ -362,7 +363,7 @@ def progress_bar(description: str, unit: str) -> tuple[Any, Callable[[int, int],
         if unit == "bytes"
         else [MofNCompleteColumn(), TextColumn(unit), CountSpeed()]
     )
-    bar = Progress(
+    bar = RichProgress(
         "[progress.description]{task.description}",
         BarColumn(),
         *amounts,

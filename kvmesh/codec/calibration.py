@@ -10,7 +10,7 @@ prefill here and the fit well under a second (scripts/bench_quality.py prints bo
 """
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from kvmesh.codec.rotary import RotaryError, model_rotaries
 from kvmesh.codec.transform import layers_of_cache
 from kvmesh.errors import KvmeshError
 from kvmesh.model.prompt import cache_prompt_tokens
+from kvmesh.progress import Progress
 
 # Which help topics make each default text (a few thousand words each).
 DEFAULT_TOPICS = (
@@ -39,7 +40,6 @@ class NothingToCode(KvmeshError):
 
 
 # progress(texts done, texts in all)
-Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)

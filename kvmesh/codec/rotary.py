@@ -24,6 +24,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvmesh.compat import mlx_lm as compat
+
 
 class RotaryError(ValueError):
     """A model's RoPE this module cannot invert exactly, or positions of the wrong shape."""
@@ -85,7 +87,7 @@ def rotary_of(rope: Any) -> Rotary:
     traditional = getattr(rope, "traditional", None)
     if dims is None or traditional is None:
         raise RotaryError(f"{kind}: no dims/traditional attributes, not an mlx-lm RoPE module")
-    freqs = getattr(rope, "_freqs", None)
+    freqs = compat.rope_frequencies(rope)
     if freqs is not None:
         values = np.asarray(freqs, dtype=np.float32).astype(np.float64)
         return Rotary(int(dims), bool(traditional), None, float(getattr(rope, "scale", 1.0)), tuple(values.tolist()))

@@ -1,9 +1,11 @@
 """Every use kvmesh makes of mlx-lm's private names, each checked by tests/unit/model/test_compat_names.py.
 
-mlx-lm's public API lacks what kvmesh needs in five places: a base class for caches of its own, the
+mlx-lm's public API lacks what kvmesh needs in seven places: a base class for caches of its own, the
 model classes of a config (to build a model from random weights), a sliding-window layer's write
 index and temporal order (to share and rebuild one), the class names `load_prompt_cache` resolves,
-and a way through the descriptor limit mlx_lm.utils sets as it is imported. They live here alone,
+the frequencies of a RoPE that scales them (to remove and re-apply it in the transform codec), the
+Hugging Face tokenizer inside its wrapper (for grammars), and a way through the descriptor limit
+mlx_lm.utils sets as it is imported. They live here alone,
 so that an mlx-lm release that moves one fails the test that names it, not a cache that generates
 wrongly.
 
@@ -28,8 +30,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BaseCache",
+    "hf_tokenizer",
     "model_classes",
     "register_cache_class",
+    "rope_frequencies",
     "set_write_index",
     "temporal_order",
     "tolerate_mlx_lm_descriptor_limit",
@@ -70,6 +74,17 @@ def set_write_index(layer: "RotatingKVCache", index: int) -> None:
     """Set where a sliding-window layer writes its next position: after a rebuild from temporal-order
     positions, the end of them, so that mlx-lm wraps or grows the buffer as after a prefill."""
     layer._idx = index
+
+
+def rope_frequencies(rope: Any) -> "mx.array | None":
+    """The frequencies an mlx-lm RoPE module that scales them itself rotates with (`Llama3RoPE`'s
+    `_freqs`, which its call hands to `mx.fast.rope` as `freqs`); None for one that rotates by `base`."""
+    return getattr(rope, "_freqs", None)
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper` (llguidance reads its vocabulary)."""
+    return tokenizer._tokenizer
 
 
 def register_cache_class(cls: type) -> None:

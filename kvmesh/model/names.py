@@ -6,12 +6,11 @@ the Hugging Face cache (a name in it would make the same cache's id differ from 
 by the name a user gave keep that name here, in the data directory, by the model's id.
 """
 
-import contextlib
 import json
 import logging
-import os
 from pathlib import Path
 
+from kvmesh.files.atomic import write_atomic
 from kvmesh.model.fingerprint import ModelFingerprint
 
 log = logging.getLogger(__name__)
@@ -43,12 +42,7 @@ def remember_name(data_dir: Path, fp: ModelFingerprint, given: str) -> None:
     if not name or names.get(fp.model_id) == name:
         return
     path = names_file(data_dir)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({**names, fp.model_id: name}, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):  # (a read-only file system refuses even this: EROFS)
-            tmp.unlink(missing_ok=True)
+        write_atomic(path, json.dumps({**names, fp.model_id: name}, indent=1, sort_keys=True))
+    except OSError as e:  # (a read-only file system: EROFS)
         log.warning("cannot keep the model's name in %s: %s", path, e.strerror or e)

@@ -37,6 +37,7 @@ from kvmesh.net.messages import (
 )
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import as_bytes, method, open_channel, serialize
+from kvmesh.progress import Progress
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import ARTIFACT_PIECE_BYTES
 from kvmesh.v1 import cache_pb2 as pb
@@ -45,7 +46,6 @@ from kvmesh.v1 import service_pb2_grpc
 from kvmesh.versions import PROTOCOL_VERSION
 
 # progress(bytes received so far, bytes expected); raise to cancel the transfer.
-Progress = Callable[[int, int], None]
 log = logging.getLogger(__name__)
 # A lookup answer's candidates tried at most: the longest few serve a prompt as well as any, and a
 # peer answering with hundreds must not make a request try them all.

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import grpc
 
 from kvmesh.errors import ListenError
-from kvmesh.net.addresses import host_port
+from kvmesh.net.addresses import host_port, split_host_port
 
 # Descriptors left to everything but incoming connections: store files, the daemon's own channels
 # to its peers, mDNS sockets, gRPC's pipes.
@@ -47,10 +47,10 @@ def bind(
     """Add each of `listen` (host:port) to `server`, the first one's port for all when it is 0; the port."""
     port = 0
     for address in listen:
-        host, wanted = address.rsplit(":", 1)
+        host, wanted = split_host_port(address)
         target = host_port(host, port or wanted)
-        if (port or int(wanted)) and (problem := bind_problem(host.strip("[]"), port or int(wanted))):
-            raise ListenError(f"cannot listen on {target}: {problem}", port or int(wanted))
+        if (port or wanted) and (problem := bind_problem(host, port or wanted)):
+            raise ListenError(f"cannot listen on {target}: {problem}", port or wanted)
         try:
             bound = (
                 server.add_insecure_port(target)
@@ -61,6 +61,6 @@ def bind(
             bound = 0
         if bound == 0:
             message = f"cannot listen on {target}: is the address this machine's, and the port free?"
-            raise ListenError(message, int(port or wanted))
+            raise ListenError(message, port or wanted)
         port = bound
     return port

@@ -14,8 +14,9 @@ from kvmesh.codec.coded import parse_basis
 from kvmesh.codec.compat import ReceiverProfile, basis_problem
 from kvmesh.codec.decode import CacheDecoder
 from kvmesh.errors import IntegrityError, PeerError, Rejection, StoreError
-from kvmesh.net.client import PeerClient, Progress, Transfer
+from kvmesh.net.client import PeerClient, Transfer
 from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.progress import Progress
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import ArtifactStore, Incoming, artifact_store
 from kvmesh.v1 import cache_pb2 as pb

@@ -18,9 +18,10 @@ from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.errors import CacheRejected, IntegrityError, PeerError, StoreError
 from kvmesh.model.fingerprint import ModelFingerprint
-from kvmesh.net.client import PeerClient, Progress
+from kvmesh.net.client import PeerClient
 from kvmesh.net.mesh.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.progress import Progress
 from kvmesh.reuse.fetch import Fetched, fetch_cache
 from kvmesh.reuse.rates import Rates
 from kvmesh.reuse.records import CachedPrefix

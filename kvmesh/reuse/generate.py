@@ -9,9 +9,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvmesh.caches.prefill import generate_from_cache, greedy
 from kvmesh.model.fingerprint import ModelFingerprint
-from kvmesh.net.client import Progress
 from kvmesh.net.mesh.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
+from kvmesh.progress import Progress
 from kvmesh.reuse.calibration import ensure_calibrated
 from kvmesh.reuse.find import find_prefix
 from kvmesh.reuse.rates import Rates
@@ -36,7 +36,7 @@ def generate(
     max_kl: float | None = None,
     rates: Rates | None = None,
     mesh_budget: float | None = None,
-    prefill_progress: Callable[[int, int], None] | None = None,
+    prefill_progress: Progress | None = None,
 ) -> Generation:
     """Generation after `tokens` (greedy, or with an mlx-lm `sampler`), reusing the longest cached
     prefix found on the mesh; it ends at `max_tokens` or at one of `stop_tokens` (the tokenizer's

@@ -26,6 +26,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
+from kvmesh.compat import mlx_lm as compat
 from kvmesh.errors import KvmeshError
 
 # JSON as json.dumps writes it (no free whitespace: a random model would pad with it forever).
@@ -77,7 +78,7 @@ class Grammars:
 
     def __init__(self, tokenizer: Any):
         """`tokenizer`: mlx-lm's TokenizerWrapper (llguidance reads the Hugging Face one inside)."""
-        self._hf, self._eos = tokenizer._tokenizer, list(tokenizer.eos_token_ids)
+        self._hf, self._eos = compat.hf_tokenizer(tokenizer), list(tokenizer.eos_token_ids)
         self._ll: Any = None
         self._lock = threading.Lock()
 

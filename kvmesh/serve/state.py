@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvmesh.daemon.control import process_running
 from kvmesh.errors import KvmeshError
+from kvmesh.files.atomic import write_atomic
 from kvmesh.paths import serve_state_file
 
 
@@ -31,10 +32,7 @@ class ServeState:
 def write_serve_state(data_dir: Path | str, state: ServeState) -> Path:
     """Atomically: a reader sees the whole file or none."""
     path = serve_state_file(data_dir, state.pid)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_text(json.dumps(asdict(state)))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(asdict(state)))
     return path
 
 

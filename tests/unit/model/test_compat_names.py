@@ -7,6 +7,7 @@ import importlib.util
 import inspect
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm.utils
 import pytest
 from mlx_lm.models import cache as mlx_cache
@@ -115,3 +116,24 @@ def test_mlx_lm_utils_still_sets_the_descriptor_limit_as_it_is_imported():
     module_level = [line for line in source.splitlines() if line.startswith("resource.setrlimit(")]
     assert module_level == ["resource.setrlimit(resource.RLIMIT_NOFILE, (2048, 4096))"]
     assert compat.MLX_LM_HARD_LIMIT == 4096
+
+
+def test_rope_frequencies_are_those_llama3_rope_rotates_with():
+    """rope_frequencies (Llama3RoPE._freqs): the codec re-applies a scaled RoPE with exactly them."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    rope = Llama3RoPE(16, scaling_config={"factor": 8.0, "original_max_position_embeddings": 64})
+    freqs = compat.rope_frequencies(rope)
+    assert freqs is not None and freqs.shape == (8,)
+    x = mx.random.normal((1, 2, 5, 16))
+    rotated = mx.fast.rope(x, 16, traditional=False, base=None, scale=1.0, offset=3, freqs=freqs)
+    assert mx.array_equal(rope(x, offset=3), rotated)
+    assert compat.rope_frequencies(nn.RoPE(16, base=10000)) is None  # a plain RoPE rotates by its base
+
+
+def test_hf_tokenizer_is_the_one_mlx_lms_wrapper_encodes_with(tiny):
+    """hf_tokenizer (TokenizerWrapper._tokenizer): llguidance reads its vocabulary."""
+    _, tokenizer = tiny
+    inner = compat.hf_tokenizer(tokenizer)
+    assert inner is not tokenizer and inner.encode("rivers bend") == tokenizer.encode("rivers bend")
+    assert len(inner.get_vocab()) == len(tokenizer.get_vocab())
