@@ -84,99 +84,14 @@ class Outcome:
     reasoning: str = ""
 
 
-def refuse_given(body: dict, refused: dict[str, str]) -> None:
-    """Refuse a body that gives any of the `refused` fields (name -> why not), or a `stream` that is
-    not a boolean."""
-    for name, why in refused.items():
-        if body.get(name):
-            raise refuse(why, name, "unsupported_value")
-    stream_flag(body)
-
-
-def stream_flag(body: dict) -> bool:
-    """The body's `stream`, which must be true or false when given."""
-    if not isinstance(body.get("stream", False), bool):
-        raise refuse("stream must be true or false", "stream", "invalid_type")
-    return bool(body.get("stream"))
-
-
-def thinking_of(effort: Any, param: str) -> bool | None:
-    """OpenAI's reasoning effort as a thinking switch: "none" turns it off, an effort leaves it on."""
-    if effort is None:
-        return None
-    if effort not in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
-        raise refuse('a reasoning effort is "none", "minimal", "low", "medium", "high", "xhigh" or "max"', param)
-    return None if effort != "none" else False
-
-
 def effort_served(turn: Turn, effort: Any, param: str) -> Turn:
     """`turn` with what a reasoning effort does: "none" turns a reasoning model's thinking off (and
     is ignored by any other model); any other effort changes nothing here (the model thinks as long
     as it does), so it is named as ignored."""
-    turn.thinking = thinking_of(effort, param)
+    turn.thinking = False if effort == "none" else None
     if effort is not None:
         (turn.reasoning_fields if effort == "none" else turn.ignored).append(param)
     return turn
-
-
-def number(body: dict, name: str, kind: type, default: Any, low: float, high: float) -> Any:
-    """`body[name]` as `kind`, between `low` and `high`; `default` when absent or null."""
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise refuse(f"{name} must be a{'n integer' if kind is int else ' number'}", name, "invalid_type")
-    if not low <= value <= high:
-        raise refuse(f"{name} must be between {low} and {high}, not {value}", name)
-    return kind(value)
-
-
-def stop_strings(value: Any, param: str = "stop", limit: int = 4) -> list[str]:
-    """A stop string or a list of up to `limit` (OpenAI's four; Anthropic's API sets no bound)."""
-    stop = value or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > limit:
-        raise refuse(f"{param} must be a string or a list of up to {limit} non-empty strings", param)
-    return stop
-
-
-def seed_of(body: dict) -> int | None:
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise refuse("seed must be an integer", "seed", "invalid_type")
-    if seed is not None and not 0 <= seed < 1 << 63:  # what MLX's random seed takes
-        raise refuse(f"seed must be between 0 and 2^63-1, not {seed}", "seed")
-    return seed
-
-
-def logit_bias_of(value: Any, vocab: int) -> tuple[tuple[int, float], ...]:
-    """OpenAI's `logit_bias`: token ids (as strings, JSON's keys) to a bias from -100 to 100."""
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise refuse("logit_bias must be an object of token ids to biases", "logit_bias", "invalid_type")
-    bias = []
-    for key, b in value.items():
-        if not str(key).isdigit() or int(key) >= vocab:
-            raise refuse(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab - 1})", "logit_bias")
-        bias.append((int(key), number({"logit_bias": b}, "logit_bias", float, 0.0, -100, 100)))
-    return tuple(bias)
-
-
-def sampling_of(body: dict, vocab: int) -> Sampling:
-    """mlx-lm's sampler and logits processors, from the fields OpenAI's APIs share (and the usual
-    extras of local servers: top_k, min_p, repetition_penalty)."""
-    return Sampling(
-        temperature=number(body, "temperature", float, 0.0, 0.0, 2.0),
-        top_p=number(body, "top_p", float, 1.0, 0.0, 1.0),
-        seed=seed_of(body),
-        top_k=number(body, "top_k", int, 0, 0, vocab),
-        min_p=number(body, "min_p", float, 0.0, 0.0, 1.0),
-        presence_penalty=number(body, "presence_penalty", float, 0.0, -2.0, 2.0),
-        frequency_penalty=number(body, "frequency_penalty", float, 0.0, -2.0, 2.0),
-        repetition_penalty=number(body, "repetition_penalty", float, None, 0.0, 10.0),
-        logit_bias=logit_bias_of(body.get("logit_bias"), vocab),
-    )
 
 
 def response_format_of(value: Any, param: str = "response_format") -> ResponseFormat:

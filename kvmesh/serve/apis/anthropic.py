@@ -30,6 +30,9 @@ from starlette.responses import JSONResponse
 from kvmesh.serve.answer import Reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
 from kvmesh.serve.engine import Done, Sampling, Started
+from kvmesh.serve.protocol import anthropic as protocol
+from kvmesh.serve.protocol.anthropic import MessagesRequest
+from kvmesh.serve.protocol.base import parse
 from kvmesh.serve.tools import (
     Tool,
     ToolCall,
@@ -38,25 +41,10 @@ from kvmesh.serve.tools import (
     cut_short,
     function_tool,
     template_messages,
-    tool_objects,
     unique,
 )
-from kvmesh.serve.turns import Outcome, Text, Turn, number, refuse_given, stop_strings, stream_flag
+from kvmesh.serve.turns import Outcome, Text, Turn
 
-SERVED = {
-    "model",
-    "messages",
-    "system",
-    "tools",
-    "tool_choice",
-    "max_tokens",
-    "stop_sequences",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stream",
-    "thinking",
-}
 REFUSED = {
     "mcp_servers": "MCP servers are not served",
     "container": "containers are not served",
@@ -92,16 +80,13 @@ def block_text(content: Any, param: str) -> str:
     raise refuse(f"{param} must be a string or text blocks (images and documents are not served)", param)
 
 
-def chat_of(body: dict) -> list[dict]:
+def chat_of(request: MessagesRequest) -> list[dict]:
     """The conversation as OpenAI-shaped messages: `tool_use` blocks as an assistant's `tool_calls`,
     each `tool_result` as a `tool` message, in the order the blocks come."""
     out: list[dict] = []
-    if body.get("system") is not None:
-        out.append({"role": "system", "content": block_text(body["system"], "system")})
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise refuse("messages must be a non-empty list of objects", "messages")
-    for message in messages:
+    if request.system is not None:
+        out.append({"role": "system", "content": block_text(request.system, "system")})
+    for message in request.messages:
         role, content = message.get("role"), message.get("content")
         if role not in ("user", "assistant"):
             raise refuse(f'a message\'s role must be "user" or "assistant", not {role!r}', "messages")
@@ -167,45 +152,50 @@ def user_messages(blocks: list[dict]) -> list[dict]:
     return out
 
 
-def tools_of(value: Any) -> list[Tool]:
+def tools_of(value: list[dict] | None) -> list[Tool]:
     """Anthropic's tools: `{"name", "description", "input_schema"}` (client tools only)."""
     tools = []
-    for tool in tool_objects(value):
+    for tool in value or []:
         if tool.get("type", "custom") != "custom":
             raise refuse(f"server tools ({tool.get('type')!r}) are not served; client tools are", "tools")
         tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), "tools"))
     return unique(tools, "tools")
 
 
-def tool_choice_of(value: Any, tools: list[Tool]) -> ToolChoice:
+def tool_choice_of(value: protocol.ToolChoice | None, tools: list[Tool]) -> ToolChoice:
     """`{"type": "auto" | "any" | "tool" | "none", "name"}`: "any" and "tool" force a call."""
     if value is None:
         return ToolChoice("auto" if tools else "none")
-    if not isinstance(value, dict) or value.get("type") not in ("auto", "any", "tool", "none"):
-        raise refuse('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
-    mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[value["type"]]
-    return checked(ToolChoice(mode, value.get("name") if mode == "function" else None), tools, "tool_choice")
+    mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[value.type]
+    return checked(ToolChoice(mode, value.name if mode == "function" else None), tools, "tool_choice")
 
 
 def turn_of(body: dict, vocab: int) -> Turn:
     """A Messages body as a Turn."""
-    refuse_given(body, REFUSED)
-    if body.get("max_tokens") is None:
-        raise refuse("max_tokens is required", "max_tokens")
-    tools = tools_of(body.get("tools"))
-    messages = template_messages(chat_of(body))
+    request = parse(MessagesRequest, body)
+    for name, why in REFUSED.items():
+        if getattr(request, name):
+            raise refuse(why, name, "unsupported_value")
+    if request.top_k is not None and request.top_k > vocab:
+        raise refuse(f"top_k must be at most this model's vocabulary of {vocab}, not {request.top_k}", "top_k")
+    tools = tools_of(request.tools)
+    messages = template_messages(chat_of(request))
     turn = Turn(
         messages=messages,
         tools=tools,
-        tool_choice=tool_choice_of(body.get("tool_choice"), tools),
-        max_tokens=number(body, "max_tokens", int, None, 1, 1 << 20),
-        stop=stop_strings(body.get("stop_sequences"), "stop_sequences", limit=64),
-        sampling=sampling(body, vocab),
-        ignored=sorted(k for k in body if k not in SERVED),
+        tool_choice=tool_choice_of(request.tool_choice, tools),
+        max_tokens=request.max_tokens,
+        stop=request.stop_sequences or [],
+        sampling=Sampling(  # (Anthropic's temperature goes to 1)
+            temperature=request.temperature or 0.0,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+        ),
+        ignored=request.unknown(),
         continues=prefill_of(messages),
-        stream=stream_flag(body),
+        stream=bool(request.stream),
     )
-    return thinking_served(turn, body.get("thinking"))
+    return thinking_served(turn, request.thinking)
 
 
 def prefill_of(messages: list[dict]) -> str | None:
@@ -220,29 +210,18 @@ def prefill_of(messages: list[dict]) -> str | None:
     return text
 
 
-def thinking_served(turn: Turn, value: Any) -> Turn:
+def thinking_served(turn: Turn, value: protocol.Thinking | None) -> Turn:
     """`turn` with what `thinking` does to a reasoning model: "disabled" turns its thinking off,
     "enabled" (with `budget_tokens`, which is kept to), "adaptive" and "between_tools" on; absent, as
     its template does. A model that does not reason has it named as ignored, as is `display`."""
     if value is None:
         return turn
-    if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled", "adaptive", "between_tools"):
-        raise refuse('thinking must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}', "thinking")
-    turn.thinking = {"enabled": True, "between_tools": True, "disabled": False}.get(value["type"])
-    if value["type"] == "enabled" and value.get("budget_tokens") is not None:
-        turn.thinking_budget = number(value, "budget_tokens", int, None, 1, 1 << 20)
+    turn.thinking = {"enabled": True, "between_tools": True, "disabled": False}.get(value.type)
+    if value.type == "enabled":
+        turn.thinking_budget = value.budget_tokens
     turn.reasoning_fields.append("thinking")
-    turn.ignored += [f"thinking.{k}" for k in sorted(value) if k not in ("type", "budget_tokens")]
+    turn.ignored += [f"thinking.{k}" for k in value.unknown()]
     return turn
-
-
-def sampling(body: dict, vocab: int) -> Sampling:
-    """Anthropic's sampling fields (its temperature goes to 1), for mlx-lm's sampler."""
-    return Sampling(
-        temperature=number(body, "temperature", float, 0.0, 0.0, 1.0),
-        top_p=number(body, "top_p", float, 1.0, 0.0, 1.0),
-        top_k=number(body, "top_k", int, 0, 0, vocab),
-    )
 
 
 def stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:

@@ -29,51 +29,12 @@ from starlette.responses import Response
 
 from kvmesh.serve.answer import Reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
-from kvmesh.serve.engine import Done, TokenLogprob
+from kvmesh.serve.engine import Done, Sampling, TokenLogprob
+from kvmesh.serve.protocol.base import parse
+from kvmesh.serve.protocol.openai import ChatCompletionRequest, CompletionRequest, Sampled
 from kvmesh.serve.tools import ToolCall, ToolChoice, cut_short, openai_tool_choice, openai_tools, template_messages
-from kvmesh.serve.turns import (
-    Outcome,
-    Piece,
-    Text,
-    Turn,
-    effort_served,
-    number,
-    response_format_of,
-    sampling_of,
-    stop_strings,
-    stream_flag,
-)
+from kvmesh.serve.turns import Outcome, Piece, Text, Turn, effort_served, response_format_of
 
-SERVED = {
-    "model",
-    "messages",
-    "prompt",
-    "tools",
-    "tool_choice",
-    "response_format",
-    "max_tokens",
-    "max_completion_tokens",
-    "stop",
-    "temperature",
-    "top_p",
-    "seed",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
-    "stream",
-    "stream_options",
-    "cache_salt",
-    "n",
-    "best_of",
-    "echo",
-    "reasoning_effort",
-    "chat_template_kwargs",
-}
 REFUSED = {
     "audio": "audio output is not served",
     "prediction": "predicted outputs are not served",
@@ -84,78 +45,76 @@ REFUSED = {
 }
 
 
-def ignored_fields(body: dict, served: set[str]) -> list[str]:
-    """The fields of `body` that change nothing here (known ones such as `user`, and unknown ones)."""
-    return sorted(k for k in body if k not in served)
-
-
-def refuse_unserved(body: dict, chat: bool) -> None:
+def refuse_unserved(request: Sampled) -> None:
     for name, why in REFUSED.items():
-        if body.get(name) is not None and not (name == "suffix" and chat):
+        if name in type(request).model_fields and getattr(request, name) is not None:
             raise refuse(why, name, "unsupported_value")
     for name in ("n", "best_of"):
-        if body.get(name) not in (None, 1):
+        if getattr(request, name) not in (None, 1):
             raise refuse(
                 f"{name} must be 1: one choice per request (send the request again for another)",
                 name,
                 "unsupported_value",
             )
-    if body.get("echo"):
+    if request.echo:
         raise refuse("echo is not served", "echo", "unsupported_value")
-    modalities = body.get("modalities")
-    if modalities is not None and modalities != ["text"]:
+    if request.modalities is not None and request.modalities != ["text"]:
         raise refuse('modalities must be ["text"]', "modalities", "unsupported_value")
 
 
-def stream_options_of(body: dict) -> bool:
-    """stream_options.include_usage (include_obfuscation is accepted: there is no padding to add)."""
-    stream_flag(body)
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if (
-        not isinstance(options, dict)
-        or not isinstance(options.get("include_usage", False), bool)
-        or set(options) - {"include_usage", "include_obfuscation"}
-    ):
-        raise refuse(
-            'stream_options must be an object such as {"include_usage": true}', "stream_options", "invalid_type"
-        )
-    return bool(options.get("include_usage"))
+def sampling_of(request: Sampled, vocab: int) -> Sampling:
+    """mlx-lm's sampler and logits processors, from the fields OpenAI's APIs share (and the usual
+    extras of local servers: top_k, min_p, repetition_penalty); a field not given keeps its default."""
+    if request.top_k is not None and request.top_k > vocab:
+        raise refuse(f"top_k must be at most this model's vocabulary of {vocab}, not {request.top_k}", "top_k")
+    bias = []
+    for key, b in (request.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise refuse(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab - 1})", "logit_bias")
+        bias.append((int(key), b))
+    given: dict[str, Any] = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "seed": request.seed,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+    }
+    return Sampling(**{k: v for k, v in given.items() if v is not None}, logit_bias=tuple(bias))
 
 
-def max_tokens_of(body: dict) -> int | None:
-    maximum = body.get("max_completion_tokens", body.get("max_tokens"))
-    return number({"max_tokens": maximum}, "max_tokens", int, None, 1, 1 << 20)
+def include_usage(request: Sampled) -> bool:
+    """stream_options.include_usage."""
+    return request.stream_options is not None and request.stream_options.include_usage
 
 
 def chat_turn(body: dict, vocab: int) -> Turn:
     """A chat completions body as a Turn (its messages ready for the template)."""
-    refuse_unserved(body, chat=True)
-    include_usage = stream_options_of(body)
-    tools = openai_tools(body.get("tools"))
+    request = parse(ChatCompletionRequest, body)
+    refuse_unserved(request)
+    tools = openai_tools(request.tools)
     top: int | None = None
-    if not isinstance(body.get("logprobs", False), bool):
-        raise refuse("logprobs must be true or false (chat completions)", "logprobs", "invalid_type")
-    if body.get("logprobs"):
-        top = number(body, "top_logprobs", int, 0, 0, 20)
-    elif body.get("top_logprobs") is not None:
+    if request.logprobs:
+        top = request.top_logprobs or 0
+    elif request.top_logprobs is not None:
         raise refuse("top_logprobs needs logprobs: true", "top_logprobs")
     turn = Turn(
-        messages=template_messages(body.get("messages")),
+        messages=template_messages(request.messages),
         tools=tools,
-        tool_choice=openai_tool_choice(body.get("tool_choice"), tools),
-        response_format=response_format_of(body.get("response_format")),
-        max_tokens=max_tokens_of(body),
-        stop=stop_strings(body.get("stop")),
-        sampling=sampling_of(body, vocab),
+        tool_choice=openai_tool_choice(request.tool_choice, tools),
+        response_format=response_format_of(request.response_format),
+        max_tokens=request.limit,
+        stop=request.stop or [],
+        sampling=sampling_of(request, vocab),
         top_logprobs=top,
-        ignored=ignored_fields(body, SERVED),
-        template_kwargs=template_kwargs_of(body.get("chat_template_kwargs")),
-        stream=stream_flag(body),
-        include_usage=include_usage,
+        ignored=request.unknown(),
+        template_kwargs=template_kwargs_of(request.chat_template_kwargs),
+        stream=bool(request.stream),
+        include_usage=include_usage(request),
     )
-    return effort_served(turn, body.get("reasoning_effort"), "reasoning_effort")
+    return effort_served(turn, request.reasoning_effort, "reasoning_effort")
 
 
 # apply_chat_template's own arguments (transformers'): set by the request or by the server, never by
@@ -169,14 +128,10 @@ RENDER_ARGUMENTS = frozenset(
 )  # fmt: skip
 
 
-def template_kwargs_of(value: Any) -> dict[str, Any]:
+def template_kwargs_of(value: dict[str, Any] | None) -> dict[str, Any]:
     """`chat_template_kwargs`: an object of template variables (`enable_thinking`, ...)."""
     if value is None:
         return {}
-    if not isinstance(value, dict):
-        raise refuse(
-            'chat_template_kwargs must be an object such as {"enable_thinking": false}', "chat_template_kwargs"
-        )
     if reserved := sorted(set(value) & RENDER_ARGUMENTS):
         raise refuse(
             f"chat_template_kwargs may not set {', '.join(reserved)}: the request does", "chat_template_kwargs"
@@ -186,25 +141,19 @@ def template_kwargs_of(value: Any) -> dict[str, Any]:
 
 def completion_turn(body: dict, vocab: int) -> Turn:
     """A completions body as a Turn: a raw prompt, no template."""
-    refuse_unserved(body, chat=False)
-    include_usage = stream_options_of(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise refuse("prompt must be a string (one prompt per request)", "prompt", "invalid_type")
-    logprobs = number(body, "logprobs", int, None, 0, 20)
+    request = parse(CompletionRequest, body)
+    refuse_unserved(request)
     return Turn(
-        prompt=prompt,
+        prompt=request.prompt if isinstance(request.prompt, str) else request.prompt[0],
         tool_choice=ToolChoice("none"),
-        response_format=response_format_of(body.get("response_format")),
-        max_tokens=max_tokens_of(body),
-        stop=stop_strings(body.get("stop")),
-        sampling=sampling_of(body, vocab),
-        top_logprobs=logprobs,
-        ignored=ignored_fields(body, SERVED),
-        stream=stream_flag(body),
-        include_usage=include_usage,
+        response_format=response_format_of(request.response_format),
+        max_tokens=request.limit,
+        stop=request.stop or [],
+        sampling=sampling_of(request, vocab),
+        top_logprobs=request.logprobs,
+        ignored=request.unknown(),
+        stream=bool(request.stream),
+        include_usage=include_usage(request),
     )
 
 

@@ -28,7 +28,10 @@ from starlette.responses import Response
 
 from kvmesh.serve.answer import Reasoning
 from kvmesh.serve.api_errors import ApiError, refuse
-from kvmesh.serve.engine import Done
+from kvmesh.serve.engine import Done, Sampling
+from kvmesh.serve.protocol import responses as protocol
+from kvmesh.serve.protocol.base import parse
+from kvmesh.serve.protocol.responses import ResponsesRequest
 from kvmesh.serve.tools import (
     Tool,
     ToolCall,
@@ -36,34 +39,10 @@ from kvmesh.serve.tools import (
     function_tool,
     openai_tool_choice,
     template_messages,
-    tool_objects,
     unique,
 )
-from kvmesh.serve.turns import (
-    Outcome,
-    Text,
-    Turn,
-    effort_served,
-    number,
-    refuse_given,
-    response_format_of,
-    sampling_of,
-    stream_flag,
-)
+from kvmesh.serve.turns import Outcome, Text, Turn, effort_served, response_format_of
 
-SERVED = {
-    "model",
-    "input",
-    "instructions",
-    "tools",
-    "tool_choice",
-    "text",
-    "max_output_tokens",
-    "temperature",
-    "top_p",
-    "stream",
-    "reasoning",
-}
 REFUSED = {
     "previous_response_id": "this server keeps no responses: send the whole conversation as input",
     "conversation": "this server keeps no conversations: send the whole conversation as input",
@@ -82,19 +61,14 @@ def part_text(content: Any, param: str) -> str:
     raise refuse(f"{param}: only text parts are served (no images or files)", param)
 
 
-def chat_of(body: dict) -> list[dict]:
+def chat_of(request: ResponsesRequest) -> list[dict]:
     """The input items as OpenAI-shaped chat messages."""
     out: list[dict] = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise refuse("instructions must be a string", "instructions", "invalid_type")
-        out.append({"role": "system", "content": instructions})
-    items = body.get("input")
+    if request.instructions is not None:
+        out.append({"role": "system", "content": request.instructions})
+    items = request.input
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
-    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
-        raise refuse("input must be a string or a non-empty list of items", "input")
     thought = ""  # a reasoning item's text, for the assistant turn after it
     for item in items:
         kind = item.get("type", "message")
@@ -130,10 +104,10 @@ def chat_of(body: dict) -> list[dict]:
     return out
 
 
-def tools_of(value: Any) -> list[Tool]:
+def tools_of(value: list[dict] | None) -> list[Tool]:
     """The Responses API's tools: `{"type": "function", "name", "description", "parameters"}`."""
     tools = []
-    for tool in tool_objects(value):
+    for tool in value or []:
         if tool.get("type") != "function":
             raise refuse(f"only function tools are served, not {tool.get('type')!r}", "tools", "unsupported_value")
         tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), "tools"))
@@ -142,29 +116,28 @@ def tools_of(value: Any) -> list[Tool]:
 
 def turn_of(body: dict, vocab: int) -> Turn:
     """A Responses body as a Turn."""
-    refuse_given(body, REFUSED)
-    text = body.get("text") or {}
-    if not isinstance(text, dict):
-        raise refuse('text must be an object such as {"format": {"type": "text"}}', "text", "invalid_type")
-    tools = tools_of(body.get("tools"))
-    reasoning = body.get("reasoning") or {}
-    if not isinstance(reasoning, dict):
-        raise refuse('reasoning must be an object such as {"effort": "low"}', "reasoning", "invalid_type")
-    ignored = sorted(k for k in body if k not in SERVED)
-    ignored += [f"reasoning.{k}" for k in sorted(reasoning) if k != "effort"]  # (summary: none is written)
-    if set(text) - {"format"}:
-        ignored.append("text.verbosity" if "verbosity" in text else "text")
+    request = parse(ResponsesRequest, body)
+    for name, why in REFUSED.items():
+        if getattr(request, name) is not None:
+            raise refuse(why, name, "unsupported_value")
+    text, reasoning = request.text or protocol.Text(), request.reasoning or protocol.Reasoning()
+    tools = tools_of(request.tools)
+    ignored = request.unknown()
+    ignored += [f"reasoning.{k}" for k in reasoning.unknown()]  # (summary: none is written)
+    ignored += [f"text.{k}" for k in text.unknown()]  # (verbosity: the model says what it says)
     turn = Turn(
-        messages=template_messages(chat_of(body), "input"),
+        messages=template_messages(chat_of(request), "input"),
         tools=tools,
-        tool_choice=openai_tool_choice(body.get("tool_choice"), tools),
-        response_format=response_format_of(text.get("format"), "text.format"),
-        max_tokens=number(body, "max_output_tokens", int, None, 1, 1 << 20),
-        sampling=sampling_of({k: body.get(k) for k in ("temperature", "top_p")}, vocab),
+        tool_choice=openai_tool_choice(request.tool_choice, tools),
+        response_format=response_format_of(text.format, "text.format"),
+        max_tokens=request.max_output_tokens,
+        sampling=Sampling(
+            temperature=request.temperature or 0.0, top_p=1.0 if request.top_p is None else request.top_p
+        ),
         ignored=ignored,
-        stream=stream_flag(body),
+        stream=bool(request.stream),
     )
-    return effort_served(turn, reasoning.get("effort"), "reasoning.effort")
+    return effort_served(turn, reasoning.effort, "reasoning.effort")
 
 
 def new_id(prefix: str) -> str:

@@ -14,8 +14,8 @@ The event loop only moves bytes: a body's JSON and a prompt's tokens are made on
 threads, so /health and every other request are answered meanwhile. The work is counted before it
 is done: a prompt whose characters or messages alone cannot fit the context is refused before it is
 rendered (a 30 MB one took the tokenizer two minutes), a request takes its place among the held
-ones (or its 429) before its prompt is made, and a request's tools are bounded
-(kvmesh.serve.tools). A request's `cache_salt` (vLLM's field) keeps its caches apart: see
+ones (or its 429) before its prompt is made, and a request's tools and messages are bounded
+(kvmesh.serve.protocol). A request's `cache_salt` (vLLM's field) keeps its caches apart: see
 `kvmesh.serve.prompt_cache`, which explains what a salted request shares and what it does not.
 """
 
