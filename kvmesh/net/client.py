@@ -24,7 +24,7 @@ from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, tokens_served
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
 from kvmesh.net.addresses import peer_address
 from kvmesh.net.flow import IdleWatch
-from kvmesh.net.held import held_indices, held_tokens, local_chunks
+from kvmesh.net.held import held_tokens, own_chunks
 from kvmesh.net.mesh.credentials import MeshCredentials
 from kvmesh.net.messages import (
     accept,
@@ -315,23 +315,13 @@ class PeerClient:
         transfer = open_fetch(tokens, deadline=deadline)
         if not transfer.manifest.HasField("held"):
             return transfer  # (a peer that leaves nothing out)
-        own = self._own_chunks(held_from, local_id, transfer.manifest, tokens)
+        own = own_chunks(held_from, local_id, transfer.manifest, tokens)
         if isinstance(own, dict):
             transfer.held = own
             return transfer
         log.info("%s: %s; fetching the whole cache", self.address, own.message)
         transfer.decline(own)
         return open_fetch(0, deadline=deadline)
-
-    @staticmethod
-    def _own_chunks(
-        store: CacheStore, cache_id: str, manifest: pb.CacheManifest, asked: int
-    ) -> dict[int, Chunk] | Rejection:
-        """The receiver's chunks for those the sender left out, or why they will not do."""
-        held = manifest.held
-        if held.num_tokens != asked or list(held.chunk_indices) != held_indices(manifest, asked):
-            return Rejection(pb.REJECT_REASON_MALFORMED, f"left out other chunks than those of {asked} tokens")
-        return local_chunks(store, cache_id, manifest)
 
     def _open_fetch(
         self,

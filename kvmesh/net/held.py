@@ -72,11 +72,17 @@ def held_tokens(store: CacheStore, manifest: pb.CacheManifest) -> tuple[str, int
     return best
 
 
-def local_chunks(store: CacheStore, cache_id: str, manifest: pb.CacheManifest) -> dict[int, Chunk] | Rejection:
-    """The receiver's own chunks for the ones `manifest.held` leaves out, by index in `manifest`'s
-    plan; a Rejection (reason prefix) when its entry does not hold exactly those (another encoding,
-    other bytes: a prefill that came out otherwise), so that the fetch is asked again whole."""
+def own_chunks(
+    store: CacheStore, cache_id: str, manifest: pb.CacheManifest, asked: int
+) -> dict[int, Chunk] | Rejection:
+    """The receiver's own chunks (of its entry `cache_id`) for the ones `manifest.held` leaves out,
+    by index in `manifest`'s plan, when it asked for all but its first `asked` tokens; a Rejection
+    when the sender left out other chunks than those (malformed), or the entry does not hold exactly
+    those (another encoding, other bytes: a prefill that came out otherwise), so that the fetch is
+    asked again whole."""
     held = manifest.held
+    if held.num_tokens != asked or list(held.chunk_indices) != held_indices(manifest, asked):
+        return Rejection(pb.REJECT_REASON_MALFORMED, f"left out other chunks than those of {asked} tokens")
     try:
         local = store.manifest(cache_id)
         if (local.encoding.codec, local.encoding.byte_shuffle, local.encoding.block_rows) != (

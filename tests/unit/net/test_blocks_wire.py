@@ -8,9 +8,12 @@ from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.prefix import BLOCK_SIZE
+from kvmesh.errors import Rejection
 from kvmesh.net.client import PeerClient
+from kvmesh.net.held import leave_out, own_chunks
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.store import CacheStore
+from kvmesh.v1 import cache_pb2 as pb
 from support.references import same_tensors
 from support.stores import put
 
@@ -63,3 +66,36 @@ def test_a_receiver_whose_blocks_differ_gets_the_whole_cache(turns, long_ids, ti
     manifest, cache, wire = fetch_into(receiver, sender.address, turn5.cache_id, profile)
     assert manifest.cache_id == turn5.cache_id and same_tensors(cache, turns[TURN5])
     assert wire == turn5.encoding.encoded_bytes
+
+
+def lied(manifest: pb.CacheManifest, lie) -> pb.CacheManifest:
+    told = pb.CacheManifest()
+    told.CopyFrom(manifest)
+    lie(told.held)
+    return told
+
+
+@pytest.mark.parametrize(
+    "lie, reason, says",
+    [
+        (lambda held: held.chunk_indices.pop(), pb.REJECT_REASON_MALFORMED, "left out other chunks than those of 512"),
+        (lambda held: setattr(held, "num_tokens", 384), pb.REJECT_REASON_MALFORMED, "left out other chunks"),
+        (lambda held: held.checksums.pop(), pb.REJECT_REASON_MALFORMED, "listed without their checksums"),
+        (lambda held: held.checksums.__setitem__(3, held.checksums[3] ^ 1), pb.REJECT_REASON_PREFIX, "other bytes"),
+        (lambda held: held.raw_lengths.__setitem__(0, 1), pb.REJECT_REASON_PREFIX, "other bytes for chunk"),
+    ],
+)
+def test_a_sender_that_misstates_what_it_left_out_is_declined(turns, long_ids, tiny_fp, tmp_path, lie, reason, says):
+    """The receiver takes its own chunks only for exactly the chunks of the tokens it asked to keep,
+    with the sender's lengths and checksums: any other statement is declined (and the client then
+    asks for the whole cache), so no chunk of its own ever stands in for one it lacks."""
+    sender = CacheStore(tmp_path / "a", max_bytes=None)
+    turn5 = put(sender, turns[TURN5], tiny_fp, long_ids[:TURN5])
+    receiver = CacheStore(tmp_path / "b", max_bytes=None)
+    turn4 = put(receiver, turns[TURN4], tiny_fp, long_ids[:TURN4])
+    asked = TURN4 // BLOCK_SIZE * BLOCK_SIZE
+    told, _ = leave_out(sender.manifest(turn5.cache_id), lambda: sender.chunk_records(turn5.cache_id), asked)
+    honest = own_chunks(receiver, turn4.cache_id, told, asked)
+    assert isinstance(honest, dict) and sorted(honest) == list(told.held.chunk_indices)
+    declined = own_chunks(receiver, turn4.cache_id, lied(told, lie), asked)
+    assert isinstance(declined, Rejection) and declined.reason == reason and says in declined.message
