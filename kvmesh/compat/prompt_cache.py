@@ -1,7 +1,7 @@
 """Every use kvmesh makes of the private parts of mlx-lm's `LRUPromptCache`, each checked by
 tests/unit/serve/test_serve_compat.py.
 
-The server's memory tier (kvmesh.serve.prompt_cache.MemoryTier) is mlx-lm's prompt cache, which
+The server's memory tier (kvmesh.serve.engine.prompt_cache.MemoryTier) is mlx-lm's prompt cache, which
 lacks three things in public: how many tokens of a prompt an entry serves without copying it (its
 trie's search), an entry read by its key (the trie's get) and an entry made the most recently used
 (its LRU order). They live here alone, so that an mlx-lm release that moves one fails the test that

@@ -31,9 +31,9 @@ from kvmesh.net.mesh.credentials import MeshCredentials
 from kvmesh.reuse.rates import Rates
 from kvmesh.serve.connections import ConnectionGuard, descriptor_backlog, guarded_protocol
 from kvmesh.serve.engine import Engine
+from kvmesh.serve.engine.prompt_cache import MeshPromptCache
 from kvmesh.serve.http.app import ServedModel, make_app
 from kvmesh.serve.options import ServeOptions
-from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.serve.state import ServeState, remove_serve_state, write_serve_state
 from kvmesh.store import CacheStore
 

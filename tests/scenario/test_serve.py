@@ -18,7 +18,7 @@ from kvmesh.caches.prefill import prefill
 from kvmesh.reuse.generate import generate
 from kvmesh.reuse.rates import Rates
 from kvmesh.serve.engine import Done, Engine, Job
-from kvmesh.serve.prompt_cache import MeshPromptCache
+from kvmesh.serve.engine.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
 from support.daemons import LOOPBACK, loopback_daemon, start_daemon, start_server
 from support.http_clients import InProcessServer

@@ -21,9 +21,9 @@ import pytest
 
 from kvmesh.errors import ConfigError
 from kvmesh.serve.engine import Engine
+from kvmesh.serve.engine.prompt_cache import MeshPromptCache
 from kvmesh.serve.http.app import ServedModel, make_app
 from kvmesh.serve.options import ServeOptions
-from kvmesh.serve.prompt_cache import MeshPromptCache
 from kvmesh.serve.server import http_server, listen
 from kvmesh.store import CacheStore
 from support.daemons import loopback_daemon, start_server

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from kvmesh.serve.engine import Abandoned, Engine, Job, Started
-from kvmesh.serve.prompt_cache import MeshPromptCache
+from kvmesh.serve.engine.prompt_cache import MeshPromptCache
 from kvmesh.serve.state import read_serve_state, serve_states
 from support.daemons import loopback_daemon, start_server
 from support.http_clients import InProcessServer

@@ -16,7 +16,7 @@ is done: a prompt whose characters or messages alone cannot fit the context is r
 rendered (a 30 MB one took the tokenizer two minutes), a request takes its place among the held
 ones (or its 429) before its prompt is made, and a request's tools and messages are bounded
 (kvmesh.serve.protocol). A request's `cache_salt` (vLLM's field) keeps its caches apart: see
-`kvmesh.serve.prompt_cache`, which explains what a salted request shares and what it does not.
+`kvmesh.serve.engine.prompt_cache`, which explains what a salted request shares and what it does not.
 """
 
 import asyncio

@@ -267,7 +267,7 @@ def test_mlx_lm_files_of_each_family_go_in_and_out(family, tmp_path):
 def test_the_servers_prompt_cache_keeps_and_finds_caches_of_each_family(family, prompt_ids, tmp_path):
     from mlx_lm.generate import generate_step
 
-    from kvmesh.serve.prompt_cache import MeshPromptCache
+    from kvmesh.serve.engine.prompt_cache import MeshPromptCache
 
     preset, model, _, fp, _ = family
     store = CacheStore(tmp_path / "store")

@@ -12,7 +12,7 @@ from kvmesh.caches.presses import make_press
 from kvmesh.caches.quality import QUALITY_TOKENS
 from kvmesh.codec.levels import LEVELS
 from kvmesh.errors import KvmeshError
-from kvmesh.serve.prompt_cache import MeshPromptCache
+from kvmesh.serve.engine.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
 from support.processes import cli
 

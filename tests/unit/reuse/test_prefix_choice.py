@@ -14,7 +14,7 @@ from kvmesh.codec.compat import AS_GOOD_KL, loss_rank
 from kvmesh.codec.encode import encode_cache
 from kvmesh.net.server import start_server
 from kvmesh.reuse.find import candidate_loss_rank, find_prefix
-from kvmesh.serve.prompt_cache import MeshPromptCache
+from kvmesh.serve.engine.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb

@@ -5,11 +5,12 @@ A job first has its prefix found on a lookup thread (memory, then the local stor
 a store read or a peer's transfer takes seconds, and must hold no other request), then waits its
 turn for the generation thread, in the order the lookups end: a request behind a slow peer fetch is
 served meanwhile. A request's text streams as it is made; the request completes (finish reason,
-usage) once its cache is in memory and, when long enough, in the local store.
+usage) once its cache is in memory; a writer thread then keeps it, when long enough, in the local
+store, so that neither the answer nor the batch's next tokens wait for the disk.
 Jobs whose caches mlx-lm can merge decode together in mlx-lm's `BatchGenerator`
-(kvmesh.serve.batch), those from the store and the peers as well as those made here; the others (a
+(kvmesh.serve.engine.batch), those from the store and the peers as well as those made here; the others (a
 cache with evicted or quantized positions, a seed, a grammar or thinking budget) are generated one
-at a time with `stream_generate` (kvmesh.serve.solo), a token of it after each step of the batch:
+at a time with `stream_generate` (kvmesh.serve.engine.solo), a token of it after each step of the batch:
 neither waits for the other. At most `max_held` requests are held at
 once (looking up, waiting or generating); past that `submit` raises `Busy`, which the API answers
 with a 429 and Retry-After rather than a queue that only grows. A job whose client left holds no
@@ -35,40 +36,13 @@ from mlx_lm.generate import GenerationResponse
 
 from kvmesh.reuse.calibration import ensure_calibrated
 from kvmesh.reuse.records import CachedPrefix
-from kvmesh.serve.batch import Batch, batchable, batchable_model, merge_ready
-from kvmesh.serve.jobs import (  # (the engine's vocabulary: importers take it from here too)
-    Abandoned,
-    Delta,
-    Done,
-    Job,
-    LogitsProcessor,
-    Output,
-    Sampling,
-    Started,
-    TokenLogprob,
-    held_back,
-    token_logprob,
-)
-from kvmesh.serve.prompt_cache import MeshPromptCache
-from kvmesh.serve.solo import Solo
+from kvmesh.serve.engine.batch import Batch, batchable, batchable_model, merge_ready
+from kvmesh.serve.engine.jobs import Abandoned, Job, Output, Started
+from kvmesh.serve.engine.prompt_cache import MeshPromptCache
+from kvmesh.serve.engine.solo import Solo
 
-__all__ = [
-    "Abandoned",
-    "Busy",
-    "Delta",
-    "Done",
-    "Engine",
-    "Job",
-    "LogitsProcessor",
-    "Place",
-    "Sampling",
-    "Started",
-    "TokenLogprob",
-    "held_back",
-    "token_logprob",
-]
-
-log = logging.getLogger(__name__)
+# Named for the engine, as its log lines always were (a user's filters and the tests read them by it).
+log = logging.getLogger("kvmesh.serve.engine")
 
 # Prompt tokens prefilled between two looks at whether the job is still wanted (mlx-lm's default is
 # 2,048): a client that leaves, or a server told to stop, waits at most one such chunk.
@@ -107,7 +81,7 @@ class Engine:
         max_held: int = 64,
         batching: bool = True,
     ):
-        """`batching`: decode jobs whose caches mlx-lm can merge together (kvmesh.serve.batch); without
+        """`batching`: decode jobs whose caches mlx-lm can merge together (kvmesh.serve.engine.batch); without
         it every job is generated alone, one after another."""
         self.model, self.tokenizer, self.prompt_cache = model, tokenizer, prompt_cache
         self.max_held, self.batching = max_held, batching

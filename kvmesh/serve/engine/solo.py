@@ -15,7 +15,7 @@ from mlx_lm.generate import GenerationResponse, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvmesh.reuse.records import CachedPrefix
-from kvmesh.serve.jobs import Abandoned, Job, Output
+from kvmesh.serve.engine.jobs import Abandoned, Job, Output
 
 
 class Solo:

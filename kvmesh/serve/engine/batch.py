@@ -3,12 +3,12 @@ merge (the dense caches of memory, of a fresh prompt, of most peers' and the sto
 
 Each job keeps what it has alone: its own sampler and logits processors (penalties, logit bias),
 its prefix from the prompt cache (`BatchGenerator.insert` takes it, and the tokens it covers, whose
-history the penalties see), its stop strings and log probabilities (kvmesh.serve.jobs.Output), and
+history the penalties see), its stop strings and log probabilities (kvmesh.serve.engine.jobs.Output), and
 its cache back into the prompt cache when it ends. Prompts are prefilled in chunks of
 `prefill_step` tokens, one chunk per step, so a job whose client left is dropped within a chunk.
 A cache from the store or a peer joins as one made here (`merge_ready`). Jobs it cannot take (a
 cache with evicted or quantized positions, a seed: mlx-lm's random state is one for the whole
-batch, a grammar) are generated one at a time by the engine (kvmesh.serve.solo), a token at a time
+batch, a grammar) are generated one at a time by the engine (kvmesh.serve.engine.solo), a token at a time
 between the batch's steps.
 Every method runs on the generation thread.
 """
@@ -23,7 +23,7 @@ from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.reuse.records import CachedPrefix
-from kvmesh.serve.jobs import Abandoned, Job, Output
+from kvmesh.serve.engine.jobs import Abandoned, Job, Output
 
 
 def batchable_model(model: nn.Module) -> bool:
