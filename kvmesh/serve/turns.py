@@ -84,6 +84,21 @@ class Outcome:
     reasoning: str = ""
 
 
+def refuse_given(request: Any, refused: dict[str, str]) -> None:
+    """Refuse a request that gives any of the `refused` fields (name -> why not) a value other than
+    null, false or empty (a client that sends `"background": false` asks for nothing refused)."""
+    for name, why in refused.items():
+        if getattr(request, name):
+            raise refuse(why, name, "unsupported_value")
+
+
+def top_k_of(top_k: int | None, vocab: int) -> int:
+    """A request's `top_k` (0: off), which may not exceed the model's vocabulary."""
+    if top_k is not None and top_k > vocab:
+        raise refuse(f"top_k must be at most this model's vocabulary of {vocab}, not {top_k}", "top_k")
+    return top_k or 0
+
+
 def effort_served(turn: Turn, effort: Any, param: str) -> Turn:
     """`turn` with what a reasoning effort does: "none" turns a reasoning model's thinking off (and
     is ignored by any other model); any other effort changes nothing here (the model thinks as long

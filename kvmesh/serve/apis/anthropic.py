@@ -43,7 +43,7 @@ from kvmesh.serve.tools import (
     template_messages,
     unique,
 )
-from kvmesh.serve.turns import Outcome, Text, Turn
+from kvmesh.serve.turns import Outcome, Text, Turn, refuse_given, top_k_of
 
 REFUSED = {
     "mcp_servers": "MCP servers are not served",
@@ -173,11 +173,7 @@ def tool_choice_of(value: protocol.ToolChoice | None, tools: list[Tool]) -> Tool
 def turn_of(body: dict, vocab: int) -> Turn:
     """A Messages body as a Turn."""
     request = parse(MessagesRequest, body)
-    for name, why in REFUSED.items():
-        if getattr(request, name):
-            raise refuse(why, name, "unsupported_value")
-    if request.top_k is not None and request.top_k > vocab:
-        raise refuse(f"top_k must be at most this model's vocabulary of {vocab}, not {request.top_k}", "top_k")
+    refuse_given(request, REFUSED)
     tools = tools_of(request.tools)
     messages = template_messages(chat_of(request))
     turn = Turn(
@@ -189,7 +185,7 @@ def turn_of(body: dict, vocab: int) -> Turn:
         sampling=Sampling(  # (Anthropic's temperature goes to 1)
             temperature=request.temperature or 0.0,
             top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=request.top_k or 0,
+            top_k=top_k_of(request.top_k, vocab),
         ),
         ignored=request.unknown(),
         continues=prefill_of(messages),

@@ -33,7 +33,7 @@ from kvmesh.serve.engine import Done, Sampling, TokenLogprob
 from kvmesh.serve.protocol.base import parse
 from kvmesh.serve.protocol.openai import ChatCompletionRequest, CompletionRequest, Sampled
 from kvmesh.serve.tools import ToolCall, ToolChoice, cut_short, openai_tool_choice, openai_tools, template_messages
-from kvmesh.serve.turns import Outcome, Piece, Text, Turn, effort_served, response_format_of
+from kvmesh.serve.turns import Outcome, Piece, Text, Turn, effort_served, response_format_of, top_k_of
 
 REFUSED = {
     "audio": "audio output is not served",
@@ -65,8 +65,6 @@ def refuse_unserved(request: Sampled) -> None:
 def sampling_of(request: Sampled, vocab: int) -> Sampling:
     """mlx-lm's sampler and logits processors, from the fields OpenAI's APIs share (and the usual
     extras of local servers: top_k, min_p, repetition_penalty); a field not given keeps its default."""
-    if request.top_k is not None and request.top_k > vocab:
-        raise refuse(f"top_k must be at most this model's vocabulary of {vocab}, not {request.top_k}", "top_k")
     bias = []
     for key, b in (request.logit_bias or {}).items():
         if not key.isdigit() or int(key) >= vocab:
@@ -76,7 +74,7 @@ def sampling_of(request: Sampled, vocab: int) -> Sampling:
         "temperature": request.temperature,
         "top_p": request.top_p,
         "seed": request.seed,
-        "top_k": request.top_k,
+        "top_k": top_k_of(request.top_k, vocab),
         "min_p": request.min_p,
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,

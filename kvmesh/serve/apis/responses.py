@@ -41,7 +41,7 @@ from kvmesh.serve.tools import (
     template_messages,
     unique,
 )
-from kvmesh.serve.turns import Outcome, Text, Turn, effort_served, response_format_of
+from kvmesh.serve.turns import Outcome, Text, Turn, effort_served, refuse_given, response_format_of
 
 REFUSED = {
     "previous_response_id": "this server keeps no responses: send the whole conversation as input",
@@ -117,9 +117,7 @@ def tools_of(value: list[dict] | None) -> list[Tool]:
 def turn_of(body: dict, vocab: int) -> Turn:
     """A Responses body as a Turn."""
     request = parse(ResponsesRequest, body)
-    for name, why in REFUSED.items():
-        if getattr(request, name) is not None:
-            raise refuse(why, name, "unsupported_value")
+    refuse_given(request, REFUSED)
     text, reasoning = request.text or protocol.Text(), request.reasoning or protocol.Reasoning()
     tools = tools_of(request.tools)
     ignored = request.unknown()

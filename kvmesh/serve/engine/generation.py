@@ -91,10 +91,11 @@ class Engine:
         # id(job) -> (job, "lookup" | "waiting" | "generating"); a Place counts as "lookup"
         self._held: dict[int, tuple[Job | Place, str]] = {}
         self._stopping = threading.Event()
-        # Answered requests' caches go to the store on a thread of their own, one after another, so
-        # that neither the answer nor the batch's next tokens wait for a disk.
+        # Answered requests' caches go to the store on a thread of their own, one after another (so the
+        # last one queued ends after all the others), so that neither the answer nor the batch's next
+        # tokens wait for a disk.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-store-write")
-        self._writes: set[Future[None]] = set()
+        self._last_write: Future[None] | None = None
         # Set once the engine can answer (after calibration): /health says "starting" until then.
         self.ready = threading.Event()
         self._served = 0
@@ -166,13 +167,12 @@ class Engine:
         an answer keeps its cache, as when the answer waited for the write)."""
         self.stop()
         self._thread.join(timeout=timeout)
-        with self._lock:
-            writes = set(self._writes)
-        if writes:
-            log.info("finishing the store's writes of %d answered requests' caches before stopping", len(writes))
-            wait(writes, timeout=write_grace)
+        last = self._last_write
+        if last is not None and not last.done():
+            log.info("finishing the store's writes of answered requests' caches before stopping")
+            wait([last], timeout=write_grace)
         self._writer.shutdown(wait=False, cancel_futures=True)
-        if not self._thread.is_alive() and not all(w.done() for w in writes):
+        if not self._thread.is_alive() and last is not None and not last.done():
             self.doing = "keeping answered requests' caches in the store"
             return False
         return not self._thread.is_alive()
@@ -389,17 +389,10 @@ class Engine:
             # Queued before the answer is out: a stop that follows the answer waits for the write.
             # (Memory's entries are never extended in place, so the writer reads what was answered.)
             try:
-                with self._lock:
-                    write = self._writer.submit(self._keep_in_store, covered, cache, self._served)
-                    self._writes.add(write)
-                write.add_done_callback(self._written)
+                self._last_write = self._writer.submit(self._keep_in_store, covered, cache, self._served)
             except RuntimeError:  # the writer is shut down: the stop's grace for writes is spent
                 log.warning("request %d's cache was not kept in the store: the server stopped", self._served)
         job.put(done)
-
-    def _written(self, write: Future[None]) -> None:
-        with self._lock:
-            self._writes.discard(write)
 
     def _keep_in_store(self, covered: tuple[int, ...], cache: list[Any], served: int) -> None:
         """An answered request's cache into the store, on the writer's thread. Its answer is out and

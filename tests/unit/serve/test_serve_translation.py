@@ -198,3 +198,18 @@ def test_each_apis_thinking_switch():
     assert e.value.param == "thinking"
     codex = responses.turn_of({"model": "m", "input": "hi", "reasoning": {"effort": "none", "summary": "auto"}}, 512)
     assert codex.thinking is False and codex.ignored == ["reasoning.summary"]
+
+
+def test_a_refused_field_sent_as_false_or_null_asks_for_nothing():
+    """Clients send `"background": false` (and the like) to say they want none of it: only a field
+    that asks for what is not served is refused."""
+    codex = {"model": "m", "input": "hi"}
+    assert responses.turn_of({**codex, "background": False, "conversation": None}, 512).messages
+    with pytest.raises(ApiError) as e:
+        responses.turn_of({**codex, "background": True}, 512)
+    assert (e.value.param, e.value.code) == ("background", "unsupported_value")
+    claude = {"model": "claude-x", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    assert anthropic.turn_of({**claude, "mcp_servers": []}, 512).messages
+    with pytest.raises(ApiError) as e:
+        anthropic.turn_of({**claude, "top_k": 513}, 512)
+    assert e.value.param == "top_k"
