@@ -1,6 +1,7 @@
 """Shared fixtures: offline models built once per session, an isolated hash cache, daemons; and the
 tiers: a test that starts processes is `slow` (see pyproject.toml), and the fast tier starts none."""
 
+import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -21,6 +22,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def lan_tests_one_at_a_time(request, tmp_path_factory):
+    """A test marked `lan` holds the run's LAN lock from before its other fixtures start daemons until
+    after they stop them, so no two such tests on pytest-xdist's workers hear each other's daemons.
+    (A lock rather than xdist's groups: those rename test ids in a way pytest 9.2 ignores.)"""
+    if request.node.get_closest_marker("lan") is None:
+        yield
+        return
+    # The workers' temporary folders share a parent: the run's own.
+    with open(tmp_path_factory.getbasetemp().parent / "lan.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 # What a test starts on purpose: Python (a child script, the example, mlx-lm's command), the kvmesh

@@ -47,7 +47,7 @@ def calibrate(args: Args) -> int:
     store = open_store(args)
     loaded = load_model(args.model)
     remember_name(data_dir(args), loaded.fingerprint, args.model)
-    bar, update = progress_bar("calibration prefills", "texts")
+    bar, update = progress_bar("calibration: a prefill per text, then each layer's sensitivity", "steps")
     with bar:
         basis, calibrated = model_basis(
             store.root, loaded, texts=texts, tokens_per_text=args.tokens, refit=True, progress=update
@@ -62,6 +62,7 @@ def calibrate(args: Args) -> int:
         "tokens": calibrated.tokens,
         "prefill_s": round(calibrated.prefill_s, 2),
         "fit_s": round(calibrated.fit_s, 2),
+        "sensitivity_s": round(calibrated.sensitivity_s, 2),
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -69,7 +70,8 @@ def calibrate(args: Args) -> int:
         print(
             f"basis {basis.digest[:12]} for model {result['model_id']}: {basis.nbytes / 1e6:.2f} MB, "
             f"{len(basis)} layers, fitted on {calibrated.tokens:,} tokens of {result['texts']} texts "
-            f"(prefills {calibrated.prefill_s:.1f} s, fit {calibrated.fit_s:.2f} s); `--compress` codes "
+            f"(prefills {calibrated.prefill_s:.1f} s, fit {calibrated.fit_s:.2f} s, each layer's step from its "
+            f"sensitivity {calibrated.sensitivity_s:.1f} s); `--compress` codes "
             "this model's caches with it, and peers fetch it once with the first such cache"
         )
     return 0

@@ -6,12 +6,14 @@ few texts (each cut to `tokens_per_text` tokens, in the model's chat template as
 and fits the basis from those caches. The default texts are Python's own help topics
 (`pydoc_data.topics`): they ship with every Python, mix English prose with code, and are none of the
 texts kvmesh's quality benchmark probes. On SmolLM2-135M four texts of 1,024 tokens take ~3 s to
-prefill here and the fit well under a second (scripts/bench_quality.py prints both).
+prefill here and the fit well under a second (scripts/bench_quality.py prints both). Then each
+layer's keys and values get their own step factor from how much the model's predictions move when
+that tensor alone is coded (kvmesh.codec.sensitivity): two short passes per layer.
 """
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from kvmesh.caches.prefill import run_prompt
 from kvmesh.codec.basis import Basis, fit_basis
 from kvmesh.codec.levels import CALIBRATION_TOKENS
 from kvmesh.codec.rotary import RotaryError, model_rotaries
+from kvmesh.codec.sensitivity import PROBE_TOKENS, step_factors, tensor_sensitivities
 from kvmesh.codec.transform import layers_of_cache
 from kvmesh.errors import KvmeshError
 from kvmesh.model.prompt import cache_prompt_tokens
@@ -39,7 +42,7 @@ class NothingToCode(KvmeshError):
     """A model whose caches the transform codec cannot code at all (no plain full-attention layer)."""
 
 
-# progress(texts done, texts in all)
+# progress(steps done, steps in all): a step per text prefilled, and one for the sensitivities.
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class Calibrated:
     tokens: int
     prefill_s: float
     fit_s: float
+    # Measuring each tensor's sensitivity for its step factor (kvmesh.codec.sensitivity).
+    sensitivity_s: float
 
 
 def default_texts() -> dict[str, str]:
@@ -89,12 +94,18 @@ def fit_model_basis(
     layers: list[int] | None = None
     total = 0
     start = time.perf_counter()
+    probed: tuple[list, list[int]] | None = None  # the first text's cache and the tokens after it
     for done, text in enumerate(texts.values()):
         # A token is rarely over 8 characters: tokenize no more than is used.
-        tokens = cache_prompt_tokens(tokenizer, text[: 8 * tokens_per_text])[:tokens_per_text]
+        read = cache_prompt_tokens(tokenizer, text[: 8 * (tokens_per_text + PROBE_TOKENS)])
+        tokens = read[:tokens_per_text]
         if len(tokens) < 16:
             raise KvmeshError(f"a calibration text of {len(tokens)} tokens is too short (give at least a page)")
         cache, _, _ = run_prompt(model, tokens)
+        if probed is None:
+            # What the model predicts next with the cache: the text past it, or (a short text) its
+            # own last tokens read again.
+            probed = (cache, read[tokens_per_text:][:PROBE_TOKENS] or tokens[-PROBE_TOKENS:])
         layers = full_attention_layers(model, cache) if layers is None else layers
         if not layers:
             raise NothingToCode(
@@ -104,7 +115,7 @@ def fit_model_basis(
         calibration.append(layers_of_cache([cache[i] for i in layers]))
         total += len(tokens)
         if progress:
-            progress(done + 1, len(texts))
+            progress(done + 1, len(texts) + 1)
     prefill_s = time.perf_counter() - start
     assert layers is not None
     start = time.perf_counter()
@@ -114,5 +125,13 @@ def fit_model_basis(
         # The texts' names only (a --text path's file name): the basis travels to peers.
         info={**(info or {}), "layers": layers, "texts": sorted(Path(name).name for name in texts), "tokens": total},
     )
+    fit_s = time.perf_counter() - start
+    assert probed is not None
+    start = time.perf_counter()
+    sensitivities = tensor_sensitivities(model, probed[0], layers, basis, probed[1])
+    # (The probe serialized the basis for its digest: the bytes are made again, with the factors.)
+    basis = replace(basis, info={**basis.info, "steps": step_factors(basis, sensitivities)}, _bytes=None, _digest=None)
+    if progress:
+        progress(len(texts) + 1, len(texts) + 1)
     basis.to_bytes()  # serialized (and its digest known) here, so the fit's time includes it
-    return Calibrated(basis, total, prefill_s, time.perf_counter() - start)
+    return Calibrated(basis, total, prefill_s, fit_s, time.perf_counter() - start)

@@ -32,7 +32,8 @@ from kvmesh.v1 import cache_pb2 as pb
 @dataclass(frozen=True)
 class TransformCoding:
     """How to transform code a cache: the model's basis, the quantization step (in units of each
-    tensor's calibration RMS; the keys' is `key_factor` times it) and the rows kept raw."""
+    tensor's calibration RMS, times the basis's factor for the tensor; for a basis without fitted
+    factors, the keys' is `key_factor` times it) and the rows kept raw."""
 
     basis: Basis
     step: float

@@ -11,10 +11,12 @@ basis fits every position. Then:
    (`kvmesh.codec.basis`), and the coefficients divided by the tensor's calibration RMS (of all its
    components together, so one step means the same relative error in every layer; dividing each
    component by its own RMS would give every component the same bits);
-3. one global quantization step (`step`, in those units) rounds every coefficient. A uniform step
-   across components is reverse water-filling: a component whose calibration RMS is below what the
-   step leaves as noise (step / sqrt(12)) is not sent at all (zero bits); the others get about
-   log2(rms * sqrt(12) / step) bits each (`bit_allocation`), so bits go where the variance is;
+3. one quantization step per tensor rounds its coefficients: the global `step` (in those units)
+   times the tensor's factor, fitted from the model's measured sensitivity to that layer's keys or
+   values (`Basis.step_factor`, kvmesh.codec.sensitivity), so bits go to the layers that matter.
+   Within a tensor a uniform step is reverse water-filling: a component whose calibration RMS is
+   below what the step leaves as noise (step / sqrt(12)) is not sent at all (zero bits); the others
+   get about log2(rms * sqrt(12) / step) bits each (`bit_allocation`), so bits go where the variance is;
 4. per tensor, the components are cut into runs whose allocations round up to the same whole
    number of bits; each run's integers are zigzagged and packed four (codes < 4) or two (< 16) to a
    byte, or one a byte with 255 escaping to a separate uint32 array, component-major, and each run
@@ -23,8 +25,8 @@ basis fits every position. Then:
    values within their bins, which the decoder adds (a centroid reconstruction: less error, no bits).
 
 `encode_layers(..., ratio=r)` searches the step (secant steps inside a bisected bracket) until the
-bytes are 1/r of the fp16 cache's. `key_factor` makes the keys' step that much coarser than the
-values' (2 measured best on SmolLM2 at 4-8x).
+bytes are 1/r of the fp16 cache's. With a basis fitted without step factors, `key_factor` makes
+the keys' step that much coarser than the values' (2 measured best on SmolLM2 at 4-8x).
 `kvmesh.codec.transform_decode.decode_layers` gives arrays of that dtype in mlx-lm's KVCache layout
 (batch, kv_heads, tokens, head_dim), keys with RoPE re-applied at their positions. Both directions
 are MLX graphs over a whole layer (all its heads in each operation), so a Mac runs them on its GPU;
@@ -270,7 +272,7 @@ def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: flo
     if pos is not None:
         lm["positions"] = {**meta["positions"], "seg": out.add(pos.astype("<i4").tobytes(), True)}
     for kind, p in zip("kv", layer, strict=True):
-        kstep = step * (key_factor if kind == "k" else 1.0)
+        kstep = step * basis.step_factor(meta["layer"], kind, key_factor)
         rms = p.basis.rms / p.basis.scale
         n = kept_components(rms, kstep)
         groups: list = []
@@ -312,7 +314,7 @@ def fp16_nbytes(layers: Sequence[LayerKV]) -> int:
 
 @dataclass
 class Encoded:
-    """Per layer, its blob; coded with one global `step` (the values'; keys' is key_factor times it)."""
+    """Per layer, its blob; coded with one global `step` (each tensor's is its factor times it)."""
 
     blobs: list[bytes]
     step: float
@@ -344,7 +346,8 @@ def encode_layers(
     """Encode per-layer (keys, values, positions) with one global `step`, or with the step that makes
     the bytes `ratio` times smaller than fp16 (searched to `tolerance`: the largest encoding within
     the target size, or the coarsest step's if even that exceeds it). Layer i is coded with the
-    basis's layer `basis_layers[i]` (default: i). The keys' step is `key_factor` times the values'.
+    basis's layer `basis_layers[i]` (default: i). Each tensor's step is the basis's factor for it
+    times `step` (`Basis.step_factor`: for a basis without fitted factors, `key_factor` for keys).
     `sinks` leading and `recent` trailing rows travel raw (in the layers' own dtype)."""
     if (step is None) == (ratio is None):
         raise TransformCodecError("give either step or ratio")

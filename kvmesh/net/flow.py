@@ -15,6 +15,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 SILENT = "sent nothing for {idle:g} s (asleep, frozen or cut off): transfer abandoned"
+# How often an IdleWatch looks (at most: a quarter of a shorter idle limit): a stream is cancelled
+# up to this long after its limit.
+WATCH_INTERVAL_S = 0.25
 
 
 class IdleWatch:
@@ -79,7 +82,7 @@ class IdleWatch:
         return None
 
     def _watch(self) -> None:
-        while not self._done.wait(min(0.25, self.idle / 4)):
+        while not self._done.wait(watch_interval(self.idle)):
             if (why := self._problem(time.monotonic())) is not None:
                 self.why = why
                 self.cancel()
@@ -87,6 +90,11 @@ class IdleWatch:
 
     def stop(self) -> None:
         self._done.set()
+
+
+def watch_interval(idle: float) -> float:
+    """Seconds between an IdleWatch's looks at a stream whose idle limit is `idle`."""
+    return min(WATCH_INTERVAL_S, idle / 4)
 
 
 def read_within(messages: Iterator, seconds: float) -> Any:

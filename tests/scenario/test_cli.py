@@ -42,6 +42,7 @@ def test_make_test_into_non_empty_dir_fails_cleanly(tmp_path):
     assert result.stderr.startswith(f"kvmesh: error: {tmp_path}: exists")
 
 
+@pytest.mark.lan  # its daemons find each other over mDNS on loopback
 def test_demo_runs_the_mesh_and_checks_itself():
     out = run("demo", "--steps", "4").stdout  # exits non-zero when a check fails
     text = " ".join(out.split())  # the console wraps long lines

@@ -20,6 +20,9 @@ from kvmesh.store import CacheStore
 from support.processes import cli
 from support.references import greedy_tokens
 
+# Its daemons find each other over mDNS on 127.0.0.1, where every test's daemons would hear them.
+pytestmark = pytest.mark.lan
+
 
 def kvmesh(data_dir, *args, check=True):
     return cli(*args, data_dir=data_dir, check=check)

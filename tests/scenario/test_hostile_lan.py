@@ -24,7 +24,7 @@ from support.processes import ENV
 from support.stranger import Stranger
 from support.waiting import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.lan]
 
 
 def peers_of(data_dir) -> dict[str, tuple[bool, list[str]]]:

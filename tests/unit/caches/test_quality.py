@@ -10,10 +10,12 @@ import pytest
 from kvmesh.caches.prefill import prefill, run_prompt
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.quality import QUALITY_TOKENS
+from kvmesh.codec.coded import parse_basis
 from kvmesh.codec.levels import LEVELS
 from kvmesh.errors import KvmeshError
 from kvmesh.serve.engine.prompt_cache import MeshPromptCache
 from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import artifact_store
 from support.processes import cli
 
 
@@ -43,7 +45,13 @@ def test_prefill_compress_uses_the_measured_level_and_ships_its_loss(tiny_dir, t
     )
     assert out["tail_kl"] is not None and out["compression"] == "full + transform"
     manifest = CacheStore(store).manifest(out["cache_id"])
-    assert {layer.transform.value_step for layer in manifest.layers} == {LEVELS["default"].step}
+    # Each layer's steps: the level's, times the factors the model's basis (kept beside the store) fitted.
+    (needed,) = manifest.artifacts
+    basis = parse_basis(artifact_store(store).get(needed.sha256), needed.sha256)
+    for layer in manifest.layers:
+        t = layer.transform
+        assert t.value_step == pytest.approx(LEVELS["default"].step * basis.info["steps"]["v"][t.basis_layer])
+        assert t.key_step == pytest.approx(LEVELS["default"].step * basis.info["steps"]["k"][t.basis_layer])
     shown = cli("cache", "--store", store, "show", out["cache_id"]).stdout
     assert "full + transform" in shown and "quality      tail_kl" in shown and "needs        transform-basis" in shown
     small = json.loads(
@@ -84,7 +92,7 @@ def test_the_server_keeps_compressed_caches_with_their_loss(tiny, tiny_fp, promp
     (entry,) = coded.store.entries()
     manifest = coded.store.manifest(entry.cache_id)
     assert [a.sha256 for a in manifest.artifacts] == [basis.digest]
-    assert manifest.layers[0].transform.value_step == LEVELS["small"].step
+    assert manifest.layers[0].transform.value_step == pytest.approx(LEVELS["small"].step * basis.info["steps"]["v"][0])
     assert manifest.quality.metric == "tail_kl" and manifest.quality.value > 0
 
 

@@ -71,6 +71,13 @@ def extra_layer(keys, values, rotaries, info):
     values.append(tensor_copy(unit))
     rotaries.append(rotaries[0])
     info["layers"].append(len(info["layers"]))
+    for factors in info["steps"].values():
+        factors.append(1.0)
+
+
+def huge_step(keys, values, rotaries, info):
+    """A step factor no sensitivity gives (the encoder would send nothing of that tensor)."""
+    info["steps"]["k"][0] = 1e9
 
 
 def swapped_layers(keys, values, rotaries, info):
@@ -129,7 +136,12 @@ def calls_of(path) -> list[tuple[str, int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "poison, words",
-    [(nan_component, "NaN or infinite"), (inf_mean, "NaN or infinite"), (huge_rms, "an RMS of 1e+30")],
+    [
+        (nan_component, "NaN or infinite"),
+        (inf_mean, "NaN or infinite"),
+        (huge_rms, "an RMS of 1e+30"),
+        (huge_step, "its step factors for k hold a number outside [0.001, 1000]"),
+    ],
 )
 def test_a_poisoned_basis_of_the_right_digest_is_refused_and_kept_nowhere(
     honest, poison, words, peer, tiny_dir, tiny_fp, prompt_ids, tmp_path

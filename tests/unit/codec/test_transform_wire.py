@@ -70,7 +70,10 @@ def test_the_manifest_states_the_codec_and_the_basis(coded, wire, calibrated):
         t = layer.transform
         assert t.basis_sha256 == calibrated.basis.digest
         assert (t.kv_heads, t.head_dim) == (manifest.num_kv_heads, manifest.head_dim)
-        assert t.key_step == pytest.approx(2 * t.value_step) and 0 < t.value_components <= t.kv_heads * t.head_dim
+        factors = calibrated.basis.info["steps"]  # each tensor's step: the global one times its factor
+        assert t.key_step == pytest.approx(0.02 * factors["k"][t.basis_layer])
+        assert t.value_step == pytest.approx(0.02 * factors["v"][t.basis_layer])
+        assert 0 < t.value_components <= t.kv_heads * t.head_dim
         assert t.rotary.dims == manifest.head_dim and t.rotary.HasField("base")
     assert validate_manifest(manifest) is None
     assert lossy(manifest)
