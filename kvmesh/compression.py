@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from kvmesh.caches.quality import tail_kl
 from kvmesh.codec.basis import Basis
-from kvmesh.codec.calibration import Calibrated, fit_model_basis
+from kvmesh.codec.calibration import Calibrated, default_texts, fit_model_basis
 from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis, transform_code
 from kvmesh.codec.levels import CALIBRATION_TOKENS, LEVELS
 from kvmesh.errors import IntegrityError, KvmeshError, StoreError
@@ -58,7 +58,15 @@ def model_basis(
         log.warning("%s: fitting the model's basis again", e)
         digest = data = None
     if digest and data is not None:
-        return parse_basis(data, digest), None
+        basis = parse_basis(data, digest)
+        if "steps" in basis.info or not fitted_on(basis, default_texts()):
+            if "steps" not in basis.info:
+                log.warning(
+                    "the model's basis (fitted on your texts) predates per-layer steps, so --compress codes "
+                    "every layer at one step; run `kvmesh model calibrate MODEL --text ...` again to fit them"
+                )
+            return basis, None
+        log.info("the model's basis predates per-layer steps: fitting it again")
     if on_fit is not None:
         on_fit()
     calibrated = fit_model_basis(
@@ -73,6 +81,11 @@ def model_basis(
     artifacts.put(basis.to_bytes(), basis.digest)
     artifacts.set_model_basis(model_id, basis.digest)
     return basis, calibrated
+
+
+def fitted_on(basis: Basis, texts: Mapping[str, str]) -> bool:
+    """Whether `basis` was fitted on `texts` (as far as the names it records say)."""
+    return sorted(basis.info.get("texts", ())) == sorted(Path(name).name for name in texts)
 
 
 def compress(model: nn.Module, cache: list, tokens: Sequence[int], level: str, basis: Basis) -> Compressed:

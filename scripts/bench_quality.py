@@ -127,7 +127,7 @@ def main() -> None:
     print(
         f"basis {basis.digest[:12]}: {basis.nbytes / 1e6:.2f} MB from {calibrated.tokens} tokens of "
         f"{len(basis.info['texts'])} texts; calibration prefills {calibrated.prefill_s:.1f} s, "
-        f"fit {calibrated.fit_s:.2f} s",
+        f"fit {calibrated.fit_s:.2f} s, each tensor's sensitivity {calibrated.sensitivity_s:.1f} s",
         file=sys.stderr,
     )
 

@@ -22,8 +22,10 @@ class Level:
     kl: float
 
 
-# scripts/bench_quality.py --methods full quantize, 2026-12-01 (worst of declaration / notes / code).
+# scripts/bench_quality.py --methods full --steps ..., 2026-12-03 (worst of declaration / notes / code),
+# with the basis's per-layer step factors (kvmesh.codec.sensitivity); one step for every layer had
+# reached 3.68x at KL 0.0024 (step 0.12) and 5.10x at KL 0.0171 (step 0.28).
 LEVELS: dict[str, Level] = {
-    "default": Level(step=0.12, max_kl=0.003, ratio=3.68, kl=0.0024),
-    "small": Level(step=0.28, max_kl=0.02, ratio=5.10, kl=0.0171),
+    "default": Level(step=0.15, max_kl=0.003, ratio=3.74, kl=0.0018),
+    "small": Level(step=0.5, max_kl=0.02, ratio=6.27, kl=0.0165),
 }

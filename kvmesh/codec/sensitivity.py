@@ -9,10 +9,14 @@ tensor's sensitivity `g` (KL ~ g * step^2 while the error is small).
 
 A tensor coded at step s costs about n * log2(1 / s) bits per token (n: the components it keeps) and
 adds g * s^2 of KL; minimising the bits for a total KL (a Lagrangian over the tensors) gives each
-its step in proportion to sqrt(n / g). Those proportions, normalised so the values' steps have a
-geometric mean of 1, are the basis's step factors (`Basis.step_factor`): the encoder multiplies the
-global step by them, and each layer's blob already carries its own steps, so receivers need nothing
-new.
+its step in proportion to sqrt(n / g). Keys then get twice that: the split between keys and values
+that measured best with one global step, and measured best again here (on SmolLM2 and the three
+texts of scripts/bench_quality.py, the worst text's ratio at KL 0.003 / 0.02: one step 3.77x /
+5.18x; sqrt(n / g) alone 4.24x / 5.80x; with keys at twice it 4.15x / 6.52x; the keys' and values'
+factors each normalised on their own 4.04x / 6.25x). Those proportions, normalised so the values'
+steps have a geometric mean of 1, are the basis's step factors (`Basis.step_factor`): the encoder
+multiplies the global step by them, and each layer's blob already carries its own steps, so
+receivers need nothing new.
 """
 
 import math
@@ -30,10 +34,11 @@ from kvmesh.codec.transform import encode_layers, kept_components
 from kvmesh.codec.transform_decode import decode_layers
 from kvmesh.progress import Progress
 
-# The probe: values coded at this step (keys at twice it), coarse enough that every tensor's KL
-# stands well above float32 noise, fine enough that KL still grows as the square of the step.
+# The probe: values coded at this step (keys at KEY_FACTOR times it), coarse enough that every
+# tensor's KL stands well above float32 noise, fine enough that KL still grows as the square of the step.
 PROBE_STEP = 0.3
-PROBE_KEY_FACTOR = 2.0
+# Keys' steps to values', in the probe and in the factors (module docstring).
+KEY_FACTOR = 2.0
 # Tokens of the calibration text past the cache that the model predicts for each probe.
 PROBE_TOKENS = 64
 # A tensor's factor stays within this of the others' (geometric) mean: a KL at the noise floor
@@ -71,7 +76,7 @@ def tensor_sensitivities(
     progress: Progress | None = None,
 ) -> dict[str, np.ndarray]:
     """Per kind ("k", "v"), per basis layer j (model layer `layers[j]` of `cache`): the KL (nats per
-    token over `probe`) that coding that tensor alone at `step` (keys at PROBE_KEY_FACTOR times it)
+    token over `probe`) that coding that tensor alone at `step` (keys at KEY_FACTOR times it)
     adds."""
     tokens = mx.array(list(probe))[None]
     reference = _logprobs(model, cache, tokens)
@@ -84,7 +89,7 @@ def tensor_sensitivities(
         n = cache[i].offset
         keys, values = cache[i].keys[..., :n, :], cache[i].values[..., :n, :]
         kv: LayerKV = (keys, values, np.arange(keys.shape[2]))
-        blobs = encode_layers([kv], probing, step=step, basis_layers=[j], key_factor=PROBE_KEY_FACTOR).blobs
+        blobs = encode_layers([kv], probing, step=step, basis_layers=[j], key_factor=KEY_FACTOR).blobs
         ((coded_keys, coded_values),) = decode_layers(blobs, probing)
         out["k"][j] = _kl(reference, _logprobs(model, _with_layer(cache, i, coded_keys, values), tokens))
         out["v"][j] = _kl(reference, _logprobs(model, _with_layer(cache, i, keys, coded_values), tokens))
@@ -96,17 +101,17 @@ def tensor_sensitivities(
 def step_factors(
     basis: Basis, sensitivities: dict[str, np.ndarray], *, step: float = PROBE_STEP
 ) -> dict[str, list[float]]:
-    """Per kind, per basis layer, the factor its step is the global step times: sqrt(n / g) (module
-    docstring), n the components the tensor keeps at the probe's step and g its KL (measured at
-    `step`: tensor_sensitivities) per squared step, bounded to FACTOR_SPREAD of the mean and
-    normalised so the values' have a geometric mean of 1."""
+    """Per kind, per basis layer, the factor its step is the global step times: sqrt(n / g), twice
+    that for keys (module docstring), n the components the tensor keeps at the probe's step and g
+    its KL (measured at `step`: tensor_sensitivities) per squared step, bounded to FACTOR_SPREAD of
+    the mean and normalised so the values' have a geometric mean of 1."""
     floor = KL_FLOOR * float(np.median(np.concatenate(list(sensitivities.values()))))
     raw: dict[str, np.ndarray] = {}
     for kind, tensors in (("k", basis.keys), ("v", basis.values)):
-        probed = step * (PROBE_KEY_FACTOR if kind == "k" else 1.0)
+        probed = step * (KEY_FACTOR if kind == "k" else 1.0)
         kl = np.maximum(sensitivities[kind], max(floor, 1e-12))
         kept = np.array([max(1, kept_components(tb.rms / tb.scale, probed)) for tb in tensors], dtype=np.float64)
-        raw[kind] = np.sqrt(kept / (kl / probed**2))
+        raw[kind] = np.sqrt(kept / (kl / probed**2)) * (KEY_FACTOR if kind == "k" else 1.0)
     logs = np.log(np.concatenate([raw["k"], raw["v"]]))
     centre, bound = float(logs.mean()), math.log(FACTOR_SPREAD)
     scale = float(np.exp(np.clip(np.log(raw["v"]), centre - bound, centre + bound).mean()))

@@ -13,6 +13,8 @@ from kvmesh.codec.calibration import fit_model_basis
 from kvmesh.codec.layer_blob import read_header
 from kvmesh.codec.sensitivity import FACTOR_SPREAD, step_factors, tensor_sensitivities
 from kvmesh.codec.transform import encode_layers, layers_of_cache
+from kvmesh.compression import model_basis
+from kvmesh.store.artifacts import artifact_store
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +27,12 @@ def basis(tiny):
 def layers(tiny, prompt_ids):
     cache, _, _ = run_prompt(tiny[0], prompt_ids)
     return layers_of_cache(cache)
+
+
+def unfitted(basis: Basis, **info) -> Basis:
+    """`basis` as a kvmesh before per-layer steps fitted it (and with `info` besides)."""
+    kept = {k: v for k, v in basis.info.items() if k != "steps"}
+    return replace(basis, info={**kept, **info}, _bytes=None, _digest=None)
 
 
 def test_every_tensor_gets_a_factor_and_its_blob_carries_the_step_it_makes(basis, layers):
@@ -40,8 +48,7 @@ def test_every_tensor_gets_a_factor_and_its_blob_carries_the_step_it_makes(basis
 
 
 def test_a_basis_fitted_without_factors_codes_keys_at_key_factor(basis, layers):
-    info = {k: v for k, v in basis.info.items() if k != "steps"}
-    plain = replace(basis, info=info, _bytes=None, _digest=None)
+    plain = unfitted(basis)
     header, _ = read_header(encode_layers(layers, plain, step=0.1, key_factor=3.0).blobs[0])
     assert header["k"]["step"] == pytest.approx(0.3) and header["v"]["step"] == pytest.approx(0.1)
 
@@ -84,3 +91,22 @@ def test_coding_a_tensor_coarser_adds_more_kl(tiny, basis, prompt_ids):
     # (A random-weight model barely minds: a tensor's KL alone may sit at float32's noise.)
     for kind in "kv":
         assert coarse[kind].sum() > 4 * fine[kind].sum() > 0, (kind, fine, coarse)
+
+
+def test_a_stored_basis_from_before_the_factors_is_fitted_again_unless_fitted_on_the_users_texts(
+    basis, tiny_loaded, tmp_path, caplog
+):
+    """--compress on a store whose basis predates step factors: one fitted on the default texts is
+    fitted again (its levels are measured with factors); one fitted on the user's texts is kept, said."""
+    model_id = tiny_loaded.fingerprint.model_id
+    for store, old, refitted in [
+        (tmp_path / "a", unfitted(basis), True),
+        (tmp_path / "b", unfitted(basis, texts=["my-notes.md"]), False),
+    ]:
+        artifacts = artifact_store(store)
+        artifacts.put(old.to_bytes(), old.digest)
+        artifacts.set_model_basis(model_id, old.digest)
+        got, calibrated = model_basis(store, tiny_loaded, tokens_per_text=64)
+        assert (calibrated is not None) is refitted and ("steps" in got.info) is refitted
+        assert artifacts.model_basis(model_id) == (got.digest if refitted else old.digest)
+    assert "predates per-layer steps, so --compress codes every layer at one step" in caplog.text
