@@ -153,9 +153,9 @@ class Basis:
         return len(self.to_bytes())
 
     def step_factor(self, layer: int, kind: str, key_factor: float) -> float:
-        """How many times the global step basis layer `layer`'s keys ("k") or values ("v") are
-        quantized with: the factor fitted from measured sensitivity (kvmesh.codec.sensitivity), or,
-        for a basis fitted without one, `key_factor` for keys and 1 for values."""
+        """What the global step is multiplied by for basis layer `layer`'s keys ("k") or values
+        ("v"): the factor fitted from measured sensitivity (kvmesh.codec.sensitivity), or, for a
+        basis fitted without factors, `key_factor` for keys and 1 for values."""
         fitted = self.info.get("steps")
         if fitted is None:
             return key_factor if kind == "k" else 1.0
@@ -220,7 +220,7 @@ def steps_problem(steps: Any, layers: int) -> str | None:
     for kind, factors in steps.items():
         if not isinstance(factors, list) or len(factors) != layers:
             return f"for {kind} are {factors!r:.80}, not one per layer of {layers}"
-        if not all(isinstance(f, (int, float)) and lo <= f <= hi for f in factors):
+        if not all(type(f) in (int, float) and lo <= f <= hi for f in factors):
             return f"for {kind} hold a number outside [{lo:g}, {hi:g}]"
     return None
 

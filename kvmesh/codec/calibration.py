@@ -133,5 +133,5 @@ def fit_model_basis(
     basis = replace(basis, info={**basis.info, "steps": step_factors(basis, sensitivities)}, _bytes=None, _digest=None)
     if progress:
         progress(len(texts) + 1, len(texts) + 1)
-    basis.to_bytes()  # serialized (and its digest known) here, so the fit's time includes it
+    basis.to_bytes()  # serialized (and its digest known) here, so the calibration's time includes it
     return Calibrated(basis, total, prefill_s, fit_s, time.perf_counter() - start)
