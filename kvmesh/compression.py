@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.nn as nn
 
 from kvmesh.caches.quality import tail_kl
-from kvmesh.codec.basis import Basis
+from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.calibration import Calibrated, default_texts, fit_model_basis
 from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis, transform_code
 from kvmesh.codec.levels import CALIBRATION_TOKENS, LEVELS
@@ -58,15 +58,20 @@ def model_basis(
         log.warning("%s: fitting the model's basis again", e)
         digest = data = None
     if digest and data is not None:
-        basis = parse_basis(data, digest)
-        if "steps" in basis.info or not fitted_on(basis, default_texts()):
-            if "steps" not in basis.info:
-                log.warning(
-                    "the model's basis (fitted on your texts) predates per-layer steps, so --compress codes "
-                    "every layer at one step; run `kvmesh model calibrate MODEL --text ...` again to fit them"
-                )
-            return basis, None
-        log.info("the model's basis predates per-layer steps: fitting it again")
+        try:
+            basis = parse_basis(data, digest)
+        except BasisError as e:  # (kept by an older kvmesh, or damaged): fitted again below
+            log.warning("%s: fitting the model's basis again", e)
+        else:
+            if basis.has_step_factors or not fitted_on(basis, default_texts()):
+                if not basis.has_step_factors:
+                    log.warning(
+                        "the model's basis (fitted on your texts) predates per-layer steps, so --compress codes "
+                        "every layer at one step (larger caches at the same quality); run `kvmesh model "
+                        "calibrate MODEL --text ...` again to fit them"
+                    )
+                return basis, None
+            log.info("the model's basis predates per-layer steps: fitting it again")
     if on_fit is not None:
         on_fit()
     calibrated = fit_model_basis(
@@ -92,7 +97,7 @@ def compress(model: nn.Module, cache: list, tokens: Sequence[int], level: str, b
     """`cache` transform coded at `level`, its loss measured on the prompt's own tail."""
     if level not in LEVELS:
         raise KvmeshError(f"unknown compression level {level!r}; choose one of {', '.join(LEVELS)}")
-    coded = transform_code(cache, TransformCoding(basis, step=LEVELS[level].step))
+    coded = transform_code(cache, TransformCoding(basis, step=LEVELS[level].step_for(basis.has_step_factors)))
     if not any(isinstance(layer, CodedLayer) for layer in coded):
         return Compressed(coded, None)
     return Compressed(coded, tail_kl(model, cache, decoded(coded), list(tokens)))

@@ -4,6 +4,7 @@ tiers: a test that starts processes is `slow` (see pyproject.toml), and the fast
 import fcntl
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,15 +26,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def lan_tests_one_at_a_time(request, tmp_path_factory):
+def lan_tests_one_at_a_time(request):
     """A test marked `lan` holds the run's LAN lock from before its other fixtures start daemons until
     after they stop them, so no two such tests on pytest-xdist's workers hear each other's daemons.
     (A lock rather than xdist's groups: those rename test ids in a way pytest 9.2 ignores.)"""
     if request.node.get_closest_marker("lan") is None:
         yield
         return
-    # The workers' temporary folders share a parent: the run's own.
-    with open(tmp_path_factory.getbasetemp().parent / "lan.lock", "w") as lock:
+    # One lock for the machine: loopback is the machine's, whichever run or checkout tests on it.
+    with open(Path(tempfile.gettempdir()) / "kvmesh-tests-lan.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 

@@ -152,14 +152,18 @@ class Basis:
     def nbytes(self) -> int:
         return len(self.to_bytes())
 
+    @property
+    def has_step_factors(self) -> bool:
+        """Whether calibration fitted a step factor per layer and tensor (kvmesh.codec.sensitivity)."""
+        return "steps" in self.info
+
     def step_factor(self, layer: int, kind: str, key_factor: float) -> float:
         """What the global step is multiplied by for basis layer `layer`'s keys ("k") or values
         ("v"): the factor fitted from measured sensitivity (kvmesh.codec.sensitivity), or, for a
         basis fitted without factors, `key_factor` for keys and 1 for values."""
-        fitted = self.info.get("steps")
-        if fitted is None:
+        if not self.has_step_factors:
             return key_factor if kind == "k" else 1.0
-        return float(fitted[kind][layer])
+        return float(self.info["steps"][kind][layer])
 
     def covered(self) -> list[int]:
         """The model layer each layer of the basis codes (the fit's `layers`; one each, in order, for
@@ -199,30 +203,7 @@ class Basis:
         layers = info.get("layers", [])
         if not isinstance(layers, list) or not all(type(x) is int for x in layers):
             raise BasisError(f"unreadable basis metadata: the layers it covers are {layers!r:.80}")
-        if (problem := steps_problem(info.get("steps"), len(rotaries))) is not None:
-            raise BasisError(f"unreadable basis metadata: its step factors {problem}")
         return cls(keys, values, rotaries, info, _bytes=bytes(data))
-
-
-# Fitted step factors beyond this range are no measurement (kvmesh.codec.sensitivity bounds them far
-# tighter): a basis naming one is refused.
-STEP_FACTOR_RANGE = (1e-3, 1e3)
-
-
-def steps_problem(steps: Any, layers: int) -> str | None:
-    """Why a basis's fitted step factors (None, or {"k": [...], "v": [...]} of one positive number
-    per layer) cannot be used, or None."""
-    if steps is None:
-        return None
-    if not isinstance(steps, dict) or set(steps) != {"k", "v"}:
-        return f"are {steps!r:.80}, not one list for keys and one for values"
-    lo, hi = STEP_FACTOR_RANGE
-    for kind, factors in steps.items():
-        if not isinstance(factors, list) or len(factors) != layers:
-            return f"for {kind} are {factors!r:.80}, not one per layer of {layers}"
-        if not all(type(f) in (int, float) and lo <= f <= hi for f in factors):
-            return f"for {kind} hold a number outside [{lo:g}, {hi:g}]"
-    return None
 
 
 LayerKV = tuple[Any, Any, Any]  # (keys (B, H, T, D), values (B, H, T, D), positions (T,) | (H, T) | (B, H, T))

@@ -91,6 +91,7 @@ def read_basis(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         if problem := tensor_problem(name, array):
             raise BasisError(f"basis tensor {name}: {problem}")
     check_rotaries(meta.get("rotaries", "[]"))
+    check_steps(meta.get("info", "{}"), len({name.split(".")[1] for name in tensors if name.startswith("layers.")}))
     return tensors, meta
 
 
@@ -130,6 +131,39 @@ def check_rotaries(text: str) -> None:
         given = [r.get("base"), r.get("scale"), *(r.get("freqs") or ())] if isinstance(r, dict) else []
         if any(isinstance(x, (int, float)) and not (math.isfinite(x) and x > 0) for x in given):
             raise BasisError(f"basis rotary settings {r} hold a number that is not finite and positive")
+
+
+# Fitted step factors beyond this range are no measurement (kvmesh.codec.sensitivity bounds them far
+# tighter): a basis naming one is refused.
+STEP_FACTOR_RANGE = (1e-3, 1e3)
+
+
+def steps_problem(steps: Any, layers: int) -> str | None:
+    """Why a basis's fitted step factors (None, or {"k": [...], "v": [...]} of one positive number
+    per layer) cannot be used, or None."""
+    if steps is None:
+        return None
+    if not isinstance(steps, dict) or set(steps) != {"k", "v"}:
+        return f"are {steps!r:.80}, not one list for keys and one for values"
+    lo, hi = STEP_FACTOR_RANGE
+    for kind, factors in steps.items():
+        if not isinstance(factors, list) or len(factors) != layers:
+            return f"for {kind} are {factors!r:.80}, not one per layer of {layers}"
+        if not all(type(f) in (int, float) and lo <= f <= hi for f in factors):
+            return f"for {kind} hold a number outside [{lo:g}, {hi:g}]"
+    return None
+
+
+def check_steps(info_text: str, layers: int) -> None:
+    """The fitted step factors in a basis's info (JSON) are one number in range per layer (of
+    `layers`, as its tensors count them) for keys and for values, or absent."""
+    try:
+        info = json.loads(info_text)
+    except ValueError as e:
+        raise BasisError(f"unreadable basis metadata: {e}") from None
+    steps = info.get("steps") if isinstance(info, dict) else None
+    if (problem := steps_problem(steps, layers)) is not None:
+        raise BasisError(f"unreadable basis metadata: its step factors {problem}")
 
 
 def model_features(m: pb.CacheManifest) -> int:

@@ -42,7 +42,7 @@ class NothingToCode(KvmeshError):
     """A model whose caches the transform codec cannot code at all (no plain full-attention layer)."""
 
 
-# progress(steps done, steps in all): a step per text prefilled, and one for the sensitivities.
+# progress(steps done, steps in all): a step per text prefilled, then one per layer's sensitivities.
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,10 @@ def fit_model_basis(
             raise KvmeshError(f"a calibration text of {len(tokens)} tokens is too short (give at least a page)")
         cache, _, _ = run_prompt(model, tokens)
         if probed is None:
-            # What the model predicts next with the cache: the text past it, or (a short text) its
-            # own last tokens read again.
-            probed = (cache, read[tokens_per_text:][:PROBE_TOKENS] or tokens[-PROBE_TOKENS:])
+            # What the model predicts next with the cache: the text past it, or (a text too short
+            # for that) its own last tokens read again.
+            past = read[tokens_per_text:][:PROBE_TOKENS]
+            probed = (cache, past if len(past) >= PROBE_TOKENS // 2 else tokens[-PROBE_TOKENS:])
         layers = full_attention_layers(model, cache) if layers is None else layers
         if not layers:
             raise NothingToCode(
@@ -115,7 +116,7 @@ def fit_model_basis(
         calibration.append(layers_of_cache([cache[i] for i in layers]))
         total += len(tokens)
         if progress:
-            progress(done + 1, len(texts) + 1)
+            progress(done + 1, len(texts) + len(layers))
     prefill_s = time.perf_counter() - start
     assert layers is not None
     start = time.perf_counter()
@@ -128,10 +129,15 @@ def fit_model_basis(
     fit_s = time.perf_counter() - start
     assert probed is not None
     start = time.perf_counter()
-    sensitivities = tensor_sensitivities(model, probed[0], layers, basis, probed[1])
+    sensitivities = tensor_sensitivities(
+        model,
+        probed[0],
+        layers,
+        basis,
+        probed[1],
+        progress=progress and (lambda done, total: progress(len(texts) + done, len(texts) + total)),
+    )
     # (The probe serialized the basis for its digest: the bytes are made again, with the factors.)
     basis = replace(basis, info={**basis.info, "steps": step_factors(basis, sensitivities)}, _bytes=None, _digest=None)
-    if progress:
-        progress(len(texts) + 1, len(texts) + 1)
     basis.to_bytes()  # serialized (and its digest known) here, so the calibration's time includes it
     return Calibrated(basis, total, prefill_s, fit_s, time.perf_counter() - start)

@@ -20,12 +20,19 @@ class Level:
     max_kl: float
     ratio: float
     kl: float
+    # The largest step that met the same bar with one step for every layer: for a basis fitted before
+    # per-layer step factors (kvmesh.codec.sensitivity), which coarser steps would take past the bar.
+    one_step: float
+
+    def step_for(self, factors: bool) -> float:
+        """The level's step for a basis with per-layer step factors, or for one without."""
+        return self.step if factors else self.one_step
 
 
 # scripts/bench_quality.py --methods full --steps ..., 2026-12-03 (worst of declaration / notes / code),
 # with the basis's per-layer step factors (kvmesh.codec.sensitivity); one step for every layer had
 # reached 3.68x at KL 0.0024 (step 0.12) and 5.10x at KL 0.0171 (step 0.28).
 LEVELS: dict[str, Level] = {
-    "default": Level(step=0.15, max_kl=0.003, ratio=3.74, kl=0.0018),
-    "small": Level(step=0.5, max_kl=0.02, ratio=6.27, kl=0.0165),
+    "default": Level(step=0.15, max_kl=0.003, ratio=3.74, kl=0.0018, one_step=0.12),
+    "small": Level(step=0.5, max_kl=0.02, ratio=6.27, kl=0.0165, one_step=0.28),
 }

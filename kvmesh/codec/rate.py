@@ -73,7 +73,8 @@ def measure_decode_rate(
     far quicker."""
     basis = synthetic_basis(1, heads, head_dim)
     layers = synthetic_layers(basis, tokens)
-    blobs = encode_layers(layers, basis, step=LEVELS["default"].step if step is None else step).blobs
+    default = LEVELS["default"].step_for(basis.has_step_factors)
+    blobs = encode_layers(layers, basis, step=default if step is None else step).blobs
     best = float("inf")
     for _ in range(repeat + 1):
         start = time.perf_counter()

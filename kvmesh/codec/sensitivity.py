@@ -11,9 +11,10 @@ A tensor coded at step s costs about n * log2(1 / s) bits per token (n: the comp
 adds g * s^2 of KL; minimising the bits for a total KL (a Lagrangian over the tensors) gives each
 its step in proportion to sqrt(n / g). Keys then get twice that: the split between keys and values
 that measured best with one global step, and measured best again here (on SmolLM2 and the three
-texts of scripts/bench_quality.py, the worst text's ratio at KL 0.003 / 0.02: one step 3.77x /
-5.18x; sqrt(n / g) alone 4.24x / 5.80x; with keys at twice it 4.15x / 6.52x; the keys' and values'
-factors each normalised on their own 4.04x / 6.25x). Those proportions, normalised so the values'
+texts of scripts/bench_quality.py, the worst text's ratio at KL 0.003 / 0.02, interpolated between
+a few steps of one experiment: one step 3.77x / 5.18x; sqrt(n / g) alone 4.24x / 5.80x; with keys
+at twice it 4.15x / 6.52x; the keys' and values' factors each normalised on their own 4.04x /
+6.25x; the levels then measured at chosen steps: kvmesh.codec.levels). Those proportions, normalised so the values'
 steps have a geometric mean of 1, are the basis's step factors (`Basis.step_factor`): the encoder
 multiplies the global step by them, and each layer's blob already carries its own steps, so
 receivers need nothing new.
@@ -105,11 +106,15 @@ def step_factors(
     that for keys (module docstring), n the components the tensor keeps at the probe's step and g
     its KL (measured at `step`: tensor_sensitivities) per squared step, bounded to FACTOR_SPREAD of
     the mean and normalised so the values' have a geometric mean of 1."""
-    floor = KL_FLOOR * float(np.median(np.concatenate(list(sensitivities.values()))))
+    measured = np.concatenate(list(sensitivities.values()))
+    finite = measured[np.isfinite(measured)]
+    floor = max(KL_FLOOR * float(np.median(finite)) if finite.size else 0.0, 1e-12)
+    # A KL that is not a number (the model's own overflow) counts as the most sensitive measured.
+    top = max(float(finite.max()) if finite.size else floor, floor)
     raw: dict[str, np.ndarray] = {}
     for kind, tensors in (("k", basis.keys), ("v", basis.values)):
         probed = step * (KEY_FACTOR if kind == "k" else 1.0)
-        kl = np.maximum(sensitivities[kind], max(floor, 1e-12))
+        kl = np.maximum(np.where(np.isfinite(sensitivities[kind]), sensitivities[kind], top), floor)
         kept = np.array([max(1, kept_components(tb.rms / tb.scale, probed)) for tb in tensors], dtype=np.float64)
         raw[kind] = np.sqrt(kept / (kl / probed**2)) * (KEY_FACTOR if kind == "k" else 1.0)
     logs = np.log(np.concatenate([raw["k"], raw["v"]]))

@@ -65,7 +65,7 @@ def measure_decoding(model: nn.Module, model_fp: ModelFingerprint, tokens: int =
         return Decoding(rates)
     calibration = [layers_of_cache([fresh[i] for i in layers])]
     basis = fit_basis(calibration, model_rotaries(model, layers), info={"layers": layers})
-    coded = transform_code(full, TransformCoding(basis, step=LEVELS["default"].step))
+    coded = transform_code(full, TransformCoding(basis, step=LEVELS["default"].step_for(basis.has_step_factors)))
     rates["transform"] = decode_rate(coded, model_fp, prompt, bases={basis.digest: basis})
     return Decoding(rates, basis.nbytes)
 

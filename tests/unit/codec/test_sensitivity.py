@@ -7,13 +7,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvmesh.caches.prefill import run_prompt
-from kvmesh.codec.basis import Basis, BasisError, steps_problem
+from kvmesh.caches.prefill import prefill, run_prompt
+from kvmesh.codec.basis import Basis, BasisError
+from kvmesh.codec.basis_file import read_basis, steps_problem
 from kvmesh.codec.calibration import fit_model_basis
 from kvmesh.codec.layer_blob import read_header
+from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.sensitivity import FACTOR_SPREAD, step_factors, tensor_sensitivities
 from kvmesh.codec.transform import encode_layers, layers_of_cache
-from kvmesh.compression import model_basis
+from kvmesh.compression import compress, model_basis
 from kvmesh.store.artifacts import artifact_store
 
 
@@ -60,6 +62,8 @@ def test_the_factors_travel_with_the_basis_and_a_wrong_one_is_refused(basis):
     assert steps_problem(None, n) is None and steps_problem(basis.info["steps"], n) is None
     for wrong, words in [
         ({"k": [1.0] * n}, "not one list for keys and one for values"),
+        ({"k": [True] * n, "v": [1.0] * n}, "hold a number outside"),
+        ({"k": [1e9] * n, "v": [1.0] * n}, "hold a number outside"),
         ({"k": [1.0] * n, "v": [1.0] * (n + 1)}, f"not one per layer of {n}"),
         ({"k": [1.0] * n, "v": ["1"] * n}, "hold a number outside"),
         ({"k": [0.0] * n, "v": [1.0] * n}, "hold a number outside"),
@@ -69,6 +73,8 @@ def test_the_factors_travel_with_the_basis_and_a_wrong_one_is_refused(basis):
         bad = replace(basis, info=info, _bytes=None, _digest=None)
         with pytest.raises(BasisError, match="step factors"):
             Basis.from_bytes(bad.to_bytes(), bad.digest)
+        with pytest.raises(BasisError, match="step factors"):  # as the store and a server check it, MLX-free
+            read_basis(bad.to_bytes())
     assert json.loads(json.dumps(basis.info))["steps"] == basis.info["steps"]
 
 
@@ -80,6 +86,10 @@ def test_a_tensor_measured_more_sensitive_gets_a_finer_step(basis):
     base, after = step_factors(basis, even), step_factors(basis, sharp)
     relative = [after["v"][j] / base["v"][j] for j in range(n)]
     assert relative[0] == pytest.approx(min(relative)) and relative[0] / relative[1] == pytest.approx(0.5, rel=0.02)
+    # A KL the model could not compute counts as the most sensitive measured, not as a broken factor.
+    sharp["v"][:2] = np.nan, 8e-3
+    measured = {"k": even["k"], "v": np.r_[8e-3, 8e-3, even["v"][2:]]}
+    assert step_factors(basis, sharp) == step_factors(basis, measured)
 
 
 def test_coding_a_tensor_coarser_adds_more_kl(tiny, basis, prompt_ids):
@@ -94,7 +104,7 @@ def test_coding_a_tensor_coarser_adds_more_kl(tiny, basis, prompt_ids):
 
 
 def test_a_stored_basis_from_before_the_factors_is_fitted_again_unless_fitted_on_the_users_texts(
-    basis, tiny_loaded, tmp_path, caplog
+    basis, tiny_loaded, prompt_ids, tmp_path, caplog
 ):
     """--compress on a store whose basis predates step factors: one fitted on the default texts is
     fitted again (its levels are measured with factors); one fitted on the user's texts is kept, said."""
@@ -107,6 +117,11 @@ def test_a_stored_basis_from_before_the_factors_is_fitted_again_unless_fitted_on
         artifacts.put(old.to_bytes(), old.digest)
         artifacts.set_model_basis(model_id, old.digest)
         got, calibrated = model_basis(store, tiny_loaded, tokens_per_text=64)
-        assert (calibrated is not None) is refitted and ("steps" in got.info) is refitted
+        assert (calibrated is not None) is refitted and got.has_step_factors is refitted
         assert artifacts.model_basis(model_id) == (got.digest if refitted else old.digest)
+        # The level's step for the basis at hand: with one step for every layer, the one that met its bar.
+        level = LEVELS["default"]
+        coded = compress(tiny_loaded.model, prefill(tiny_loaded.model, prompt_ids).cache, prompt_ids, "default", got)
+        steps = {layer.spec.value_step / got.step_factor(layer.spec.basis_layer, "v", 2.0) for layer in coded.cache}
+        assert steps and all(s == pytest.approx(level.step if refitted else level.one_step) for s in steps)
     assert "predates per-layer steps, so --compress codes every layer at one step" in caplog.text
