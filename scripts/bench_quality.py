@@ -30,7 +30,6 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from support.real_model import blas_name, fast_blas, smollm2_dir
@@ -131,9 +130,8 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct float32 on the CPU ({blas_name()})", file=sys.stderr)
     calibrated = fit_model_basis(model, tokenizer)
     basis = calibrated.basis
-    if args.one_step:  # the basis as a kvmesh before per-layer steps fitted it
-        info = {k: v for k, v in basis.info.items() if k != "steps"}
-        basis = replace(basis, info=info, _bytes=None, _digest=None)
+    if args.one_step:
+        basis = basis.without_step_factors()
     print(
         f"basis {basis.digest[:12]}: {basis.nbytes / 1e6:.2f} MB from {calibrated.tokens} tokens of "
         f"{len(basis.info['texts'])} texts; calibration prefills {calibrated.prefill_s:.1f} s, "

@@ -17,15 +17,21 @@ from kvmesh.caches.kinds import fork
 QUALITY_TOKENS = 32
 
 
+def logprobs_given(model: nn.Module, cache: Sequence, probe: mx.array) -> mx.array:
+    """The model's next-token log-probabilities over `probe` (1, n) given `cache`, which is left as
+    it was (forks are fed)."""
+    logits = model(probe, cache=[fork(c) for c in cache])[0].astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def mean_kl(reference: mx.array, other: mx.array) -> float:
+    """Mean KL (nats/token) of the distributions `other` from `reference` (log-probabilities)."""
+    kl: float = (mx.exp(reference) * (reference - other)).sum(axis=-1).mean().item()  # type: ignore[assignment]
+    return kl
+
+
 def tail_kl(model: nn.Module, dense: list, pressed: list, tokens: Sequence[int], *, n: int = QUALITY_TOKENS) -> float:
     """KL (nats/token) of the model's predictions given `pressed` from those given `dense` while it
-    re-reads the last `n` of `tokens`; both caches are left as they were (forks are fed)."""
+    re-reads the last `n` of `tokens`; both caches are left as they were."""
     probe = mx.array(list(tokens[-n:]))[None]
-
-    def logprobs(cache: list) -> mx.array:
-        logits = model(probe, cache=[fork(c) for c in cache])[0].astype(mx.float32)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-    full, compressed = logprobs(dense), logprobs(pressed)
-    kl: float = (mx.exp(full) * (full - compressed)).sum(axis=-1).mean().item()  # type: ignore[assignment]
-    return kl
+    return mean_kl(logprobs_given(model, dense, probe), logprobs_given(model, pressed, probe))

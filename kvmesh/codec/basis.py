@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -156,6 +156,13 @@ class Basis:
     def has_step_factors(self) -> bool:
         """Whether calibration fitted a step factor per layer and tensor (kvmesh.codec.sensitivity)."""
         return "steps" in self.info
+
+    def without_step_factors(self) -> Basis:
+        """This basis as fitted before per-layer step factors: one step for every layer."""
+        if not self.has_step_factors:
+            return self
+        info = {k: v for k, v in self.info.items() if k != "steps"}
+        return replace(self, info=info, _bytes=None, _digest=None)
 
     def step_factor(self, layer: int, kind: str, key_factor: float) -> float:
         """What the global step is multiplied by for basis layer `layer`'s keys ("k") or values

@@ -22,14 +22,13 @@ receivers need nothing new.
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from kvmesh.caches.kinds import fork
+from kvmesh.caches.quality import logprobs_given, mean_kl
 from kvmesh.codec.basis import Basis, LayerKV
 from kvmesh.codec.transform import encode_layers, kept_components
 from kvmesh.codec.transform_decode import decode_layers
@@ -47,17 +46,6 @@ PROBE_TOKENS = 64
 FACTOR_SPREAD = 4.0
 # A measured KL below this share of the median counts as this share (noise, not insensitivity).
 KL_FLOOR = 0.02
-
-
-def _logprobs(model: Any, cache: Sequence[Any], probe: mx.array) -> mx.array:
-    """The model's next-token log-probabilities over `probe`, given `cache` (left as it was)."""
-    logits = model(probe, cache=[fork(c) for c in cache])[0].astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def _kl(reference: mx.array, other: mx.array) -> float:
-    kl: float = (mx.exp(reference) * (reference - other)).sum(axis=-1).mean().item()  # type: ignore[assignment]
-    return kl
 
 
 def _with_layer(cache: Sequence[Any], i: int, keys: mx.array, values: mx.array) -> list[Any]:
@@ -80,20 +68,18 @@ def tensor_sensitivities(
     token over `probe`) that coding that tensor alone at `step` (keys at KEY_FACTOR times it)
     adds."""
     tokens = mx.array(list(probe))[None]
-    reference = _logprobs(model, cache, tokens)
+    reference = logprobs_given(model, cache, tokens)
     mx.eval(reference)
     out = {"k": np.zeros(len(layers)), "v": np.zeros(len(layers))}
-    # The probe's own steps, whatever factors the basis holds already.
-    unfitted = {k: v for k, v in basis.info.items() if k != "steps"}
-    probing = basis if unfitted == basis.info else replace(basis, info=unfitted, _bytes=None, _digest=None)
+    probing = basis.without_step_factors()  # the probe's own steps, whatever factors the basis holds
     for j, i in enumerate(layers):
         n = cache[i].offset
         keys, values = cache[i].keys[..., :n, :], cache[i].values[..., :n, :]
         kv: LayerKV = (keys, values, np.arange(keys.shape[2]))
         blobs = encode_layers([kv], probing, step=step, basis_layers=[j], key_factor=KEY_FACTOR).blobs
         ((coded_keys, coded_values),) = decode_layers(blobs, probing)
-        out["k"][j] = _kl(reference, _logprobs(model, _with_layer(cache, i, coded_keys, values), tokens))
-        out["v"][j] = _kl(reference, _logprobs(model, _with_layer(cache, i, keys, coded_values), tokens))
+        out["k"][j] = mean_kl(reference, logprobs_given(model, _with_layer(cache, i, coded_keys, values), tokens))
+        out["v"][j] = mean_kl(reference, logprobs_given(model, _with_layer(cache, i, keys, coded_values), tokens))
         if progress:
             progress(j + 1, len(layers))
     return out

@@ -33,8 +33,8 @@ def layers(tiny, prompt_ids):
 
 def unfitted(basis: Basis, **info) -> Basis:
     """`basis` as a kvmesh before per-layer steps fitted it (and with `info` besides)."""
-    kept = {k: v for k, v in basis.info.items() if k != "steps"}
-    return replace(basis, info={**kept, **info}, _bytes=None, _digest=None)
+    plain = basis.without_step_factors()
+    return replace(plain, info={**plain.info, **info}, _bytes=None, _digest=None)
 
 
 def test_every_tensor_gets_a_factor_and_its_blob_carries_the_step_it_makes(basis, layers):
