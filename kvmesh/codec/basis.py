@@ -38,6 +38,7 @@ class TensorBasis:
     _synthesis: np.ndarray | None = field(default=None, repr=False)
     _analysis: np.ndarray | None = field(default=None, repr=False)
     _mx: dict[str, mx.array] = field(default_factory=dict, repr=False)
+    _np: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def features(self) -> int:
@@ -60,6 +61,13 @@ class TensorBasis:
         if self._analysis is None:
             self._analysis = np.ascontiguousarray(np.linalg.inv(self.components.astype(np.float64)).astype(np.float32))
         return self._analysis
+
+    def largest_weights(self) -> np.ndarray:
+        """(F,) float64: each component's largest |weight| in the synthesis (kept): a decoded number
+        is at most |mean| plus the sum of |coefficient| times these."""
+        if "largest" not in self._np:
+            self._np["largest"] = np.abs(self.synthesis().astype(np.float64)).max(axis=1)
+        return self._np["largest"]
 
     def on_mlx(self, which: str) -> mx.array:
         """`mean`, `synthesis` or `analysis` as an MLX float32 array (kept for the next call)."""

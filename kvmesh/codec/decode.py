@@ -9,7 +9,7 @@ decoding needs about one copy of the cache in memory, never the whole encoded pa
 """
 
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, wait
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +22,7 @@ from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, Raw, ordered_map
 from kvmesh.codec.coded import decode_coded
 from kvmesh.codec.layer_blob import TransformCodecError
+from kvmesh.codec.layer_pool import layer_pool
 from kvmesh.codec.manifest import ITEMSIZE, leaf_layers, tensor_dtype, token_major
 from kvmesh.codec.transform_decode import finite
 from kvmesh.errors import IntegrityError
@@ -55,7 +56,7 @@ class CacheDecoder:
         ]
         self.buffers: list[mx.array | None] = [None] * len(self.shapes)
         self.views: list[np.ndarray | None] = [None] * len(self.shapes)
-        # Transform-coded layers decode as soon as their last chunk is in, on a thread of their own
+        # Transform-coded layers decode as soon as their last chunk is in, on threads of their own
         # while later chunks arrive: by the index of that chunk, the tensor and its layer; decoding,
         # in order; decoded, by tensor.
         leaves = [layer for _, layer in leaf_layers(manifest.layers) for _ in layer.tensors]
@@ -67,8 +68,7 @@ class CacheDecoder:
         }
         self.coded: dict[int, Layer] = {}
         self._decoding: list[tuple[int, Future[Layer]]] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._memo: dict = {}  # rotation tables, used on the coded layers' thread only
+        self._memo: dict = {}  # rotation tables, shared by the coded layers' threads
 
     def _allocate(self, chunk: Chunk) -> Chunk:
         """Make the buffer of the tensor where the plan puts `chunk` (not where it claims to go)."""
@@ -127,12 +127,10 @@ class CacheDecoder:
 
     def _start_coded(self, tensor: int, layer: pb.LayerSpec) -> None:
         """Decode a transform-coded layer whose bytes are all in (each chunk checked) on the coded
-        layers' thread: one thread, so layers decode in order while the next ones arrive."""
+        layers' threads (`kvmesh.codec.layer_pool`) while the next ones arrive; taken in order."""
         view = self.views[tensor]
         assert view is not None, "a coded tensor is decoded once its chunks are written"
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-coded")
-        self._decoding.append((tensor, self._pool.submit(self._decode_coded, layer, view.tobytes())))
+        self._decoding.append((tensor, layer_pool().submit(self._decode_coded, layer, view.tobytes())))
 
     def _collect_coded(self, *, wait: bool) -> None:
         """Take the coded layers decoded so far (all of them when `wait`), raising the first failure."""
@@ -141,9 +139,10 @@ class CacheDecoder:
             self.coded[tensor] = future.result()
 
     def _stop_coded(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Cancel the coded layers not started and wait for those running (the pool is the process's)."""
+        for _, future in self._decoding:
+            future.cancel()
+        wait([future for _, future in self._decoding])
         self._decoding = []
 
     def _decode_coded(self, layer: pb.LayerSpec, blob: bytes) -> Layer:

@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvmesh.codec.basis import Basis, LayerKV, TensorBasis
+from kvmesh.codec.layer_pool import LAYER_THREADS
 from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.rotary import Rotary, apply_rope
 from kvmesh.codec.transform import encode_layers, fp16_nbytes
@@ -62,8 +63,9 @@ def synthetic_layers(basis: Basis, tokens: int, *, seed: int = 0, dtype: mx.Dtyp
 def measure_decode_rate(
     heads: int, head_dim: int, *, tokens: int = 256, step: float | None = None, repeat: int = 2
 ) -> float:
-    """Bytes per second of fp16-equivalent cache this machine's transform decoder produces for one
-    layer of `heads` KV heads of `head_dim` (the best of `repeat` decodes, after a warm-up).
+    """Bytes per second of fp16-equivalent cache this machine's transform decoder produces for layers
+    of `heads` KV heads of `head_dim` (the best of `repeat` decodes, after a warm-up), as many
+    layers as it decodes at once (`kvmesh.codec.layer_pool`).
 
     `step` defaults to the `--compress` default level's. The decoder's cost is one matrix product
     per tensor ((tokens, components) x (components, heads * head_dim)) and a few passes over the
@@ -71,7 +73,7 @@ def measure_decode_rate(
     0.07 s at SmolLM2's geometry (3 x 64) and 0.25 s at 8B's (8 x 128); with MLX's own reference
     BLAS (Linux without OpenBLAS preloaded) 0.1 s and 2.6 s. A Mac (Accelerate, or its GPU) is
     far quicker."""
-    basis = synthetic_basis(1, heads, head_dim)
+    basis = synthetic_basis(LAYER_THREADS, heads, head_dim)
     layers = synthetic_layers(basis, tokens)
     default = LEVELS["default"].step_for(basis.has_step_factors)
     blobs = encode_layers(layers, basis, step=default if step is None else step).blobs

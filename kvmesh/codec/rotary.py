@@ -214,19 +214,22 @@ def rotation_table(rotary: Rotary, positions: Any) -> tuple[mx.array, mx.array]:
 def token_major_tables(rotary: Rotary, positions: np.ndarray, memo: dict) -> tuple[mx.array, mx.array]:
     """`rotation_table` at positions (B, H, T), shaped to broadcast over token-major blocks
     (B, T, H, dims); one table per distinct (rotary, positions) in `memo` (a cache's layers mostly
-    share theirs)."""
+    share theirs; several threads may share one: a table is put there evaluated, since an MLX graph
+    cannot be evaluated on a thread other than the one that made it)."""
     b, h, t = positions.shape
     same = bool((positions == positions[:1, :1]).all())
     use = positions[0, 0] if same else positions
     key = (rotary, same, use.shape, np.ascontiguousarray(use).tobytes())
-    if key not in memo:
+    found = memo.get(key)
+    if found is None:
         tables = rotation_table(rotary, use.reshape(-1))
         if same:
-            memo[key] = tuple(a.reshape(1, t, 1, rotary.dims) for a in tables)
+            found = tuple(a.reshape(1, t, 1, rotary.dims) for a in tables)
         else:
-            memo[key] = tuple(a.reshape(b, h, t, rotary.dims).transpose(0, 2, 1, 3) for a in tables)
-        mx.eval(*memo[key])
-    return memo[key]
+            found = tuple(a.reshape(b, h, t, rotary.dims).transpose(0, 2, 1, 3) for a in tables)
+        mx.eval(*found)
+        memo[key] = found
+    return found
 
 
 def rotate(x: mx.array, cos: mx.array, sin: mx.array, rotary: Rotary, inverse: bool = False) -> mx.array:

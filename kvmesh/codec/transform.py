@@ -58,6 +58,7 @@ from kvmesh.codec.layer_blob import (
     TransformCodecError,
     Writer,
 )
+from kvmesh.codec.layer_pool import map_layers
 from kvmesh.codec.rotary import rotate, token_major_tables
 from kvmesh.codec.transform_decode import RAW_DTYPES
 
@@ -227,42 +228,49 @@ def _raw_rows(x: Any, sinks: int, recent: int) -> tuple[bytes, str]:
 def _prepare(
     layers: Sequence[LayerKV], basis: Basis, sinks: int, recent: int, basis_layers: Sequence[int]
 ) -> tuple[list, list[dict]]:
+    """Each layer projected once (on the layer threads), and what its header says of it."""
     if len(layers) != len(basis_layers):
         raise BasisError(f"{len(layers)} layers for {len(basis_layers)} basis layers")
     if any(not 0 <= j < len(basis) for j in basis_layers):
         raise BasisError(f"basis layers {list(basis_layers)} for a basis of {len(basis)}")
-    prepared, metas = [], []
+    # Evaluated here: a graph is evaluated on the thread that made it, and the layers go to others.
+    mx.eval([x for k, v, _ in layers for x in (k, v) if isinstance(x, mx.array)])
     memo: dict = {}
-    for i, ((k, v, positions), j) in enumerate(zip(layers, basis_layers, strict=True)):
-        keys, values = _f32(k), _f32(v)
-        if keys.ndim != 4 or keys.shape != values.shape:
-            raise TransformCodecError(f"layer {i}: keys {keys.shape} and values {values.shape}")
-        b, h, t, d = keys.shape
-        if h * d != basis.keys[j].features:
-            raise BasisError(f"layer {i}: {h} heads of {d} for a basis of {basis.keys[j].features} features")
-        pos = _positions_bht(positions, b, h, t)
-        s = min(sinks, t)
-        r = min(recent, t - s)
-        meta: dict[str, Any] = {"layer": j, "shape": [b, h, t, d], "sinks": s, "recent": r}
-        layer = []
-        m = t - s - r
-        for kind, x, tb in (("k", keys, basis.keys[j]), ("v", values, basis.values[j])):
-            coeffs = mx.zeros((h * d, 0))
-            if m:
-                block = x[:, :, s : t - r].transpose(0, 2, 1, 3)  # (B, T', H, D): token-major
-                if kind == "k":
-                    cos, sin = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
-                    block = rotate(block, cos, sin, basis.rotaries[j], inverse=True)
-                centred = block.reshape(b * m, h * d) - tb.on_mlx("mean")
-                coeffs = (centred @ tb.on_mlx("analysis")) * mx.array(np.float32(1.0 / tb.scale))
-                coeffs = mx.contiguous(coeffs.T)  # once, not per trial step: MLX is slow on strided arrays
-                mx.eval(coeffs)
-            layer.append(_Prepared(coeffs, tb, *_raw_rows(k if kind == "k" else v, s, r)))
-        contiguous = t == 0 or bool((pos == pos.flat[0] + np.arange(t, dtype=np.int32)).all())
-        meta["positions"] = {"start": int(pos.flat[0]) if t else 0} if contiguous else {"shape": list(pos.shape)}
-        prepared.append((layer, pos if not contiguous else None))
-        metas.append(meta)
-    return prepared, metas
+    done = map_layers(
+        lambda item: _prepare_layer(*item, basis, sinks, recent, memo), list(enumerate(zip(layers, basis_layers)))
+    )
+    return [p for p, _ in done], [meta for _, meta in done]
+
+
+def _prepare_layer(i: int, layer: tuple[LayerKV, int], basis: Basis, sinks: int, recent: int, memo: dict):
+    (k, v, positions), j = layer
+    keys, values = _f32(k), _f32(v)
+    if keys.ndim != 4 or keys.shape != values.shape:
+        raise TransformCodecError(f"layer {i}: keys {keys.shape} and values {values.shape}")
+    b, h, t, d = keys.shape
+    if h * d != basis.keys[j].features:
+        raise BasisError(f"layer {i}: {h} heads of {d} for a basis of {basis.keys[j].features} features")
+    pos = _positions_bht(positions, b, h, t)
+    s = min(sinks, t)
+    r = min(recent, t - s)
+    meta: dict[str, Any] = {"layer": j, "shape": [b, h, t, d], "sinks": s, "recent": r}
+    prepared = []
+    m = t - s - r
+    for kind, x, tb in (("k", keys, basis.keys[j]), ("v", values, basis.values[j])):
+        coeffs = mx.zeros((h * d, 0))
+        if m:
+            block = x[:, :, s : t - r].transpose(0, 2, 1, 3)  # (B, T', H, D): token-major
+            if kind == "k":
+                cos, sin = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
+                block = rotate(block, cos, sin, basis.rotaries[j], inverse=True)
+            centred = block.reshape(b * m, h * d) - tb.on_mlx("mean")
+            coeffs = (centred @ tb.on_mlx("analysis")) * mx.array(np.float32(1.0 / tb.scale))
+            coeffs = mx.contiguous(coeffs.T)  # once, not per trial step: MLX is slow on strided arrays
+        mx.eval(coeffs)
+        prepared.append(_Prepared(coeffs, tb, *_raw_rows(k if kind == "k" else v, s, r)))
+    contiguous = t == 0 or bool((pos == pos.flat[0] + np.arange(t, dtype=np.int32)).all())
+    meta["positions"] = {"start": int(pos.flat[0]) if t else 0} if contiguous else {"shape": list(pos.shape)}
+    return (prepared, pos if not contiguous else None), meta
 
 
 def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: float, level: int) -> bytes:
@@ -301,10 +309,13 @@ def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: flo
 
 
 def _assemble(prepared, metas, basis: Basis, step: float, key_factor: float, level: int) -> list[bytes]:
-    return [
-        _assemble_layer(layer, pos, meta, basis, step, key_factor, level)
-        for (layer, pos), meta in zip(prepared, metas, strict=True)
-    ]
+    """Each layer's blob at `step`, on the layer threads."""
+
+    def assemble(item: tuple[tuple[list, np.ndarray | None], dict]) -> bytes:
+        (layer, pos), meta = item
+        return _assemble_layer(layer, pos, meta, basis, step, key_factor, level)
+
+    return map_layers(assemble, list(zip(prepared, metas, strict=True)))
 
 
 def fp16_nbytes(layers: Sequence[LayerKV]) -> int:

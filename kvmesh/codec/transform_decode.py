@@ -15,15 +15,18 @@ each product and sum of the rotation its own float32 operation, the same convers
 (`tests/unit/codec/test_transform_decoder.py` checks them against it).
 """
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import zstandard
 
-from kvmesh.codec.basis import Basis, BasisError
+from kvmesh.codec.basis import Basis, BasisError, TensorBasis
 from kvmesh.codec.layer_blob import ESCAPE, WIDTHS, Segments, TransformCodecError, read_header
+from kvmesh.codec.layer_pool import map_layers
 from kvmesh.codec.rotary import rotate, token_major_tables
 
 # The dtypes raw rows travel in (a header without one: float16).
@@ -103,7 +106,11 @@ def check_header(header: dict, expect: dict[str, Any]) -> None:
 
 
 def decode_layer(
-    data: bytes | memoryview, basis: Basis, memo: dict | None = None, *, expect: dict[str, Any] | None = None
+    data: bytes | memoryview,
+    basis: Basis,
+    memo: dict | None = None,
+    *,
+    expect: dict[str, Any] | None = None,
 ) -> tuple[mx.array, mx.array]:
     """One layer's (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated back.
     With `expect` (what the manifest says: `check_header`), a blob that says otherwise is refused
@@ -144,38 +151,74 @@ def _raw_array(data: bytes, dtype: str, shape: tuple[int, ...]) -> mx.array:
     return mx.array(bits).view(mx.bfloat16) if dtype == "bfloat16" else mx.array(bits)
 
 
-def _coefficients(km: dict, seg: Segments, rows: int) -> mx.array:
-    """(n, rows) float32: a tensor's coefficients in units of its step, component-major. The groups'
-    codes are unpacked and joined as bytes, then turned into numbers in one pass."""
-    n, codes, offsets, escaped, at = km["n"], [], [], [], 0
+# The largest |q| a code of each width stands for (255 escapes one-byte codes: their values are
+# the escapes', which are counted apart).
+_LARGEST = {2: 2, 4: 8, 8: 127}
+
+
+@dataclass
+class _Coefficients:
+    """A tensor's coefficients in units of its step, (n, rows) float32 component-major, and per
+    component the largest magnitude they may have (from the codes' widths and the escapes)."""
+
+    values: mx.array
+    largest: np.ndarray
+
+
+def _coefficients(km: dict, seg: Segments, rows: int) -> _Coefficients:
+    """A tensor's coefficients, and the bounds on them that its codes' widths and escapes give."""
+    n, at = km["n"], 0
+    planes = []
     for count, width, plane_ref, esc_ref, delta in km["groups"]:
         if width not in WIDTHS or not 0 < count <= n - at:
             raise TransformCodecError(f"a group of {count} components of {width} bits")
         values = count * rows
         plane = seg(plane_ref, -(-values // (8 // width)))
-        codes.append(_codes(width, plane, values))
-        offsets.append(np.full(count, delta, np.float32))
-        if width == 8:
-            where, big = _escapes(plane, seg(esc_ref, 4 * values) if esc_ref is not None else b"", delta)
-            escaped.append((where + at * rows, big))
+        where, big = (
+            _escapes(plane, seg(esc_ref, 4 * values) if esc_ref is not None else b"", delta)
+            if width == 8
+            else (np.zeros(0, np.int64), np.zeros(0, np.float32))
+        )
+        planes.append((at, count, width, plane, delta, where, big))
         at += count
     if at != n:
         raise TransformCodecError(f"groups of {at} components where {n} were sent")
-    joined = (mx.concatenate(codes) if len(codes) > 1 else codes[0]).reshape(n, rows)
-    scales = np.concatenate(offsets)
-    out = _values(joined, mx.array(scales[:, None]) if scales.any() else None)
-    if any(where.size for where, _ in escaped):
+    largest = np.zeros(n)
+    for at, count, width, _, delta, _, big in planes:
+        largest[at : at + count] = max(_LARGEST[width], float(np.abs(big).max(initial=0))) + abs(delta)
+    out = _unpack(planes, n, rows)
+    escaped = [(where + at * rows, big) for at, _, _, _, _, where, big in planes if where.size]
+    if escaped:
         flat = out.reshape(-1)
         flat[mx.array(np.concatenate([w for w, _ in escaped]).astype(np.int32))] = mx.array(
             np.concatenate([v for _, v in escaped])
         )
         out = flat.reshape(n, rows)
-    return out
+    return _Coefficients(out, largest)
+
+
+def _unpack(planes: list, n: int, rows: int) -> mx.array:
+    """The groups' codes joined as bytes, then turned into numbers in one pass."""
+    codes = [_codes(width, plane, count * rows) for _, count, width, plane, _, _, _ in planes]
+    joined = (mx.concatenate(codes) if len(codes) > 1 else codes[0]).reshape(n, rows)
+    scales = np.concatenate([np.full(count, delta, np.float32) for _, count, _, _, delta, _, _ in planes])
+    return _values(joined, mx.array(scales[:, None]) if scales.any() else None)
+
+
+def _magnitude_bound(largest: np.ndarray, tb: TensorBasis, scale: float, rotated: bool) -> float:
+    """An upper bound on the magnitude of any decoded row's number, from the codes' widths alone:
+    max |mean| + the sum over components of the largest |coefficient| times the component's largest
+    |weight| (times sqrt(2) when RoPE mixes pairs), with a margin for float32 rounding. NaN when a
+    step or offset is not a number."""
+    weights = tb.largest_weights()[: largest.size]
+    bound = float(np.abs(tb.mean).max(initial=0.0)) + abs(scale) * float(largest @ weights)
+    return bound * (math.sqrt(2.0) if rotated else 1.0) * 1.001
 
 
 def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> tuple[mx.array, mx.array, list]:
     """Keys, values, and the checks (scalars) that they are finite: the raw rows are, and the coded
-    rows' float32 magnitudes stay below what their dtype rounds to infinity (NaN fails both)."""
+    rows' float32 magnitudes stay below what their dtype rounds to infinity (NaN fails both), which
+    is read off the rows only when the codes' widths do not bound them below it already."""
     if header["basis"] != basis.digest:
         raise BasisError(
             f"the cache was coded with basis {header['basis'][:16]}..., this basis is {basis.digest[:16]}..."
@@ -203,16 +246,21 @@ def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> t
         parts = [raw[:, :, :s]]
         checks.append(mx.isfinite(raw).all())
         if m:
+            scale = km["step"] * tb.scale
+            largest = np.zeros(0)
             if n:
-                synthesis = tb.on_mlx("synthesis")[:n] * mx.array(np.float32(km["step"] * tb.scale))
-                rows = _coefficients(km, seg, b * m).T @ synthesis + tb.on_mlx("mean")
+                coefficients = _coefficients(km, seg, b * m)
+                synthesis = tb.on_mlx("synthesis")[:n] * mx.array(np.float32(scale))
+                rows = coefficients.values.T @ synthesis + tb.on_mlx("mean")
+                largest = coefficients.largest
             else:
                 rows = mx.broadcast_to(tb.on_mlx("mean"), (b * m, h * d))
             block = rows.reshape(b, m, h, d)  # token-major
             if kind == "k":
                 cos, sin = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
                 block = rotate(block, cos, sin, basis.rotaries[j])
-            checks.append(mx.abs(block).max() < ROUNDS_TO_INFINITY[raw.dtype])
+            if not _magnitude_bound(largest, tb, scale, kind == "k") < ROUNDS_TO_INFINITY[raw.dtype]:
+                checks.append(mx.abs(block).max() < ROUNDS_TO_INFINITY[raw.dtype])
             block = block.transpose(0, 2, 1, 3)
             parts.append(block if raw.dtype == mx.float32 else block.astype(raw.dtype))
         parts.append(raw[:, :, s:])
@@ -221,6 +269,7 @@ def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> t
 
 
 def decode_layers(blobs: Sequence[bytes], basis: Basis) -> list[tuple[mx.array, mx.array]]:
-    """Per layer, (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated back."""
+    """Per layer, (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated
+    back; several layers at once (`kvmesh.codec.layer_pool`)."""
     memo: dict = {}
-    return [decode_layer(blob, basis, memo) for blob in blobs]
+    return map_layers(lambda blob: decode_layer(blob, basis, memo), blobs)

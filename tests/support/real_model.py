@@ -24,14 +24,18 @@ MISSING = (
 
 
 def fast_blas() -> None:
-    """Re-run this script with OpenBLAS preloaded, if it is installed and not loaded yet."""
+    """Re-run this script with OpenBLAS preloaded, if it is installed and not loaded yet (on a thread
+    per core unless OPENBLAS_NUM_THREADS says otherwise)."""
     if OPENBLAS.exists() and "LD_PRELOAD" not in os.environ:
-        os.environ.update(LD_PRELOAD=str(OPENBLAS), OPENBLAS_NUM_THREADS=str(os.cpu_count() or 2))
+        os.environ["LD_PRELOAD"] = str(OPENBLAS)
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 2))
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
 def blas_name() -> str:
-    return "OpenBLAS" if os.environ.get("LD_PRELOAD") else "MLX's own BLAS"
+    if not os.environ.get("LD_PRELOAD"):
+        return "MLX's own BLAS"
+    return f"OpenBLAS, {os.environ.get('OPENBLAS_NUM_THREADS', 'its default')} thread(s)"
 
 
 def smollm2_dir() -> Path:

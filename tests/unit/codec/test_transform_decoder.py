@@ -9,17 +9,20 @@ the scaling, the mean, the rotation's products and sums with the kernel's own co
 So the MLX decoder cannot change a generated token: the cache it gives is the one kvmesh gave.
 """
 
+import json
+import struct
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from test_transform_codec import random_layers, sparse_positions
 
 from kvmesh.codec.basis import Basis, fit_basis
-from kvmesh.codec.layer_blob import Segments, read_header
+from kvmesh.codec.layer_blob import Segments, TransformCodecError, read_header
 from kvmesh.codec.rate import measure_decode_rate, synthetic_basis, synthetic_layers
 from kvmesh.codec.rotary import Rotary, apply_rope
 from kvmesh.codec.transform import encode_layers
-from kvmesh.codec.transform_decode import RAW_DTYPES, decode_layer
+from kvmesh.codec.transform_decode import RAW_DTYPES, decode_layer, decode_layers
 
 
 def reference_rotate(x: np.ndarray, positions: np.ndarray, rotary: Rotary) -> np.ndarray:
@@ -142,3 +145,51 @@ def test_the_decode_rate_is_measured_on_a_synthetic_cache_that_round_trips():
     for want, got in ((keys, got_k), (values, got_v)):
         assert mx.abs(got - want).max().item() < 0.1 * mx.abs(want).max().item()
     assert measure_decode_rate(2, 32, tokens=64, repeat=1) > 0
+
+
+def with_header(blob: bytes, change) -> bytes:
+    """The blob with its header changed by `change(header)` (its segments as they were)."""
+    header, body = read_header(blob)
+    change(header)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return bytes(blob[:5]) + struct.pack("<I", len(text)) + text + bytes(body)
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_a_step_that_takes_coded_rows_beyond_float16_is_refused(kind):
+    """The coded rows are read for their magnitude only when the codes' widths do not bound them
+    inside float16's range: a sender's step that takes them beyond it, or is not a number, is refused;
+    one whose bound passes float16's range but whose rows stay inside it decodes as the step says."""
+    rng = np.random.default_rng(5)
+    basis = fit_basis([random_layers(rng, 1, 2, 200, 16)], [Rotary(dims=16, traditional=False)])
+    layers = [(mx.array(k).astype(mx.float16), mx.array(v).astype(mx.float16), p) for k, v, p in random_layers(rng, 1)]
+    (blob,) = encode_layers(layers, basis, step=0.3).blobs
+    honest = decode_layer(blob, basis)[kind == "v"]
+
+    def scaled(factor: float):
+        def change(header):
+            header[kind]["step"] *= factor
+
+        return with_header(blob, change)
+
+    # A bound beyond float16 (the codes' widths allow 127 steps), the rows inside it: decoded.
+    big = decode_layer(scaled(2e3), basis)[kind == "v"]
+    coded = slice(4, None)  # past the raw sink rows
+    assert float(mx.abs(big[:, :, coded]).max()) > 20 * float(mx.abs(honest[:, :, coded]).max())
+    assert bool(mx.isfinite(big).all())
+    for factor in (1e6, float("inf"), float("nan")):
+        with pytest.raises(TransformCodecError, match="NaN or infinite"):
+            decode_layer(scaled(factor), basis)
+
+
+def test_layers_decoded_at_once_are_the_layers_decoded_one_by_one():
+    """`decode_layers` runs layers on the process's layer threads: the same arrays as one at a time."""
+    rng = np.random.default_rng(9)
+    rotaries = [Rotary(dims=16, traditional=False)] * 4
+    basis = fit_basis([random_layers(rng, 4, 2, 200, 16)], rotaries)
+    blobs = encode_layers(random_layers(rng, 4, 2, 60, 16), basis, step=0.2).blobs
+    together = decode_layers(blobs, basis)
+    for blob, (keys, values) in zip(blobs, together, strict=True):
+        one_k, one_v = decode_layer(blob, basis)
+        assert np.array_equal(np.asarray(keys), np.asarray(one_k))
+        assert np.array_equal(np.asarray(values), np.asarray(one_v))

@@ -3,6 +3,8 @@ before any byte, a coded cache decodes into mlx-lm's own classes, and every part
 (another basis, a missing one, a manifest that lies) is refused with its reason."""
 
 import hashlib
+import os
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -422,3 +424,17 @@ def test_a_basis_of_the_right_digest_but_malformed_is_refused_in_one_line(calibr
         data = safetensors_bytes(broken_tensors, broken_meta)
         with pytest.raises(BasisError, match=words):
             parse_basis(data, hashlib.sha256(data).hexdigest())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts the process's threads in /proc")
+def test_decoding_coded_caches_again_and_again_leaves_no_thread_behind(wire, calibrated):
+    """MLX keeps a worker thread for every thread that evaluates on it: coded layers decode on the
+    process's layer threads, so a daemon's hundredth coded fetch leaves as many threads as its
+    first (a pool per fetch left one behind each)."""
+    manifest, chunks = wire
+    bases = {calibrated.basis.digest: calibrated.basis}
+    decode_chunks(manifest, iter(chunks), bases=bases)
+    before = len(os.listdir("/proc/self/task"))
+    for _ in range(8):
+        decode_chunks(manifest, iter(chunks), bases=bases)
+    assert len(os.listdir("/proc/self/task")) <= before
