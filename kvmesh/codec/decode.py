@@ -9,7 +9,7 @@ decoding needs about one copy of the cache in memory, never the whole encoded pa
 """
 
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, wait
+from concurrent import futures
 
 import mlx.core as mx
 import numpy as np
@@ -67,7 +67,7 @@ class CacheDecoder:
             if layer.kind == pb.CACHE_KIND_TRANSFORM_KV and t in last
         }
         self.coded: dict[int, Layer] = {}
-        self._decoding: list[tuple[int, Future[Layer]]] = []
+        self._decoding: list[tuple[int, futures.Future[Layer]]] = []
         self._memo: dict = {}  # rotation tables, shared by the coded layers' threads
 
     def _allocate(self, chunk: Chunk) -> Chunk:
@@ -142,7 +142,7 @@ class CacheDecoder:
         """Cancel the coded layers not started and wait for those running (the pool is the process's)."""
         for _, future in self._decoding:
             future.cancel()
-        wait([future for _, future in self._decoding])
+        futures.wait([future for _, future in self._decoding])
         self._decoding = []
 
     def _decode_coded(self, layer: pb.LayerSpec, blob: bytes) -> Layer:

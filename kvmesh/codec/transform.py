@@ -242,7 +242,10 @@ def _prepare(
     return [p for p, _ in done], [meta for _, meta in done]
 
 
-def _prepare_layer(i: int, layer: tuple[LayerKV, int], basis: Basis, sinks: int, recent: int, memo: dict):
+def _prepare_layer(
+    i: int, layer: tuple[LayerKV, int], basis: Basis, sinks: int, recent: int, memo: dict
+) -> tuple[tuple[list[_Prepared], np.ndarray | None], dict]:
+    """Layer i's tensors projected on basis layer j, its positions when not contiguous, its header."""
     (k, v, positions), j = layer
     keys, values = _f32(k), _f32(v)
     if keys.ndim != 4 or keys.shape != values.shape:
