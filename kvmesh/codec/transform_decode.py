@@ -7,8 +7,9 @@ with cos/sin tables read off the model's own kernel (`kvmesh.codec.rotary.rotate
 set of positions, so the kernel's sines and cosines are not recomputed per layer, which on a CPU
 costs more than the rotation), and the raw sink and recent rows placed around the coded ones. Only
 what must run on the CPU stays in Python and NumPy: zstd, the header, and finding the rare escaped
-codes. So a Mac runs the decoder on its GPU, and on a CPU a layer is one evaluation with no NumPy
-copy of its numbers.
+codes. So a Mac runs the decoder on its GPU. Where MLX computes on the CPU, the codes become numbers
+by NumPy table look-ups written straight into the MLX buffer the product reads (one pass, where the
+graph makes several, each on one core); the rest of the layer is the same graph.
 
 The floats are those of the NumPy decoder that came before it, on any device: the same products,
 each product and sum of the rotation its own float32 operation, the same conversions
@@ -76,9 +77,10 @@ _ONE, _ZERO = mx.array(np.uint8(1)), mx.array(np.uint8(0))
 
 def _escapes(plane: bytes, escapes: bytes, offset: float) -> tuple[np.ndarray, np.ndarray]:
     """Where a plane of one-byte codes escapes (255) and the float32 values those codes stand for."""
-    at = np.flatnonzero(np.frombuffer(plane, dtype=np.uint8) == ESCAPE)
     esc = np.frombuffer(escapes, dtype="<u4").astype(np.int64)
-    if esc.size != at.size:
+    escaped = np.frombuffer(plane, dtype=np.uint8) == ESCAPE
+    at = np.flatnonzero(escaped) if esc.size else np.zeros(0, np.int64)  # (a count is quicker)
+    if (at.size if esc.size else np.count_nonzero(escaped)) != esc.size:
         raise TransformCodecError("escape count does not match the plane")
     big = ((esc >> 1) ^ -(esc & 1)).astype(np.float32)
     return at, big + np.float32(offset) * np.sign(big)
@@ -111,11 +113,13 @@ def decode_layer(
     memo: dict | None = None,
     *,
     expect: dict[str, Any] | None = None,
+    tables: bool | None = None,
 ) -> tuple[mx.array, mx.array]:
     """One layer's (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated back.
     With `expect` (what the manifest says: `check_header`), a blob that says otherwise is refused
     before anything is allocated. `memo` keeps rotation tables for the next layers (one per set of
-    positions).
+    positions). `tables`: codes to numbers by NumPy look-ups, or in the MLX graph (None:
+    `tables_by_default`); the floats are the same.
 
     Raises TransformCodecError for bytes that do not decode, or decode to numbers that are not
     finite (their digest was checked before: this guards against a sender's bug or a lie, not the
@@ -124,7 +128,8 @@ def decode_layer(
     if expect is not None:
         check_header(header, expect)
     try:
-        keys, values, checks = _decode_layer(header, body, basis, {} if memo is None else memo)
+        use_tables = tables_by_default() if tables is None else tables
+        keys, values, checks = _decode_layer(header, body, basis, {} if memo is None else memo, use_tables)
     except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
         if isinstance(e, (TransformCodecError, BasisError)):
             raise
@@ -151,6 +156,14 @@ def _raw_array(data: bytes, dtype: str, shape: tuple[int, ...]) -> mx.array:
     return mx.array(bits).view(mx.bfloat16) if dtype == "bfloat16" else mx.array(bits)
 
 
+def _code_table(width: int) -> np.ndarray:
+    """(256, 8 // width) float32: the signed values q that the codes packed in each byte stand for."""
+    per = 8 // width
+    zz = (np.arange(256)[:, None] >> (np.arange(per) * width)) & ((1 << width) - 1)
+    return ((zz >> 1) ^ -(zz & 1)).astype(np.float32)
+
+
+_TABLES = {width: _code_table(width) for width in WIDTHS}
 # The largest |q| a code of each width stands for (255 escapes one-byte codes: their values are
 # the escapes', which are counted apart).
 _LARGEST = {2: 2, 4: 8, 8: 127}
@@ -165,8 +178,16 @@ class _Coefficients:
     largest: np.ndarray
 
 
-def _coefficients(km: dict, seg: Segments, rows: int) -> _Coefficients:
-    """A tensor's coefficients, and the bounds on them that its codes' widths and escapes give."""
+def tables_by_default() -> bool:
+    """Whether codes are turned into numbers by NumPy table look-ups (on a CPU, where they are quicker
+    than MLX's elementwise operations, which run one after another on one core) rather than in the
+    layer's MLX graph (what a GPU runs)."""
+    return mx.default_device() == mx.cpu
+
+
+def _coefficients(km: dict, seg: Segments, rows: int, *, tables: bool) -> _Coefficients:
+    """A tensor's coefficients (by `_unpack_tables` or `_unpack`: the same floats), and the bounds on
+    them that its codes' widths and escapes give."""
     n, at = km["n"], 0
     planes = []
     for count, width, plane_ref, esc_ref, delta in km["groups"]:
@@ -186,7 +207,7 @@ def _coefficients(km: dict, seg: Segments, rows: int) -> _Coefficients:
     largest = np.zeros(n)
     for at, count, width, _, delta, _, big in planes:
         largest[at : at + count] = max(_LARGEST[width], float(np.abs(big).max(initial=0))) + abs(delta)
-    out = _unpack(planes, n, rows)
+    out = (_unpack_tables if tables else _unpack)(planes, n, rows)
     escaped = [(where + at * rows, big) for at, _, _, _, _, where, big in planes if where.size]
     if escaped:
         flat = out.reshape(-1)
@@ -195,6 +216,24 @@ def _coefficients(km: dict, seg: Segments, rows: int) -> _Coefficients:
         )
         out = flat.reshape(n, rows)
     return _Coefficients(out, largest)
+
+
+def _unpack_tables(planes: list, n: int, rows: int) -> mx.array:
+    """Each byte of codes looked up in a table of the values q + offset * sign(q) it holds, written
+    straight into an MLX buffer: one pass, where the graph makes several."""
+    out = mx.zeros((n, rows))
+    mx.eval(out)
+    view = np.array(out, copy=False)
+    for at, count, width, plane, delta, _, _ in planes:
+        table = _TABLES[width] + np.float32(delta) * np.sign(_TABLES[width])
+        packed = np.frombuffer(plane, dtype=np.uint8)
+        into = view[at : at + count].reshape(-1)
+        per = 8 // width
+        if into.size == packed.size * per:
+            np.take(table, packed, axis=0, out=into.reshape(-1, per))
+        else:  # the last byte holds fewer codes
+            into[:] = np.take(table, packed, axis=0).reshape(-1)[: into.size]
+    return out
 
 
 def _unpack(planes: list, n: int, rows: int) -> mx.array:
@@ -215,7 +254,9 @@ def _magnitude_bound(largest: np.ndarray, tb: TensorBasis, scale: float, rotated
     return bound * (math.sqrt(2.0) if rotated else 1.0) * 1.001
 
 
-def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> tuple[mx.array, mx.array, list]:
+def _decode_layer(
+    header: dict, body: memoryview, basis: Basis, memo: dict, tables: bool
+) -> tuple[mx.array, mx.array, list]:
     """Keys, values, and the checks (scalars) that they are finite: the raw rows are, and the coded
     rows' float32 magnitudes stay below what their dtype rounds to infinity (NaN fails both), which
     is read off the rows only when the codes' widths do not bound them below it already."""
@@ -249,7 +290,7 @@ def _decode_layer(header: dict, body: memoryview, basis: Basis, memo: dict) -> t
             scale = km["step"] * tb.scale
             largest = np.zeros(0)
             if n:
-                coefficients = _coefficients(km, seg, b * m)
+                coefficients = _coefficients(km, seg, b * m, tables=tables)
                 synthesis = tb.on_mlx("synthesis")[:n] * mx.array(np.float32(scale))
                 rows = coefficients.values.T @ synthesis + tb.on_mlx("mean")
                 largest = coefficients.largest
