@@ -36,6 +36,9 @@ from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.reuse.find import load_prefix
 from kvmesh.store import CacheStore
 
+from kvmesh.allocator import tune_allocator
+
+tune_allocator()  # as the kvmesh command does
 model_dir, address, mesh_dir, prompt_file, copies = sys.argv[1:6]
 model, _ = mlx_lm.load(model_dir)
 fp = fingerprint(Path(model_dir))

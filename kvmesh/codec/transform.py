@@ -57,10 +57,11 @@ from kvmesh.codec.layer_blob import (
     MAGIC_RAW_DTYPE,
     TransformCodecError,
     Writer,
+    pack_zigzag,
 )
 from kvmesh.codec.layer_pool import map_layers
 from kvmesh.codec.rotary import rotate, token_major_tables
-from kvmesh.codec.transform_decode import RAW_DTYPES
+from kvmesh.codec.transform_decode import RAW_DTYPES, numpy_by_default
 
 SQRT12 = math.sqrt(12.0)
 
@@ -147,10 +148,34 @@ def _pack(zz: mx.array, width: int, top: int) -> tuple[bytes, bytes]:
     return np.asarray(packed).tobytes(), b""
 
 
-def _row_stats(scaled: mx.array, q: mx.array) -> tuple[np.ndarray, ...]:
-    """Per component (row), in one evaluation: the smallest and largest code, the count of nonzero
-    codes and the sum of |x| - |q| over them, x in units of the step (float64, to be summed over a
-    group's components: `_centroid_offset`)."""
+@dataclass
+class _Quantized:
+    """One tensor's coefficients rounded at its step. Per component: the smallest and largest code,
+    the count of nonzero codes and the sum of |x| - |q| over them, x in units of the step (float64,
+    to be summed over a group's components: `_centroid_offset`); and the zigzagged codes."""
+
+    lows: np.ndarray
+    highs: np.ndarray
+    nonzero: np.ndarray
+    offsets: np.ndarray
+    zigzagged: mx.array | np.ndarray
+
+    def tops(self) -> np.ndarray:
+        """The largest zigzagged code of each component, from its extremes."""
+        return np.maximum(2 * np.maximum(self.highs, 0), np.where(self.lows < 0, -2 * self.lows - 1, 0)).astype(
+            np.int64
+        )
+
+    def pack(self, at: int, count: int, width: int, top: int) -> tuple[bytes, bytes]:
+        """Components [at, at + count) packed at `width` bits: (plane, escapes)."""
+        zz = self.zigzagged[at : at + count].reshape(-1)
+        return pack_zigzag(zz, width) if isinstance(zz, np.ndarray) else _pack(zz, width, top)
+
+
+def _quantize(coeffs: mx.array, n: int, step: float) -> _Quantized:
+    """The first n components rounded at `step`, in MLX's graph (what a GPU runs)."""
+    scaled = coeffs[:n] / mx.array(np.float32(step))
+    q = mx.round(scaled)
     nonzero = q != 0
     stats = (
         q.min(axis=1),
@@ -159,11 +184,30 @@ def _row_stats(scaled: mx.array, q: mx.array) -> tuple[np.ndarray, ...]:
         mx.where(nonzero, mx.abs(scaled) - mx.abs(q), 0.0).sum(axis=1),
     )
     mx.eval(*stats)
-    return tuple(np.asarray(a).astype(np.float64) for a in stats)
+    lows, highs, count, offsets = (np.asarray(a).astype(np.float64) for a in stats)
+    return _Quantized(lows, highs, count, offsets, _zigzag(q, *_bounds(np.array([lows.min(), highs.max()]))))
+
+
+def _quantize_numpy(coeffs: mx.array, n: int, step: float) -> _Quantized:
+    """`_quantize` in NumPy, on the MLX buffer itself (where MLX computes on the CPU): the same codes,
+    in fewer and quicker passes."""
+    scaled = np.array(coeffs, copy=False)[:n] / np.float32(step)
+    q = np.rint(scaled)
+    lows, highs = q.min(axis=1).astype(np.float64), q.max(axis=1).astype(np.float64)
+    lo, hi = _bounds(np.array([lows.min(), highs.max()]))
+    nonzero = q != 0
+    np.abs(scaled, out=scaled)
+    scaled -= np.abs(q)
+    scaled[~nonzero] = 0.0
+    wide = np.int32 if lo >= -(2**30) and hi < 2**30 else np.int64  # (2q must fit)
+    qi = q.astype(wide)
+    zigzagged = ((qi << 1) ^ (qi >> (31 if wide == np.int32 else 63))).astype(np.uint32)
+    count = np.count_nonzero(nonzero, axis=1).astype(np.float64)
+    return _Quantized(lows, highs, count, scaled.sum(axis=1, dtype=np.float64), zigzagged)
 
 
 def _centroid_offset(count: np.ndarray, total: np.ndarray) -> float:
-    """The mean of |x| - |q| over a group's nonzero codes (from `_row_stats` of its components):
+    """The mean of |x| - |q| over a group's nonzero codes (from the `_Quantized` of its components):
     where a nonzero code's values lie on average within its bin (below its centre for peaked
     distributions). The decoder reconstructs q + offset * sign(q), which lowers the error at no
     cost in bits."""
@@ -276,8 +320,8 @@ def _prepare_layer(
     return (prepared, pos if not contiguous else None), meta
 
 
-def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: float, level: int) -> bytes:
-    """One layer's blob, its coefficients rounded at `step`."""
+def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: float, level: int, numpy: bool) -> bytes:
+    """One layer's blob, its coefficients rounded at `step` (`numpy`: by `_quantize_numpy`)."""
     out = Writer(level)
     lm = dict(meta)
     if pos is not None:
@@ -288,12 +332,8 @@ def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: flo
         n = kept_components(rms, kstep)
         groups: list = []
         if n and p.coeffs.shape[1]:
-            scaled = p.coeffs[:n] / mx.array(np.float32(kstep))
-            q = mx.round(scaled)
-            lows, highs, nonzero, offsets = _row_stats(scaled, q)
-            zz = _zigzag(q, *_bounds(np.array([lows.min(), highs.max()])))
-            # The largest zigzagged code of each component, from its extremes.
-            tops = np.maximum(2 * np.maximum(highs, 0), np.where(lows < 0, -2 * lows - 1, 0)).astype(np.int64)
+            quantized = (_quantize_numpy if numpy else _quantize)(p.coeffs, n, kstep)
+            tops = quantized.tops()
         at = 0
         for count in component_groups(rms, kstep, n):
             if not p.coeffs.shape[1]:
@@ -301,8 +341,8 @@ def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: flo
                 continue
             top = int(tops[at : at + count].max())
             width = code_width(top)
-            plane, esc = _pack(zz[at : at + count].reshape(-1), width, top)
-            delta = _centroid_offset(nonzero[at : at + count], offsets[at : at + count])
+            plane, esc = quantized.pack(at, count, width, top)
+            delta = _centroid_offset(quantized.nonzero[at : at + count], quantized.offsets[at : at + count])
             groups.append([count, width, out.add(plane, True), out.add(esc, True) if esc else None, delta])
             at += count
         raw = out.add(p.raw, False)
@@ -311,12 +351,12 @@ def _assemble_layer(layer, pos, meta, basis: Basis, step: float, key_factor: flo
     return out.blob({"basis": basis.digest, **lm}, magic)
 
 
-def _assemble(prepared, metas, basis: Basis, step: float, key_factor: float, level: int) -> list[bytes]:
+def _assemble(prepared, metas, basis: Basis, step: float, key_factor: float, level: int, numpy: bool) -> list[bytes]:
     """Each layer's blob at `step`, on the layer threads."""
 
     def assemble(item: tuple[tuple[list, np.ndarray | None], dict]) -> bytes:
         (layer, pos), meta = item
-        return _assemble_layer(layer, pos, meta, basis, step, key_factor, level)
+        return _assemble_layer(layer, pos, meta, basis, step, key_factor, level, numpy)
 
     return map_layers(assemble, list(zip(prepared, metas, strict=True)))
 
@@ -354,6 +394,7 @@ def encode_layers(
     recent: int = 0,
     key_factor: float = 2.0,
     level: int = 1,
+    numpy: bool | None = None,
     tolerance: float = 0.01,
     max_iter: int = 24,
 ) -> Encoded:
@@ -362,22 +403,24 @@ def encode_layers(
     the target size, or the coarsest step's if even that exceeds it). Layer i is coded with the
     basis's layer `basis_layers[i]` (default: i). Each tensor's step is the basis's factor for it
     times `step` (`Basis.step_factor`: for a basis without fitted factors, `key_factor` for keys).
-    `sinks` leading and `recent` trailing rows travel raw (in the layers' own dtype)."""
+    `sinks` leading and `recent` trailing rows travel raw (in the layers' own dtype). `numpy`: round
+    and pack in NumPy or in MLX's graph (None: `numpy_by_default`); the codes are the same."""
     if (step is None) == (ratio is None):
         raise TransformCodecError("give either step or ratio")
     if step is not None and not (math.isfinite(step) and step > 0):
         raise TransformCodecError(f"the step must be a positive number, not {step}")
     indices = list(range(len(layers))) if basis_layers is None else list(basis_layers)
+    numpy = numpy_by_default() if numpy is None else numpy
     prepared, metas = _prepare(layers, basis, sinks, recent, indices)
     full = fp16_nbytes(layers)
     if step is not None:
-        return Encoded(_assemble(prepared, metas, basis, step, key_factor, level), step, full)
+        return Encoded(_assemble(prepared, metas, basis, step, key_factor, level, numpy), step, full)
     assert ratio is not None
     target = full / ratio
 
     def trial(log_step: float) -> Encoded:
         s = math.exp(log_step)
-        return Encoded(_assemble(prepared, metas, basis, s, key_factor, level), s, full)
+        return Encoded(_assemble(prepared, metas, basis, s, key_factor, level, numpy), s, full)
 
     # Secant steps on (log step, log bytes), kept inside the bracket once there is one.
     lo: tuple[float, float] | None = None  # a step whose bytes exceed the target

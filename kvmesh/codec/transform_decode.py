@@ -119,7 +119,7 @@ def decode_layer(
     With `expect` (what the manifest says: `check_header`), a blob that says otherwise is refused
     before anything is allocated. `memo` keeps rotation tables for the next layers (one per set of
     positions). `tables`: codes to numbers by NumPy look-ups, or in the MLX graph (None:
-    `tables_by_default`); the floats are the same.
+    `numpy_by_default`); the floats are the same.
 
     Raises TransformCodecError for bytes that do not decode, or decode to numbers that are not
     finite (their digest was checked before: this guards against a sender's bug or a lie, not the
@@ -128,7 +128,7 @@ def decode_layer(
     if expect is not None:
         check_header(header, expect)
     try:
-        use_tables = tables_by_default() if tables is None else tables
+        use_tables = numpy_by_default() if tables is None else tables
         keys, values, checks = _decode_layer(header, body, basis, {} if memo is None else memo, use_tables)
     except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
         if isinstance(e, (TransformCodecError, BasisError)):
@@ -178,10 +178,10 @@ class _Coefficients:
     largest: np.ndarray
 
 
-def tables_by_default() -> bool:
-    """Whether codes are turned into numbers by NumPy table look-ups (on a CPU, where they are quicker
-    than MLX's elementwise operations, which run one after another on one core) rather than in the
-    layer's MLX graph (what a GPU runs)."""
+def numpy_by_default() -> bool:
+    """Whether the codec's elementwise steps run in NumPy (where MLX computes on the CPU: NumPy's
+    passes are several times quicker there than MLX's, which run one after another on one core)
+    rather than in MLX's graphs (what a GPU runs). The matrix products are MLX's either way."""
     return mx.default_device() == mx.cpu
 
 

@@ -328,6 +328,26 @@ def test_round_trip_error_bounded_by_step():
     assert finer.nbytes > enc.nbytes
 
 
+def test_the_encoder_rounds_and_packs_alike_in_numpy_and_in_mlx_s_graph():
+    """The encoder's NumPy steps (where MLX computes on the CPU) and its MLX graph (what a GPU runs)
+    make the same blobs, byte for byte: from steps so fine that codes escape, through every width,
+    to so coarse that nothing is sent, with per-head positions."""
+    rng = np.random.default_rng(8)
+    basis = small_basis(rng)
+    positions = np.stack([sparse_positions(rng, 60, 300) for _ in range(2)])
+    widths, escaped, empty = set(), False, False
+    for layers in (random_layers(rng, positions=None), random_layers(rng, positions=positions)):
+        for step in (0.002, 0.05, 0.3, 2.0, 50.0):
+            graph = encode_layers(layers, basis, step=step, recent=3, numpy=False)
+            numpy = encode_layers(layers, basis, step=step, recent=3, numpy=True)
+            assert graph.blobs == numpy.blobs
+            for header in (read_header(blob)[0] for blob in graph.blobs):
+                widths |= {g[1] for kind in "kv" for g in header[kind]["groups"]}
+                escaped |= any(g[3] is not None for kind in "kv" for g in header[kind]["groups"])
+                empty |= header["k"]["n"] == 0
+    assert widths == {2, 4, 8} and escaped and empty
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
 def test_raw_rows_travel_in_the_cache_s_own_dtype(dtype):
     """A bfloat16 cache's sink beyond float16's range comes back as it was (as float16 it was
