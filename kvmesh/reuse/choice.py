@@ -37,7 +37,8 @@ FETCH_HELP = (
 class Copy:
     """A copy of a prefix that a peer holds, as this machine would fetch it: `wire_bytes` of `codec`
     over a link of `bytes_per_s` (`measured` says how that was learnt), the `basis_bytes` of a basis
-    this machine lacks, and its decode rate here (None: never measured, its decode not counted)."""
+    this machine lacks, its decode rate here (None: never measured, its decode not counted), and the
+    setup a fetch from that peer takes."""
 
     where: str
     cache_id: str
@@ -48,6 +49,8 @@ class Copy:
     basis_bytes: int = 0
     decode_bytes_per_s: float | None = None
     layers: int = 1
+    # Seconds before its bytes stream: measured on that peer's fetches (kvmesh.reuse.rates).
+    setup_s: float = FETCH_SETUP_S
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def fetch_cost(copy: Copy) -> FetchCost:
     """What fetching `copy` is expected to cost (the module docstring's sum)."""
     decode_s = copy.wire_bytes / copy.decode_bytes_per_s if copy.decode_bytes_per_s else 0.0
     return FetchCost(
-        FETCH_SETUP_S,
+        copy.setup_s,
         copy.basis_bytes / copy.bytes_per_s,
         copy.wire_bytes / copy.bytes_per_s,
         decode_s,

@@ -9,6 +9,7 @@ published rates.
 
 import json
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,8 @@ from kvmesh import paths
 from kvmesh.files.atomic import write_atomic
 
 log = logging.getLogger(__name__)
-# Connecting, the lookup and the manifest's round trip on a LAN: what a fetch costs before its bytes.
+# Connecting, the lookup and the manifest's round trip on a LAN: what a fetch costs before its bytes,
+# until fetches from that peer measured it (`Rates.link_setup`).
 FETCH_SETUP_S = 0.01
 # A new measurement counts this much against what was known (an exponential moving average):
 # links and machines change (Wi-Fi moves, a Mac throttles), and one odd transfer must not rule.
@@ -128,6 +130,25 @@ class Rates:
         entry = self.decode.get(model_id)
         return Decoding(dict(entry["bytes_per_s"]), int(entry["basis_bytes"])) if entry else None
 
+    def link_setup(self, address: str) -> float:
+        """Seconds a fetch from `address` takes before its bytes stream: measured on its fetches
+        (`record_setup`), else FETCH_SETUP_S."""
+        return float(self.links.get(address, {}).get("setup_s", FETCH_SETUP_S))
+
+    def record_setup(self, address: str, seconds: float) -> None:
+        """A fetch from `address` took `seconds` from its request to its first chunk, less that
+        chunk's and any basis's bytes at the link's rate: connecting, the manifest's round trip, the
+        receiver's buffers. Kept only beside a link rate measured on transfers."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return
+        with self._lock:
+            self._load()
+            entry = self.links.get(address)
+            if not entry or not entry.get("transfers"):
+                return
+            entry["setup_s"] = blend(entry.get("setup_s"), seconds)
+            self._save()
+
     def link_source(self, address: str) -> str:
         """Where the rate of `address` came from, for explanations."""
         entry = self.links.get(address, {})
@@ -194,7 +215,11 @@ class Rates:
         try:
             data = json.loads(self.path.read_text())
             self.links = {
-                str(address): {"bytes_per_s": float(link["bytes_per_s"]), "transfers": int(link["transfers"])}
+                str(address): {
+                    "bytes_per_s": float(link["bytes_per_s"]),
+                    "transfers": int(link["transfers"]),
+                    **({"setup_s": float(link["setup_s"])} if "setup_s" in link else {}),  # (older files: none)
+                }
                 for address, link in data["links"].items()
             }
             self.prefill = {

@@ -72,6 +72,7 @@ def fetch_or_prefill(
                 basis_bytes=decoding.basis_bytes if decoding and codec == "transform" and not basis_held else 0,
                 decode_bytes_per_s=decoding.bytes_per_s.get(codec) if decoding else None,
                 layers=model_fp.num_layers,
+                setup_s=rates.link_setup(address),
             )
         )
     return choose(tokens, copies, prefill, context=held)
@@ -80,10 +81,15 @@ def fetch_or_prefill(
 def record_fetch(rates: Rates, model_id: str, address: str, candidate: Candidate, fetched: Fetched) -> None:
     """What a fetch of `candidate` from `address` says of the link (its stream, setup and basis
     excluded; a stream that decoding may have paced, within DECODE_BOUND of this machine's decode
-    rate of its codec, only ever raises the rate) and of the bases the model's caches are coded with."""
+    rate of its codec, only ever raises the rate), of its setup (the time to its first chunk, less
+    the bytes before it at that rate) and of the bases the model's caches are coded with."""
     decoding = rates.decoding(model_id)
     decode_rate = decoding.bytes_per_s.get(codec_of(candidate)) if decoding else None
     streamed = fetched.stream_bytes / fetched.stream_s if fetched.stream_s > 0 else 0.0
     paced = decode_rate is not None and streamed * DECODE_BOUND >= decode_rate
     rates.record_transfer(address, fetched.stream_bytes, fetched.stream_s, at_least=paced)
+    if fetched.stream_s > 0 and (rate := rates.link_rate(address)):
+        # Before the first chunk: the setup, and the basis and that chunk at the link's rate.
+        before = fetched.basis_bytes + fetched.wire_bytes - fetched.stream_bytes
+        rates.record_setup(address, max(0.0, fetched.wire_s - fetched.stream_s - before / rate))
     rates.record_bases(model_id, [a.sha256 for a in fetched.manifest.artifacts])

@@ -14,11 +14,14 @@ from kvmesh.codec.levels import LEVELS
 from kvmesh.net.client import PeerClient
 from kvmesh.net.server import MAX_PROBE_BYTES
 from kvmesh.reuse.choice import Copy, choose
+from kvmesh.reuse.fetch import Fetched
 from kvmesh.reuse.find import find_prefix
 from kvmesh.reuse.generate import generate
 from kvmesh.reuse.rates import FETCH_SETUP_S, PREFILL_SAMPLES, Decoding, PrefillModel, Rates, fit_prefill
+from kvmesh.reuse.weigh import record_fetch
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store
+from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from support.processes import cli
 from support.references import tokens_after
@@ -108,6 +111,28 @@ def test_rates_are_kept_in_the_data_dir_and_shared(tmp_path, caplog):
     assert Rates(tmp_path).link_rate("b:2") == 1e6
 
 
+def test_a_peer_s_setup_is_measured_on_its_fetches_and_weighed(tmp_path):
+    """The seconds a fetch takes before its bytes stream (connecting, the manifest's round trip, the
+    receiver's buffers) are learnt per peer, from the time to its first chunk less the bytes before
+    it at the link's rate; a copy from that peer is expected to cost them."""
+    rates = Rates(tmp_path)
+    rates.record_setup("a:1", 0.2)  # no link rate measured on transfers yet: nothing to set it beside
+    assert rates.link_setup("a:1") == FETCH_SETUP_S
+    candidate = spb.Candidate(cache_id="c", stored_bytes=20 * MB, num_tokens=100)
+    # 4 MB of basis and a first chunk of 1 MB before a stream of 15 MB at 100 MB/s, the last byte
+    # 0.28 s after the request: 0.07 s of it before any byte.
+    fetched = Fetched(
+        manifest=pb.CacheManifest(), cache=[], seconds=0.3, wire_bytes=16 * MB, basis_bytes=4 * MB,
+        wire_s=0.28, stream_bytes=15 * MB, stream_s=15 * MB / 100e6,
+    )  # fmt: skip
+    record_fetch(rates, "m", "a:1", candidate, fetched)
+    assert rates.link_rate("a:1") == pytest.approx(100e6)
+    assert rates.link_setup("a:1") == pytest.approx(0.28 - 15 * MB / 100e6 - 5 * MB / 100e6)
+    assert Rates(tmp_path).link_setup("a:1") == pytest.approx(rates.link_setup("a:1"))  # kept in rates.json
+    slow = Copy("a:1", "c", "full", 10 * MB, 100e6, setup_s=rates.link_setup("a:1"))
+    assert choose(100, [slow], None).fetch_s == pytest.approx(rates.link_setup("a:1") + 10 * MB / 100e6)
+
+
 @pytest.fixture
 def peer_with_a_cache(tiny, tiny_fp, serve, tmp_path):
     """(address, prompt text, its tokens): a daemon serving the cache of the prompt's first 384 tokens."""
@@ -135,6 +160,11 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
     assert choice.fetch and choice.where == address and choice.best.copy.measured == "probed"
     assert str(choice).startswith(f"384 cached tokens at {address}: fetching") and str(choice).endswith(": fetch")
     assert slow.link_source(address) == "measured on 1 transfer"
+    # The fetch measured this peer's setup, which the next choice weighs.
+    assert "setup_s" in json.loads((tmp_path / "slow" / "rates.json").read_text())["links"][address]
+    setup = slow.link_setup(address)
+    again = generate(model, tiny_fp, prompt, CacheStore(tmp_path / "b2"), peers=[address], max_tokens=1, rates=slow)
+    assert again.prefix.fetch_or_prefill[0].best.cost.setup_s == pytest.approx(setup)
 
     # A machine that prefills ten million tokens a second: it prefills, and says why.
     fast = Rates(tmp_path / "fast")
