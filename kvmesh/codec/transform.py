@@ -162,9 +162,8 @@ class _Quantized:
 
     def tops(self) -> np.ndarray:
         """The largest zigzagged code of each component, from its extremes."""
-        return np.maximum(2 * np.maximum(self.highs, 0), np.where(self.lows < 0, -2 * self.lows - 1, 0)).astype(
-            np.int64
-        )
+        negative = np.where(self.lows < 0, -2 * self.lows - 1, 0)
+        return np.maximum(2 * np.maximum(self.highs, 0), negative).astype(np.int64)
 
     def pack(self, at: int, count: int, width: int, top: int) -> tuple[bytes, bytes]:
         """Components [at, at + count) packed at `width` bits: (plane, escapes)."""
