@@ -29,6 +29,16 @@ _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
 
 
+def _forget_pool() -> None:
+    """In a forked child: its parent's threads are not there, so it makes a pool of its own."""
+    global _pool, _lock
+    _pool, _lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def layer_pool() -> ThreadPoolExecutor:
     """The process's pool of `LAYER_THREADS` threads (made on first use, kept for the process)."""
     global _pool

@@ -9,7 +9,9 @@ the scaling, the mean, the rotation's products and sums with the kernel's own co
 So the MLX decoder cannot change a generated token: the cache it gives is the one kvmesh gave.
 """
 
+import contextlib
 import json
+import os
 import struct
 
 import mlx.core as mx
@@ -19,6 +21,7 @@ from test_transform_codec import random_layers, sparse_positions
 
 from kvmesh.codec.basis import Basis, fit_basis
 from kvmesh.codec.layer_blob import Segments, TransformCodecError, read_header
+from kvmesh.codec.layer_pool import layer_pool, map_layers
 from kvmesh.codec.rate import measure_decode_rate, synthetic_basis, synthetic_layers
 from kvmesh.codec.rotary import Rotary, apply_rope
 from kvmesh.codec.transform import encode_layers
@@ -197,3 +200,19 @@ def test_layers_decoded_at_once_are_the_layers_decoded_one_by_one():
         one_k, one_v = decode_layer(blob, basis)
         assert np.array_equal(np.asarray(keys), np.asarray(one_k))
         assert np.array_equal(np.asarray(values), np.asarray(one_v))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_makes_its_own_layer_threads():
+    """A child forked after the pool was made has none of its parent's threads: its pool is its own
+    (the parent's would take its work and never run it)."""
+    parent = layer_pool()
+    assert layer_pool() is parent
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if a fresh pool runs work, and never return to pytest
+        ok = False
+        with contextlib.suppress(BaseException):
+            ok = layer_pool() is not parent and map_layers(lambda x: x + 1, [1, 2]) == [2, 3]
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
