@@ -69,10 +69,11 @@ def measure_decode_rate(
 
     `step` defaults to the `--compress` default level's. The decoder's cost is one matrix product
     per tensor ((tokens, components) x (components, heads * head_dim)) and a few passes over the
-    codes, so the rate depends on the BLAS: measured on a loaded 2-core Linux box with OpenBLAS,
-    0.07 s at SmolLM2's geometry (3 x 64) and 0.25 s at 8B's (8 x 128); with MLX's own reference
-    BLAS (Linux without OpenBLAS preloaded) 0.1 s and 2.6 s. A Mac (Accelerate, or its GPU) is
-    far quicker."""
+    codes, so the rate depends on the BLAS: on a 2-core Linux box with OpenBLAS, 0.07-0.10 GB/s at
+    SmolLM2's geometry (3 x 64) and 0.08-0.10 at 8B's (8 x 128), below what long caches decode at
+    (a layer's fixed costs weigh more on 256 tokens); with MLX's own reference BLAS (Linux without
+    OpenBLAS preloaded) an order of magnitude less at 8B's. A Mac (Accelerate, or its GPU) is far
+    quicker."""
     basis = synthetic_basis(LAYER_THREADS, heads, head_dim)
     layers = synthetic_layers(basis, tokens)
     default = LEVELS["default"].step_for(basis.has_step_factors)
