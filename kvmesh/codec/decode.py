@@ -56,9 +56,9 @@ class CacheDecoder:
         ]
         self.buffers: list[mx.array | None] = [None] * len(self.shapes)
         self.views: list[np.ndarray | None] = [None] * len(self.shapes)
-        # Transform-coded layers decode as soon as their last chunk is in, on threads of their own
-        # while later chunks arrive: by the index of that chunk, the tensor and its layer; decoding,
-        # in order; decoded, by tensor.
+        # Transform-coded layers decode as soon as their last chunk is in, on the layer threads
+        # (kvmesh.codec.layer_pool) while later chunks arrive: by the index of that chunk, the tensor
+        # and its layer; decoding, in order; decoded, by tensor.
         leaves = [layer for _, layer in leaf_layers(manifest.layers) for _ in layer.tensors]
         last = {slot.tensor: i for i, slot in enumerate(self.checker.plan)}
         self.coded_at = {

@@ -106,10 +106,15 @@ def _bounds(bounds: np.ndarray) -> tuple[int, int]:
     return int(bounds[0]), int(bounds[1])
 
 
+def _zigzag_in_int32(lo: int, hi: int) -> bool:
+    """Whether integers between lo and hi zigzag in 32 bits (2q must fit), else in 64."""
+    return lo >= -(2**30) and hi < 2**30
+
+
 def _zigzag(q: mx.array, lo: int, hi: int) -> mx.array:
     """Signed integers between lo and hi (in any dtype that holds them) -> zigzagged uint32
     (0, -1, 1, -2 -> 0, 1, 2, 3)."""
-    wide = mx.int32 if lo >= -(2**30) and hi < 2**30 else mx.int64  # (2q must fit)
+    wide = mx.int32 if _zigzag_in_int32(lo, hi) else mx.int64
     flat = q.astype(wide)
     bits = mx.array(1, wide), mx.array(31 if wide == mx.int32 else 63, wide)
     return ((flat << bits[0]) ^ (flat >> bits[1])).astype(mx.uint32)
@@ -198,7 +203,7 @@ def _quantize_numpy(coeffs: mx.array, n: int, step: float) -> _Quantized:
     np.abs(scaled, out=scaled)
     scaled -= np.abs(q)
     scaled[~nonzero] = 0.0
-    wide = np.int32 if lo >= -(2**30) and hi < 2**30 else np.int64  # (2q must fit)
+    wide = np.int32 if _zigzag_in_int32(lo, hi) else np.int64
     qi = q.astype(wide)
     zigzagged = ((qi << 1) ^ (qi >> (31 if wide == np.int32 else 63))).astype(np.uint32)
     count = np.count_nonzero(nonzero, axis=1).astype(np.float64)

@@ -7,7 +7,6 @@ coded with a basis fitted on that cache (the basis's size is what a receiver tha
 first). It is one function so that the codec's own cheap decode-rate measurement can replace it.
 """
 
-import time
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -21,6 +20,7 @@ from kvmesh.codec.coded import TransformCoding, transform_code
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.levels import LEVELS
+from kvmesh.codec.rate import fastest_run
 from kvmesh.codec.rotary import model_rotaries
 from kvmesh.codec.transform import layers_of_cache
 from kvmesh.model.fingerprint import ModelFingerprint
@@ -76,17 +76,14 @@ def decode_rate(
     cache: list, model_fp: ModelFingerprint, prompt: list[int], press=None, *, bases=None, repeat: int = DECODE_REPEAT
 ) -> float:
     """Bytes on the wire per second the real decoder turns into MLX caches, for `cache` encoded: the
-    best of `repeat` decodes after one that warms it up (its first run pays for MLX's kernels, the
-    allocator's first buffers and the layer threads' streams, which a process pays once, not per
-    fetch). On a cache this short a layer's fixed costs weigh more than on a long one: on this box
-    the transform rate so measured is about a third of what a 1,024-token fetch of SmolLM2 decodes."""
+    fastest of `repeat` decodes after a warm-up (`kvmesh.codec.rate.fastest_run`). On a cache this
+    short a layer's fixed costs weigh more than on a long one: on this box the transform rate so
+    measured is about a third of what a 1,024-token fetch of SmolLM2 decodes."""
     manifest, chunks = encode_cache(cache, model_fp, prompt, press)
     encoded = list(chunks)
-    best = float("inf")
-    for run in range(repeat + 1):
-        start = time.perf_counter()
+
+    def decode() -> None:
         decoded = decode_chunks(manifest, encoded, bases=bases or {})
         mx.eval([layer.state for layer in decoded])  # type: ignore[union-attr]  # decoded: never a CodedLayer
-        if run:
-            best = min(best, time.perf_counter() - start)
-    return sum(len(c.data) for c in encoded) / best
+
+    return sum(len(c.data) for c in encoded) / fastest_run(decode, repeat=repeat)
