@@ -109,12 +109,13 @@ def rows(ratio: float, decode_gbps: float, basis_mb: float) -> list[list[str]]:
             prefill = PrefillModel.at_rate(p.rate(tokens))
             fp16 = tokens * p.kv_bytes_per_token
             cells = [p.chip, p.model, f"{tokens:,}", f"{fp16 / 1e6:,.0f}", f"{prefill.seconds(tokens):.1f}"]
-            cells.append(f"{fp16 / (decode_gbps * 1e9):.2f}")  # the coded copy's decode, here
+            decode_s = fp16 / (decode_gbps * 1e9)
+            cells.append(f"{decode_s:.2f}")  # the coded copy's decode, here
             for rate in LINKS.values():
                 times = []
                 coded = Copy(
                     "link", "", "transform", int(fp16 / ratio), rate,
-                    basis_bytes=int(basis_mb * 1e6), decode_bytes_per_s=decode_gbps * 1e9 / ratio, layers=p.layers,
+                    basis_bytes=int(basis_mb * 1e6), decode_s=decode_s, layers=p.layers,
                 )  # fmt: skip
                 for copy in (Copy("link", "", "full", fp16, rate), coded):
                     choice = choose(tokens, [copy], prefill)

@@ -1,10 +1,10 @@
 """What the choice weighs with, measured once per model on this machine: its prefill rate (two timed
-prefills) and how fast it decodes the model's caches in each codec (`measure_decoding`).
+prefills) and how long it takes to decode the model's caches in each codec (`measure_decoding`).
 
-`measure_decoding` times the real decoder (kvmesh.codec.decode) on a small cache of the model, of
-arbitrary tokens, in each codec a peer may send: as computed (zstd), 8-bit quantized, and transform
-coded with a basis fitted on that cache (the basis's size is what a receiver that lacks it fetches
-first). It is one function so that the codec's own cheap decode-rate measurement can replace it.
+`measure_decoding` times the real decoder (kvmesh.codec.decode) on small caches of the model, of
+arbitrary tokens and of two lengths (a fixed cost and one per token: kvmesh.reuse.rates.DecodeTime),
+in each codec a peer may send: as computed (zstd), 8-bit quantized, and transform coded with a
+basis fitted on the longer cache (the basis's size is what a receiver that lacks it fetches first).
 """
 
 from collections.abc import Callable
@@ -24,13 +24,14 @@ from kvmesh.codec.rate import fastest_run
 from kvmesh.codec.rotary import model_rotaries
 from kvmesh.codec.transform import layers_of_cache
 from kvmesh.model.fingerprint import ModelFingerprint
-from kvmesh.reuse.rates import Decoding, Rates
+from kvmesh.reuse.rates import Decoding, Rates, fit_decode_time
 
-# The cache the decoders are timed on: long enough that per-chunk costs are a small share, short
-# enough that its one prefill costs a server's start little (512 tokens and three prefills took
-# 4.4 s of a tiny model's start here; this, one prefill of 256, about a second).
-DECODE_SAMPLE_TOKENS = 256
-# Timed decodes of each codec's copy of it (after one that warms the decoder up).
+# The caches the decoders are timed on: two lengths, so that a layer's fixed costs are told apart
+# from its cost per token, short enough that their prefills cost a server's start little (512
+# tokens and three prefills took 4.4 s of a tiny model's start here; one prefill of 256, about a
+# second).
+DECODE_SAMPLE_TOKENS = (64, 256)
+# Timed decodes of each codec's copy of each (after one that warms the decoder up).
 DECODE_REPEAT = 2
 
 
@@ -53,32 +54,42 @@ def ensure_calibrated(
     return True
 
 
-def measure_decoding(model: nn.Module, model_fp: ModelFingerprint, tokens: int = DECODE_SAMPLE_TOKENS) -> Decoding:
-    """This machine's decode rate of the model's caches in each codec (bytes on the wire per second),
-    timed on a cache of `tokens` arbitrary tokens, and the size of a basis of the model's geometry."""
-    prompt = [1 + i % 97 for i in range(tokens)]
-    fresh, _, _ = run_prompt(model, prompt)  # mlx-lm's own caches, run once: every copy is made of them
-    full = Press().apply(fresh)
-    rates = {"full": decode_rate(full, model_fp, prompt)}
+def measure_decoding(
+    model: nn.Module, model_fp: ModelFingerprint, lengths: tuple[int, ...] = DECODE_SAMPLE_TOKENS
+) -> Decoding:
+    """How long this machine takes to decode the model's caches in each codec, fitted to decodes of
+    caches of arbitrary tokens of each of `lengths`, and the size of a basis of the model's geometry."""
+    prompts = [[1 + i % 97 for i in range(n)] for n in lengths]
+    # mlx-lm's own caches, run once per length: every copy is made of them.
+    fresh = [run_prompt(model, prompt)[0] for prompt in prompts]
+    full = [Press().apply(cache) for cache in fresh]
     quantize = make_press("quantize", {"kv_bits": 8})
-    rates["quantized"] = decode_rate(quantize.apply(fresh), model_fp, prompt, quantize)
-    layers = full_attention_layers(model, fresh)
-    if not layers:  # nothing the transform codec codes in this model
-        return Decoding(rates)
-    calibration = [layers_of_cache([fresh[i] for i in layers])]
-    basis = fit_basis(calibration, model_rotaries(model, layers), info={"layers": layers})
-    coded = transform_code(full, TransformCoding(basis, step=LEVELS["default"].step_for(basis.has_step_factors)))
-    rates["transform"] = decode_rate(coded, model_fp, prompt, bases={basis.digest: basis})
-    return Decoding(rates, basis.nbytes)
+    copies: dict[str, list[tuple[list, Press | None]]] = {
+        "full": [(c, None) for c in full],
+        "quantized": [(quantize.apply(cache), quantize) for cache in fresh],
+    }
+    basis = None
+    if layers := full_attention_layers(model, fresh[-1]):  # else nothing the transform codec codes
+        calibration = [layers_of_cache([fresh[-1][i] for i in layers])]
+        basis = fit_basis(calibration, model_rotaries(model, layers), info={"layers": layers})
+        coding = TransformCoding(basis, step=LEVELS["default"].step_for(basis.has_step_factors))
+        copies["transform"] = [(transform_code(c, coding), None) for c in full]
+    bases = {basis.digest: basis} if basis else {}
+    times = {
+        codec: fit_decode_time([
+            (len(prompt), decode_seconds(cache, model_fp, prompt, press, bases=bases))
+            for prompt, (cache, press) in zip(prompts, caches, strict=True)
+        ])
+        for codec, caches in copies.items()
+    }  # fmt: skip
+    return Decoding(times, basis.nbytes if basis else 0)
 
 
-def decode_rate(
+def decode_seconds(
     cache: list, model_fp: ModelFingerprint, prompt: list[int], press=None, *, bases=None, repeat: int = DECODE_REPEAT
 ) -> float:
-    """Bytes on the wire per second the real decoder turns into MLX caches, for `cache` encoded: the
-    fastest of `repeat` decodes after a warm-up (`kvmesh.codec.rate.fastest_run`). On a cache this
-    short a layer's fixed costs weigh more than on a long one: on this box the transform rate so
-    measured is about a third of what a 1,024-token fetch of SmolLM2 decodes."""
+    """Seconds the real decoder takes to turn `cache`, encoded, into MLX caches: the fastest of
+    `repeat` decodes after a warm-up (`kvmesh.codec.rate.fastest_run`)."""
     manifest, chunks = encode_cache(cache, model_fp, prompt, press)
     encoded = list(chunks)
 
@@ -86,4 +97,4 @@ def decode_rate(
         decoded = decode_chunks(manifest, encoded, bases=bases or {})
         mx.eval([layer.state for layer in decoded])  # type: ignore[union-attr]  # decoded: never a CodedLayer
 
-    return sum(len(c.data) for c in encoded) / fastest_run(decode, repeat=repeat)
+    return fastest_run(decode, repeat=repeat)

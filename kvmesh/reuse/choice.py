@@ -4,10 +4,11 @@ A fetch of a copy is expected to take a setup, then the basis it needs when this
 (it travels first), then its bytes on the wire and their decoding, which overlap as chunks arrive,
 so the slower of the two, and last the decode of the last layer to arrive:
 
-    setup + basis / link + max(wire / link, wire / decode rate) + (wire / decode rate) / layers
+    setup + basis / link + max(wire / stream rate, decode) + decode / layers
 
-The link rate is the one measured from that peer (earlier transfers, else a probe), the decode
-rate the one this machine measured for the model and codec (kvmesh.reuse.calibration). A prefill
+The stream rate is the one its codec's copies reached from that peer, else the link's (earlier
+transfers, else a probe); the decode time what this machine measured for the model and codec, for
+the copy's tokens (kvmesh.reuse.calibration). A prefill
 takes what the model fitted to this machine's timed prefills says (kvmesh.reuse.rates). Among the
 copies peers hold of a prefix (full, 8-bit, transform coded: each within the quality floor) the
 one expected soonest is weighed against the prefill, and the faster is taken. Over Wi-Fi a coded
@@ -36,9 +37,9 @@ FETCH_HELP = (
 @dataclass(frozen=True)
 class Copy:
     """A copy of a prefix that a peer holds, as this machine would fetch it: `wire_bytes` of `codec`
-    over a link of `bytes_per_s` (`measured` says how that was learnt), the `basis_bytes` of a basis
-    this machine lacks, its decode rate here (None: never measured, its decode not counted), and the
-    setup a fetch from that peer takes."""
+    streaming at `bytes_per_s` (`measured` says how that was learnt), the `basis_bytes` of a basis
+    this machine lacks at the link's `basis_bytes_per_s` (default: the same), the seconds decoding it
+    takes here (None: never measured, not counted), and the setup a fetch from that peer takes."""
 
     where: str
     cache_id: str
@@ -47,7 +48,8 @@ class Copy:
     bytes_per_s: float
     measured: str = ""
     basis_bytes: int = 0
-    decode_bytes_per_s: float | None = None
+    basis_bytes_per_s: float | None = None
+    decode_s: float | None = None
     layers: int = 1
     # Seconds before its bytes stream: measured on that peer's fetches (kvmesh.reuse.rates).
     setup_s: float = FETCH_SETUP_S
@@ -70,10 +72,10 @@ class FetchCost:
 
 def fetch_cost(copy: Copy) -> FetchCost:
     """What fetching `copy` is expected to cost (the module docstring's sum)."""
-    decode_s = copy.wire_bytes / copy.decode_bytes_per_s if copy.decode_bytes_per_s else 0.0
+    decode_s = copy.decode_s or 0.0
     return FetchCost(
         copy.setup_s,
-        copy.basis_bytes / copy.bytes_per_s,
+        copy.basis_bytes / (copy.basis_bytes_per_s or copy.bytes_per_s),
         copy.wire_bytes / copy.bytes_per_s,
         decode_s,
         decode_s / max(1, copy.layers),
@@ -133,7 +135,7 @@ def describe(w: Weighed) -> str:
     """A weighed copy in words: its bytes, link, and the parts of its expected time."""
     c, cost = w.copy, w.cost
     basis = f" after a {c.basis_bytes / 1e6:,.2f} MB basis" if c.basis_bytes else ""
-    decode = f", decode {cost.decode_s:.2f} s" if c.decode_bytes_per_s else ", decode not measured"
+    decode = f", decode {cost.decode_s:.2f} s" if c.decode_s is not None else ", decode not measured"
     return (
         f"{c.wire_bytes / 1e6:,.1f} MB {c.codec}{basis} at {c.bytes_per_s / 1e6:,.1f} MB/s"
         f"{f' ({c.measured})' if c.measured else ''} takes about {cost.seconds:.2f} s (setup {cost.setup_s:.2f} s, "

@@ -1,5 +1,6 @@
-"""What this machine measured: the link rate to each peer, its timed prefills of each model, and how
-fast it decodes each model's caches in each codec, kept in `rates.json` in the data directory.
+"""What this machine measured: the link rate to each peer (and the rate each codec's copies stream
+at from it), its timed prefills of each model, and how long it takes to decode each model's caches
+in each codec, kept in `rates.json` in the data directory.
 
 A prefill is predicted by a model fitted to the timed prefills (a calibration of two lengths,
 refreshed by every prefill; attention makes long prefixes slower per token). A machine learns its
@@ -29,7 +30,7 @@ MIN_TIMED_BYTES = 1 << 20
 MIN_TIMED_TOKENS = 32
 # The prefill model is fitted to this many of the latest prefills of a model.
 PREFILL_SAMPLES = 16
-# The codecs a copy of a cache may travel in, as the decode rates name them: fp16 or float32 as
+# The codecs a copy of a cache may travel in, as the decode times and stream rates name them: fp16 or float32 as
 # computed, mlx-lm's 8-bit (or other) quantization, the transform codec (kvmesh.codec.transform).
 CODECS = ("full", "quantized", "transform")
 # The bases remembered per model (a mesh codes a model's caches with one or a few).
@@ -78,17 +79,47 @@ def fit_prefill(samples: list[tuple[float, float, float]]) -> PrefillModel | Non
 
 
 @dataclass(frozen=True)
-class Decoding:
-    """How fast this machine decodes a model's caches: bytes on the wire per second, by codec, and the
-    size of the model's transform basis (what a receiver without it fetches first)."""
+class DecodeTime:
+    """Decoding a cache of `tokens` tokens of a model here: fixed_s + per_token_s * tokens. Each layer
+    has fixed costs (its graph, its buffers, its chunks' framing) that weigh far more on a short cache
+    than on a long one: a single rate timed on 256 tokens undercounted a 1,024-token fetch of
+    SmolLM2's transform coded copy about 3x (kvmesh.reuse.calibration times two lengths)."""
 
-    bytes_per_s: dict[str, float]
+    fixed_s: float
+    per_token_s: float
+
+    def seconds(self, tokens: float) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+
+def fit_decode_time(samples: list[tuple[float, float]]) -> DecodeTime:
+    """The line through decode times (tokens, seconds) of two lengths or more (least squares), with no
+    term below zero: timings of a loaded machine may put the shorter one above the longer one, and
+    then the longest's rate, all of it per token, is the fit (as when the line would cross zero)."""
+    n = len(samples)
+    mean_t = sum(t for t, _ in samples) / n
+    mean_s = sum(s for _, s in samples) / n
+    spread = sum((t - mean_t) ** 2 for t, _ in samples)
+    slope = sum((t - mean_t) * (s - mean_s) for t, s in samples) / spread if spread else 0.0
+    fixed = mean_s - slope * mean_t
+    if slope > 0 and fixed >= 0:
+        return DecodeTime(fixed, slope)
+    tokens, seconds = max(samples)
+    return DecodeTime(0.0, seconds / tokens)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How long this machine takes to decode a model's caches, by codec, and the size of the model's
+    transform basis (what a receiver without it fetches first)."""
+
+    times: dict[str, DecodeTime]
     basis_bytes: int = 0
 
-    def seconds(self, codec: str, wire_bytes: float) -> float | None:
-        """Decoding `wire_bytes` of `codec` here; None when never measured."""
-        rate = self.bytes_per_s.get(codec)
-        return wire_bytes / rate if rate else None
+    def seconds(self, codec: str, tokens: float) -> float | None:
+        """Decoding a cache of `tokens` tokens in `codec` here; None when never measured."""
+        time = self.times.get(codec)
+        return time.seconds(tokens) if time else None
 
 
 def blend(old: float | None, new: float) -> float:
@@ -97,7 +128,7 @@ def blend(old: float | None, new: float) -> float:
 
 class Rates:
     """The link rate to each peer (bytes/s of fetched payload), the latest timed prefills of each
-    model and its decode rates, kept in `rates.json`.
+    model and its decode times, kept in `rates.json`.
 
     Every update re-reads the file before writing it (atomically), so processes sharing a data
     directory (`kvmesh generate`, `kvmesh serve`) keep each other's measurements, and takes a lock,
@@ -110,7 +141,7 @@ class Rates:
         self.links: dict[str, dict] = {}
         # model id -> [[tokens, context, seconds], ...], the latest last
         self.prefill: dict[str, list] = {}
-        # model id -> {"bytes_per_s": {codec: rate}, "basis_bytes": n}
+        # model id -> {"times": {codec: [fixed_s, per_token_s]}, "basis_bytes": n}
         self.decode: dict[str, dict] = {}
         # model id -> the sha256 of each basis its fetched caches were coded with, the latest last
         self.bases: dict[str, list[str]] = {}
@@ -121,6 +152,13 @@ class Rates:
         entry = self.links.get(address)
         return entry["bytes_per_s"] if entry else None
 
+    def stream_rate(self, address: str, codec: str) -> float | None:
+        """The rate copies in `codec` stream at from `address`, measured on their fetches, else the
+        link's. A copy of many small chunks (an 8-bit cache travels as six tensors a layer) streams
+        slower than its bytes alone say: each chunk is a message that both ends handle."""
+        stream = self.links.get(address, {}).get("streams", {}).get(codec)
+        return stream["bytes_per_s"] if stream else self.link_rate(address)
+
     def prefill_model(self, model_id: str) -> PrefillModel | None:
         """How fast this machine prefills the model, fitted to its latest timed prefills."""
         return fit_prefill([tuple(x) for x in self.prefill.get(model_id, [])])
@@ -128,7 +166,9 @@ class Rates:
     def decoding(self, model_id: str) -> Decoding | None:
         """How fast this machine decodes the model's caches; None when never measured."""
         entry = self.decode.get(model_id)
-        return Decoding(dict(entry["bytes_per_s"]), int(entry["basis_bytes"])) if entry else None
+        if not entry:
+            return None
+        return Decoding({c: DecodeTime(*t) for c, t in entry["times"].items()}, int(entry["basis_bytes"]))
 
     def link_setup(self, address: str) -> float:
         """Seconds a fetch from `address` takes before its bytes stream: measured on its fetches
@@ -149,9 +189,12 @@ class Rates:
             entry["setup_s"] = blend(entry.get("setup_s"), seconds)
             self._save()
 
-    def link_source(self, address: str) -> str:
-        """Where the rate of `address` came from, for explanations."""
+    def link_source(self, address: str, codec: str | None = None) -> str:
+        """Where the rate of `address` (for copies in `codec`: `stream_rate`) came from, for explanations."""
         entry = self.links.get(address, {})
+        if codec is not None and (stream := entry.get("streams", {}).get(codec)):
+            n = stream["transfers"]
+            return f"{codec} copies measured on {n} transfer{'s' if n != 1 else ''}"
         n = entry.get("transfers", 0)
         return f"measured on {n} transfer{'s' if n != 1 else ''}" if n else "probed"
 
@@ -163,19 +206,25 @@ class Rates:
                 self.links[address] = {"bytes_per_s": bytes_per_s, "transfers": 0}
                 self._save()
 
-    def record_transfer(self, address: str, wire_bytes: int, seconds: float, *, at_least: bool = False) -> None:
-        """A fetch from `address` streamed `wire_bytes` in `seconds` (its setup excluded). With
-        `at_least`, decoding paced it: the link is at least that fast, so it only ever raises the rate."""
+    def record_transfer(
+        self, address: str, wire_bytes: int, seconds: float, *, codec: str | None = None, at_least: bool = False
+    ) -> None:
+        """A fetch from `address` of a copy in `codec` streamed `wire_bytes` in `seconds` (its setup
+        excluded): that codec's stream rate. With `at_least`, decoding paced it: the link is at least
+        that fast, so it only ever raises the link's rate."""
         if wire_bytes < MIN_TIMED_BYTES or seconds <= 0:
             return
         with self._lock:
             self._load()
-            entry = self.links.get(address, {})
+            entry = self.links.setdefault(address, {"bytes_per_s": 0.0, "transfers": 0})
             rate = wire_bytes / seconds
-            old = entry.get("bytes_per_s") if entry.get("transfers") else None  # a probe gives way
-            if at_least and old is not None and rate <= old:
-                return
-            self.links[address] = {"bytes_per_s": blend(old, rate), "transfers": entry.get("transfers", 0) + 1}
+            if codec is not None:
+                stream = entry.setdefault("streams", {}).get(codec, {"transfers": 0})
+                old_stream = stream.get("bytes_per_s")
+                entry["streams"][codec] = {"bytes_per_s": blend(old_stream, rate), "transfers": stream["transfers"] + 1}
+            old = entry["bytes_per_s"] if entry["transfers"] else None  # a probe gives way
+            if not (at_least and old is not None and rate <= old):
+                entry.update(bytes_per_s=blend(old, rate), transfers=entry["transfers"] + 1)
             self._save()
 
     def record_prefill(self, model_id: str, tokens: int, seconds: float, *, context: int = 0) -> None:
@@ -190,13 +239,18 @@ class Rates:
             self._save()
 
     def record_decoding(self, model_id: str, decoding: Decoding) -> None:
-        """This machine's decode rates of the model's caches (kvmesh.reuse.calibration), blended with
-        what was measured before."""
+        """This machine's decode times of the model's caches (kvmesh.reuse.calibration), each term
+        blended with what was measured before."""
         with self._lock:
             self._load()
-            old = self.decode.get(model_id, {}).get("bytes_per_s", {})
-            rates = {codec: blend(old.get(codec), rate) for codec, rate in decoding.bytes_per_s.items()}
-            self.decode[model_id] = {"bytes_per_s": {**old, **rates}, "basis_bytes": decoding.basis_bytes}
+            old = self.decode.get(model_id, {}).get("times", {})
+            times = {
+                codec: [blend(old[codec][0], t.fixed_s), blend(old[codec][1], t.per_token_s)]
+                if codec in old
+                else [t.fixed_s, t.per_token_s]
+                for codec, t in decoding.times.items()
+            }
+            self.decode[model_id] = {"times": {**old, **times}, "basis_bytes": decoding.basis_bytes}
             self._save()
 
     def record_bases(self, model_id: str, digests: list[str]) -> None:
@@ -219,6 +273,17 @@ class Rates:
                     "bytes_per_s": float(link["bytes_per_s"]),
                     "transfers": int(link["transfers"]),
                     **({"setup_s": float(link["setup_s"])} if "setup_s" in link else {}),  # (older files: none)
+                    **(
+                        {
+                            "streams": {
+                                str(c): {"bytes_per_s": float(r["bytes_per_s"]), "transfers": int(r["transfers"])}
+                                for c, r in link["streams"].items()
+                                if c in CODECS
+                            }
+                        }
+                        if "streams" in link
+                        else {}
+                    ),
                 }
                 for address, link in data["links"].items()
             }
@@ -226,12 +291,17 @@ class Rates:
                 str(model): [[float(tokens), float(context), float(seconds)] for tokens, context, seconds in samples]
                 for model, samples in data["prefill"].items()
             }
-            self.decode = {  # absent from files written before decode rates were kept
+            self.decode = {  # absent from files written before decoding was measured
                 str(model): {
-                    "bytes_per_s": {str(c): float(r) for c, r in entry["bytes_per_s"].items() if c in CODECS},
+                    "times": {
+                        str(c): [float(fixed), float(per_token)]
+                        for c, (fixed, per_token) in entry["times"].items()
+                        if c in CODECS
+                    },
                     "basis_bytes": int(entry["basis_bytes"]),
                 }
                 for model, entry in data.get("decode", {}).items()
+                if "times" in entry  # one rate per codec before decode times: measured again
             }
             self.bases = {str(model): [str(d) for d in digests] for model, digests in data.get("bases", {}).items()}
         except FileNotFoundError:

@@ -13,7 +13,7 @@ from kvmesh.reuse.rates import Rates
 from kvmesh.v1.service_pb2 import Candidate
 
 Offer = tuple[PeerClient, Candidate]
-# A stream within this factor of the decode rate of its codec may have been paced by decoding.
+# A stream that took no longer than this factor of its decode time may have been paced by decoding.
 DECODE_BOUND = 1.25
 
 
@@ -47,10 +47,11 @@ def fetch_or_prefill(
     """Whether fetching one of `offers` (copies of the same prefix, on one peer or several) beats
     prefilling the `tokens` they add to the `held` ones here, and which copy.
 
-    Each link rate is the one measured on earlier transfers from that peer, else a short probe's
-    (within `timeout` seconds); each decode rate this machine's for the model and codec; a transform
-    coded copy counts its basis unless `basis_held`. Without timed prefills of the model
-    (`ensure_calibrated`), fetching is the choice, the copies in the order given.
+    Each copy streams at the rate its codec's copies reached from that peer, else the link's (earlier
+    transfers, else a short probe's, within `timeout` seconds); its decode takes what this machine
+    measured for the model and codec; a transform coded copy counts its basis unless `basis_held`.
+    Without timed prefills of the model (`ensure_calibrated`), fetching is the choice, the copies in
+    the order given.
     """
     prefill = rates.prefill_model(model_fp.model_id)
     decoding = rates.decoding(model_fp.model_id)
@@ -67,10 +68,11 @@ def fetch_or_prefill(
                 candidate.cache_id,
                 codec,
                 wire,
-                rates.link_rate(address) or math.inf,  # unknown without a prefill to weigh: not probed
-                measured=rates.link_source(address),
+                rates.stream_rate(address, codec) or math.inf,  # unknown without a prefill to weigh: not probed
+                measured=rates.link_source(address, codec),
                 basis_bytes=decoding.basis_bytes if decoding and codec == "transform" and not basis_held else 0,
-                decode_bytes_per_s=decoding.bytes_per_s.get(codec) if decoding else None,
+                basis_bytes_per_s=rates.link_rate(address),
+                decode_s=decoding.seconds(codec, held + tokens) if decoding else None,
                 layers=model_fp.num_layers,
                 setup_s=rates.link_setup(address),
             )
@@ -79,15 +81,16 @@ def fetch_or_prefill(
 
 
 def record_fetch(rates: Rates, model_id: str, address: str, candidate: Candidate, fetched: Fetched) -> None:
-    """What a fetch of `candidate` from `address` says of the link (its stream, setup and basis
-    excluded; a stream that decoding may have paced, within DECODE_BOUND of this machine's decode
-    rate of its codec, only ever raises the rate), of its setup (the time to its first chunk, less
-    the bytes before it at that rate) and of the bases the model's caches are coded with."""
+    """What a fetch of `candidate` from `address` says of the rate its codec's copies stream at and of
+    the link (its stream, setup and basis excluded; a stream that decoding may have paced, within
+    DECODE_BOUND of this machine's decode time of it, only ever raises the link's rate), of its setup
+    (the time to its first chunk, less the bytes before it at that rate) and of the bases the
+    model's caches are coded with."""
+    codec = codec_of(candidate)
     decoding = rates.decoding(model_id)
-    decode_rate = decoding.bytes_per_s.get(codec_of(candidate)) if decoding else None
-    streamed = fetched.stream_bytes / fetched.stream_s if fetched.stream_s > 0 else 0.0
-    paced = decode_rate is not None and streamed * DECODE_BOUND >= decode_rate
-    rates.record_transfer(address, fetched.stream_bytes, fetched.stream_s, at_least=paced)
+    decode_s = decoding.seconds(codec, fetched.manifest.prefix.num_tokens) if decoding else None
+    paced = decode_s is not None and fetched.stream_s <= DECODE_BOUND * decode_s
+    rates.record_transfer(address, fetched.stream_bytes, fetched.stream_s, codec=codec, at_least=paced)
     if fetched.stream_s > 0 and (rate := rates.link_rate(address)):
         # Before the first chunk: the setup, and the basis and that chunk at the link's rate.
         before = fetched.basis_bytes + fetched.wire_bytes - fetched.stream_bytes

@@ -17,8 +17,17 @@ from kvmesh.reuse.choice import Copy, choose
 from kvmesh.reuse.fetch import Fetched
 from kvmesh.reuse.find import find_prefix
 from kvmesh.reuse.generate import generate
-from kvmesh.reuse.rates import FETCH_SETUP_S, PREFILL_SAMPLES, Decoding, PrefillModel, Rates, fit_prefill
-from kvmesh.reuse.weigh import record_fetch
+from kvmesh.reuse.rates import (
+    FETCH_SETUP_S,
+    PREFILL_SAMPLES,
+    DecodeTime,
+    Decoding,
+    PrefillModel,
+    Rates,
+    fit_decode_time,
+    fit_prefill,
+)
+from kvmesh.reuse.weigh import fetch_or_prefill, record_fetch
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store
 from kvmesh.v1 import cache_pb2 as pb
@@ -182,7 +191,9 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
     generate(model, tiny_fp, prompt, CacheStore(tmp_path / "d"), peers=[address], max_tokens=2, rates=fresh)
     assert [m for m, _, _ in fresh.prefill[tiny_fp.model_id][:2]] == [128, 512]
     decoding = fresh.decoding(tiny_fp.model_id)
-    assert decoding is not None and set(decoding.bytes_per_s) == {"full", "quantized", "transform"}
+    assert decoding is not None and set(decoding.times) == {"full", "quantized", "transform"}
+    for time in decoding.times.values():  # decodes of two lengths: a cost per token, at the least
+        assert time.per_token_s > 0 and time.fixed_s >= 0
     assert decoding.basis_bytes > 0
 
 
@@ -259,8 +270,8 @@ def copies(wire_full: int, wire_coded: int, bytes_per_s: float, *, basis_bytes: 
     """A full and a transform coded copy of one prefix over one link, decoded at this machine's rates
     (fp16 at 2 GB/s, the transform codec at 40 MB/s of wire), 32 layers."""
     return [
-        Copy("a:1", "full", "full", wire_full, bytes_per_s, decode_bytes_per_s=2e9, layers=32),
-        Copy("b:1", "coded", "transform", wire_coded, bytes_per_s, basis_bytes=basis_bytes, decode_bytes_per_s=40e6,
+        Copy("a:1", "full", "full", wire_full, bytes_per_s, decode_s=wire_full / 2e9, layers=32),
+        Copy("b:1", "coded", "transform", wire_coded, bytes_per_s, basis_bytes=basis_bytes, decode_s=wire_coded / 40e6,
              layers=32),
     ]  # fmt: skip
 
@@ -292,16 +303,70 @@ def test_decoding_is_counted_and_the_soonest_copy_is_weighed():
     assert not wifi.fetch and str(wifi).endswith(": prefill")
 
 
-def test_decode_rates_are_kept_beside_the_link_rates(tmp_path):
+def test_decode_times_are_kept_beside_the_link_rates(tmp_path):
     (tmp_path / "rates.json").write_text('{"links": {"a:1": {"bytes_per_s": 5e6, "transfers": 1}}, "prefill": {}}')
-    rates = Rates(tmp_path)  # a file from before decode rates were kept
+    rates = Rates(tmp_path)  # a file from before decoding was measured
     assert rates.link_rate("a:1") == 5e6 and rates.decoding("m") is None
-    rates.record_decoding("m", Decoding({"full": 2e9, "transform": 40e6}, basis_bytes=4_530_000))
-    Rates(tmp_path).record_decoding("m", Decoding({"transform": 60e6}, basis_bytes=4_530_000))
+    full, coded = DecodeTime(0.001, 1e-5), DecodeTime(0.03, 1e-4)
+    rates.record_decoding("m", Decoding({"full": full, "transform": coded}, basis_bytes=4_530_000))
+    Rates(tmp_path).record_decoding("m", Decoding({"transform": DecodeTime(0.05, 3e-4)}, basis_bytes=4_530_000))
     kept = Rates(tmp_path).decoding("m")
-    assert kept == Decoding({"full": 2e9, "transform": 50e6}, basis_bytes=4_530_000)  # blended, as links are
-    assert kept.seconds("transform", 50e6) == pytest.approx(1.0) and kept.seconds("quantized", 1) is None
+    assert kept is not None and kept.times["full"] == full
+    blended = kept.times["transform"]  # blended, as links are
+    assert (blended.fixed_s, blended.per_token_s) == pytest.approx((0.04, 2e-4))
+    assert kept.seconds("transform", 1000) == pytest.approx(0.24) and kept.seconds("quantized", 1) is None
     assert Rates(tmp_path).link_rate("a:1") == 5e6
+    # A file of one decode rate per codec (kvmesh before decode times): measured again.
+    data = json.loads((tmp_path / "rates.json").read_text())
+    data["decode"]["m"] = {"bytes_per_s": {"full": 2e9}, "basis_bytes": 4_530_000}
+    (tmp_path / "rates.json").write_text(json.dumps(data))
+    assert Rates(tmp_path).decoding("m") is None and Rates(tmp_path).link_rate("a:1") == 5e6
+
+
+def test_decode_time_is_fitted_as_a_fixed_cost_and_one_per_token():
+    true = DecodeTime(0.035, 8e-5)
+    fitted = fit_decode_time([(64, true.seconds(64)), (256, true.seconds(256))])
+    assert (fitted.fixed_s, fitted.per_token_s) == pytest.approx((true.fixed_s, true.per_token_s))
+    # A 1,024-token cache: one rate timed on 256 tokens would have said 0.2 s, not 0.117 s.
+    assert fitted.seconds(1024) == pytest.approx(0.035 + 1024 * 8e-5)
+    # A loaded machine that timed the shorter cache slower, or a line that would start below zero:
+    # the longest's rate, all per token.
+    assert fit_decode_time([(64, 0.05), (256, 0.04)]) == DecodeTime(0.0, 0.04 / 256)
+    assert fit_decode_time([(64, 0.001), (256, 0.04)]) == DecodeTime(0.0, 0.04 / 256)
+
+
+def test_each_codec_s_stream_rate_is_measured_per_peer(tiny_fp, tmp_path):
+    """A copy of many small chunks streams slower than the link's bytes say: what each codec's copies
+    reached from a peer is what its next copy is expected at; a codec never fetched from it, the link's."""
+    peer = "127.0.0.1:9"  # never called: every rate the choice needs is known
+    rates = Rates(timed(tmp_path, tiny_fp.model_id, 1))
+    rates.record_probe(peer, 100e6)
+    assert rates.stream_rate(peer, "quantized") == 100e6 and rates.link_source(peer, "quantized") == "probed"
+    rates.record_transfer(peer, 10 * MB, 10 * MB / 120e6, codec="full")
+    rates.record_transfer(peer, 10 * MB, 10 * MB / 40e6, codec="quantized")
+    reread = Rates(tmp_path)
+    assert reread.stream_rate(peer, "quantized") == pytest.approx(40e6)
+    assert reread.link_source(peer, "quantized") == "quantized copies measured on 1 transfer"
+    assert reread.stream_rate(peer, "full") == pytest.approx(120e6)
+    assert reread.link_rate(peer) == pytest.approx(80e6)  # every stream, as before
+    assert reread.stream_rate(peer, "transform") == pytest.approx(80e6)
+    assert reread.link_source(peer, "transform") == "measured on 2 transfers"
+
+    # Each copy is weighed at its codec's rate, and the basis a coded one needs at the link's.
+    reread.record_decoding(tiny_fp.model_id, Decoding({}, basis_bytes=8 * MB))
+    offers = {
+        codec: spb.Candidate(cache_id=codec, num_tokens=100, stored_bytes=12 * MB, method=method, lossy=lossy)
+        for codec, method, lossy in [("full", "full", False), ("quantized", "quantize", True),
+                                     ("transform", "full", True)]
+    }  # fmt: skip
+    with PeerClient(peer) as client:
+        decision = fetch_or_prefill(reread, tiny_fp, [(client, c) for c in offers.values()], tokens=100, held=0)
+    costs = {w.copy.codec: w.cost for w in decision.weighed}
+    assert costs["full"].wire_s == pytest.approx(12 * MB / 120e6)
+    assert costs["quantized"].wire_s == pytest.approx(12 * MB / 40e6)
+    assert costs["transform"].wire_s == pytest.approx(12 * MB / 80e6)
+    assert costs["transform"].basis_s == pytest.approx(8 * MB / 80e6)
+    assert "12.6 MB quantized at 40.0 MB/s (quantized copies measured on 1 transfer)" in str(decision)
 
 
 @pytest.fixture
@@ -326,7 +391,9 @@ def receiver(data_dir, model_id, full, coded, *, bytes_per_s, basis_bytes):
     rates = Rates(timed(data_dir, model_id, 1))
     for address in (full, coded):
         rates.record_transfer(address, 10 * MB, 10 * MB / bytes_per_s)
-    rates.record_decoding(model_id, Decoding({"full": 1e9, "transform": 10e6}, basis_bytes=basis_bytes))
+    # The 384-token copies: about 1.2 MB of fp16 and 0.35 MB coded.
+    times = {"full": DecodeTime(0, 1.2 * MB / 1e9 / 384), "transform": DecodeTime(0, 0.35 * MB / 10e6 / 384)}
+    rates.record_decoding(model_id, Decoding(times, basis_bytes=basis_bytes))
     return rates
 
 
