@@ -226,13 +226,21 @@ _PARSED_LOCK = threading.Lock()
 PARSED_BASES = 4
 
 
-def parse_basis(data: bytes, sha256: str) -> Basis:
-    """A basis from its bytes, checked against its id; parsed once per process (bases are
-    content-addressed, so the same id is always the same basis)."""
+def parsed_basis(sha256: str) -> Basis | None:
+    """The basis of that id if this process parsed it already, else None (bases are content-addressed:
+    one parsed and checked once needs neither its bytes read nor hashed again, which for an 8B
+    model's took longer than decoding a short cache)."""
     with _PARSED_LOCK:
         if sha256 in _PARSED:
             _PARSED[sha256] = _PARSED.pop(sha256)  # most recent last
             return _PARSED[sha256]
+    return None
+
+
+def parse_basis(data: bytes, sha256: str) -> Basis:
+    """A basis from its bytes, checked against its id; parsed once per process (`parsed_basis`)."""
+    if (basis := parsed_basis(sha256)) is not None:
+        return basis
     basis = Basis.from_bytes(data, sha256)
     with _PARSED_LOCK:
         _PARSED[sha256] = basis
@@ -242,14 +250,13 @@ def parse_basis(data: bytes, sha256: str) -> Basis:
 
 
 def bases_for(manifest: pb.CacheManifest, get: Callable[[str], bytes | None]) -> dict[str, Basis]:
-    """The bases a manifest names, by sha256, their bytes read with `get` (e.g. an ArtifactStore's);
-    BasisError when one is missing or damaged."""
+    """The bases a manifest names, by sha256, their bytes read with `get` (e.g. an ArtifactStore's)
+    unless this process parsed them already; BasisError when one is missing or damaged."""
     out = {}
     for a in manifest.artifacts:
-        with _PARSED_LOCK:
-            if a.sha256 in _PARSED:
-                out[a.sha256] = _PARSED[a.sha256]
-                continue
+        if (parsed := parsed_basis(a.sha256)) is not None:
+            out[a.sha256] = parsed
+            continue
         data = get(a.sha256)
         if data is None:
             raise BasisError(

@@ -10,7 +10,7 @@ from kvmesh.codec.arrays import Layer
 from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.basis_file import basis_bytes_bound, geometry_problem
 from kvmesh.codec.chunks import Chunk
-from kvmesh.codec.coded import parse_basis
+from kvmesh.codec.coded import parse_basis, parsed_basis
 from kvmesh.codec.compat import ReceiverProfile, basis_problem
 from kvmesh.codec.decode import CacheDecoder
 from kvmesh.errors import IntegrityError, PeerError, Rejection, StoreError
@@ -149,8 +149,12 @@ def fetch_bases(client: PeerClient, fetch: Transfer, artifacts: ArtifactStore | 
 
 
 def held_basis(fetch: Transfer, artifact: pb.Artifact, artifacts: ArtifactStore | None) -> Basis | None:
-    """The basis from the local `artifacts`, checked against the manifest; None when it is not here
-    (or its copy was damaged or poisoned, and removed: ArtifactStore.get)."""
+    """The basis from the local `artifacts` (parsed by this process already, or read and checked),
+    checked against the manifest; None when it is not here (or its copy was damaged or poisoned, and
+    removed: ArtifactStore.get)."""
+    held = artifacts is None or artifacts.has(artifact.sha256)  # (kept where the cache will be)
+    if held and (parsed := parsed_basis(artifact.sha256)) is not None:
+        return fits(fetch, parsed)
     try:
         data = artifacts.get(artifact.sha256) if artifacts is not None else None
     except (IntegrityError, StoreError) as e:

@@ -5,16 +5,18 @@ import logging
 import re
 from importlib import resources
 
+import mlx.core as mx
 import pytest
 
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.calibration import fit_model_basis
 from kvmesh.codec.coded import TransformCoding, transform_code
+from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.levels import LEVELS
 from kvmesh.net.client import PeerClient
 from kvmesh.net.server import MAX_PROBE_BYTES
 from kvmesh.reuse.choice import Copy, choose
-from kvmesh.reuse.fetch import Fetched
+from kvmesh.reuse.fetch import Fetched, fetch_cache
 from kvmesh.reuse.find import find_prefix
 from kvmesh.reuse.generate import generate
 from kvmesh.reuse.rates import (
@@ -29,7 +31,7 @@ from kvmesh.reuse.rates import (
 )
 from kvmesh.reuse.weigh import fetch_or_prefill, record_fetch
 from kvmesh.store import CacheStore
-from kvmesh.store.artifacts import artifact_store
+from kvmesh.store.artifacts import ArtifactStore, artifact_store
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from support.processes import cli
@@ -423,3 +425,28 @@ def test_the_receiver_takes_the_copy_expected_soonest_across_peers(tiny_fp, two_
     CacheStore(tmp_path / "slow" / "store").delete(slow.best.copy.cache_id)
     assert Rates(tmp_path / "slow").bases[tiny_fp.model_id] == [basis.digest]
     assert found("slow", bytes_per_s=200e3, basis_bytes=40 * MB).where == coded
+
+
+def test_a_basis_held_here_is_read_and_hashed_once_per_process(tiny_fp, two_copies, tmp_path, monkeypatch):
+    """Reading and hashing a basis (an 8B model's is ~130 MB) took longer than decoding a short cache:
+    once this process parsed it, a fetch into a store that keeps it reads it no more. A store that
+    lacks it still gets it from the sender, and keeps it."""
+    prompt, _, coded, basis = two_copies
+    [entry] = CacheStore(tmp_path / "coded").entries()
+    profile = ReceiverProfile(tiny_fp, prompt=prompt)
+
+    def fetch_into(store_dir):
+        with PeerClient(coded) as client:
+            return fetch_cache(client, entry.cache_id, profile, store=CacheStore(store_dir))
+
+    first = fetch_into(tmp_path / "b")
+    assert first.basis_bytes == basis.nbytes and artifact_store(tmp_path / "b").has(basis.digest)
+    again = fetch_into(tmp_path / "b2")  # a store without the basis: it travels, and is kept
+    assert again.basis_bytes == basis.nbytes and artifact_store(tmp_path / "b2").has(basis.digest)
+    reads = []  # (the peer serves in this process too: it reads the basis to send it)
+    read = ArtifactStore.get
+    monkeypatch.setattr(ArtifactStore, "get", lambda self, digest: reads.append(digest) or read(self, digest))
+    held = fetch_into(tmp_path / "b2")
+    assert held.basis_bytes == 0 and reads == []
+    for fetched in (first, again, held):
+        assert all(mx.array_equal(a, b) for x, y in zip(first.cache, fetched.cache) for a, b in zip(x.state, y.state))
