@@ -74,6 +74,62 @@ def parse_frame(frame: bytes | memoryview, where: str = "chunk") -> Chunk:
     return Chunk(index, tensor, byte_offset, raw_length, checksum, memoryview(frame)[FRAME_HEADER.size :])
 
 
+# Several frames in one message (a fetch whose receiver asks for it, FetchOpen.frame_batches):
+# magic, frame count, then each frame's length (u32), then the frames. A copy of many small chunks
+# (an 8-bit cache: six tensors a layer) otherwise costs a message per chunk, which both ends and
+# the peer port's relay handle one by one: 1,440 messages for 1,024 tokens of SmolLM2.
+BATCH_HEADER = struct.Struct("<4sI")
+BATCH_MAGIC = b"KVCB"
+BATCH_LENGTH = struct.Struct("<I")
+# A batch ends once it holds this many bytes; a frame this large or larger travels alone.
+BATCH_BYTES = 256 << 10
+
+
+def batch_frames(frames: Iterable[bytes], max_bytes: int = BATCH_BYTES) -> Iterator[tuple[bytes, list[int]]]:
+    """Consecutive frames as messages of up to about `max_bytes` (a frame is never split): each a
+    lone frame, or a batch of several; with the length of each frame in it."""
+    pending: list[bytes] = []
+    size = 0
+
+    def message() -> tuple[bytes, list[int]]:
+        lengths = [len(f) for f in pending]
+        if len(pending) == 1:
+            return pending[0], lengths
+        header = BATCH_HEADER.pack(BATCH_MAGIC, len(pending)) + struct.pack(f"<{len(pending)}I", *lengths)
+        return b"".join((header, *pending)), lengths
+
+    for frame in frames:
+        if pending and size + len(frame) > max_bytes:
+            yield message()
+            pending, size = [], 0
+        pending.append(frame)
+        size += len(frame)
+    if pending:
+        yield message()
+
+
+def frames_in(message: bytes | memoryview, where: str = "message") -> list[memoryview]:
+    """The frames in one message, views of it: the message itself when it is one frame, else each
+    frame of a batch (`batch_frames`). IntegrityError when a batch's lengths do not add up."""
+    view = memoryview(message)
+    if bytes(view[:4]) != BATCH_MAGIC:
+        return [view]
+    if len(view) < BATCH_HEADER.size:
+        raise IntegrityError(f"{where}: {len(view)} bytes, too short for a batch of chunk frames")
+    _, count = BATCH_HEADER.unpack_from(view)
+    start = BATCH_HEADER.size + count * BATCH_LENGTH.size
+    if count < 1 or start > len(view):
+        raise IntegrityError(f"{where}: a batch of {count} chunk frames does not fit in {len(view)} bytes")
+    lengths = struct.unpack_from(f"<{count}I", view, BATCH_HEADER.size)
+    if start + sum(lengths) != len(view):
+        raise IntegrityError(f"{where}: its chunk frames add up to {sum(lengths)} bytes, it holds {len(view) - start}")
+    frames = []
+    for length in lengths:
+        frames.append(view[start : start + length])
+        start += length
+    return frames
+
+
 def compressor(level: int) -> zstandard.ZstdCompressor:
     """zstd contexts are not thread-safe: one per thread and level."""
     cache = _local.__dict__.setdefault("compressors", {})

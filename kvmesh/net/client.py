@@ -10,6 +10,7 @@ import functools
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -18,7 +19,7 @@ from typing import NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvmesh.codec.chunks import FRAME_HEADER, Chunk, parse_frame
+from kvmesh.codec.chunks import BATCH_BYTES, FRAME_HEADER, Chunk, frames_in, parse_frame
 from kvmesh.codec.compat import ReceiverProfile, check_manifest
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, tokens_served
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
@@ -177,16 +178,22 @@ class Transfer:
         self._outbox.put(spb.FetchRequest(decision=accept()))
         left = None if self._ends is None else self._ends - time.monotonic()
         self._watchdog.allow(TIMEOUTS.transfer_deadline(encoding.encoded_bytes) if left is None else left)
-        self._watchdog.measure_rate(TIMEOUTS.min_receive_rate, rate_window(encoding.chunk_size))
+        # A message is a chunk, or a batch of small ones (kvmesh.codec.chunks.batch_frames).
+        self._watchdog.measure_rate(TIMEOUTS.min_receive_rate, rate_window(max(encoding.chunk_size, BATCH_BYTES)))
+        arrived: deque[memoryview] = deque()  # the frames of the latest message not yet taken
         for i in range(encoding.chunk_count):
             if (own := self.held.get(i)) is not None:  # held here: it did not travel
                 yield own
                 continue
-            frame = self._next(f"chunk {i} of {encoding.chunk_count}")
+            if not arrived:
+                arrived.extend(frames_in(self._next(f"chunk {i} of {encoding.chunk_count}"), f"chunk {i}"))
+            frame = arrived.popleft()
             self.wire_bytes += len(frame) - FRAME_HEADER.size
             if self._progress:
                 self._progress(self.wire_bytes, encoding.encoded_bytes)
             yield parse_frame(frame, f"chunk {i}")
+        if arrived:
+            raise IntegrityError(f"{len(arrived)} chunk frames more than the {encoding.chunk_count} announced")
         check_trailer(self._response("trailer"), self.manifest)
 
 
@@ -348,6 +355,7 @@ class PeerClient:
                     profile=profile_to_proto(profile),
                     protocol_version=PROTOCOL_VERSION,
                     held_tokens=held_tokens,
+                    frame_batches=True,
                 )
             )
         )

@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.codec.chunks import FRAME_HEADER, Chunk, parse_frame
+from kvmesh.codec.chunks import FRAME_HEADER, Chunk, batch_frames, parse_frame
 from kvmesh.codec.compat import check_manifest, validate_manifest
 from kvmesh.codec.cut import can_cut, cut_prefix
 from kvmesh.codec.prefix import BLOCK_SIZE, may_serve, shared_tokens
@@ -192,7 +192,8 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         return response
 
     def Fetch(self, requests: Iterator[spb.FetchRequest], context) -> Iterator[spb.FetchResponse | bytes]:
-        """Manifest first; after an accept, the chunk frames as raw messages, then the trailer."""
+        """Manifest first; after an accept, the chunk frames as raw messages (batched when the receiver
+        asks: kvmesh.codec.chunks.batch_frames), then the trailer."""
         peer = self._admit(context)
         with self._peer_slot(peer, context):
             with self.counters.arriving(context):
@@ -231,12 +232,14 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             log.info("%s rejected %s: %s", peer, manifest.cache_id, reply.decision.message)
             return
         watch = IdleWatch(context.cancel, self.policy.idle_timeout, silent=NOT_READING)
+        # Stored as they travel: read, then sent, several small ones a message to a receiver that reads them so.
+        messages = batch_frames(records) if opened.frame_batches else ((f, [len(f)]) for f in records)
         try:
-            for frame in records:  # stored as they travel: read, then sent
+            for message, lengths in messages:
                 watch.waiting()
-                yield frame
+                yield message
                 watch.alive()
-                self.counters.add("chunk_bytes_sent", len(frame) - FRAME_HEADER.size)
+                self.counters.add("chunk_bytes_sent", sum(lengths) - len(lengths) * FRAME_HEADER.size)
         except (IntegrityError, StoreError) as e:
             self.counters.add("fetches_failed")
             log.error("cannot serve %s: %s", manifest.cache_id, e)

@@ -121,18 +121,20 @@ class ReceiverProfile(_message.Message):
     def __init__(self, model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., codecs: _Optional[_Iterable[_Union[_cache_pb2.Codec, str]]] = ..., max_bytes: _Optional[int] = ..., accept_other_weights: _Optional[bool] = ..., accept_other_chat_template: _Optional[bool] = ..., max_kl: _Optional[float] = ...) -> None: ...
 
 class FetchOpen(_message.Message):
-    __slots__ = ("cache_id", "num_tokens", "profile", "protocol_version", "held_tokens")
+    __slots__ = ("cache_id", "num_tokens", "profile", "protocol_version", "held_tokens", "frame_batches")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_BATCHES_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     num_tokens: int
     profile: ReceiverProfile
     protocol_version: int
     held_tokens: int
-    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., profile: _Optional[_Union[ReceiverProfile, _Mapping]] = ..., protocol_version: _Optional[int] = ..., held_tokens: _Optional[int] = ...) -> None: ...
+    frame_batches: bool
+    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., profile: _Optional[_Union[ReceiverProfile, _Mapping]] = ..., protocol_version: _Optional[int] = ..., held_tokens: _Optional[int] = ..., frame_batches: _Optional[bool] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("accept", "reason", "message")

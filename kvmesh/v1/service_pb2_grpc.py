@@ -89,8 +89,9 @@ class KvMeshServicer:
 
         Chunks are not FetchResponses: after an accept the sender sends the manifest's chunk_count
         chunk frames as raw gRPC messages (kvmesh.codec.chunks: a 32-byte header, then the bytes, read
-        without protobuf parsing or copies), then a FetchResponse trailer. Generated stubs cannot read
-        them; kvmesh.net.client can.
+        without protobuf parsing or copies), several small ones a message to a receiver that asks
+        (FetchOpen.frame_batches), then a FetchResponse trailer. Generated stubs cannot read them;
+        kvmesh.net.client can.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
