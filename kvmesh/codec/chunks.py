@@ -130,6 +130,25 @@ def frames_in(message: bytes | memoryview, where: str = "message") -> list[memor
     return frames
 
 
+class FrameReader:
+    """A stream's chunk frames one at a time, from messages that each hold one or a batch of them
+    (`frames_in`): `next` takes a message, with `receive`, only once the last one's are all taken."""
+
+    def __init__(self, receive: Callable[[str], bytes | memoryview]):
+        self._receive = receive
+        self._pending: deque[memoryview] = deque()
+
+    def next(self, what: str) -> memoryview:
+        if not self._pending:
+            self._pending.extend(frames_in(self._receive(what), what))
+        return self._pending.popleft()
+
+    def check_done(self, announced: int) -> None:
+        """IntegrityError when the latest message held more frames than the `announced` count."""
+        if self._pending:
+            raise IntegrityError(f"{len(self._pending)} chunk frames more than the {announced} announced")
+
+
 def compressor(level: int) -> zstandard.ZstdCompressor:
     """zstd contexts are not thread-safe: one per thread and level."""
     cache = _local.__dict__.setdefault("compressors", {})

@@ -10,7 +10,6 @@ import functools
 import logging
 import queue
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -19,7 +18,7 @@ from typing import NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvmesh.codec.chunks import BATCH_BYTES, FRAME_HEADER, Chunk, frames_in, parse_frame
+from kvmesh.codec.chunks import BATCH_BYTES, FRAME_HEADER, Chunk, FrameReader, batch_frames, parse_frame
 from kvmesh.codec.compat import ReceiverProfile, check_manifest
 from kvmesh.codec.prefix import BLOCK_SIZE, block_hashes, tokens_served
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
@@ -180,20 +179,17 @@ class Transfer:
         self._watchdog.allow(TIMEOUTS.transfer_deadline(encoding.encoded_bytes) if left is None else left)
         # A message is a chunk, or a batch of small ones (kvmesh.codec.chunks.batch_frames).
         self._watchdog.measure_rate(TIMEOUTS.min_receive_rate, rate_window(max(encoding.chunk_size, BATCH_BYTES)))
-        arrived: deque[memoryview] = deque()  # the frames of the latest message not yet taken
+        frames = FrameReader(self._next)
         for i in range(encoding.chunk_count):
             if (own := self.held.get(i)) is not None:  # held here: it did not travel
                 yield own
                 continue
-            if not arrived:
-                arrived.extend(frames_in(self._next(f"chunk {i} of {encoding.chunk_count}"), f"chunk {i}"))
-            frame = arrived.popleft()
+            frame = frames.next(f"chunk {i} of {encoding.chunk_count}")
             self.wire_bytes += len(frame) - FRAME_HEADER.size
             if self._progress:
                 self._progress(self.wire_bytes, encoding.encoded_bytes)
             yield parse_frame(frame, f"chunk {i}")
-        if arrived:
-            raise IntegrityError(f"{len(arrived)} chunk frames more than the {encoding.chunk_count} announced")
+        frames.check_done(encoding.chunk_count)
         check_trailer(self._response("trailer"), self.manifest)
 
 
@@ -386,10 +382,12 @@ class PeerClient:
 
         def requests() -> Iterator[spb.PublishRequest | bytes]:
             yield spb.PublishRequest(manifest=manifest, protocol_version=PROTOCOL_VERSION)
-            if not decided.get():
+            accepted, batches = decided.get()
+            if not accepted:
                 return
             try:
-                yield from store.chunk_records(cache_id)  # the frames, as stored
+                records = store.chunk_records(cache_id)  # the frames, as stored
+                yield from (message for message, _ in batch_frames(records)) if batches else records
             except (IntegrityError, KvmeshError) as e:
                 local_error.append(e)  # the stream ends without a trailer: the peer stores nothing
                 return
@@ -407,7 +405,7 @@ class PeerClient:
                 if first.decision.accept
                 else rejection_of(first.decision)
             )
-            decided.put(rejection is None)
+            decided.put((rejection is None, first.frame_batches))
             if rejection:
                 raise CacheRejected(rejection)
             for response in call:

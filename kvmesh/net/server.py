@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.codec.chunks import FRAME_HEADER, Chunk, batch_frames, parse_frame
+from kvmesh.codec.chunks import FRAME_HEADER, Chunk, FrameReader, batch_frames, parse_frame
 from kvmesh.codec.compat import check_manifest, validate_manifest
 from kvmesh.codec.cut import can_cut, cut_prefix
 from kvmesh.codec.prefix import BLOCK_SIZE, may_serve, shared_tokens
@@ -333,7 +333,8 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         return True
 
     def Publish(self, requests: Iterator[bytes], context) -> Iterator[spb.PublishResponse]:
-        """A manifest, this peer's decision, then (after an accept) raw chunk frames and a trailer."""
+        """A manifest, this peer's decision, then (after an accept) raw chunk frames (batched:
+        kvmesh.codec.chunks.batch_frames; a publisher before them sends one a message) and a trailer."""
         peer = self._admit(context)
         with self.counters.arriving(context):
             message = self._first(requests, context, "manifest")
@@ -369,7 +370,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             yield spb.PublishResponse(decision=refusal, protocol_version=PROTOCOL_VERSION)
             return
         with self._transfer(peer, context):
-            yield spb.PublishResponse(decision=accept(), protocol_version=PROTOCOL_VERSION)
+            yield spb.PublishResponse(decision=accept(), protocol_version=PROTOCOL_VERSION, frame_batches=True)
 
             def incoming(what: str) -> bytes:
                 message = next_within(requests, self.policy.idle_timeout, context, what)
@@ -378,8 +379,10 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 return message
 
             def chunks() -> Iterator[Chunk]:
+                frames = FrameReader(incoming)
                 for i in range(manifest.encoding.chunk_count):
-                    yield parse_frame(incoming("chunk"), f"chunk {i}")
+                    yield parse_frame(frames.next(f"chunk {i}"), f"chunk {i}")
+                frames.check_done(manifest.encoding.chunk_count)
                 try:
                     last = spb.PublishRequest.FromString(incoming("trailer"))
                 except DecodeError:

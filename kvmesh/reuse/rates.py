@@ -82,8 +82,9 @@ def fit_prefill(samples: list[tuple[float, float, float]]) -> PrefillModel | Non
 class DecodeTime:
     """Decoding a cache of `tokens` tokens of a model here: fixed_s + per_token_s * tokens. Each layer
     has fixed costs (its graph, its buffers, its chunks' framing) that weigh far more on a short cache
-    than on a long one: a single rate timed on 256 tokens undercounted a 1,024-token fetch of
-    SmolLM2's transform coded copy about 3x (kvmesh.reuse.calibration times two lengths)."""
+    than on a long one: a single rate timed on 256 tokens put the decode of a 1,024-token fetch of
+    SmolLM2's transform coded copy at about 3x what it took (kvmesh.reuse.calibration times two
+    lengths)."""
 
     fixed_s: float
     per_token_s: float

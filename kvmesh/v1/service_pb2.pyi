@@ -191,14 +191,16 @@ class PublishResult(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
-    __slots__ = ("decision", "result", "protocol_version")
+    __slots__ = ("decision", "result", "protocol_version", "frame_batches")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FRAME_BATCHES_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     result: PublishResult
     protocol_version: int
-    def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    frame_batches: bool
+    def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ..., protocol_version: _Optional[int] = ..., frame_batches: _Optional[bool] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("bytes",)

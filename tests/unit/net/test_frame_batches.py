@@ -1,6 +1,6 @@
-"""Chunk frames batched on the wire: a receiver that asks for it (FetchOpen.frame_batches) gets an
-8-bit cache's many small chunks several a message; one that does not, as kvmesh sent them before,
-one frame a message. Both get the stored frames, in order, and the same cache."""
+"""Chunk frames batched on the wire: a receiver that asks for it (FetchOpen.frame_batches, a
+publish's accept) gets an 8-bit cache's many small chunks several a message; one that does not, as
+kvmesh sent them before, one frame a message. Both get the stored frames, in order, and the same cache."""
 
 import grpc
 import mlx.core as mx
@@ -13,6 +13,7 @@ from kvmesh.codec.chunks import BATCH_BYTES, FRAME_HEADER, batch_frames, frames_
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.errors import IntegrityError
 from kvmesh.net.client import PeerClient
+from kvmesh.net.messages import trailer
 from kvmesh.net.transport import as_bytes, method, serialize
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.store import CacheStore
@@ -88,3 +89,26 @@ def test_a_batch_whose_lengths_do_not_add_up_is_refused_in_one_line(damage, says
     with pytest.raises(IntegrityError, match="^chunk 7: " + says.replace("(", r"\(")):
         frames_in(damage(message), "chunk 7")
     assert FRAME_HEADER.size == 32  # (a frame's header: a batch of frames never begins like one)
+
+
+def test_a_publish_sends_batches_to_a_peer_that_reads_them_and_one_a_message_is_still_taken(eight_bit, serve, tmp_path):
+    _, store, manifest = eight_bit
+    stored = list(store.chunk_records(manifest.cache_id))
+    with PeerClient(serve(tmp_path / "b")) as client:  # kvmesh's own publisher: batches, as the peer asks
+        assert client.offer(store, manifest.cache_id).sent
+    assert list(CacheStore(tmp_path / "b").chunk_records(manifest.cache_id)) == stored
+
+    # A publisher of before batches sends a frame a message, whatever the peer says; batches are read too.
+    for name, messages in (("c", stored), ("d", [m for m, _ in batch_frames(stored)])):
+        offered = [
+            serialize(spb.PublishRequest(manifest=manifest, protocol_version=PROTOCOL_VERSION)),
+            *messages,
+            serialize(spb.PublishRequest(trailer=trailer(manifest))),
+        ]
+        with grpc.insecure_channel(serve(tmp_path / name)) as channel:
+            call = channel.stream_stream(method("Publish"), request_serializer=as_bytes,
+                                         response_deserializer=spb.PublishResponse.FromString)  # fmt: skip
+            decision, result = list(call(iter(offered), timeout=30))
+        assert decision.decision.accept and decision.frame_batches
+        assert result.result.cache_id == manifest.cache_id
+        assert list(CacheStore(tmp_path / name).chunk_records(manifest.cache_id)) == stored
