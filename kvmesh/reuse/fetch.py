@@ -34,9 +34,10 @@ class Fetched:
     wire_bytes: int
     # Whether it was also kept in the local store.
     kept: bool = False
-    # Bytes of the bases it needed that were fetched first (0: all were here), and the seconds from
-    # the request to its last byte.
+    # Bytes of the bases it needed that were fetched first (0: all were here), the seconds from
+    # asking for them to their being checked, parsed and kept, and from the request to its last byte.
     basis_bytes: int = 0
+    basis_s: float = 0.0
     wire_s: float = 0.0
     # The chunks' bytes after the first one and the seconds from the first chunk to the last: the
     # link rate's measure, without the setup and the basis (kvmesh.reuse.weigh.record_fetch).
@@ -91,7 +92,9 @@ def fetch_cache(
         manifest = fetch.manifest
         artifacts = artifact_store(store.root) if store is not None else None
         missing = sum(a.nbytes for a in manifest.artifacts if artifacts is None or not artifacts.has(a.sha256))
+        asked = time.perf_counter()
         bases = fetch_bases(client, fetch, artifacts)
+        basis_s = time.perf_counter() - asked if missing else 0.0
         if store is not None and (problem := store.cannot_hold(manifest)):
             if keep:
                 fetch.refuse(Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}"))
@@ -116,6 +119,7 @@ def fetch_cache(
         fetch.wire_bytes,
         kept=store is not None,
         basis_bytes=missing,
+        basis_s=basis_s,
         wire_s=arrived.last - start,
         stream_bytes=arrived.after_first,
         stream_s=arrived.last - arrived.first,

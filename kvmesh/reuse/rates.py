@@ -123,6 +123,24 @@ class Decoding:
         return time.seconds(tokens) if time else None
 
 
+def _measured(entry: dict) -> dict:
+    """A rate measured on transfers, as rates.json keeps it."""
+    return {"bytes_per_s": float(entry["bytes_per_s"]), "transfers": int(entry["transfers"])}
+
+
+def _link(link: dict) -> dict:
+    """A peer's entry in rates.json, checked: its link rate, and what older files may lack (its
+    setup, each codec's stream rate, its bases' rate)."""
+    out = _measured(link)
+    if "setup_s" in link:
+        out["setup_s"] = float(link["setup_s"])
+    if "streams" in link:
+        out["streams"] = {str(c): _measured(r) for c, r in link["streams"].items() if c in CODECS}
+    if "basis" in link:
+        out["basis"] = _measured(link["basis"])
+    return out
+
+
 def blend(old: float | None, new: float) -> float:
     return new if old is None else (1 - NEW_WEIGHT) * old + NEW_WEIGHT * new
 
@@ -170,6 +188,26 @@ class Rates:
         if not entry:
             return None
         return Decoding({c: DecodeTime(*t) for c, t in entry["times"].items()}, int(entry["basis_bytes"]))
+
+    def basis_rate(self, address: str) -> float | None:
+        """The rate a basis comes ready at from `address` (its bytes, then checked, parsed and kept
+        here: an 8B model's is ~130 MB), measured on fetches that brought one, else the link's."""
+        basis = self.links.get(address, {}).get("basis")
+        return basis["bytes_per_s"] if basis else self.link_rate(address)
+
+    def record_basis(self, address: str, basis_bytes: int, seconds: float) -> None:
+        """A fetch from `address` brought `basis_bytes` of bases, ready in `seconds`. Kept beside a
+        link rate only (a probe's or a transfer's)."""
+        if basis_bytes < MIN_TIMED_BYTES or seconds <= 0:
+            return
+        with self._lock:
+            self._load()
+            if (entry := self.links.get(address)) is None:
+                return
+            old = entry.get("basis", {"transfers": 0})
+            rate = blend(old.get("bytes_per_s"), basis_bytes / seconds)
+            entry["basis"] = {"bytes_per_s": rate, "transfers": old["transfers"] + 1}
+            self._save()
 
     def link_setup(self, address: str) -> float:
         """Seconds a fetch from `address` takes before its bytes stream: measured on its fetches
@@ -269,25 +307,7 @@ class Rates:
     def _load(self) -> None:
         try:
             data = json.loads(self.path.read_text())
-            self.links = {
-                str(address): {
-                    "bytes_per_s": float(link["bytes_per_s"]),
-                    "transfers": int(link["transfers"]),
-                    **({"setup_s": float(link["setup_s"])} if "setup_s" in link else {}),  # (older files: none)
-                    **(
-                        {
-                            "streams": {
-                                str(c): {"bytes_per_s": float(r["bytes_per_s"]), "transfers": int(r["transfers"])}
-                                for c, r in link["streams"].items()
-                                if c in CODECS
-                            }
-                        }
-                        if "streams" in link
-                        else {}
-                    ),
-                }
-                for address, link in data["links"].items()
-            }
+            self.links = {str(address): _link(link) for address, link in data["links"].items()}
             self.prefill = {
                 str(model): [[float(tokens), float(context), float(seconds)] for tokens, context, seconds in samples]
                 for model, samples in data["prefill"].items()

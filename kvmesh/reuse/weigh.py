@@ -71,7 +71,7 @@ def fetch_or_prefill(
                 rates.stream_rate(address, codec) or math.inf,  # unknown without a prefill to weigh: not probed
                 measured=rates.link_source(address, codec),
                 basis_bytes=decoding.basis_bytes if decoding and codec == "transform" and not basis_held else 0,
-                basis_bytes_per_s=rates.link_rate(address),
+                basis_bytes_per_s=rates.basis_rate(address),
                 decode_s=decoding.seconds(codec, held + tokens) if decoding else None,
                 layers=model_fp.num_layers,
                 setup_s=rates.link_setup(address),
@@ -83,16 +83,18 @@ def fetch_or_prefill(
 def record_fetch(rates: Rates, model_id: str, address: str, candidate: Candidate, fetched: Fetched) -> None:
     """What a fetch of `candidate` from `address` says of the rate its codec's copies stream at and of
     the link (its stream, setup and basis excluded; a stream that decoding may have paced, within
-    DECODE_BOUND of this machine's decode time of it, only ever raises the link's rate), of its setup
-    (the time to its first chunk, less the bytes before it at that rate) and of the bases the
+    DECODE_BOUND of this machine's decode time of it, only ever raises the link's rate), of the rate
+    a basis comes ready at from that peer (fetched, checked, parsed, kept), of its setup (the time to
+    its first chunk, less the basis and that chunk's bytes at the link's rate) and of the bases the
     model's caches are coded with."""
     codec = codec_of(candidate)
     decoding = rates.decoding(model_id)
     decode_s = decoding.seconds(codec, fetched.manifest.prefix.num_tokens) if decoding else None
     paced = decode_s is not None and fetched.stream_s <= DECODE_BOUND * decode_s
     rates.record_transfer(address, fetched.stream_bytes, fetched.stream_s, codec=codec, at_least=paced)
+    rates.record_basis(address, fetched.basis_bytes, fetched.basis_s)
     if fetched.stream_s > 0 and (rate := rates.link_rate(address)):
-        # Before the first chunk: the setup, and the basis and that chunk at the link's rate.
-        before = fetched.basis_bytes + fetched.wire_bytes - fetched.stream_bytes
-        rates.record_setup(address, max(0.0, fetched.wire_s - fetched.stream_s - before / rate))
+        # Before the first chunk: the setup, the basis, and that chunk at the link's rate.
+        first = fetched.wire_bytes - fetched.stream_bytes
+        rates.record_setup(address, max(0.0, fetched.wire_s - fetched.stream_s - fetched.basis_s - first / rate))
     rates.record_bases(model_id, [a.sha256 for a in fetched.manifest.artifacts])

@@ -124,22 +124,27 @@ def test_rates_are_kept_in_the_data_dir_and_shared(tmp_path, caplog):
 
 def test_a_peer_s_setup_is_measured_on_its_fetches_and_weighed(tmp_path):
     """The seconds a fetch takes before its bytes stream (connecting, the manifest's round trip, the
-    receiver's buffers) are learnt per peer, from the time to its first chunk less the bytes before
-    it at the link's rate; a copy from that peer is expected to cost them."""
+    receiver's buffers) are learnt per peer, from the time to its first chunk less the basis it
+    brought and that chunk's bytes at the link's rate; a copy from that peer is expected to cost
+    them. The rate a basis comes ready at (fetched, checked, parsed, kept) is learnt too."""
     rates = Rates(tmp_path)
     rates.record_setup("a:1", 0.2)  # no link rate measured on transfers yet: nothing to set it beside
-    assert rates.link_setup("a:1") == FETCH_SETUP_S
+    rates.record_basis("a:1", 4 * MB, 0.1)  # ...nor a basis's
+    assert rates.link_setup("a:1") == FETCH_SETUP_S and rates.basis_rate("a:1") is None
     candidate = spb.Candidate(cache_id="c", stored_bytes=20 * MB, num_tokens=100)
-    # 4 MB of basis and a first chunk of 1 MB before a stream of 15 MB at 100 MB/s, the last byte
-    # 0.28 s after the request: 0.07 s of it before any byte.
+    # A 4 MB basis ready in 0.08 s, then a first chunk of 1 MB before a stream of 15 MB at 100 MB/s,
+    # the last byte 0.28 s after the request: 0.04 s of it before any byte.
     fetched = Fetched(
         manifest=pb.CacheManifest(), cache=[], seconds=0.3, wire_bytes=16 * MB, basis_bytes=4 * MB,
-        wire_s=0.28, stream_bytes=15 * MB, stream_s=15 * MB / 100e6,
+        basis_s=0.08, wire_s=0.28, stream_bytes=15 * MB, stream_s=15 * MB / 100e6,
     )  # fmt: skip
     record_fetch(rates, "m", "a:1", candidate, fetched)
     assert rates.link_rate("a:1") == pytest.approx(100e6)
-    assert rates.link_setup("a:1") == pytest.approx(0.28 - 15 * MB / 100e6 - 5 * MB / 100e6)
+    assert rates.link_setup("a:1") == pytest.approx(0.28 - 15 * MB / 100e6 - 0.08 - 1 * MB / 100e6)
+    assert rates.basis_rate("a:1") == pytest.approx(4 * MB / 0.08)
     assert Rates(tmp_path).link_setup("a:1") == pytest.approx(rates.link_setup("a:1"))  # kept in rates.json
+    assert Rates(tmp_path).basis_rate("a:1") == pytest.approx(4 * MB / 0.08)
+    assert Rates(tmp_path).basis_rate("b:1") is None
     slow = Copy("a:1", "c", "full", 10 * MB, 100e6, setup_s=rates.link_setup("a:1"))
     assert choose(100, [slow], None).fetch_s == pytest.approx(rates.link_setup("a:1") + 10 * MB / 100e6)
 
