@@ -1,31 +1,39 @@
 """What the choice weighs with, measured once per model on this machine: its prefill rate (two timed
 prefills) and how long it takes to decode the model's caches in each codec (`measure_decoding`).
 
-`measure_decoding` times the real decoder (kvmesh.codec.decode) on small caches of the model, of
-arbitrary tokens and of two lengths (a fixed cost and one per token: kvmesh.reuse.rates.DecodeTime),
-in each codec a peer may send: as computed (zstd), 8-bit quantized, and transform coded with a
-basis fitted on the longer cache (the basis's size is what a receiver that lacks it fetches first).
+`measure_decoding` times what a fetch does here once the bytes are in: the real decoder
+(kvmesh.codec.decode) turning the chunks into MLX caches while the store keeps them, in a store on
+the data directory's disk. It does so on small caches of the model, of arbitrary tokens and of two
+lengths (a fixed cost and one per token: kvmesh.reuse.rates.DecodeTime), in each codec a peer may
+send: as computed (zstd), 8-bit quantized, and transform coded with a basis fitted on the longer
+cache (the basis's size is what a receiver that lacks it fetches first).
 """
 
+import logging
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from kvmesh.caches.prefill import run_prompt, time_prefills
 from kvmesh.caches.presses import Press, make_press
-from kvmesh.codec.basis import fit_basis
+from kvmesh.codec.basis import Basis, fit_basis
 from kvmesh.codec.calibration import full_attention_layers
 from kvmesh.codec.coded import TransformCoding, transform_code
-from kvmesh.codec.decode import decode_chunks
+from kvmesh.codec.decode import CacheDecoder
 from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.rate import fastest_run
 from kvmesh.codec.rotary import model_rotaries
 from kvmesh.codec.transform import layers_of_cache
+from kvmesh.errors import StoreError
 from kvmesh.model.fingerprint import ModelFingerprint
-from kvmesh.reuse.rates import Decoding, Rates, fit_decode_time
+from kvmesh.reuse.rates import DecodeTime, Decoding, Rates, fit_decode_time
+from kvmesh.store import CacheStore
 
+log = logging.getLogger(__name__)
 # The caches the decoders are timed on: two lengths, so that a layer's fixed costs are told apart
 # from its cost per token, short enough that their prefills cost a server's start little (512
 # tokens and three prefills took 4.4 s of a tiny model's start here; one prefill of 256, about a
@@ -50,15 +58,21 @@ def ensure_calibrated(
         for tokens, seconds in time_prefills(model):
             rates.record_prefill(model_id, tokens, seconds)
     if todo[1]:
-        rates.record_decoding(model_id, measure_decoding(model, model_fp))
+        rates.record_decoding(model_id, measure_decoding(model, model_fp, scratch=rates.path.parent))
     return True
 
 
 def measure_decoding(
-    model: nn.Module, model_fp: ModelFingerprint, lengths: tuple[int, ...] = DECODE_SAMPLE_TOKENS
+    model: nn.Module,
+    model_fp: ModelFingerprint,
+    lengths: tuple[int, ...] = DECODE_SAMPLE_TOKENS,
+    *,
+    scratch: Path | None = None,
 ) -> Decoding:
-    """How long this machine takes to decode the model's caches in each codec, fitted to decodes of
-    caches of arbitrary tokens of each of `lengths`, and the size of a basis of the model's geometry."""
+    """How long this machine takes to decode and keep the model's caches in each codec, fitted to
+    caches of arbitrary tokens of each of `lengths` (kept in stores made in `scratch`, a directory on
+    the disk the store uses; default: the system's temporary one), and the size of a basis of the
+    model's geometry."""
     prompts = [[1 + i % 97 for i in range(n)] for n in lengths]
     # mlx-lm's own caches, run once per length: every copy is made of them.
     fresh = [run_prompt(model, prompt)[0] for prompt in prompts]
@@ -75,26 +89,51 @@ def measure_decoding(
         coding = TransformCoding(basis, step=LEVELS["default"].step_for(basis.has_step_factors))
         copies["transform"] = [(transform_code(c, coding), None) for c in full]
     bases = {basis.digest: basis} if basis else {}
-    times = {
-        codec: fit_decode_time([
-            (len(prompt), decode_seconds(cache, model_fp, prompt, press, bases=bases))
-            for prompt, (cache, press) in zip(prompts, caches, strict=True)
-        ])
-        for codec, caches in copies.items()
-    }  # fmt: skip
+
+    def timed(keep_in: Path | None) -> dict[str, DecodeTime]:
+        return {
+            codec: fit_decode_time([
+                (len(prompt), receive_seconds(cache, model_fp, prompt, press, bases=bases, scratch=keep_in))
+                for prompt, (cache, press) in zip(prompts, caches, strict=True)
+            ])
+            for codec, caches in copies.items()
+        }  # fmt: skip
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvmesh-calibration-", dir=scratch) as tmp:
+            times = timed(Path(tmp))
+    except (OSError, StoreError) as e:  # a full disk, a data dir not made yet: the choice is only advice
+        log.warning("cannot time keeping caches in %s (%s): timing decoding alone", scratch or "a temporary dir", e)
+        times = timed(None)
     return Decoding(times, basis.nbytes if basis else 0)
 
 
-def decode_seconds(
-    cache: list, model_fp: ModelFingerprint, prompt: list[int], press=None, *, bases=None, repeat: int = DECODE_REPEAT
+def receive_seconds(
+    cache: list,
+    model_fp: ModelFingerprint,
+    prompt: list[int],
+    press: Press | None = None,
+    *,
+    bases: dict[str, Basis],
+    scratch: Path | None,
+    repeat: int = DECODE_REPEAT,
 ) -> float:
-    """Seconds the real decoder takes to turn `cache`, encoded, into MLX caches: the fastest of
-    `repeat` decodes after a warm-up (`kvmesh.codec.rate.fastest_run`)."""
+    """Seconds a receiver takes to turn `cache`, encoded, into MLX caches while a store in `scratch`
+    keeps it (None: kept nowhere), as `kvmesh.reuse.fetch.fetch_cache` does with chunks that
+    arrived: the fastest of `repeat` after a warm-up (`kvmesh.codec.rate.fastest_run`), each into a
+    store of its own."""
     manifest, chunks = encode_cache(cache, model_fp, prompt, press)
     encoded = list(chunks)
+    # Made before the timing starts, as a fetch finds its store made.
+    stores = [CacheStore(Path(tempfile.mkdtemp(dir=scratch))) for _ in range(repeat + 1)] if scratch else []
 
-    def decode() -> None:
-        decoded = decode_chunks(manifest, encoded, bases=bases or {})
-        mx.eval([layer.state for layer in decoded])  # type: ignore[union-attr]  # decoded: never a CodedLayer
+    def receive() -> None:
+        decoder = CacheDecoder(manifest, bases)
+        decoded = decoder.feed_iter(encoded)
+        if stores:
+            stores.pop().add(manifest, decoded)
+        for _ in decoded:  # (what the store left: all of it when nothing keeps it)
+            pass
+        mx.eval([layer.state for layer in decoder.finish()])  # type: ignore[union-attr]  # never a CodedLayer
 
-    return fastest_run(decode, repeat=repeat)
+    return fastest_run(receive, repeat=repeat)

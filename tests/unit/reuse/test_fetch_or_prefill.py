@@ -202,6 +202,8 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
     for time in decoding.times.values():  # decodes of two lengths: a cost per token, at the least
         assert time.per_token_s > 0 and time.fixed_s >= 0
     assert decoding.basis_bytes > 0
+    # Each decode was kept by a store in the data dir, as a fetch's is, and the stores are gone.
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["rates.json"]
 
 
 def timed(data_dir, model_id, tokens_per_s):
