@@ -80,11 +80,11 @@ def fit_prefill(samples: list[tuple[float, float, float]]) -> PrefillModel | Non
 
 @dataclass(frozen=True)
 class DecodeTime:
-    """Decoding a cache of `tokens` tokens of a model here: fixed_s + per_token_s * tokens. Each layer
-    has fixed costs (its graph, its buffers, its chunks' framing) that weigh far more on a short cache
-    than on a long one: a single rate timed on 256 tokens put the decode of a 1,024-token fetch of
-    SmolLM2's transform coded copy at about 3x what it took (kvmesh.reuse.calibration times two
-    lengths)."""
+    """Decoding (and keeping) a cache of `tokens` tokens of a model here: fixed_s + per_token_s *
+    tokens. Each layer has fixed costs (its graph, its buffers, its chunks' framing) that weigh far
+    more on a short cache than on a long one: a single rate timed on 256 tokens put the decode of a
+    1,024-token fetch of SmolLM2's transform coded copy at about 3x what it took
+    (kvmesh.reuse.calibration times two lengths)."""
 
     fixed_s: float
     per_token_s: float
@@ -126,6 +126,12 @@ class Decoding:
 def _measured(entry: dict) -> dict:
     """A rate measured on transfers, as rates.json keeps it."""
     return {"bytes_per_s": float(entry["bytes_per_s"]), "transfers": int(entry["transfers"])}
+
+
+def _blended(measured: dict | None, rate: float) -> dict:
+    """A rate measured on transfers (None: never), with one more transfer's `rate` blended in."""
+    old = measured or {"transfers": 0}
+    return {"bytes_per_s": blend(old.get("bytes_per_s"), rate), "transfers": old["transfers"] + 1}
 
 
 def _link(link: dict) -> dict:
@@ -204,9 +210,7 @@ class Rates:
             self._load()
             if (entry := self.links.get(address)) is None:
                 return
-            old = entry.get("basis", {"transfers": 0})
-            rate = blend(old.get("bytes_per_s"), basis_bytes / seconds)
-            entry["basis"] = {"bytes_per_s": rate, "transfers": old["transfers"] + 1}
+            entry["basis"] = _blended(entry.get("basis"), basis_bytes / seconds)
             self._save()
 
     def link_setup(self, address: str) -> float:
@@ -258,9 +262,8 @@ class Rates:
             entry = self.links.setdefault(address, {"bytes_per_s": 0.0, "transfers": 0})
             rate = wire_bytes / seconds
             if codec is not None:
-                stream = entry.setdefault("streams", {}).get(codec, {"transfers": 0})
-                old_stream = stream.get("bytes_per_s")
-                entry["streams"][codec] = {"bytes_per_s": blend(old_stream, rate), "transfers": stream["transfers"] + 1}
+                streams = entry.setdefault("streams", {})
+                streams[codec] = _blended(streams.get(codec), rate)
             old = entry["bytes_per_s"] if entry["transfers"] else None  # a probe gives way
             if not (at_least and old is not None and rate <= old):
                 entry.update(bytes_per_s=blend(old, rate), transfers=entry["transfers"] + 1)

@@ -85,8 +85,8 @@ def record_fetch(rates: Rates, model_id: str, address: str, candidate: Candidate
     the link (its stream, setup and basis excluded; a stream that decoding may have paced, within
     DECODE_BOUND of this machine's decode time of it, only ever raises the link's rate), of the rate
     a basis comes ready at from that peer (fetched, checked, parsed, kept), of its setup (the time to
-    its first chunk, less the basis and that chunk's bytes at the link's rate) and of the bases the
-    model's caches are coded with."""
+    its first chunk, less the time its basis took and that chunk's bytes at the link's rate) and of
+    the bases the model's caches are coded with."""
     codec = codec_of(candidate)
     decoding = rates.decoding(model_id)
     decode_s = decoding.seconds(codec, fetched.manifest.prefix.num_tokens) if decoding else None
