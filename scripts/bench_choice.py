@@ -3,6 +3,7 @@
 kvmesh's choice within 10% of the fastest option's measured time?
 
     sudo scripts/dev run python scripts/bench_choice.py [--rates 15 30 60 120 1000] [--lengths 128 256 512 1024]
+    sudo scripts/dev run python scripts/bench_choice.py --on-request
 
 The real model (SmolLM2-135M-Instruct, float32: 46 KB of KV per token) on this machine's CPU. A
 daemon in one network namespace holds three copies of the caches of a document's first 128, 256, ...
@@ -15,9 +16,17 @@ calibrated once at the start), then measures every option: each copy's fetch int
 without the basis (a new connection, lookup excluded, until the cache is decoded) and a local
 prefill of the same tokens. The measurements then feed the rates, as real use does. Each rate is a
 new peer: its link history starts empty, so its first choice rests on a probe.
+
+With --on-request the daemon holds no coded copy but the model's basis, and codes a full copy on
+request (kvmesh.net.on_request): the options are the full and 8-bit copies, the copy coded on
+request (its fetch counts the coding there), and the prefill; the receiver holds the model's basis
+(as it does after its first coded fetch; the fetches' receivers too), so no option counts one. The
+copies the daemon codes are deleted from its store after each rate, so that each rate's requests
+are coded anew.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -47,7 +56,7 @@ from support import namespaces  # noqa: E402
 
 PORT = 7479
 TOLERANCE = 1.10
-OPTIONS = ("full", "quantized", "transform", "prefill")
+OPTIONS = ("full", "quantized", "transform", "on request", "prefill")
 
 CHILD = """
 import json, sys, tempfile, time
@@ -64,6 +73,8 @@ from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.reuse.rates import Rates
 from kvmesh.reuse.weigh import codec_of, fetch_or_prefill, record_fetch
 from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import artifact_store
+from kvmesh.v1.service_pb2 import CodeRequest
 
 model_dir, address, mesh_dir, rates_dir, tokens_file = sys.argv[1:6]
 model, _ = mlx_lm.load(model_dir)
@@ -72,44 +83,68 @@ credentials = load_credentials(Path(mesh_dir))
 rates = Rates(rates_dir)
 ensure_calibrated(model, fp, rates)
 document = json.loads(Path(tokens_file).read_text())
+# With --on-request, the basis file the receiver holds (its sha256 its name), else "".
+held = Path(sys.argv[7]) if sys.argv[7] else None
+on_request = held is not None
+
+def fetched_in(candidate, code):
+    with tempfile.TemporaryDirectory() as receiver:  # a receiver without the basis, unless held
+        if held:
+            artifact_store(Path(receiver)).put(held.read_bytes(), held.name)
+        start = time.perf_counter()
+        with PeerClient(address, credentials=credentials) as client:
+            fetched = fetch_cache(client, candidate.cache_id, ReceiverProfile(fp, prompt=tokens + [0]),
+                                  store=CacheStore(Path(receiver)), code=code)
+        mx.eval([t for layer in fetched.cache for t in layer.state])
+        return fetched, time.perf_counter() - start
+
 for n in json.loads(sys.argv[6]):
     tokens = document[:n]
     with PeerClient(address, credentials=credentials) as client:
         found = client.lookup(fp.model_id, tokens + [0])
         offers = [(client, m.candidate) for m in found if m.candidate.num_tokens == n]
-        decision = fetch_or_prefill(rates, fp, offers, tokens=n, held=0)
-    measured, expected = {}, {w.copy.codec: w.cost.seconds for w in decision.weighed}
+        decision = fetch_or_prefill(rates, fp, offers, tokens=n, held=0, bases={held.name} if held else ())
+    measured = {}
+    expected = {("on request" if w.copy.level else w.copy.codec): w.cost.seconds for w in decision.weighed}
     for _, candidate in offers:
-        with tempfile.TemporaryDirectory() as receiver:  # a receiver without the basis
-            start = time.perf_counter()
-            with PeerClient(address, credentials=credentials) as client:
-                fetched = fetch_cache(client, candidate.cache_id, ReceiverProfile(fp, prompt=tokens + [0]),
-                                      store=CacheStore(Path(receiver)))
-            mx.eval([t for layer in fetched.cache for t in layer.state])
-            measured[codec_of(candidate)] = time.perf_counter() - start
+        fetched, measured[codec_of(candidate)] = fetched_in(candidate, None)
         record_fetch(rates, fp.model_id, address, candidate, fetched)
+        if on_request and candidate.HasField("on_request"):
+            fetched, measured["on request"] = fetched_in(candidate, CodeRequest(level="default"))
+            record_fetch(rates, fp.model_id, address, candidate, fetched, on_request=True)
     start = time.perf_counter()
     run_prompt(model, tokens)
     measured["prefill"] = time.perf_counter() - start
     rates.record_prefill(fp.model_id, n, measured["prefill"])
+    best = decision.best.copy
     print(json.dumps({
         "tokens": n, "measured": measured, "expected": {**expected, "prefill": decision.prefill_s},
-        "chose": decision.best.copy.codec if decision.fetch else "prefill", "why": str(decision),
+        "chose": ("on request" if best.level else best.codec) if decision.fetch else "prefill", "why": str(decision),
     }), flush=True)
 """
 
 
-def stored_copies(model, tokenizer, fp, document: list[int], lengths: list[int], store: CacheStore) -> None:
-    """Three copies of each length's cache in `store`: as computed, 8-bit, transform coded (and the basis)."""
+def stored_copies(
+    model, tokenizer, fp, document: list[int], lengths: list[int], store: CacheStore, *, on_request: bool = False
+) -> bytes:
+    """Three copies of each length's cache in `store`: as computed, 8-bit, transform coded (and the
+    basis); `on_request`: no coded copy, the basis as the model's (the daemon codes on request).
+    Returns the basis's bytes."""
     basis = fit_model_basis(model, tokenizer).basis
-    artifact_store(store.root).put(basis.to_bytes(), basis.digest)
+    artifacts = artifact_store(store.root)
+    artifacts.put(basis.to_bytes(), basis.digest)
+    if on_request:
+        artifacts.set_model_basis(fp.model_id, basis.digest)
     eight = make_press("quantize", {"kv_bits": 8})
     for n in lengths:
         tokens = document[:n]
         cache = prefill(model, tokens).cache
         store.add(*encode_cache(cache, fp, tokens))
         store.add(*encode_cache(prefill(model, tokens, eight).cache, fp, tokens, eight))
-        store.add(*encode_cache(transform_code(cache, TransformCoding(basis, step=LEVELS["default"].step)), fp, tokens))
+        if not on_request:
+            coded = transform_code(cache, TransformCoding(basis, step=LEVELS["default"].step))
+            store.add(*encode_cache(coded, fp, tokens))
+    return basis.to_bytes()
 
 
 def judged(row: dict, mbit: float) -> list[str]:
@@ -124,6 +159,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[15, 30, 60, 120, 1000], help="link rates, Mbit/s")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024], help="prefix tokens")
+    parser.add_argument(
+        "--on-request", action="store_true", help="the daemon holds no coded copy and codes the full one on request"
+    )
     args = parser.parse_args()
     if why := namespaces.missing():
         sys.exit(f"bench_choice: {why}")
@@ -144,7 +182,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         store = CacheStore(root / "store")
-        stored_copies(model, tokenizer, fp, document, args.lengths, store)
+        basis = stored_copies(model, tokenizer, fp, document, args.lengths, store, on_request=args.on_request)
+        held = root / hashlib.sha256(basis).hexdigest()
+        held.write_bytes(basis)
         (root / "tokens.json").write_text(json.dumps(document))
         across = namespaces.member_daemon_across_a_link(root, store.root, f"kvc{os.getpid() % 100000}", PORT)
         with across as (link, client_dir):
@@ -169,6 +209,7 @@ def main() -> None:
                         str(peer_rates),
                         str(root / "tokens.json"),
                         json.dumps(args.lengths),
+                        str(held) if args.on_request else "",
                     ],
                     capture_output=True,
                     text=True,
@@ -176,6 +217,9 @@ def main() -> None:
                 if out.returncode:
                     sys.exit(f"the client failed: {out.stderr.strip()}")
                 rates_dir = peer_rates
+                for e in store.entries() if args.on_request else ():  # coded there: coded anew next rate
+                    if e.lossy and e.method == "full":
+                        store.delete(e.cache_id)
                 for line in out.stdout.splitlines():
                     row = json.loads(line)
                     table.add_row(*judged(row, mbit))
@@ -185,8 +229,13 @@ def main() -> None:
     good = sum(r["ok"] for r in rows)
     print(
         f"the choice was within {TOLERANCE - 1:.0%} of the fastest option at {good} of {len(rows)} points "
-        f"({good / len(rows):.0%}); a copy's s is its fetch into a receiver without the basis (connecting, TLS, "
-        "the basis when coded, decoding), prefill s the same tokens prefilled here"
+        f"({good / len(rows):.0%}); a copy's s is its fetch into a receiver "
+        + (
+            "holding the basis (connecting, TLS, coding there, decoding)"
+            if args.on_request
+            else "without the basis (connecting, TLS, the basis when coded, decoding)"
+        )
+        + ", prefill s the same tokens prefilled here"
     )
 
 

@@ -4,7 +4,10 @@ SmolLM2-135M (float32) on this CPU; its cache of a document's first N tokens as 
 transform coded at the default level with the model's basis (fitted as `kvmesh model calibrate`
 fits it). A daemon in one network namespace serves both; a client in another fetches each over a
 veth pair limited with `tbf` to each rate (mutual TLS, as on a LAN): the coded copy first into a
-receiver without the basis (it travels first), then again with it held, then the full copy. Per
+receiver without the basis (it travels first), then again with it held, then the full copy, then a
+copy the daemon codes on request from a full one (kvmesh.net.on_request; a full copy of its own for
+each link, stored with another zstd level, so that each is coded anew: the row's fetch counts the
+coding, and "coding s" is that fetch less the stored coded copy's with the basis held). Per
 fetch: wire s (request to the last byte, the basis included), decode s (the same copy decoded again
 here, from the receiver's store), fetch s (request to caches ready) and first token s (fetch, then
 the next token fed); against a prefill of the same tokens here, then the next token.
@@ -35,6 +38,7 @@ from kvmesh.net.mesh.credentials import load_credentials
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.reuse.find import load_prefix
 from kvmesh.store import CacheStore
+from kvmesh.v1.service_pb2 import CodeRequest
 
 from kvmesh.allocator import tune_allocator
 
@@ -57,10 +61,11 @@ def ready(cache):
 first_token(make_prompt_cache(model), prompt[:8])  # weights read, kernels built
 with tempfile.TemporaryDirectory() as tmp:
     store = CacheStore(Path(tmp))
-    for name, cache_id in json.loads(copies):
+    for name, cache_id, level in json.loads(copies):
+        code = CodeRequest(level=level) if level else None
         start = time.perf_counter()
         with PeerClient(address, credentials=credentials) as client:
-            fetched = fetch_cache(client, cache_id, ReceiverProfile(fp, prompt=prompt), store=store)
+            fetched = fetch_cache(client, cache_id, ReceiverProfile(fp, prompt=prompt), store=store, code=code)
             ready(fetched.cache)
         fetch_s = time.perf_counter() - start
         ttft = fetch_s + first_token(fetched.cache, prompt[-1:])
@@ -86,7 +91,7 @@ def shaped(links: list[float], tokens: int) -> None:
     from kvmesh.caches.prefill import prefill
     from kvmesh.codec.calibration import fit_model_basis
     from kvmesh.codec.coded import TransformCoding, transform_code
-    from kvmesh.codec.encode import encode_cache
+    from kvmesh.codec.encode import EncodeOptions, encode_cache
     from kvmesh.codec.levels import LEVELS
     from kvmesh.model.fingerprint import fingerprint
     from kvmesh.store import CacheStore
@@ -107,20 +112,42 @@ def shaped(links: list[float], tokens: int) -> None:
     coded = transform_code(cache, TransformCoding(basis, step=LEVELS["default"].step))
     title = f"a {tokens}-token cache of SmolLM2-135M float32 over tbf-shaped links, {blas_name()}, mutual TLS"
     table = Table(title=title)
-    for column in ("link Mbit/s", "copy", "wire MB", "basis MB", "wire s", "decode s", "fetch s", "first token s"):
+    columns = (
+        "link Mbit/s",
+        "copy",
+        "wire MB",
+        "basis MB",
+        "wire s",
+        "decode s",
+        "fetch s",
+        "coding s",
+        "first token s",
+    )
+    for column in columns:
         table.add_column(column, justify="right")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         store = CacheStore(root / "store")
         full_id = store.add(*encode_cache(cache, fp, prefix)).cache_id
         coded_id = store.add(*encode_cache(coded, fp, prefix)).cache_id
-        artifact_store(store.root).put(basis.to_bytes(), basis.digest)
+        artifacts = artifact_store(store.root)
+        artifacts.put(basis.to_bytes(), basis.digest)
+        artifacts.set_model_basis(fp.model_id, basis.digest)  # (what lets the daemon code on request)
+        to_code = [
+            store.add(*encode_cache(cache, fp, prefix, options=EncodeOptions(level=2 + i))).cache_id
+            for i in range(len(links))
+        ]
         (root / "prompt.json").write_text(json.dumps(document[: tokens + 1]))
-        copies = [["coded, basis fetched", coded_id], ["coded, basis held", coded_id], ["full", full_id]]
         across = namespaces.member_daemon_across_a_link(root, store.root, f"kvt{os.getpid() % 100000}", PORT)
         with across as (link, client_dir):
-            for mbit in links:
+            for mbit, source in zip(links, to_code, strict=True):
                 link.shape(mbit * 1e6)
+                copies = [
+                    ["coded, basis fetched", coded_id, ""],
+                    ["coded, basis held", coded_id, ""],
+                    ["full", full_id, ""],
+                    ["coded on request", source, "default"],
+                ]
                 out = subprocess.run(
                     [
                         *link.in_client(),
@@ -138,10 +165,17 @@ def shaped(links: list[float], tokens: int) -> None:
                 )
                 if out.returncode:
                     sys.exit(f"the client failed: {out.stderr.strip()}")
+                held_s = None
                 for line in out.stdout.splitlines():
                     row = json.loads(line)
+                    if row["copy"] == "coded, basis held":
+                        held_s = row["fetch_s"]
+                    if row["copy"] == "coded on request" and held_s is not None:
+                        row["coding_s"] = row["fetch_s"] - held_s
                     print(json.dumps({"mbit": mbit, **row}))
-                    cells = [f"{row[k]:.2f}" if k in row else "-" for k in ("wire_s", "decode_s", "fetch_s")]
+                    cells = [
+                        f"{row[k]:.2f}" if k in row else "-" for k in ("wire_s", "decode_s", "fetch_s", "coding_s")
+                    ]
                     table.add_row(
                         f"{mbit:g}",
                         row["copy"],

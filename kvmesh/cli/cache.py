@@ -91,6 +91,7 @@ def show(args: Args) -> int:
         CODEC_NAMES,
         compression_name,
         layer_report,
+        loss_text,
         served_prefixes,
         served_text,
         storage_text,
@@ -113,8 +114,7 @@ def show(args: Args) -> int:
         f"{encoding.encoded_bytes:,} in {encoding.chunk_count} chunks"
     )
     if manifest.HasField("quality"):
-        quality = manifest.quality
-        print(f"  quality      {quality.metric} {quality.value:.4f} nats/token over its last {quality.tokens} tokens")
+        print(f"  quality      {manifest.quality.metric} {loss_text(manifest.quality)}")
     print(f"  serves       {served_text(served)}")
     print(f"  stored       {storage_text(manifest)}")
     for row in layers:

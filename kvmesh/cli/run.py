@@ -170,9 +170,10 @@ def fetch(args: Args) -> int:
     from kvmesh.model.names import remember_name
     from kvmesh.net.client import PeerClient
     from kvmesh.reuse.fetch import fetch_cache
+    from kvmesh.v1.service_pb2 import CodeRequest
 
     store = open_store(args)
-    if not args.tokens and (held := held_entry(store, args.cache_id)):
+    if not args.tokens and not args.compress and (held := held_entry(store, args.cache_id)):
         print(f"{held.cache_id} is already in the local store ({held.num_tokens} tokens): nothing fetched")
         return 0
     fp = model_fingerprint(args.model)
@@ -180,9 +181,13 @@ def fetch(args: Args) -> int:
     profile = ReceiverProfile(fp, max_kl=args.max_kl)
     bar, update = progress_bar("fetch", "bytes")
     with bar, PeerClient(args.peer, credentials=mesh_credentials(args)) as client:
-        fetched = fetch_cache(client, args.cache_id, profile, num_tokens=args.tokens, store=store, progress=update)
+        code = CodeRequest(level=args.compress) if args.compress else None  # (no link rate: code it regardless)
+        fetched = fetch_cache(
+            client, args.cache_id, profile, num_tokens=args.tokens, store=store, progress=update, code=code
+        )
+    coded = f", coded there at level {args.compress}" if args.compress else ""
     print(
-        f"fetched {fetched.manifest.cache_id} from {args.peer}: {fetched.manifest.prefix.num_tokens} tokens, "
+        f"fetched {fetched.manifest.cache_id} from {args.peer}{coded}: {fetched.manifest.prefix.num_tokens} tokens, "
         f"{fetched.wire_bytes:,} bytes in {fetched.seconds:.2f} s"
     )
     return 0
@@ -200,10 +205,21 @@ def held_entry(store: Any, cache_id: str) -> Any:
 
 
 def fetch_arguments(parser: Any) -> None:
+    from kvmesh.codec.levels import LEVELS
+
     parser.add_argument("cache_id", help="the cache's id on the peer, or enough of its start to name one there")
     parser.add_argument("--peer", required=True, help="host:port of the peer")
     parser.add_argument("--model", required=True, help="the local model the cache must fit")
     parser.add_argument("--tokens", type=int, default=0, help="only a block-aligned prefix of this many tokens")
+    parser.add_argument(
+        "--compress",
+        nargs="?",
+        const="default",
+        choices=list(LEVELS),
+        metavar="LEVEL",
+        help="ask the peer to transform code a full cache at this level before it sends it (default when given "
+        "alone: default); it must hold the model's basis, and keeps the coded copy",
+    )
     max_kl_option(parser)
     store_option(parser)
 

@@ -34,6 +34,7 @@ from kvmesh.codec.manifest import (
     compression_name,
     kind_name,
     leaf_layers,
+    loss_text,
     lossy,
     measured_loss,
     state_names,
@@ -303,8 +304,8 @@ def quality_problem(m: pb.CacheManifest, max_kl: float | None) -> Rejection | No
     if not kl <= max_kl:
         return Rejection(
             pb.REJECT_REASON_QUALITY,
-            f"a {compression_name(m)} cache measured at {kl:.4f} nats/token over its "
-            f"context's last {m.quality.tokens} tokens, above this receiver's floor of {max_kl}",
+            f"a {compression_name(m)} cache measured at {loss_text(m.quality)}, above this receiver's floor "
+            f"of {max_kl}",
         )
     return None
 

@@ -36,6 +36,12 @@ MAX_LIST_PARTS = 4
 BASIS_KIND = "transform-basis"
 CODECS = {"none": pb.CODEC_NONE, "zstd": pb.CODEC_ZSTD}
 CODEC_NAMES = {v: k for k, v in CODECS.items()}
+# Quality metrics (kvmesh.v1.Quality), both KL divergences in nats/token: "tail_kl" measured on the
+# cache itself by its producer (kvmesh.caches.quality); LEVEL_KL, the worst its transform-coding
+# level measured on the bench's texts, for a copy a sender coded without the model to measure it
+# (kvmesh.codec.coded_copy).
+LEVEL_KL = "level_kl"
+LOSS_METRICS = ("tail_kl", LEVEL_KL)
 
 
 def kind_name(kind: int) -> str:
@@ -75,10 +81,33 @@ def lossy(manifest: pb.CacheManifest) -> bool:
 
 
 def measured_loss(manifest: pb.CacheManifest) -> float | None:
-    """The loss its producer measured ("tail_kl", nats/token), or None when it did not."""
-    if manifest.HasField("quality") and manifest.quality.metric == "tail_kl":
+    """The loss its producer measured (nats/token: LOSS_METRICS), or None when it did not."""
+    if manifest.HasField("quality") and manifest.quality.metric in LOSS_METRICS:
         return manifest.quality.value
     return None
+
+
+def uncodable_reason(manifest: pb.CacheManifest) -> str | None:
+    """Why a cache cannot be transform coded whole (kvmesh.codec.coded_copy), or None when it can:
+    it must be lossless and every layer a float attention layer that kept every position."""
+    if lossy(manifest):
+        return "it is lossy already"
+    for _, layer in leaf_layers(manifest.layers):
+        if layer.kind != pb.CACHE_KIND_SPARSE_KV or layer.n_kept != layer.offset:
+            return "not every layer is a full attention layer that kept every position"
+    return None
+
+
+def fp16_bytes(manifest: pb.CacheManifest) -> int:
+    """The bytes of a cache's tensors in float16: what the transform codec reads, as rates count it."""
+    return manifest.encoding.raw_bytes * 2 // ITEMSIZE[dtype_name(manifest.dtype)]
+
+
+def loss_text(quality: pb.Quality) -> str:
+    """A measured loss in words: where its figure comes from."""
+    if quality.metric == LEVEL_KL:
+        return f"{quality.value:.4f} nats/token, its coding level's worst on the bench's texts (coded on request)"
+    return f"{quality.value:.4f} nats/token over its context's last {quality.tokens} tokens"
 
 
 def compression_name(manifest: pb.CacheManifest) -> str:

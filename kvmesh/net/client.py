@@ -251,7 +251,8 @@ class PeerClient:
             raise self._error(e) from None
 
     def lookup(self, model_id: str, tokens: Sequence[int]) -> list[Match]:
-        """The peer's caches that serve a prefix of `tokens`, longest first: at most MAX_CANDIDATES.
+        """The peer's caches that serve a prefix of `tokens`, longest first (of those serving as much,
+        the shortest cache first: the least to cut), at most MAX_CANDIDATES.
 
         Only block hashes leave this machine; an exact-prefix candidate is confirmed here against
         the prompt itself. A peer's answer is a claim: a candidate that claims more than the prompt
@@ -280,7 +281,7 @@ class PeerClient:
                 "" if len(bogus) == 1 else "s",
                 bogus[0],
             )
-        return sorted(matches, key=lambda m: -m.tokens)[:MAX_CANDIDATES]
+        return sorted(matches, key=lambda m: (-m.tokens, m.candidate.num_tokens))[:MAX_CANDIDATES]
 
     def fetch(
         self,
@@ -292,6 +293,7 @@ class PeerClient:
         idle_timeout: float = TIMEOUTS.stream_idle,
         deadline: float | None = None,
         held_from: CacheStore | None = None,
+        code: spb.CodeRequest | None = None,
     ) -> Transfer:
         """Open a fetch of a cache (or of a block-aligned prefix of a dense one, `num_tokens`): the
         Transfer, once its manifest arrived and fits `profile`; its `chunks()` accept and bring them.
@@ -301,6 +303,9 @@ class PeerClient:
         store, checked equal to the sender's, and only the rest travel (`wire_bytes`); a store whose
         copy differs gets the whole cache.
 
+        With `code`, the peer is asked for a copy it transform codes at that level
+        (kvmesh.net.on_request); it refuses (CacheRejected) when that would not pay.
+
         A peer that sends nothing for `idle_timeout` seconds is abandoned, and so is a transfer
         longer than `deadline` (default: Timeouts.transfer_deadline of its bytes). Raises
         CacheRejected when the peer refuses or the manifest does not fit `profile` (no chunk is sent
@@ -308,7 +313,7 @@ class PeerClient:
         IntegrityError likewise.
         """
         open_fetch = functools.partial(
-            self._open_fetch, cache_id, profile, num_tokens, progress=progress, idle_timeout=idle_timeout
+            self._open_fetch, cache_id, profile, num_tokens, progress=progress, idle_timeout=idle_timeout, code=code
         )
         transfer = open_fetch(0, deadline=deadline)
         if held_from is None or (held := held_tokens(held_from, transfer.manifest)) is None:
@@ -336,6 +341,7 @@ class PeerClient:
         progress: Progress | None,
         idle_timeout: float,
         deadline: float | None = None,
+        code: spb.CodeRequest | None = None,
     ) -> Transfer:
         outbox: queue.Queue = queue.Queue()
 
@@ -352,6 +358,7 @@ class PeerClient:
                     protocol_version=PROTOCOL_VERSION,
                     held_tokens=held_tokens,
                     frame_batches=True,
+                    code=code,
                 )
             )
         )

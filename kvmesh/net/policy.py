@@ -26,6 +26,12 @@ class Policy:
         metavar="NODE_ID",
     )
     max_publish_bytes: int = setting(8 << 30, help="a publish of more decoded bytes is refused before any chunk")
+    code_on_request: bool = setting(
+        True,
+        help="code no stored full cache at a level a receiver asks for (it costs this Mac's CPU or GPU, "
+        "and its store keeps the coded copy)",
+        flag="--no-code-on-request",
+    )
     # A token bucket per peer (a burst of twice the rate), and transfers it may run at once.
     peer_calls_per_second: float = setting(
         50.0, help="calls per second allowed per peer", flag="--peer-rate", metavar="CALLS"

@@ -4,7 +4,7 @@ Fetch is manifest-first: the sender answers an open with the manifest alone and 
 until the receiver accepts. Chunks are read from the store file as the frames they travel as, so
 serving never parses or recompresses them; a shorter prefix of a dense cache is cut on the fly
 (`kvmesh.codec.cut`), re-encoding one chunk per tensor and storing nothing. The service needs no
-MLX. A bounded number
+MLX, unless a receiver asks for a cache coded on request (kvmesh.net.on_request). A bounded number
 of transfers run at once; others wait for a slot. Every call is held to the daemon's policy (what
 it shares, who may publish) and each mesh member to its own rate, transfer count and stream idle
 limits.
@@ -35,6 +35,7 @@ from kvmesh.net.held import leave_out
 from kvmesh.net.listening import bind, connections_allowed
 from kvmesh.net.messages import accept, check_trailer, older_protocol, profile_from_proto, reject, trailer
 from kvmesh.net.node_id import host_name
+from kvmesh.net.on_request import OnRequestCoding
 from kvmesh.net.policy import PeerLimits, Policy
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transfers import TransferCounters
@@ -99,6 +100,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         self.policy = policy or Policy()
         self.limits = PeerLimits(self.policy)
         self.counters = TransferCounters(max_transfers, max_transfers if max_waiting is None else max_waiting)
+        self.coding = OnRequestCoding(store, node_id, enabled=self.policy.code_on_request)
         self._probe_message = probe_data(PROBE_MESSAGE_BYTES)
 
     def _admit(self, context: grpc.ServicerContext) -> str:
@@ -188,6 +190,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 stored_bytes=e.file_bytes,
                 lossy=e.lossy,
                 quality=pb.Quality(metric="tail_kl", value=e.tail_kl) if e.tail_kl is not None else None,
+                on_request=self.coding.offer(e),
             )
         return response
 
@@ -291,9 +294,10 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
     def _open_cache(
         self, opened: spb.FetchOpen, context: grpc.ServicerContext
     ) -> tuple[pb.CacheManifest, Iterator[bytes]] | Rejection:
-        """The manifest of what was asked for (the cache, or a prefix cut from it) and its chunk records,
-        or why that prefix cannot be served. A receiver that holds the first `held_tokens` of a
-        blockwise cache is sent the other chunks only (`kvmesh.net.held.leave_out`).
+        """The manifest of what was asked for (the cache, a prefix cut from it, or a coded copy of
+        either made on request: kvmesh.net.on_request) and its chunk records, or why it cannot be
+        served. A receiver that holds the first `held_tokens` of a blockwise cache is sent the
+        other chunks only (`kvmesh.net.held.leave_out`).
 
         Reading the records starts only when the receiver has accepted.
         """
@@ -302,12 +306,18 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             manifest = self.store.manifest(cache_id)
             if not self.policy.shares(manifest.model.model_id):
                 raise NotFoundError(f"no cache {cache_id} in the store")  # unshared looks absent
-            if not opened.num_tokens or opened.num_tokens == manifest.prefix.num_tokens:
-                return leave_out(manifest, lambda: self.store.chunk_records(cache_id), opened.held_tokens)
-            if why := can_cut(manifest, opened.num_tokens):
+            whole = not opened.num_tokens or opened.num_tokens == manifest.prefix.num_tokens
+            if not whole and (why := can_cut(manifest, opened.num_tokens)):
                 return Rejection(
                     pb.REJECT_REASON_PREFIX, f"cache {cache_id} cannot serve a {opened.num_tokens}-token prefix: {why}"
                 )
+            if opened.HasField("code"):  # a coded copy of it, kept here and served whole
+                coded = self.coding.coded(cache_id, manifest, opened.code, 0 if whole else opened.num_tokens)
+                if isinstance(coded, Rejection):
+                    return coded
+                return self.store.manifest(coded), self.store.chunk_records(coded)
+            if whole:
+                return leave_out(manifest, lambda: self.store.chunk_records(cache_id), opened.held_tokens)
             cut, records = cut_prefix(manifest, lambda: self.store.chunk_records(cache_id), opened.num_tokens)
             if not opened.held_tokens:
                 return cut, records

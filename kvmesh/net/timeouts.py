@@ -39,6 +39,9 @@ class Timeouts:
     # past the prefill it was meant to save. 256 KiB/s is below any link worth fetching over.
     min_receive_rate: int = 256 << 10
     rate_window: float = 4.0
+    # A sender codes a stored cache on request (kvmesh.net.on_request) only when it expects to be done
+    # within this: the receiver waits for the manifest, which comes after, for `stream_idle`.
+    code_on_request: float = 5.0
     # A fetch's open (and a publish's manifest) goes with the call itself, so it arrives within a
     # round trip: a caller that sends none by then is cut before it holds a thread for long.
     open_message: float = 3.0

@@ -4,7 +4,7 @@ prefills) and how long it takes to decode the model's caches in each codec (`mea
 `measure_decoding` times what a fetch does here once the bytes are in: the real decoder
 (kvmesh.codec.decode) turning the chunks into MLX caches while the store keeps them, in a store on
 the data directory's disk. It does so on small caches of the model, of arbitrary tokens and of two
-lengths (a fixed cost and one per token: kvmesh.reuse.rates.DecodeTime), in each codec a peer may
+lengths (a fixed cost and one per token: kvmesh.codec.timing.CodecTime), in each codec a peer may
 send: as computed (zstd), 8-bit quantized, and transform coded with a basis fitted on the longer
 cache (the basis's size is what a receiver that lacks it fetches first).
 """
@@ -27,10 +27,11 @@ from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.rate import fastest_run
 from kvmesh.codec.rotary import model_rotaries
+from kvmesh.codec.timing import CodecTime, fit_codec_time
 from kvmesh.codec.transform import layers_of_cache
 from kvmesh.errors import StoreError
 from kvmesh.model.fingerprint import ModelFingerprint
-from kvmesh.reuse.rates import DecodeTime, Decoding, Rates, fit_decode_time
+from kvmesh.reuse.rates import Decoding, Rates
 from kvmesh.store import CacheStore
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,9 @@ def measure_decoding(
         copies["transform"] = [(transform_code(c, coding), None) for c in full]
     bases = {basis.digest: basis} if basis else {}
 
-    def timed(keep_in: Path | None) -> dict[str, DecodeTime]:
+    def timed(keep_in: Path | None) -> dict[str, CodecTime]:
         return {
-            codec: fit_decode_time([
+            codec: fit_codec_time([
                 (len(prompt), receive_seconds(cache, model_fp, prompt, press, bases=bases, scratch=keep_in))
                 for prompt, (cache, press) in zip(prompts, caches, strict=True)
             ])

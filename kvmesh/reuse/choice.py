@@ -1,19 +1,20 @@
 """Fetch or prefill, and which copy: the cost model and the typed record of each decision.
 
-A fetch of a copy is expected to take a setup, then the basis it needs when this machine lacks it
+A fetch of a copy is expected to take a setup, then the coding when the peer codes it on request
+(kvmesh.net.on_request: before its manifest), then the basis it needs when this machine lacks it
 (it travels first), then its bytes on the wire and their decoding, which overlap as chunks arrive,
 so the slower of the two, and last the decode of the last layer to arrive:
 
-    setup + basis / link + max(wire / stream rate, decode) + decode / layers
+    setup + encode + basis / link + max(wire / stream rate, decode) + decode / layers
 
 The stream rate is the one its codec's copies reached from that peer, else the link's (earlier
 transfers, else a probe); the decode time what this machine measured for the model and codec, for
 the copy's tokens (kvmesh.reuse.calibration). A prefill
 takes what the model fitted to this machine's timed prefills says (kvmesh.reuse.rates). Among the
-copies peers hold of a prefix (full, 8-bit, transform coded: each within the quality floor) the
-one expected soonest is weighed against the prefill, and the faster is taken. Over Wi-Fi a coded
-copy's fewer bytes win; over 10 GbE or Thunderbolt decoding it may cost more than the bytes it
-saves, and the full copy wins. Needs no MLX.
+copies peers hold of a prefix (full, 8-bit, transform coded, or coded on request from a full one:
+each within the quality floor) the one expected soonest is weighed against the prefill, and the
+faster is taken. Over Wi-Fi a coded copy's fewer bytes win; over 10 GbE or Thunderbolt decoding
+(or coding) it may cost more than the bytes it saves, and the full copy wins. Needs no MLX.
 """
 
 from collections.abc import Sequence
@@ -39,7 +40,9 @@ class Copy:
     """A copy of a prefix that a peer holds, as this machine would fetch it: `wire_bytes` of `codec`
     streaming at `bytes_per_s` (`measured` says how that was learnt), the `basis_bytes` of a basis
     this machine lacks at the link's `basis_bytes_per_s` (default: the same), the seconds decoding it
-    takes here (None: never measured, not counted), and the setup a fetch from that peer takes."""
+    takes here (None: never measured, not counted), and the setup a fetch from that peer takes. A
+    copy the peer would code on request from a full one names its `level` and the `encode_s` that
+    coding is expected to take there (`encode_measured`: how that was learnt)."""
 
     where: str
     cache_id: str
@@ -53,6 +56,9 @@ class Copy:
     layers: int = 1
     # Seconds before its bytes stream: measured on that peer's fetches (kvmesh.reuse.rates).
     setup_s: float = FETCH_SETUP_S
+    level: str = ""
+    encode_s: float = 0.0
+    encode_measured: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,10 +70,11 @@ class FetchCost:
     wire_s: float
     decode_s: float
     last_layer_s: float
+    encode_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.setup_s + self.basis_s + max(self.wire_s, self.decode_s) + self.last_layer_s
+        return self.setup_s + self.encode_s + self.basis_s + max(self.wire_s, self.decode_s) + self.last_layer_s
 
 
 def fetch_cost(copy: Copy) -> FetchCost:
@@ -79,6 +86,7 @@ def fetch_cost(copy: Copy) -> FetchCost:
         copy.wire_bytes / copy.bytes_per_s,
         decode_s,
         decode_s / max(1, copy.layers),
+        copy.encode_s,
     )
 
 
@@ -135,11 +143,16 @@ def describe(w: Weighed) -> str:
     """A weighed copy in words: its bytes, link, and the parts of its expected time."""
     c, cost = w.copy, w.cost
     basis = f" after a {c.basis_bytes / 1e6:,.2f} MB basis" if c.basis_bytes else ""
-    decode = f", decode {cost.decode_s:.2f} s" if c.decode_s is not None else ", decode not measured"
+    measured = f" ({c.measured})" if c.measured else ""
+    parts = [f"setup {cost.setup_s:.2f} s"]
+    if c.level:
+        how = f" ({c.encode_measured})" if c.encode_measured else ""
+        parts.append(f"coding it there at level {c.level} {cost.encode_s:.2f} s{how}")
+    parts.append(f"wire {cost.basis_s + cost.wire_s:.2f} s")
+    parts.append(f"decode {cost.decode_s:.2f} s" if c.decode_s is not None else "decode not measured")
     return (
-        f"{c.wire_bytes / 1e6:,.1f} MB {c.codec}{basis} at {c.bytes_per_s / 1e6:,.1f} MB/s"
-        f"{f' ({c.measured})' if c.measured else ''} takes about {cost.seconds:.2f} s (setup {cost.setup_s:.2f} s, "
-        f"wire {cost.basis_s + cost.wire_s:.2f} s{decode})"
+        f"{c.wire_bytes / 1e6:,.1f} MB {c.codec}{' on request' if c.level else ''}{basis} at "
+        f"{c.bytes_per_s / 1e6:,.1f} MB/s{measured} takes about {cost.seconds:.2f} s ({', '.join(parts)})"
     )
 
 

@@ -20,6 +20,7 @@ from kvmesh.progress import Progress
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import ArtifactStore, Incoming, artifact_store
 from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.v1 import service_pb2 as spb
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,15 @@ def fetch_cache(
     progress: Progress | None = None,
     idle_timeout: float = TIMEOUTS.stream_idle,
     deadline: float | None = None,
+    code: spb.CodeRequest | None = None,
 ) -> Fetched:
     """Fetch a cache (or a block-aligned prefix of a dense one, `num_tokens`) from the peer of
     `client`, decoded as it arrives into MLX caches; with a `store`, kept there in the same pass.
 
     With `keep=False`, it is kept only if the store can hold it (its budget, its free disk), else
     the fetch goes on without it. A peer that sends nothing for `idle_timeout` seconds, or a transfer
-    longer than `deadline`, is abandoned (`PeerClient.fetch`).
+    longer than `deadline`, is abandoned (`PeerClient.fetch`). With `code`, the peer is asked for a
+    copy it codes on request at that level (kvmesh.net.on_request).
 
     Raises CacheRejected when the manifest does not fit `profile` or the store (no chunk is sent
     then), PeerError when the peer fails or stalls, IntegrityError when what arrives is damaged. Each
@@ -87,6 +90,7 @@ def fetch_cache(
         idle_timeout=idle_timeout,
         deadline=deadline,
         held_from=store,  # the first blocks this store holds already stay home: only the rest travel
+        code=code,
     )
     with fetch:
         manifest = fetch.manifest

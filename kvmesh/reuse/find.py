@@ -22,16 +22,19 @@ from kvmesh.net.client import PeerClient
 from kvmesh.net.mesh.credentials import MeshCredentials
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.progress import Progress
+from kvmesh.reuse.choice import Weighed
 from kvmesh.reuse.fetch import Fetched, fetch_cache
 from kvmesh.reuse.rates import Rates
 from kvmesh.reuse.records import CachedPrefix
 from kvmesh.reuse.weigh import Offer, fetch_or_prefill, record_fetch, within_floor
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store, stored_bases
-from kvmesh.v1.service_pb2 import Candidate
+from kvmesh.v1.service_pb2 import Candidate, CodeRequest
 
 log = logging.getLogger(__name__)
 LOCAL_STORE = "local store"
+# A copy to fetch: the peer's client, its candidate, and what to ask it to code (None: as held).
+Ask = tuple[PeerClient, Candidate, CodeRequest | None]
 # The least time the mesh part of a request is given, however fast a prefill here would be: a LAN
 # lookup and the manifest's round trip take milliseconds, a loaded machine's more.
 MIN_MESH_BUDGET = 2.0
@@ -188,9 +191,11 @@ def find_prefix(
                 idle_timeout=idle_timeout, budget=mesh,
             )  # fmt: skip
             if got := first_fetched(offers, found, profile, s.tokens, store, progress, idle_timeout, mesh):
-                client, candidate, fetched = got
+                (client, candidate, code), fetched = got
                 if rates is not None:
-                    record_fetch(rates, model_fp.model_id, client.address, candidate, fetched)
+                    record_fetch(
+                        rates, model_fp.model_id, client.address, candidate, fetched, on_request=code is not None
+                    )
                 found.where, found.tokens, found.cache = f"peer {client.address}", s.tokens, fetched.cache
                 found.wire_bytes, found.cache_id = fetched.wire_bytes, fetched.manifest.cache_id
                 break
@@ -217,15 +222,16 @@ def copies_to_try(
     rates: Rates | None,
     idle_timeout: float,
     budget: Budget,
-) -> list[Offer]:
+) -> list[Ask]:
     """The copies of one prefix worth fetching, in the order to try them: with `rates`, those within
     the quality floor expected to beat a prefill here, soonest first (the choice is noted in
-    `found`); without, all of them as found. After the `budget`, none."""
+    `found`), a copy a peer codes on request with what to ask it for; without, all of them as found.
+    After the `budget`, none."""
     if budget.left() <= 0:
         found.skipped += [f"{candidate.cache_id} at {client.address}: {budget.spent}" for client, candidate in offers]
         return []
     if rates is None:
-        return offers
+        return [(client, candidate, None) for client, candidate in offers]
     within = []
     for client, candidate in offers:
         if within_floor(candidate, max_kl):
@@ -236,11 +242,12 @@ def copies_to_try(
             )
     if not within:
         return []
-    basis_held = store is not None and holds_basis(store, model_fp.model_id, rates)
+    bases = bases_held(store, model_fp.model_id, rates) if store is not None else set()
     try:
         decision = fetch_or_prefill(
             rates, model_fp, within,
-            tokens=tokens - held, held=held, basis_held=basis_held, timeout=max(0.1, min(idle_timeout, budget.left())),
+            tokens=tokens - held, held=held, bases=bases, max_kl=max_kl,
+            timeout=max(0.1, min(idle_timeout, budget.left())),
         )  # fmt: skip
     except PeerError as e:
         found.skipped.append(str(e))
@@ -250,21 +257,30 @@ def copies_to_try(
         return []
     by_copy = {(c.address, k.cache_id): (c, k) for c, k in within}
     faster = [w for w in decision.weighed if decision.prefill_s is None or w.cost.seconds < decision.prefill_s]
-    return [by_copy[(w.copy.where, w.copy.cache_id)] for w in faster]
+    return [(*by_copy[(w.copy.where, w.copy.cache_id)], code_request(w, rates)) for w in faster]
 
 
-def holds_basis(store: CacheStore, model_id: str, rates: Rates) -> bool:
-    """Whether the local store holds a basis of the model: its own (`kvmesh model calibrate`), or one
-    a fetched cache of it was coded with. A peer's coded copy is then expected to need no basis."""
+def code_request(w: Weighed, rates: Rates) -> CodeRequest | None:
+    """What to ask the peer of a copy it codes on request (None: a copy it holds), with the rate its
+    full copies stream at here, for the peer to refuse coding that would not pay."""
+    if not w.copy.level:
+        return None
+    return CodeRequest(level=w.copy.level, link_bytes_per_s=rates.stream_rate(w.copy.where, "full") or 0.0)
+
+
+def bases_held(store: CacheStore, model_id: str, rates: Rates) -> set[str]:
+    """The ids of the model's bases the local store holds: its own (`kvmesh model calibrate`), and
+    those fetched caches of it were coded with. A peer's coded copy is then expected to need no basis."""
     artifacts = artifact_store(store.root)
     try:
-        return artifacts.model_basis(model_id) is not None or any(map(artifacts.has, rates.bases.get(model_id, [])))
+        own = artifacts.model_basis(model_id)
+        return {d for d in [own, *rates.bases.get(model_id, [])] if d is not None and artifacts.has(d)}
     except StoreError:
-        return False
+        return set()
 
 
 def first_fetched(
-    offers: list[Offer],
+    offers: list[Ask],
     found: CachedPrefix,
     profile: ReceiverProfile,
     tokens: int,
@@ -272,10 +288,12 @@ def first_fetched(
     progress: Progress | None,
     idle_timeout: float,
     budget: Budget,
-) -> tuple[PeerClient, Candidate, Fetched] | None:
-    """The first of `offers` fetched (a block-aligned prefix of `tokens` of it), with the client it
-    came over and its candidate; one that fails is skipped with its reason, and None when none delivers."""
-    for client, candidate in offers:
+) -> tuple[Ask, Fetched] | None:
+    """The first of `offers` fetched (a block-aligned prefix of `tokens` of it; coded on request when
+    it says so), with the offer; one that fails (a peer that refuses to code it among them) is skipped
+    with its reason, and None when none delivers."""
+    for ask in offers:
+        client, candidate, code = ask
         if budget.left() <= 0:
             found.skipped.append(f"{candidate.cache_id} at {client.address}: {budget.spent}")
             continue
@@ -290,12 +308,13 @@ def first_fetched(
                 idle_timeout=idle_timeout,
                 keep=False,
                 deadline=max(0.1, budget.left()),
+                code=code,
             )
         except (PeerError, IntegrityError, CacheRejected, StoreError) as e:
             log.warning("%s", e)
             found.skipped.append(str(e))
             continue
-        return client, candidate, fetched
+        return ask, fetched
     return None
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh import paths
+from kvmesh.codec.timing import CodecTime
 from kvmesh.files.atomic import write_atomic
 
 log = logging.getLogger(__name__)
@@ -79,42 +80,11 @@ def fit_prefill(samples: list[tuple[float, float, float]]) -> PrefillModel | Non
 
 
 @dataclass(frozen=True)
-class DecodeTime:
-    """Decoding (and keeping) a cache of `tokens` tokens of a model here: fixed_s + per_token_s *
-    tokens. Each layer has fixed costs (its graph, its buffers, its chunks' framing) that weigh far
-    more on a short cache than on a long one: a single rate timed on 256 tokens put the decode of a
-    1,024-token fetch of SmolLM2's transform coded copy at about 3x what it took
-    (kvmesh.reuse.calibration times two lengths)."""
-
-    fixed_s: float
-    per_token_s: float
-
-    def seconds(self, tokens: float) -> float:
-        return self.fixed_s + self.per_token_s * tokens
-
-
-def fit_decode_time(samples: list[tuple[float, float]]) -> DecodeTime:
-    """The line through decode times (tokens, seconds) of two lengths or more (least squares), with no
-    term below zero: timings of a loaded machine may put the shorter one above the longer one, and
-    then the longest's rate, all of it per token, is the fit (as when the line would cross zero)."""
-    n = len(samples)
-    mean_t = sum(t for t, _ in samples) / n
-    mean_s = sum(s for _, s in samples) / n
-    spread = sum((t - mean_t) ** 2 for t, _ in samples)
-    slope = sum((t - mean_t) * (s - mean_s) for t, s in samples) / spread if spread else 0.0
-    fixed = mean_s - slope * mean_t
-    if slope > 0 and fixed >= 0:
-        return DecodeTime(fixed, slope)
-    tokens, seconds = max(samples)
-    return DecodeTime(0.0, seconds / tokens)
-
-
-@dataclass(frozen=True)
 class Decoding:
     """How long this machine takes to decode a model's caches, by codec, and the size of the model's
     transform basis (what a receiver without it fetches first)."""
 
-    times: dict[str, DecodeTime]
+    times: dict[str, CodecTime]
     basis_bytes: int = 0
 
     def seconds(self, codec: str, tokens: float) -> float | None:
@@ -193,7 +163,7 @@ class Rates:
         entry = self.decode.get(model_id)
         if not entry:
             return None
-        return Decoding({c: DecodeTime(*t) for c, t in entry["times"].items()}, int(entry["basis_bytes"]))
+        return Decoding({c: CodecTime(*t) for c, t in entry["times"].items()}, int(entry["basis_bytes"]))
 
     def basis_rate(self, address: str) -> float | None:
         """The rate a basis comes ready at from `address` (its bytes, then checked, parsed and kept

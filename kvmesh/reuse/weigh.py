@@ -1,9 +1,15 @@
 """The choice for a request: the copies peers offer of one prefix, weighed against a prefill here by
-this machine's rates (kvmesh.reuse.choice), each peer's link probed first when never measured."""
+this machine's rates (kvmesh.reuse.choice), each peer's link probed first when never measured.
+
+Besides the copies peers hold, a peer that offers to code a full one on request
+(Candidate.on_request; kvmesh.net.on_request) adds that coded copy, at the default level, when the
+level is within the receiver's quality floor.
+"""
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
+from kvmesh.codec.levels import LEVELS
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient
 from kvmesh.net.timeouts import TIMEOUTS
@@ -13,6 +19,8 @@ from kvmesh.reuse.rates import Rates
 from kvmesh.v1.service_pb2 import Candidate
 
 Offer = tuple[PeerClient, Candidate]
+# The level this receiver asks a peer to code a full copy at (kvmesh.codec.levels).
+ON_REQUEST_LEVEL = "default"
 # A stream that took no longer than this factor of its decode time may have been paced by decoding.
 DECODE_BOUND = 1.25
 
@@ -41,7 +49,8 @@ def fetch_or_prefill(
     *,
     tokens: int,
     held: int,
-    basis_held: bool = False,
+    bases: Collection[str] = (),
+    max_kl: float | None = None,
     timeout: float = TIMEOUTS.stream_idle,
 ) -> Decision:
     """Whether fetching one of `offers` (copies of the same prefix, on one peer or several) beats
@@ -49,7 +58,9 @@ def fetch_or_prefill(
 
     Each copy streams at the rate its codec's copies reached from that peer, else the link's (earlier
     transfers, else a short probe's, within `timeout` seconds); its decode takes what this machine
-    measured for the model and codec; a transform coded copy counts its basis unless `basis_held`.
+    measured for the model and codec; a transform coded copy counts its basis unless this machine
+    holds one of the model's (`bases`: their ids). A full copy a peer would code on request adds that
+    copy (`on_request_copy`) when its level's loss is within `max_kl`.
     Without timed prefills of the model (`ensure_calibrated`), fetching is the choice, the copies in
     the order given.
     """
@@ -70,30 +81,75 @@ def fetch_or_prefill(
                 wire,
                 rates.stream_rate(address, codec) or math.inf,  # unknown without a prefill to weigh: not probed
                 measured=rates.link_source(address, codec),
-                basis_bytes=decoding.basis_bytes if decoding and codec == "transform" and not basis_held else 0,
+                basis_bytes=decoding.basis_bytes if decoding and codec == "transform" and not bases else 0,
                 basis_bytes_per_s=rates.basis_rate(address),
                 decode_s=decoding.seconds(codec, held + tokens) if decoding else None,
                 layers=model_fp.num_layers,
                 setup_s=rates.link_setup(address),
             )
         )
+        if candidate.HasField("on_request") and codec == "full" and within_level(max_kl):
+            copies.append(on_request_copy(rates, model_fp, address, candidate, tokens=held + tokens, bases=bases))
     return choose(tokens, copies, prefill, context=held)
 
 
-def record_fetch(rates: Rates, model_id: str, address: str, candidate: Candidate, fetched: Fetched) -> None:
+def within_level(max_kl: float | None) -> bool:
+    """Whether a copy coded at ON_REQUEST_LEVEL is within the quality floor `max_kl`, by the loss
+    its level measured (kvmesh.codec.levels)."""
+    return max_kl is None or LEVELS[ON_REQUEST_LEVEL].kl <= max_kl
+
+
+def on_request_copy(
+    rates: Rates, model_fp: ModelFingerprint, address: str, candidate: Candidate, *, tokens: int, bases: Collection[str]
+) -> Copy:
+    """The copy of `tokens` of `candidate` that its peer offers to code on request, as this machine
+    would fetch it: the coded bytes the peer expects, streaming at the rate coded copies reached from
+    it, its basis unless held here, the coding as long as the peer expects (a share of it for a
+    shorter prefix; before the peer has coded one: this machine's decode time of the copy, a like
+    amount of work) and this machine's decode."""
+    offer = candidate.on_request
+    share = tokens / max(1, candidate.num_tokens)
+    decoding = rates.decoding(model_fp.model_id)
+    decode_s = decoding.seconds("transform", tokens) if decoding else None
+    if offer.encode_s > 0:
+        encode_s, how = offer.encode_s * share, "measured there"
+    else:
+        encode_s, how = decode_s or 0.0, "not measured there yet: taken as this machine's decode"
+    return Copy(
+        address,
+        candidate.cache_id,
+        "transform",
+        int(offer.coded_bytes * share),
+        rates.stream_rate(address, "transform") or math.inf,
+        measured=rates.link_source(address, "transform"),
+        basis_bytes=0 if offer.basis_sha256 in bases else offer.basis_bytes,
+        basis_bytes_per_s=rates.basis_rate(address),
+        decode_s=decode_s,
+        layers=model_fp.num_layers,
+        setup_s=rates.link_setup(address),
+        level=ON_REQUEST_LEVEL,
+        encode_s=encode_s,
+        encode_measured=how,
+    )
+
+
+def record_fetch(
+    rates: Rates, model_id: str, address: str, candidate: Candidate, fetched: Fetched, *, on_request: bool = False
+) -> None:
     """What a fetch of `candidate` from `address` says of the rate its codec's copies stream at and of
     the link (its stream, setup and basis excluded; a stream that decoding may have paced, within
     DECODE_BOUND of this machine's decode time of it, only ever raises the link's rate), of the rate
     a basis comes ready at from that peer (fetched, checked, parsed, kept), of its setup (the time to
     its first chunk, less the time its basis took and that chunk's bytes at the link's rate) and of
-    the bases the model's caches are coded with."""
-    codec = codec_of(candidate)
+    the bases the model's caches are coded with. A copy coded `on_request` is a transform coded one;
+    its setup, which the peer's coding took part of, is not recorded."""
+    codec = "transform" if on_request else codec_of(candidate)
     decoding = rates.decoding(model_id)
     decode_s = decoding.seconds(codec, fetched.manifest.prefix.num_tokens) if decoding else None
     paced = decode_s is not None and fetched.stream_s <= DECODE_BOUND * decode_s
     rates.record_transfer(address, fetched.stream_bytes, fetched.stream_s, codec=codec, at_least=paced)
     rates.record_basis(address, fetched.basis_bytes, fetched.basis_s)
-    if fetched.stream_s > 0 and (rate := rates.link_rate(address)):
+    if fetched.stream_s > 0 and not on_request and (rate := rates.link_rate(address)):
         # Before the first chunk: the setup, the basis, and that chunk at the link's rate.
         first = fetched.wire_bytes - fetched.stream_bytes
         rates.record_setup(address, max(0.0, fetched.wire_s - fetched.stream_s - fetched.basis_s - first / rate))

@@ -114,6 +114,16 @@ class ArtifactStore:
             raise StoreError(f"cannot read {self.models_dir / model_id}: {e.strerror or e}") from e
         return digest if self.has(digest) else None
 
+    def model_bases(self) -> dict[str, str]:
+        """Every model this Mac codes caches of, with the sha256 of its basis (held here)."""
+        try:
+            models = sorted(p.name for p in self.models_dir.iterdir() if not p.name.startswith("."))
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise StoreError(f"cannot list {self.models_dir}: {e.strerror or e}") from e
+        return {m: d for m in models if (d := self.model_basis(m)) is not None}
+
     def set_model_basis(self, model_id: str, digest: str) -> None:
         """Make `digest` (held here) the basis `model_id`'s caches are coded with."""
         if not self.has(digest):

@@ -75,7 +75,7 @@ class LookupRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Candidate(_message.Message):
-    __slots__ = ("cache_id", "num_tokens", "prefix_sha256", "matched_tokens", "cuttable", "method", "raw_bytes", "stored_bytes", "lossy", "quality")
+    __slots__ = ("cache_id", "num_tokens", "prefix_sha256", "matched_tokens", "cuttable", "method", "raw_bytes", "stored_bytes", "lossy", "quality", "on_request")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class Candidate(_message.Message):
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOSSY_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
+    ON_REQUEST_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     num_tokens: int
     prefix_sha256: bytes
@@ -96,7 +97,22 @@ class Candidate(_message.Message):
     stored_bytes: int
     lossy: bool
     quality: _cache_pb2.Quality
-    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., cuttable: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., lossy: _Optional[bool] = ..., quality: _Optional[_Union[_cache_pb2.Quality, _Mapping]] = ...) -> None: ...
+    on_request: OnRequest
+    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., cuttable: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., lossy: _Optional[bool] = ..., quality: _Optional[_Union[_cache_pb2.Quality, _Mapping]] = ..., on_request: _Optional[_Union[OnRequest, _Mapping]] = ...) -> None: ...
+
+class OnRequest(_message.Message):
+    __slots__ = ("basis_sha256", "basis_bytes", "fp16_bytes", "coded_bytes", "encode_s")
+    BASIS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    BASIS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FP16_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    basis_sha256: str
+    basis_bytes: int
+    fp16_bytes: int
+    coded_bytes: int
+    encode_s: float
+    def __init__(self, basis_sha256: _Optional[str] = ..., basis_bytes: _Optional[int] = ..., fp16_bytes: _Optional[int] = ..., coded_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("candidates",)
@@ -121,20 +137,30 @@ class ReceiverProfile(_message.Message):
     def __init__(self, model: _Optional[_Union[_model_pb2.ModelFingerprint, _Mapping]] = ..., codecs: _Optional[_Iterable[_Union[_cache_pb2.Codec, str]]] = ..., max_bytes: _Optional[int] = ..., accept_other_weights: _Optional[bool] = ..., accept_other_chat_template: _Optional[bool] = ..., max_kl: _Optional[float] = ...) -> None: ...
 
 class FetchOpen(_message.Message):
-    __slots__ = ("cache_id", "num_tokens", "profile", "protocol_version", "held_tokens", "frame_batches")
+    __slots__ = ("cache_id", "num_tokens", "profile", "protocol_version", "held_tokens", "frame_batches", "code")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FRAME_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     num_tokens: int
     profile: ReceiverProfile
     protocol_version: int
     held_tokens: int
     frame_batches: bool
-    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., profile: _Optional[_Union[ReceiverProfile, _Mapping]] = ..., protocol_version: _Optional[int] = ..., held_tokens: _Optional[int] = ..., frame_batches: _Optional[bool] = ...) -> None: ...
+    code: CodeRequest
+    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., profile: _Optional[_Union[ReceiverProfile, _Mapping]] = ..., protocol_version: _Optional[int] = ..., held_tokens: _Optional[int] = ..., frame_batches: _Optional[bool] = ..., code: _Optional[_Union[CodeRequest, _Mapping]] = ...) -> None: ...
+
+class CodeRequest(_message.Message):
+    __slots__ = ("level", "link_bytes_per_s")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    LINK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    level: str
+    link_bytes_per_s: float
+    def __init__(self, level: _Optional[str] = ..., link_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("accept", "reason", "message")

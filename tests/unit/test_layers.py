@@ -55,6 +55,7 @@ MLX_FREE = [
     "kvmesh.net.policy",
     "kvmesh.net.discovery.mdns",
     "kvmesh.net.discovery.health",
+    "kvmesh.net.on_request",
     "kvmesh.net.server",
     "kvmesh.daemon.config",
     "kvmesh.daemon.control",

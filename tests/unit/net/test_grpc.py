@@ -123,6 +123,21 @@ def test_lookup_and_a_block_aligned_prefix_of_a_dense_cache(tiny, prompt_ids, fp
     assert same_tensors(fresh, fetched.cache)
 
 
+def test_a_lookup_names_the_shortest_of_the_caches_serving_as_much_first(tiny, prompt_ids, fp, serve, tmp_path):
+    """More copies serve a prompt's first block than a lookup names (MAX_CANDIDATES): the one that
+    is that block alone comes first, so a receiver is not left with copies it must have cut."""
+    model, _ = tiny
+    store = CacheStore(tmp_path / "a")
+    longer = prefill(model, prompt_ids[:256]).cache
+    for level in range(1, 6):  # five encodings of a 256-token cache, each its own entry
+        store.add(*encode_cache(longer, fp, prompt_ids[:256], options=EncodeOptions(level=level)))
+    block = store.add(*encode_cache(prefill(model, prompt_ids[:128]).cache, fp, prompt_ids[:128]))
+    with PeerClient(serve(tmp_path / "a")) as client:
+        matches = client.lookup(fp.model_id, prompt_ids[:200] + [9] * 50)
+    assert len(matches) == 4 and {m.tokens for m in matches} == {128}
+    assert matches[0].candidate.cache_id == block.cache_id
+
+
 def tampered_entry(root, cache_id, change) -> str:
     """Rewrite an entry's manifest with `change` applied, consistently (checksums, id, file name, index),
     as a peer of another kvmesh version, or a hostile one, might hold it. Returns the new id."""

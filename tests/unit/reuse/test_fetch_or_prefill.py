@@ -13,6 +13,7 @@ from kvmesh.codec.calibration import fit_model_basis
 from kvmesh.codec.coded import TransformCoding, transform_code
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.levels import LEVELS
+from kvmesh.codec.timing import CodecTime, fit_codec_time
 from kvmesh.net.client import PeerClient
 from kvmesh.net.server import MAX_PROBE_BYTES
 from kvmesh.reuse.choice import Copy, choose
@@ -22,11 +23,9 @@ from kvmesh.reuse.generate import generate
 from kvmesh.reuse.rates import (
     FETCH_SETUP_S,
     PREFILL_SAMPLES,
-    DecodeTime,
     Decoding,
     PrefillModel,
     Rates,
-    fit_decode_time,
     fit_prefill,
 )
 from kvmesh.reuse.weigh import fetch_or_prefill, record_fetch
@@ -316,9 +315,9 @@ def test_decode_times_are_kept_beside_the_link_rates(tmp_path):
     (tmp_path / "rates.json").write_text('{"links": {"a:1": {"bytes_per_s": 5e6, "transfers": 1}}, "prefill": {}}')
     rates = Rates(tmp_path)  # a file from before decoding was measured
     assert rates.link_rate("a:1") == 5e6 and rates.decoding("m") is None
-    full, coded = DecodeTime(0.001, 1e-5), DecodeTime(0.03, 1e-4)
+    full, coded = CodecTime(0.001, 1e-5), CodecTime(0.03, 1e-4)
     rates.record_decoding("m", Decoding({"full": full, "transform": coded}, basis_bytes=4_530_000))
-    Rates(tmp_path).record_decoding("m", Decoding({"transform": DecodeTime(0.05, 3e-4)}, basis_bytes=4_530_000))
+    Rates(tmp_path).record_decoding("m", Decoding({"transform": CodecTime(0.05, 3e-4)}, basis_bytes=4_530_000))
     kept = Rates(tmp_path).decoding("m")
     assert kept is not None and kept.times["full"] == full
     blended = kept.times["transform"]  # blended, as links are
@@ -333,15 +332,15 @@ def test_decode_times_are_kept_beside_the_link_rates(tmp_path):
 
 
 def test_decode_time_is_fitted_as_a_fixed_cost_and_one_per_token():
-    true = DecodeTime(0.035, 8e-5)
-    fitted = fit_decode_time([(64, true.seconds(64)), (256, true.seconds(256))])
+    true = CodecTime(0.035, 8e-5)
+    fitted = fit_codec_time([(64, true.seconds(64)), (256, true.seconds(256))])
     assert (fitted.fixed_s, fitted.per_token_s) == pytest.approx((true.fixed_s, true.per_token_s))
     # A 1,024-token cache: one rate timed on 256 tokens would have said 0.2 s, not 0.117 s.
     assert fitted.seconds(1024) == pytest.approx(0.035 + 1024 * 8e-5)
     # A loaded machine that timed the shorter cache slower, or a line that would start below zero:
     # the longest's rate, all per token.
-    assert fit_decode_time([(64, 0.05), (256, 0.04)]) == DecodeTime(0.0, 0.04 / 256)
-    assert fit_decode_time([(64, 0.001), (256, 0.04)]) == DecodeTime(0.0, 0.04 / 256)
+    assert fit_codec_time([(64, 0.05), (256, 0.04)]) == CodecTime(0.0, 0.04 / 256)
+    assert fit_codec_time([(64, 0.001), (256, 0.04)]) == CodecTime(0.0, 0.04 / 256)
 
 
 def test_each_codec_s_stream_rate_is_measured_per_peer(tiny_fp, tmp_path):
@@ -401,7 +400,7 @@ def receiver(data_dir, model_id, full, coded, *, bytes_per_s, basis_bytes):
     for address in (full, coded):
         rates.record_transfer(address, 10 * MB, 10 * MB / bytes_per_s)
     # The 384-token copies: about 1.2 MB of fp16 and 0.35 MB coded.
-    times = {"full": DecodeTime(0, 1.2 * MB / 1e9 / 384), "transform": DecodeTime(0, 0.35 * MB / 10e6 / 384)}
+    times = {"full": CodecTime(0, 1.2 * MB / 1e9 / 384), "transform": CodecTime(0, 0.35 * MB / 10e6 / 384)}
     rates.record_decoding(model_id, Decoding(times, basis_bytes=basis_bytes))
     return rates
 

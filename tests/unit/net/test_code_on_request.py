@@ -1,0 +1,222 @@
+"""Coding on request: a daemon that holds a full cache and the model's basis offers to transform code
+it, codes it when a receiver asks (and it pays), keeps the copy, and refuses with a reason when it
+would not pay or cannot be done; the receiver's choice weighs that copy against the others."""
+
+import sys
+from importlib import resources
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from kvmesh.caches.prefill import prefill
+from kvmesh.codec.calibration import fit_model_basis
+from kvmesh.codec.coded import TransformCoding, decoded, transform_code
+from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.codec.levels import LEVELS
+from kvmesh.codec.manifest import LEVEL_KL, transform_coded
+from kvmesh.codec.timing import CodecTime
+from kvmesh.errors import CacheRejected
+from kvmesh.net.client import PeerClient
+from kvmesh.reuse.fetch import fetch_cache
+from kvmesh.reuse.find import find_prefix
+from kvmesh.reuse.rates import Decoding, Rates
+from kvmesh.store import CacheStore
+from kvmesh.store.artifacts import artifact_store
+from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.v1 import service_pb2 as spb
+from support.processes import cli
+from support.stores import put
+
+MB = 1 << 20
+TOKENS = 384
+
+
+@pytest.fixture(scope="module")
+def basis(tiny):
+    model, tokenizer = tiny
+    return fit_model_basis(model, tokenizer, tokens_per_text=128).basis
+
+
+def sender_store(root, tiny, tiny_fp, basis):
+    """(prompt, full cache): a store at `root` holding the full cache of a prompt's first TOKENS
+    tokens and the model's basis (as `kvmesh model calibrate` leaves it)."""
+    model, tokenizer = tiny
+    prompt = tokenizer.encode(resources.files("kvmesh").joinpath("data/corpus.txt").read_text()[:2000])
+    cache = prefill(model, prompt[:TOKENS]).cache
+    put(CacheStore(root), cache, tiny_fp, prompt[:TOKENS])
+    artifacts = artifact_store(root)
+    artifacts.put(basis.to_bytes(), basis.digest)
+    artifacts.set_model_basis(tiny_fp.model_id, basis.digest)
+    return prompt, cache
+
+
+@pytest.fixture
+def full_peer(tiny, tiny_fp, basis, serve, tmp_path):
+    """(address, store root, prompt, the full cache): a daemon serving `sender_store`."""
+    root = tmp_path / "sender"
+    prompt, cache = sender_store(root, tiny, tiny_fp, basis)
+    return serve(root), root, prompt, cache
+
+
+def full_candidate(address, model_id, prompt):
+    """The peer's candidate for the prompt that is lossless."""
+    with PeerClient(address) as client:
+        return next(m.candidate for m in client.lookup(model_id, prompt) if not m.candidate.lossy)
+
+
+def test_a_peer_codes_a_full_cache_on_request_and_keeps_the_copy(tiny_fp, basis, full_peer, serve, tmp_path):
+    address, root, prompt, cache = full_peer
+    [entry] = CacheStore(root).entries()
+    offer = full_candidate(address, tiny_fp.model_id, prompt).on_request
+    assert offer.basis_sha256 == basis.digest and offer.basis_bytes == basis.nbytes
+    assert offer.fp16_bytes == entry.raw_bytes // 2  # (a float32 cache)
+    assert offer.coded_bytes == int(offer.fp16_bytes / LEVELS["default"].ratio)
+    assert offer.encode_s == 0  # it has coded nothing yet
+
+    profile = ReceiverProfile(tiny_fp, prompt=prompt)
+    with PeerClient(address) as client:
+        got = fetch_cache(
+            client, entry.cache_id, profile, store=CacheStore(tmp_path / "b"), code=spb.CodeRequest(level="default")
+        )
+    assert transform_coded(got.manifest) and got.basis_bytes == basis.nbytes
+    assert got.manifest.quality.metric == LEVEL_KL and got.manifest.quality.value == LEVELS["default"].kl
+    assert got.wire_bytes < entry.file_bytes / 4
+    # Exactly what coding it here at the level's step would give.
+    step = LEVELS["default"].step_for(basis.has_step_factors)
+    here = decoded(transform_code(cache, TransformCoding(basis, step=step)))
+    for a, b in zip(got.cache, here, strict=True):
+        assert all(mx.array_equal(x, y) for x, y in zip(a.keys_and_values(), b.keys_and_values(), strict=True))
+
+    if sys.platform.startswith("linux"):  # (the daemon loaded MLX to code it)
+        assert "mlx" in Path(f"/proc/{serve.processes[address].pid}/maps").read_text()
+    # The sender kept the copy, offers it in lookups, and now knows its coding rate.
+    sender = {e.cache_id: e for e in CacheStore(root).entries()}
+    assert set(sender) == {entry.cache_id, got.manifest.cache_id}
+    assert full_candidate(address, tiny_fp.model_id, prompt).on_request.encode_s > 0
+    with PeerClient(address) as client:
+        listed = {m.candidate.cache_id: m.candidate for m in client.lookup(tiny_fp.model_id, prompt)}
+    assert listed[got.manifest.cache_id].lossy and not listed[got.manifest.cache_id].HasField("on_request")
+    assert listed[got.manifest.cache_id].quality.value == pytest.approx(LEVELS["default"].kl)
+    # Asked again: the same copy, nothing coded or kept twice.
+    with PeerClient(address) as client:
+        again = fetch_cache(client, entry.cache_id, profile, code=spb.CodeRequest(level="default"))
+    assert again.manifest.cache_id == got.manifest.cache_id and len(CacheStore(root).entries()) == 2
+
+
+def test_a_shorter_prefix_is_cut_then_coded(tiny_fp, full_peer):
+    address, root, prompt, _ = full_peer
+    [entry] = CacheStore(root).entries()
+    with PeerClient(address) as client:
+        got = fetch_cache(
+            client, entry.cache_id, ReceiverProfile(tiny_fp), num_tokens=128, code=spb.CodeRequest(level="small")
+        )
+    assert got.manifest.prefix.num_tokens == 128 and transform_coded(got.manifest)
+    assert got.manifest.quality.value == LEVELS["small"].kl
+    assert all(layer.keys_and_values()[0].shape[2] == 128 for layer in got.cache)
+
+
+def test_a_peer_refuses_coding_that_would_not_pay_or_cannot_be_done(tiny_fp, full_peer):
+    address, root, prompt, _ = full_peer
+    [entry] = CacheStore(root).entries()
+    profile = ReceiverProfile(tiny_fp)
+
+    def refused(**request):
+        with PeerClient(address) as client, pytest.raises(CacheRejected) as e:
+            fetch_cache(client, entry.cache_id, profile, code=spb.CodeRequest(**request))
+        assert e.value.rejection.reason == pb.REJECT_REASON_CODEC
+        return str(e.value)
+
+    assert "unknown level 'tiny'" in refused(level="tiny")
+    # Once it has timed a coding, a link so fast that the smaller copy saves less than coding costs.
+    with PeerClient(address) as client:
+        fetch_cache(client, entry.cache_id, profile, code=spb.CodeRequest(level="default"))
+    assert "fetch it as stored" in refused(level="default", link_bytes_per_s=1e15)
+    # A lossy cache is not coded again.
+    coded = next(e for e in CacheStore(root).entries() if e.lossy)
+    with PeerClient(address) as client, pytest.raises(CacheRejected, match="lossy already"):
+        fetch_cache(client, coded.cache_id, profile, code=spb.CodeRequest(level="default"))
+
+
+def test_a_daemon_told_not_to_code_neither_offers_nor_codes(tiny, tiny_fp, basis, serve, tmp_path):
+    prompt, _ = sender_store(tmp_path / "a", tiny, tiny_fp, basis)
+    address = serve(tmp_path / "a", "--no-code-on-request")
+    candidate = full_candidate(address, tiny_fp.model_id, prompt)
+    assert not candidate.HasField("on_request")
+    with PeerClient(address) as client, pytest.raises(CacheRejected, match="--no-code-on-request"):
+        fetch_cache(client, candidate.cache_id, ReceiverProfile(tiny_fp), code=spb.CodeRequest(level="default"))
+    assert len(CacheStore(tmp_path / "a").entries()) == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_without_the_model_s_basis_nothing_is_offered(tiny, tiny_fp, serve, tmp_path):
+    model, tokenizer = tiny
+    prompt = list(range(1, 300))
+    put(CacheStore(tmp_path / "a"), prefill(model, prompt[:256]).cache, tiny_fp, prompt[:256])
+    address = serve(tmp_path / "a")
+    candidate = full_candidate(address, tiny_fp.model_id, prompt)
+    assert not candidate.HasField("on_request")
+    with PeerClient(address) as client, pytest.raises(CacheRejected, match="no transform basis"):
+        fetch_cache(client, candidate.cache_id, ReceiverProfile(tiny_fp), code=spb.CodeRequest(level="default"))
+    # Neither the lookup nor the refusal loaded MLX into the daemon (it loads it to code, and only then).
+    assert "mlx" not in Path(f"/proc/{serve.processes[address].pid}/maps").read_text()
+
+
+def receiver_rates(data_dir, model_id, address, *, bytes_per_s):
+    """A receiver that prefills at 1 token/s, reaches `address` at `bytes_per_s`, decodes fp16 at
+    1 GB/s and the transform codec at 10 MB/s."""
+    rates = Rates(data_dir)
+    rates.record_prefill(model_id, 128, 128.0)
+    rates.record_prefill(model_id, 512, 512.0)
+    rates.record_transfer(address, 10 * MB, 10 * MB / bytes_per_s)
+    times = {"full": CodecTime(0, 1.2 * MB / 1e9 / TOKENS), "transform": CodecTime(0, 0.35 * MB / 10e6 / TOKENS)}
+    rates.record_decoding(model_id, Decoding(times, basis_bytes=0))
+    return rates
+
+
+def test_the_receiver_asks_for_a_coded_copy_when_that_comes_sooner(tiny_fp, full_peer, tmp_path):
+    address, root, prompt, _ = full_peer
+
+    def found(name, bytes_per_s, **options):
+        rates = receiver_rates(tmp_path / name, tiny_fp.model_id, address, bytes_per_s=bytes_per_s)
+        got = find_prefix(
+            tiny_fp, prompt, CacheStore(tmp_path / name / "store"), peers=[address], rates=rates, **options
+        )
+        [decision] = got.fetch_or_prefill
+        assert decision.fetch and got.tokens == TOKENS
+        return got, decision
+
+    # A fast link: the full copy as stored; the copy it would code is weighed, and slower.
+    fast, decision = found("fast", 1e9)
+    assert decision.best.copy.codec == "full" and not transform_coded(
+        CacheStore(tmp_path / "fast" / "store").manifest(fast.cache_id)
+    )
+    assert [w.copy.level for w in decision.weighed] == ["", "default"]
+    # A slow link: the coded copy, asked for, coded there, fetched with its basis, kept here.
+    slow, decision = found("slow", 100e3)
+    best = decision.best.copy
+    assert (best.codec, best.level, best.encode_measured) == (
+        "transform",
+        "default",
+        "not measured there yet: taken as this machine's decode",
+    )
+    assert "transform on request after a" in str(decision) and "coding it there at level default" in str(decision)
+    assert transform_coded(CacheStore(tmp_path / "slow" / "store").manifest(slow.cache_id))
+    assert len(CacheStore(root).entries()) == 2
+    # A receiver whose quality floor is below the level's loss is not offered it.
+    _, strict = found("strict", 100e3, max_kl=LEVELS["default"].kl / 2)
+    assert [w.copy.level for w in strict.weighed] == [""]
+
+
+def test_the_cli_fetches_a_copy_coded_on_request(tiny_fp, tiny_dir, full_peer, tmp_path):
+    address, root, _, _ = full_peer
+    [entry] = CacheStore(root).entries()
+    store = tmp_path / "b"
+    done = cli("fetch", entry.cache_id[:12], "--peer", address, "--model", tiny_dir, "--compress", "--store", store)
+    assert f"from {address}, coded there at level default:" in done.stdout
+    [kept] = CacheStore(store).entries()
+    assert kept.lossy and kept.num_tokens == TOKENS and kept.tail_kl == LEVELS["default"].kl
+    shown = cli("cache", "show", kept.cache_id, "--store", store).stdout
+    assert "level_kl" in shown and "its coding level's worst on the bench's texts" in shown
+    wrong = cli("fetch", entry.cache_id, "--peer", address, "--model", tiny_dir, "--compress", "huge", check=False)
+    assert wrong.returncode == 2 and "invalid choice: 'huge'" in wrong.stderr
