@@ -131,17 +131,11 @@ def compressed(args: Args, store: Any, loaded: Any, cache: list, tokens: list[in
     return done.cache, done.tail_kl, time.perf_counter() - start
 
 
-def prefill_arguments(parser: Any) -> None:
-    from kvmesh.caches.defaults import QUANT_BITS
+def compress_option(parser: Any, what: str) -> None:
+    """`--compress [LEVEL]`: one of the measured levels (kvmesh.codec.levels), `default` when alone;
+    `what` says what it does."""
     from kvmesh.codec.levels import LEVELS
 
-    prompt_options(parser)
-    store_option(parser)
-    parser.add_argument(
-        "--method",
-        help="compression method: full (the default; quantize when only --kv-bits is given), quantize, "
-        "streaming_llm, snapkv, knorm, kvzip",
-    )
     levels = "; ".join(
         f"{name}: {lv.ratio:.1f}x smaller than fp16 at KL {lv.kl:.4f} (bar {lv.max_kl})" for name, lv in LEVELS.items()
     )
@@ -151,8 +145,21 @@ def prefill_arguments(parser: Any) -> None:
         const="default",
         choices=list(LEVELS),
         metavar="LEVEL",
-        help=f"transform code the cache at a measured level (default when given alone: default; {levels}; see README)",
+        help=f"{what} (default when given alone: default; {levels}; see README)",
     )
+
+
+def prefill_arguments(parser: Any) -> None:
+    from kvmesh.caches.defaults import QUANT_BITS
+
+    prompt_options(parser)
+    store_option(parser)
+    parser.add_argument(
+        "--method",
+        help="compression method: full (the default; quantize when only --kv-bits is given), quantize, "
+        "streaming_llm, snapkv, knorm, kvzip",
+    )
+    compress_option(parser, "transform code the cache at a measured level")
     parser.add_argument("--ratio", type=float, help="fraction of tokens to evict")
     parser.add_argument("--budget", type=int, help="tokens to keep per layer")
     parser.add_argument(
@@ -205,20 +212,14 @@ def held_entry(store: Any, cache_id: str) -> Any:
 
 
 def fetch_arguments(parser: Any) -> None:
-    from kvmesh.codec.levels import LEVELS
-
     parser.add_argument("cache_id", help="the cache's id on the peer, or enough of its start to name one there")
     parser.add_argument("--peer", required=True, help="host:port of the peer")
     parser.add_argument("--model", required=True, help="the local model the cache must fit")
     parser.add_argument("--tokens", type=int, default=0, help="only a block-aligned prefix of this many tokens")
-    parser.add_argument(
-        "--compress",
-        nargs="?",
-        const="default",
-        choices=list(LEVELS),
-        metavar="LEVEL",
-        help="ask the peer to transform code a full cache at this level before it sends it (default when given "
-        "alone: default); it must hold the model's basis, and keeps the coded copy",
+    compress_option(
+        parser,
+        "ask the peer to transform code a full cache at this level before it sends it (it must hold the "
+        "model's basis, and keeps the coded copy)",
     )
     max_kl_option(parser)
     store_option(parser)

@@ -3,18 +3,19 @@
 A receiver on a slow link saves more by fetching a small transform-coded copy than the coding costs
 the sender; on a fast link the coding costs more than it saves. So a daemon that holds the model's
 basis offers, with each full cache a lookup finds (Candidate.on_request), what coding it would take
-and give: the coded copy's expected size and the rate this daemon measured coding at. A receiver
-that weighs it the fastest option asks for it (FetchOpen.code) with its link rate. The sender checks
-once more and refuses (REJECT_REASON_CODEC, before any manifest) when coding would take longer than
-the smaller copy saves on that link, or longer than a receiver waits for a manifest. Otherwise it
-codes the cache, keeps the copy in its store (kvmesh.codec.coded_copy) and serves that copy. The
-copy is made once; later lookups offer it as a stored coded cache.
+and give: the coded copy's expected size and the seconds this daemon expects the coding to take
+(fitted to its latest codings of the model: kvmesh.codec.timing). A receiver that weighs it the
+fastest option asks for it (FetchOpen.code) with its link rate. The sender checks once more and
+refuses (REJECT_REASON_CODEC, before any manifest) when coding would take longer than the smaller
+copy saves on that link, or longer than a receiver waits for a manifest. Otherwise it codes the
+cache (kvmesh.codec.coded_copy), keeps the copy in its store and serves that copy. The copy is made
+once; later lookups offer it as a stored coded cache.
 
-The coding needs MLX, the codec and the parsed basis (importing took 1.4 s on a 2-core Linux box,
-and the first request at 1 Gbit/s took 2.5 s longer than the next: more than coding a 1,024-token
-cache takes): they are made ready in the background when the daemon starts with a model's basis in
-its store, or when a lookup first offers coding with one, so that a request does not wait for them;
-a daemon that holds no basis never loads them.
+The coding needs MLX, the codec and the parsed basis (importing took 1.4 s on a 2-core Linux box),
+and a process's first coding builds MLX's kernels (1 s for 128 tokens, against 0.1 s after): a
+daemon that starts with a model's basis in its store, or first offers coding with one, readies all
+that in the background (`_ready`), so that a request does not wait for it and the first timing
+does not stand for the rest; a daemon that holds no basis never loads MLX.
 """
 
 import logging
@@ -122,10 +123,10 @@ class OnRequestCoding:
     ) -> str | Rejection:
         """The id of the stored coded copy of `cache_id` (its first `num_tokens`, 0: all) that
         `request` asks for, made now if need be; or why this daemon will not make it."""
-        if why := self._refusal(manifest, request, num_tokens):
-            return Rejection(pb.REJECT_REASON_CODEC, f"this peer does not code cache {cache_id} on request: {why}")
         digest = self._basis_of(manifest.model.model_id)
-        assert digest is not None  # (checked by _refusal)
+        if why := self._refusal(manifest, request, num_tokens, digest):
+            return Rejection(pb.REJECT_REASON_CODEC, f"this peer does not code cache {cache_id} on request: {why}")
+        assert digest is not None  # (_refusal says why when it is)
         key = (cache_id, num_tokens or manifest.prefix.num_tokens, request.level, digest)
         with self._lock:
             if (made := self._made.get(key)) is not None and self._held(made):
@@ -136,9 +137,12 @@ class OnRequestCoding:
                 log.warning("cannot code %s on request: %s", cache_id, e)
                 return Rejection(pb.REJECT_REASON_CODEC, f"this peer could not code cache {cache_id}: {e}")
 
-    def _refusal(self, manifest: pb.CacheManifest, request: spb.CodeRequest, num_tokens: int) -> str | None:
-        """Why coding (the first `num_tokens` of) the cache of `manifest` as `request` asks will not
-        be done, or None: the module docstring's checks."""
+    def _refusal(
+        self, manifest: pb.CacheManifest, request: spb.CodeRequest, num_tokens: int, digest: str | None
+    ) -> str | None:
+        """Why coding (the first `num_tokens` of) the cache of `manifest` as `request` asks, with the
+        model's basis `digest` (None: none held), will not be done, or None: the module docstring's
+        checks."""
         model_id = manifest.model.model_id
         if not self.enabled:
             return "it codes no cache on request (its store is read-only, or it runs with --no-code-on-request)"
@@ -146,7 +150,7 @@ class OnRequestCoding:
             return f"unknown level {request.level!r}; the levels are {', '.join(LEVELS)}"
         if why := uncodable_reason(manifest):
             return why
-        if self._basis_of(model_id) is None:
+        if digest is None:
             return f"it holds no transform basis for model {model_id}"
         tokens = num_tokens or manifest.prefix.num_tokens
         share = tokens / max(1, manifest.prefix.num_tokens)
