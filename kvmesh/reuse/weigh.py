@@ -2,8 +2,8 @@
 this machine's rates (kvmesh.reuse.choice), each peer's link probed first when never measured.
 
 Besides the copies peers hold, a peer that offers to code a full one on request
-(Candidate.on_request; kvmesh.net.on_request) adds that coded copy, at the default level, when the
-level is within the receiver's quality floor.
+(Candidate.on_request; kvmesh.net.on_request) adds that coded copy, at the level the offer is sized
+at (OFFERED_LEVEL, the default), when the level is within the receiver's quality floor.
 """
 
 import math
@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 from kvmesh.codec.levels import LEVELS
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient
+from kvmesh.net.on_request import OFFERED_LEVEL
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.reuse.choice import Copy, Decision, choose, probe_bytes
 from kvmesh.reuse.fetch import Fetched
@@ -19,8 +20,6 @@ from kvmesh.reuse.rates import Rates
 from kvmesh.v1.service_pb2 import Candidate
 
 Offer = tuple[PeerClient, Candidate]
-# The level this receiver asks a peer to code a full copy at (kvmesh.codec.levels).
-ON_REQUEST_LEVEL = "default"
 # A stream that took no longer than this factor of its decode time may have been paced by decoding.
 DECODE_BOUND = 1.25
 
@@ -94,9 +93,9 @@ def fetch_or_prefill(
 
 
 def within_level(max_kl: float | None) -> bool:
-    """Whether a copy coded at ON_REQUEST_LEVEL is within the quality floor `max_kl`, by the loss
+    """Whether a copy coded at OFFERED_LEVEL is within the quality floor `max_kl`, by the loss
     its level measured (kvmesh.codec.levels)."""
-    return max_kl is None or LEVELS[ON_REQUEST_LEVEL].kl <= max_kl
+    return max_kl is None or LEVELS[OFFERED_LEVEL].kl <= max_kl
 
 
 def on_request_copy(
@@ -127,7 +126,7 @@ def on_request_copy(
         decode_s=decode_s,
         layers=model_fp.num_layers,
         setup_s=rates.link_setup(address),
-        level=ON_REQUEST_LEVEL,
+        level=OFFERED_LEVEL,
         encode_s=encode_s,
         encode_measured=how,
     )
