@@ -17,9 +17,9 @@ import mlx.nn as nn
 from kvmesh.caches.quality import tail_kl
 from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.calibration import Calibrated, default_texts, fit_model_basis
-from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis, transform_code
-from kvmesh.codec.levels import CALIBRATION_TOKENS, LEVELS
-from kvmesh.errors import IntegrityError, KvmeshError, StoreError
+from kvmesh.codec.coded import CodedLayer, code_at_level, decoded, parse_basis
+from kvmesh.codec.levels import CALIBRATION_TOKENS
+from kvmesh.errors import IntegrityError, StoreError
 from kvmesh.model.loaded import LoadedModel
 from kvmesh.progress import Progress
 from kvmesh.store.artifacts import artifact_store
@@ -95,9 +95,7 @@ def fitted_on(basis: Basis, texts: Mapping[str, str]) -> bool:
 
 def compress(model: nn.Module, cache: list, tokens: Sequence[int], level: str, basis: Basis) -> Compressed:
     """`cache` transform coded at `level`, its loss measured on the prompt's own tail."""
-    if level not in LEVELS:
-        raise KvmeshError(f"unknown compression level {level!r}; choose one of {', '.join(LEVELS)}")
-    coded = transform_code(cache, TransformCoding(basis, step=LEVELS[level].step_for(basis.has_step_factors)))
+    coded = code_at_level(cache, basis, level)
     if not any(isinstance(layer, CodedLayer) for layer in coded):
         return Compressed(coded, None)
     return Compressed(coded, tail_kl(model, cache, decoded(coded), list(tokens)))

@@ -22,10 +22,12 @@ import numpy as np
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.layer_blob import TransformCodecError, read_header
+from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.manifest import BASIS_KIND
 from kvmesh.codec.rotary import Rotary
 from kvmesh.codec.transform import encode_layers
 from kvmesh.codec.transform_decode import decode_layer
+from kvmesh.errors import KvmeshError
 from kvmesh.v1 import cache_pb2 as pb
 
 
@@ -145,6 +147,14 @@ def transform_code(cache: Sequence, coding: TransformCoding) -> list:
         kept = cache[i].n_kept if cache[i].n_kept != cache[i].offset else None
         out[i] = CodedLayer(blob, spec, cache[i].offset, dtype, coding.basis, kept)
     return out
+
+
+def code_at_level(cache: Sequence, basis: Basis, level: str) -> list:
+    """`transform_code` at a `--compress` level (kvmesh.codec.levels): its step for `basis` (with
+    per-layer step factors or without); KvmeshError for a level that does not exist."""
+    if level not in LEVELS:
+        raise KvmeshError(f"unknown compression level {level!r}; choose one of {', '.join(LEVELS)}")
+    return transform_code(cache, TransformCoding(basis, step=LEVELS[level].step_for(basis.has_step_factors)))
 
 
 def coded_artifacts(cache: Sequence) -> list[pb.Artifact]:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from kvmesh.codec.basis import Basis
 from kvmesh.codec.chunks import parse_frame
-from kvmesh.codec.coded import CodedLayer, TransformCoding, transform_code
+from kvmesh.codec.coded import CodedLayer, code_at_level
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import Encoded, encode_cache
 from kvmesh.codec.levels import LEVELS
@@ -32,17 +32,13 @@ def code_copy(
     at `level` with `basis`: the coded copy's manifest and chunks (its sizes, digest and id are filled
     in as the chunks are consumed, as the store does). Raises KvmeshError when it cannot be coded
     (`uncodable_reason`, or a basis that covers none of its layers), IntegrityError when a record
-    is damaged."""
-    if level not in LEVELS:
-        raise KvmeshError(f"unknown compression level {level!r}; choose one of {', '.join(LEVELS)}")
+    is damaged, or the level does not exist."""
     if why := uncodable_reason(manifest):
         raise KvmeshError(f"it cannot be transform coded: {why}")
-    cache = decode_chunks(manifest, map(parse_frame, records))
-    chosen = LEVELS[level]
-    coded = transform_code(cache, TransformCoding(basis, step=chosen.step_for(basis.has_step_factors)))
+    coded = code_at_level(decode_chunks(manifest, map(parse_frame, records)), basis, level)
     if not any(isinstance(layer, CodedLayer) for layer in coded):
         raise KvmeshError(f"the basis {basis.digest[:12]} covers none of its layers")
     fp, prefix = ModelFingerprint.from_proto(manifest.model), PrefixKey.from_proto(manifest.prefix)
     encoded = encode_cache(coded, fp, prefix, node_id=node_id)
-    encoded.manifest.quality.CopyFrom(pb.Quality(metric=LEVEL_KL, value=chosen.kl))
+    encoded.manifest.quality.CopyFrom(pb.Quality(metric=LEVEL_KL, value=LEVELS[level].kl))
     return encoded

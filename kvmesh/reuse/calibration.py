@@ -21,10 +21,9 @@ from kvmesh.caches.prefill import run_prompt, time_prefills
 from kvmesh.caches.presses import Press, make_press
 from kvmesh.codec.basis import Basis, fit_basis
 from kvmesh.codec.calibration import full_attention_layers
-from kvmesh.codec.coded import TransformCoding, transform_code
+from kvmesh.codec.coded import code_at_level
 from kvmesh.codec.decode import CacheDecoder
 from kvmesh.codec.encode import encode_cache
-from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.rate import fastest_run
 from kvmesh.codec.rotary import model_rotaries
 from kvmesh.codec.timing import CodecTime, fit_codec_time
@@ -87,8 +86,7 @@ def measure_decoding(
     if layers := full_attention_layers(model, fresh[-1]):  # else nothing the transform codec codes
         calibration = [layers_of_cache([fresh[-1][i] for i in layers])]
         basis = fit_basis(calibration, model_rotaries(model, layers), info={"layers": layers})
-        coding = TransformCoding(basis, step=LEVELS["default"].step_for(basis.has_step_factors))
-        copies["transform"] = [(transform_code(c, coding), None) for c in full]
+        copies["transform"] = [(code_at_level(c, basis, "default"), None) for c in full]
     bases = {basis.digest: basis} if basis else {}
 
     def timed(keep_in: Path | None) -> dict[str, CodecTime]:
