@@ -8,10 +8,14 @@ import fcntl
 import ipaddress
 import logging
 import os
+import select
 import signal
+import socket
 import subprocess
 import threading
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 from typing import TextIO
@@ -309,17 +313,50 @@ class Daemon:
 
     def run(self, grace: float = TIMEOUTS.shutdown_grace) -> None:
         """Start, serve until SIGTERM or SIGINT, then stop gracefully."""
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        self.start()
-        print(f"kvmesh: node {self.node_id} ({self.mode}) serving on {', '.join(self.listen)}", flush=True)
-        # Timed waits: a signal may land on one of gRPC's threads (after a SIGSTOP/SIGCONT, say), and
-        # Python runs its handler only when the main thread wakes up.
-        while not stop.wait(timeout=0.5):
-            pass
-        log.info("shutting down")
-        self.stop(grace)
+        with stop_signals() as stopped:  # (noted until the stop is done: another signal must not cut it)
+            self.start()
+            print(f"kvmesh: node {self.node_id} ({self.mode}) serving on {', '.join(self.listen)}", flush=True)
+            stopped()
+            log.info("shutting down")
+            self.stop(grace)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def stop_signals(poll: float = 0.5) -> Iterator[Callable[[], None]]:
+    """While in it, SIGTERM and SIGINT are noted; it gives the wait for the first.
+
+    The handler only appends to a list. Python runs a handler in the main thread between any two of
+    its bytecodes, also while that thread holds a lock: one that set a threading.Event deadlocked
+    daemons that got a second signal while the first one's handler held the Event's lock (two were
+    found stuck after a test's terminate-then-stop under load). The signal's byte on a wakeup fd
+    (signal.set_wakeup_fd) ends the wait at once; the wait is still timed, as a signal may land on
+    one of gRPC's threads (after a SIGSTOP/SIGCONT, say), and Python runs its handler only when the
+    main thread wakes up.
+    """
+    received: list[int] = []
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    previous = {sig: signal.signal(sig, lambda signum, _: received.append(signum)) for sig in STOP_SIGNALS}
+    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def wait() -> None:
+        while not received:
+            select.select([reader], [], [], poll)
+            with suppress(BlockingIOError):
+                reader.recv(4096)
+
+    try:
+        yield wait
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        reader.close()
+        writer.close()
 
 
 def take_data_dir(data_dir: Path) -> TextIO:

@@ -1,6 +1,7 @@
 """Real daemon processes on 127.0.0.1: discovery over real mDNS, generation across peers, shutdown."""
 
 import json
+import os
 import plistlib
 import signal
 import socket
@@ -14,6 +15,7 @@ import pytest
 from kvmesh.caches.prefill import prefill
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.encode import EncodeOptions, encode_cache
+from kvmesh.daemon.process import stop_signals
 from kvmesh.net.client import PeerClient
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.store import CacheStore
@@ -152,6 +154,31 @@ def test_sigterm_during_a_transfer_finishes_it_and_a_restart_keeps_store_and_nod
     assert node_id(tmp_path / "A") == node
     status = json.loads(kvmesh(tmp_path / "A", "status", "--json").stdout)
     assert status["info"]["node_id"] == node and status["info"]["store"]["entries"] == 1
+
+
+def test_stop_signals_are_noted_end_the_wait_and_leave_the_handlers_as_they_were():
+    """The daemon's wait for SIGTERM or SIGINT (stop_signals): signals that come one after another,
+    before the wait as after it, end it; the process's handlers and wakeup fd come back after."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with stop_signals() as stopped:
+        handler = signal.getsignal(signal.SIGTERM)
+        handler(signal.SIGTERM, None)  # a signal handled while another one's handler runs: it only notes it
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        stopped()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    assert signal.set_wakeup_fd(-1) == -1  # (none was set before, none is left)
+
+
+def test_a_daemon_sent_sigterm_again_and_again_stops(nodes, tmp_path):
+    nodes.start("A", "--no-discovery")
+    process = nodes.processes["A"]
+    for _ in range(200):  # as `terminate` then `stop` do, and a person pressing ^C twice
+        if process.poll() is not None:
+            break
+        process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    assert "stopped" in (tmp_path / "A.log").read_text()
 
 
 @pytest.mark.slow
