@@ -290,6 +290,19 @@ def _prepare(
     return [p for p, _ in done], [meta for _, meta in done]
 
 
+def _analysed(rows: mx.array, tb: TensorBasis) -> mx.array:
+    """(F, N) component-major coefficients of (N, F) rows, in units of the tensor's scale: made
+    contiguous once, not per trial step (MLX is slow on strided arrays). The product runs in NumPy
+    where MLX computes on the CPU (`kvmesh.codec.transform_decode._synthesised` says why)."""
+    if numpy_by_default():
+        centred = np.asarray(rows) - tb.mean
+        coeffs = tb.analysis().T @ centred.T
+        coeffs *= np.float32(1.0 / tb.scale)
+        return mx.array(coeffs)
+    coeffs = ((rows - tb.on_mlx("mean")) @ tb.on_mlx("analysis")) * mx.array(np.float32(1.0 / tb.scale))
+    return mx.contiguous(coeffs.T)
+
+
 def _prepare_layer(
     i: int, layer: tuple[LayerKV, int], basis: Basis, sinks: int, recent: int, memo: dict
 ) -> tuple[tuple[list[_Prepared], np.ndarray | None], dict]:
@@ -314,9 +327,7 @@ def _prepare_layer(
             if kind == "k":
                 cos, sin = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
                 block = rotate(block, cos, sin, basis.rotaries[j], inverse=True)
-            centred = block.reshape(b * m, h * d) - tb.on_mlx("mean")
-            coeffs = (centred @ tb.on_mlx("analysis")) * mx.array(np.float32(1.0 / tb.scale))
-            coeffs = mx.contiguous(coeffs.T)  # once, not per trial step: MLX is slow on strided arrays
+            coeffs = _analysed(block.reshape(b * m, h * d), tb)
         mx.eval(coeffs)
         prepared.append(_Prepared(coeffs, tb, *_raw_rows(k if kind == "k" else v, s, r)))
     contiguous = t == 0 or bool((pos == pos.flat[0] + np.arange(t, dtype=np.int32)).all())
