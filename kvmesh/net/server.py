@@ -189,7 +189,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 raw_bytes=e.raw_bytes,
                 stored_bytes=e.file_bytes,
                 lossy=e.lossy,
-                quality=pb.Quality(metric="tail_kl", value=e.tail_kl) if e.tail_kl is not None else None,
+                quality=pb.Quality(metric=e.loss_metric, value=e.loss) if e.loss is not None else None,
                 on_request=self.coding.offer(e),
             )
         return response

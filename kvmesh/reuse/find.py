@@ -16,6 +16,7 @@ from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.compat import ReceiverProfile, loss_rank, quality_problem
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import decode_chunks
+from kvmesh.codec.manifest import LOSS_METRICS
 from kvmesh.errors import CacheRejected, IntegrityError, PeerError, StoreError
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient
@@ -54,7 +55,7 @@ class _Source:
 
 def candidate_loss_rank(candidate: Candidate) -> float:
     """`loss_rank` of a peer's candidate (an older peer says only its press: not "full" is lossy)."""
-    measured = candidate.quality.value if candidate.quality.metric == "tail_kl" else None
+    measured = candidate.quality.value if candidate.quality.metric in LOSS_METRICS else None
     return loss_rank(candidate.lossy or candidate.method != "full", measured)
 
 
@@ -80,9 +81,7 @@ def local_sources(store: CacheStore | None, model_id: str, wanted: list[int], sk
         return []
     sources = []
     if local := store.lookup(model_id, wanted):
-        sources.append(
-            _Source(local.tokens, (loss_rank(local.entry.lossy, local.entry.tail_kl), 0), local.entry.cache_id)
-        )
+        sources.append(_Source(local.tokens, (loss_rank(local.entry.lossy, local.entry.loss), 0), local.entry.cache_id))
     if missed := store.exact_only(model_id, wanted, local.tokens if local else 0):
         match, why = missed
         skipped.append(

@@ -10,6 +10,7 @@ import math
 from collections.abc import Collection, Sequence
 
 from kvmesh.codec.levels import LEVELS
+from kvmesh.codec.manifest import LOSS_METRICS
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient
 from kvmesh.net.on_request import OFFERED_LEVEL
@@ -38,7 +39,7 @@ def within_floor(candidate: Candidate, max_kl: float | None) -> bool:
     lossy = candidate.lossy or candidate.method != "full"
     if max_kl is None or not lossy:
         return True
-    return candidate.quality.metric == "tail_kl" and candidate.quality.value <= max_kl
+    return candidate.quality.metric in LOSS_METRICS and candidate.quality.value <= max_kl
 
 
 def fetch_or_prefill(

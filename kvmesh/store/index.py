@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 # version is rebuilt from the files (5: `lossy` reads quantized layers, not only the method, so
 # entries of bits alone recorded as `full` lose their lossless mark; 6: transform-coded entries are
 # `cuttable`, their shorter prefixes re-coded by kvmesh.codec.cut; 7: entry files are segments whose
-# blocks others refer to, kvmesh.store.blocks).
-INDEX_VERSION = 7
+# blocks others refer to, kvmesh.store.blocks; 8: the measured loss's metric is kept beside it, so a
+# lookup names it: kvmesh.codec.manifest.LOSS_METRICS).
+INDEX_VERSION = 8
 INDEX = "index.sqlite3"
 
 
@@ -47,9 +48,11 @@ class StoredEntry:
     file_bytes: int
     created_ms: int
     last_used_ms: int
-    # A press or a transform codec changed it, and the loss its producer measured (None: not measured).
+    # A press or a transform codec changed it, and the loss its producer measured (None: not
+    # measured) by which metric (kvmesh.codec.manifest.LOSS_METRICS).
     lossy: bool = False
-    tail_kl: float | None = None
+    loss: float | None = None
+    loss_metric: str | None = None
 
 
 def now_ms() -> int:
@@ -58,7 +61,7 @@ def now_ms() -> int:
 
 ENTRY_COLUMNS = (
     "cache_id, model_id, num_tokens, prefix_sha256, method, cuttable, raw_bytes, file_bytes, created_ms, "
-    "last_used_ms, lossy, tail_kl"
+    "last_used_ms, lossy, loss, loss_metric"
 )
 SCHEMA_SQL = """
     CREATE TABLE IF NOT EXISTS entries (
@@ -66,7 +69,7 @@ SCHEMA_SQL = """
         prefix_sha256 BLOB NOT NULL, block_size INTEGER NOT NULL, method TEXT NOT NULL,
         cuttable INTEGER NOT NULL, raw_bytes INTEGER NOT NULL,
         file_bytes INTEGER NOT NULL, created_ms INTEGER NOT NULL, last_used_ms INTEGER NOT NULL,
-        lossy INTEGER NOT NULL, tail_kl REAL);
+        lossy INTEGER NOT NULL, loss REAL, loss_metric TEXT);
     CREATE INDEX IF NOT EXISTS entries_model ON entries (model_id);
     CREATE TABLE IF NOT EXISTS blocks (
         cache_id TEXT NOT NULL, idx INTEGER NOT NULL, hash BLOB NOT NULL, PRIMARY KEY (cache_id, idx));
@@ -233,7 +236,7 @@ class Index:
         now = now_ms()
         cls.unindex(db, manifest.cache_id)
         db.execute(
-            "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 manifest.cache_id,
                 manifest.model.model_id,
@@ -248,6 +251,7 @@ class Index:
                 now,
                 lossy(manifest),
                 measured_loss(manifest),
+                manifest.quality.metric if measured_loss(manifest) is not None else None,
             ),
         )
         db.executemany(

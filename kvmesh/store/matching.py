@@ -33,7 +33,7 @@ def longest_prefix(entries: Sequence[StoredEntry], shared: dict[str, int], token
         if not may_serve(e.num_tokens, e.cuttable, blocks):
             continue
         usable = tokens_served(tokens, e.num_tokens, e.prefix_sha256, e.cuttable, shared_tokens(blocks, e.num_tokens))
-        key = (usable, -loss_rank(e.lossy, e.tail_kl), e.num_tokens == usable)
+        key = (usable, -loss_rank(e.lossy, e.loss), e.num_tokens == usable)
         if usable and (best is None or key > best_key):
             best, best_key = PrefixMatch(e, usable), key
     return best

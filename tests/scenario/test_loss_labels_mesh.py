@@ -35,7 +35,12 @@ def test_kv_bits_alone_is_recorded_as_lossy_with_its_measured_loss(copies):
     store, result = copies["bits"]
     assert result["compression"] == f"quantize {BITS}-bit" and result["tail_kl"] > 0
     entry = CacheStore(store).entry(result["cache_id"])
-    assert entry.method == "quantize" and entry.lossy and entry.tail_kl == pytest.approx(result["tail_kl"])
+    assert (
+        entry.method == "quantize"
+        and entry.lossy
+        and entry.loss_metric == "tail_kl"
+        and entry.loss == pytest.approx(result["tail_kl"])
+    )
     _, full = copies["full"]
     assert full["compression"] == "full" and full["tail_kl"] is None
     assert result["stored_bytes"] < full["stored_bytes"]

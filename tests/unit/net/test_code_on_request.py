@@ -97,6 +97,8 @@ def test_a_peer_codes_a_full_cache_on_request_and_keeps_the_copy(tiny_fp, basis,
     with PeerClient(address) as client:
         listed = {m.candidate.cache_id: m.candidate for m in client.lookup(tiny_fp.model_id, prompt)}
     assert listed[got.manifest.cache_id].lossy and not listed[got.manifest.cache_id].HasField("on_request")
+    # Named by the metric it was measured by: its level's loss on the bench's texts, not its own.
+    assert listed[got.manifest.cache_id].quality.metric == LEVEL_KL
     assert listed[got.manifest.cache_id].quality.value == pytest.approx(LEVELS["default"].kl)
     # Asked again: the same copy, nothing coded or kept twice.
     with PeerClient(address) as client:
@@ -215,7 +217,9 @@ def test_the_cli_fetches_a_copy_coded_on_request(tiny_fp, tiny_dir, full_peer, t
     done = cli("fetch", entry.cache_id[:12], "--peer", address, "--model", tiny_dir, "--compress", "--store", store)
     assert f"from {address}, coded there at level default:" in done.stdout
     [kept] = CacheStore(store).entries()
-    assert kept.lossy and kept.num_tokens == TOKENS and kept.tail_kl == LEVELS["default"].kl
+    assert (
+        kept.lossy and kept.num_tokens == TOKENS and kept.loss_metric == LEVEL_KL and kept.loss == LEVELS["default"].kl
+    )
     shown = cli("cache", "show", kept.cache_id, "--store", store).stdout
     assert "level_kl" in shown and "its coding level's worst on the bench's texts" in shown
     wrong = cli("fetch", entry.cache_id, "--peer", address, "--model", tiny_dir, "--compress", "huge", check=False)

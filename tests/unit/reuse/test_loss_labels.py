@@ -66,6 +66,6 @@ def test_an_index_of_version_4_is_rebuilt_so_an_old_label_loses_to_the_full_copy
         db.execute("PRAGMA user_version = 4")
     reopened = CacheStore(tmp_path / "store")
     old = reopened.entry(three.cache_id)
-    assert old.lossy and old.tail_kl is None
+    assert old.lossy and old.loss is None
     match = reopened.lookup(tiny_fp.model_id, prompt_ids)
     assert match is not None and (match.entry.cache_id, match.tokens) == (full.cache_id, LENGTH)

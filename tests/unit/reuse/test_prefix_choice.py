@@ -49,7 +49,7 @@ def test_the_store_serves_the_measured_cache_before_a_smaller_unmeasured_one(tin
     assert three.encoding.encoded_bytes < eight.encoding.encoded_bytes  # the old tie-break took the 3-bit one
     match = store.lookup(tiny_fp.model_id, prompt_ids)
     assert match is not None and (match.entry.cache_id, match.tokens) == (eight.cache_id, LENGTH)
-    assert match.entry.lossy and match.entry.tail_kl == pytest.approx(eight.quality.value)
+    assert match.entry.lossy and match.entry.loss == pytest.approx(eight.quality.value)
 
 
 def test_a_peer_with_a_measured_cache_wins_over_one_with_an_unmeasured_one(tiny, tiny_fp, prompt_ids, tmp_path):
