@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 # lookup names it: kvmesh.codec.manifest.LOSS_METRICS).
 INDEX_VERSION = 8
 INDEX = "index.sqlite3"
+# Opening the index is tried this many times on an error that may pass, waiting this long times
+# the attempt between tries.
+OPEN_TRIES = 3
+OPEN_RETRY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -139,18 +143,43 @@ class Index:
         self.memory: sqlite3.Connection | None = None  # keeps an in-memory index alive
 
     def open_writable(self) -> None:
-        """Open (or make) the index; one that is corrupt is moved aside and rebuilt from the files."""
+        """Open (or make) the index; one that is corrupt is moved aside and rebuilt from the files.
+
+        An error that may pass (SQLite's OperationalError: "disk I/O error" while other processes
+        open and close the index at once, a lock held too long) is tried again first: a store's
+        writers once threw a sound index away for it, and one of them crashed when another had
+        moved it first."""
         try:
-            self._init()
+            for attempt in range(1, OPEN_TRIES + 1):
+                try:
+                    self._init()
+                    return
+                except sqlite3.OperationalError as e:
+                    if attempt == OPEN_TRIES:
+                        raise
+                    log.info("opening the store index %s failed (%s): trying again", self.path, e)
+                    time.sleep(OPEN_RETRY_S * attempt)
         except sqlite3.DatabaseError as e:
-            aside = self.path.with_name(f"{INDEX}.corrupt-{now_ms()}")
-            log.warning("the store index %s is unreadable (%s): moved to %s, rebuilding it", self.path, e, aside.name)
-            self.path.replace(aside)
-            for suffix in ("-wal", "-shm"):
-                self.path.with_name(INDEX + suffix).unlink(missing_ok=True)
-            self._init()
+            self._move_aside(e)
         except OSError as e:
             raise StoreError(f"cannot open the store index at {self.path}: {e.strerror or e}") from e
+        try:
+            self._init()
+        except (sqlite3.Error, OSError) as e:
+            raise StoreError(f"cannot open the store index at {self.path}: {e}") from e
+
+    def _move_aside(self, error: sqlite3.DatabaseError) -> None:
+        """Put an unreadable index aside (another process may have done so already)."""
+        aside = self.path.with_name(f"{INDEX}.corrupt-{now_ms()}")
+        log.warning("the store index %s is unreadable (%s): moved to %s, rebuilding it", self.path, error, aside.name)
+        try:
+            self.path.replace(aside)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StoreError(f"cannot move the unreadable store index {self.path} aside: {e.strerror or e}") from e
+        for suffix in ("-wal", "-shm"):
+            self.path.with_name(INDEX + suffix).unlink(missing_ok=True)
 
     def _init(self) -> None:
         with closing(sqlite3.connect(self.path, timeout=30)) as db:

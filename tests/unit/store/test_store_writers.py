@@ -2,6 +2,7 @@
 recovery and the index under real concurrency."""
 
 import json
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -10,6 +11,7 @@ import pytest
 
 from kvmesh.caches.prefill import prefill
 from kvmesh.store import CacheStore
+from kvmesh.store.index import Index
 from support.stores import put
 
 # Imports its files in a shuffled order, opening the store for each as a command does (recovery
@@ -94,3 +96,16 @@ def test_writers_evicting_at_once_each_get_their_own_cache(exported, tmp_path):
     on_disk = {p.stem for p in store.entries_dir.glob("*.kvc")}
     assert {e.cache_id for e in store.entries()} == on_disk
     assert list(store.incoming_dir.iterdir()) == []
+
+
+def test_an_unreadable_index_another_writer_moved_aside_first_is_rebuilt(tiny, tiny_fp, long_ids, tmp_path, caplog):
+    """Writers that find the index unreadable at once each move it aside: one that finds it gone
+    already (another moved it first) goes on and rebuilds, where it used to crash on the rename."""
+    root = tmp_path / "store"
+    cache_id = put(CacheStore(root), prefill(tiny[0], long_ids[:24]).cache, tiny_fp, long_ids[:24]).cache_id
+    index = Index(root)
+    index.path.unlink()  # moved aside by another writer, after this one found it unreadable
+    index._move_aside(sqlite3.DatabaseError("file is not a database"))
+    index.open_writable()
+    assert "is unreadable" in caplog.text
+    assert [e.cache_id for e in CacheStore(root).entries()] == [cache_id]
