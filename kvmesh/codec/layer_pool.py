@@ -10,6 +10,13 @@ worker thread outlives it (mlx 0.32: 50 short-lived pools of 2 threads left 100 
 pool per fetch would leave two threads behind each, for as long as a daemon or server runs. Work
 that is already on one of these threads runs in place, so a layer's work never waits for a thread
 its own caller holds.
+
+Each layer's products run on one BLAS thread: where the codec's products are NumPy's (on a CPU:
+kvmesh.codec.transform_decode), OpenBLAS's own threads would spin between products and take the
+other layer's core (a 1,024-token SmolLM2 cache, as the daemon runs it, no OpenBLAS preloaded, three
+runs each on a 2-core box: decoding at 0.18-0.20 GB/s against 0.23-0.24 on one BLAS thread, coding at
+0.08-0.12 against 0.13-0.15). So the pool, when made, sets NumPy's BLAS to one thread for the
+process (threadpoolctl).
 """
 
 import os
@@ -17,6 +24,8 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
+
+from threadpoolctl import threadpool_limits
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -44,6 +53,7 @@ def layer_pool() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
+            threadpool_limits(1, user_api="blas")
             _pool = ThreadPoolExecutor(LAYER_THREADS, thread_name_prefix=THREAD_PREFIX)
         return _pool
 
