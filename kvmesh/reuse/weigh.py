@@ -60,7 +60,7 @@ def fetch_or_prefill(
     transfers, else a short probe's, within `timeout` seconds); its decode takes what this machine
     measured for the model and codec; a transform coded copy counts its basis unless this machine
     holds one of the model's (`bases`: their ids). A full copy a peer would code on request adds that
-    copy (`on_request_copy`) when its level's loss is within `max_kl`.
+    copy (`on_request_copy`) at each level whose loss is within `max_kl` (`request_levels`).
     Without timed prefills of the model (`ensure_calibrated`), fetching is the choice, the copies in
     the order given.
     """
@@ -88,25 +88,41 @@ def fetch_or_prefill(
                 setup_s=rates.link_setup(address),
             )
         )
-        if candidate.HasField("on_request") and codec == "full" and within_level(max_kl):
-            copies.append(on_request_copy(rates, model_fp, address, candidate, tokens=held + tokens, bases=bases))
+        if candidate.HasField("on_request") and codec == "full":
+            copies += [
+                on_request_copy(rates, model_fp, address, candidate, tokens=held + tokens, bases=bases, level=level)
+                for level in request_levels(max_kl)
+            ]
     return choose(tokens, copies, prefill, context=held)
 
 
-def within_level(max_kl: float | None) -> bool:
-    """Whether a copy coded at OFFERED_LEVEL is within the quality floor `max_kl`, by the loss
-    its level measured (kvmesh.codec.levels)."""
-    return max_kl is None or LEVELS[OFFERED_LEVEL].kl <= max_kl
+def request_levels(max_kl: float | None) -> list[str]:
+    """The levels a receiver with the quality floor `max_kl` weighs asking a peer to code at: each
+    whose measured loss (kvmesh.codec.levels) is within the floor; without a floor, OFFERED_LEVEL
+    alone (the level `--compress` codes at: a receiver that set no floor is not sent a lossier
+    copy made for it)."""
+    if max_kl is None:
+        return [OFFERED_LEVEL]
+    return [name for name, level in LEVELS.items() if level.kl <= max_kl]
 
 
 def on_request_copy(
-    rates: Rates, model_fp: ModelFingerprint, address: str, candidate: Candidate, *, tokens: int, bases: Collection[str]
+    rates: Rates,
+    model_fp: ModelFingerprint,
+    address: str,
+    candidate: Candidate,
+    *,
+    tokens: int,
+    bases: Collection[str],
+    level: str = OFFERED_LEVEL,
 ) -> Copy:
-    """The copy of `tokens` of `candidate` that its peer offers to code on request, as this machine
-    would fetch it: the coded bytes the peer expects, streaming at the rate coded copies reached from
-    it, its basis unless held here, the coding as long as the peer expects (a share of it for a
-    shorter prefix; before the peer has coded one: this machine's decode time of the copy, a like
-    amount of work) and this machine's decode."""
+    """The copy of `tokens` of `candidate` that its peer offers to code on request at `level`, as
+    this machine would fetch it: the coded bytes the peer expects (its float16 bytes over the level's
+    ratio on the bench, as the offer sizes OFFERED_LEVEL's), streaming at the rate coded copies
+    reached from it, its basis unless held here, the coding as long as the peer expects (a share of
+    it for a shorter prefix; the same at any level, which changes only the step; before the peer has
+    coded one: this machine's decode time of the copy, a like amount of work) and this machine's
+    decode."""
     offer = candidate.on_request
     share = tokens / max(1, candidate.num_tokens)
     decoding = rates.decoding(model_fp.model_id)
@@ -119,7 +135,7 @@ def on_request_copy(
         address,
         candidate.cache_id,
         "transform",
-        int(offer.coded_bytes * share),
+        int(offer.fp16_bytes / LEVELS[level].ratio * share),
         rates.stream_rate(address, "transform") or math.inf,
         measured=rates.link_source(address, "transform"),
         basis_bytes=0 if offer.basis_sha256 in bases else offer.basis_bytes,
@@ -127,7 +143,7 @@ def on_request_copy(
         decode_s=decode_s,
         layers=model_fp.num_layers,
         setup_s=rates.link_setup(address),
-        level=OFFERED_LEVEL,
+        level=level,
         encode_s=encode_s,
         encode_measured=how,
     )

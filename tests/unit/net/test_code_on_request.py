@@ -176,7 +176,7 @@ def receiver_rates(data_dir, model_id, address, *, bytes_per_s):
     return rates
 
 
-def test_the_receiver_asks_for_a_coded_copy_when_that_comes_sooner(tiny_fp, full_peer, tmp_path):
+def test_the_receiver_asks_for_a_coded_copy_when_that_comes_sooner(tiny_fp, basis, full_peer, tmp_path):
     address, root, prompt, _ = full_peer
 
     def found(name, bytes_per_s, **options):
@@ -208,6 +208,16 @@ def test_the_receiver_asks_for_a_coded_copy_when_that_comes_sooner(tiny_fp, full
     # A receiver whose quality floor is below the level's loss is not offered it.
     _, strict = found("strict", 100e3, max_kl=LEVELS["default"].kl / 2)
     assert [w.copy.level for w in strict.weighed] == [""]
+    # One whose floor admits the smaller level (and that holds the basis) weighs coding at both,
+    # beside the full copy and the default level's copy kept there, and asks for the smaller.
+    artifacts = artifact_store(tmp_path / "loose" / "store")
+    artifacts.put(basis.to_bytes(), basis.digest)
+    artifacts.set_model_basis(tiny_fp.model_id, basis.digest)
+    loose, decision = found("loose", 100e3, max_kl=LEVELS["small"].kl)
+    assert sorted(w.copy.level for w in decision.weighed) == ["", "", "default", "small"]
+    assert decision.best.copy.level == "small" and "coding it there at level small" in str(decision)
+    kept = CacheStore(tmp_path / "loose" / "store").manifest(loose.cache_id)
+    assert kept.quality.metric == LEVEL_KL and kept.quality.value == LEVELS["small"].kl
 
 
 def test_the_cli_fetches_a_copy_coded_on_request(tiny_fp, tiny_dir, full_peer, tmp_path):
