@@ -24,6 +24,11 @@ class Level:
     # per-layer step factors (kvmesh.codec.sensitivity), which coarser steps would take past the bar.
     one_step: float
 
+    def coded_bytes(self, fp16_bytes: float) -> int:
+        """What a cache of `fp16_bytes` in float16 is expected to take coded at this level: over
+        its ratio on the bench's worst text."""
+        return int(fp16_bytes / self.ratio)
+
     def step_for(self, factors: bool) -> float:
         """The level's step for a basis with per-layer step factors, or for one without."""
         return self.step if factors else self.one_step

@@ -55,7 +55,7 @@ CODING_TIMINGS = 8
 def expected_coded_bytes(manifest: pb.CacheManifest, level: str) -> int:
     """What a coded copy of the cache at `level` is expected to take: its float16 bytes over the
     level's ratio on the bench's worst text (kvmesh.codec.levels)."""
-    return int(fp16_bytes(manifest) / LEVELS[level].ratio)
+    return LEVELS[level].coded_bytes(fp16_bytes(manifest))
 
 
 class OnRequestCoding:

@@ -135,7 +135,7 @@ def on_request_copy(
         address,
         candidate.cache_id,
         "transform",
-        int(offer.fp16_bytes / LEVELS[level].ratio * share),
+        LEVELS[level].coded_bytes(offer.fp16_bytes * share),
         rates.stream_rate(address, "transform") or math.inf,
         measured=rates.link_source(address, "transform"),
         basis_bytes=0 if offer.basis_sha256 in bases else offer.basis_bytes,

@@ -150,15 +150,8 @@ class Index:
         writers once threw a sound index away for it, and one of them crashed when another had
         moved it first."""
         try:
-            for attempt in range(1, OPEN_TRIES + 1):
-                try:
-                    self._init()
-                    return
-                except sqlite3.OperationalError as e:
-                    if attempt == OPEN_TRIES:
-                        raise
-                    log.info("opening the store index %s failed (%s): trying again", self.path, e)
-                    time.sleep(OPEN_RETRY_S * attempt)
+            self._init_retrying()
+            return
         except sqlite3.DatabaseError as e:
             self._move_aside(e)
         except OSError as e:
@@ -167,6 +160,17 @@ class Index:
             self._init()
         except (sqlite3.Error, OSError) as e:
             raise StoreError(f"cannot open the store index at {self.path}: {e}") from e
+
+    def _init_retrying(self) -> None:
+        """`_init`, tried OPEN_TRIES times while it fails with an error that may pass."""
+        for attempt in range(1, OPEN_TRIES):
+            try:
+                self._init()
+                return
+            except sqlite3.OperationalError as e:
+                log.info("opening the store index %s failed (%s): trying again", self.path, e)
+                time.sleep(OPEN_RETRY_S * attempt)
+        self._init()
 
     def _move_aside(self, error: sqlite3.DatabaseError) -> None:
         """Put an unreadable index aside (another process may have done so already)."""
@@ -263,6 +267,7 @@ class Index:
     def insert(cls, db: sqlite3.Connection, manifest: pb.CacheManifest, file_bytes: int) -> None:
         """In `db`'s write transaction: an entry's rows (replacing any it had)."""
         now = now_ms()
+        loss = measured_loss(manifest)
         cls.unindex(db, manifest.cache_id)
         db.execute(
             "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -279,8 +284,8 @@ class Index:
                 now,
                 now,
                 lossy(manifest),
-                measured_loss(manifest),
-                manifest.quality.metric if measured_loss(manifest) is not None else None,
+                loss,
+                manifest.quality.metric if loss is not None else None,
             ),
         )
         db.executemany(
