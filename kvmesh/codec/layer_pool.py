@@ -15,8 +15,9 @@ Each layer's products run on one BLAS thread: where the codec's products are Num
 kvmesh.codec.transform_decode), OpenBLAS's own threads would spin between products and take the
 other layer's core (a 1,024-token SmolLM2 cache, as the daemon runs it, no OpenBLAS preloaded, three
 runs each on a 2-core box: decoding at 0.18-0.20 GB/s against 0.23-0.24 on one BLAS thread, coding at
-0.08-0.12 against 0.13-0.15). So the pool, when made, sets NumPy's BLAS to one thread for the
-process (threadpoolctl).
+0.08-0.12 against 0.13-0.15). So the pool, when made where the products are NumPy's, sets NumPy's
+BLAS to one thread for the process (threadpoolctl). Where MLX computes on a GPU (a Mac), NumPy's BLAS
+runs none of the codec's work, and is left as it is for whatever else the process computes with it.
 """
 
 import os
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import mlx.core as mx
 from threadpoolctl import threadpool_limits
 
 T = TypeVar("T")
@@ -48,12 +50,21 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
+def numpy_by_default() -> bool:
+    """Whether the codec's elementwise steps and matrix products run in NumPy (where MLX computes on
+    the CPU: NumPy's passes are several times quicker there than MLX's, which run one after another
+    on one core, and its products far quicker: kvmesh.codec.transform_decode's `_synthesised`)
+    rather than in MLX's graphs (what a GPU runs)."""
+    return mx.default_device() == mx.cpu
+
+
 def layer_pool() -> ThreadPoolExecutor:
     """The process's pool of `LAYER_THREADS` threads (made on first use, kept for the process)."""
     global _pool
     with _lock:
         if _pool is None:
-            threadpool_limits(1, user_api="blas")
+            if numpy_by_default():
+                threadpool_limits(1, user_api="blas")
             _pool = ThreadPoolExecutor(LAYER_THREADS, thread_name_prefix=THREAD_PREFIX)
         return _pool
 

@@ -59,9 +59,9 @@ from kvmesh.codec.layer_blob import (
     Writer,
     pack_zigzag,
 )
-from kvmesh.codec.layer_pool import map_layers
+from kvmesh.codec.layer_pool import map_layers, numpy_by_default
 from kvmesh.codec.rotary import rotate, token_major_tables
-from kvmesh.codec.transform_decode import RAW_DTYPES, numpy_by_default
+from kvmesh.codec.transform_decode import RAW_DTYPES
 
 SQRT12 = math.sqrt(12.0)
 

@@ -29,7 +29,7 @@ import zstandard
 
 from kvmesh.codec.basis import Basis, BasisError, TensorBasis
 from kvmesh.codec.layer_blob import ESCAPE, WIDTHS, Segments, TransformCodecError, read_header
-from kvmesh.codec.layer_pool import map_layers
+from kvmesh.codec.layer_pool import map_layers, numpy_by_default
 from kvmesh.codec.rotary import rotate, token_major_tables
 
 # The dtypes raw rows travel in (a header without one: float16).
@@ -178,14 +178,6 @@ class _Coefficients:
 
     values: mx.array
     largest: np.ndarray
-
-
-def numpy_by_default() -> bool:
-    """Whether the codec's elementwise steps and matrix products run in NumPy (where MLX computes on
-    the CPU: NumPy's passes are several times quicker there than MLX's, which run one after another
-    on one core, and its products far quicker: `_synthesised`) rather than in MLX's graphs (what a
-    GPU runs)."""
-    return mx.default_device() == mx.cpu
 
 
 def _coefficients(km: dict, seg: Segments, rows: int, *, tables: bool) -> _Coefficients:

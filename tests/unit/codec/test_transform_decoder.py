@@ -13,6 +13,8 @@ import contextlib
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -220,3 +222,32 @@ def test_a_forked_child_makes_its_own_layer_threads():
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+BLAS_THREADS_AROUND_THE_POOL = """
+import json
+import numpy  # (threadpoolctl sees the BLAS of the libraries loaded)
+from threadpoolctl import threadpool_info
+from kvmesh.codec.layer_pool import layer_pool, numpy_by_default
+
+def blas():
+    return [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+
+before = blas()
+layer_pool()
+print(json.dumps({"numpy": numpy_by_default(), "before": before, "after": blas()}))
+"""
+
+
+@pytest.mark.slow
+def test_the_layer_pool_gives_numpy_s_blas_one_thread_where_the_codec_s_products_are_numpy_s():
+    """Each layer thread runs its products on one BLAS thread (kvmesh.codec.layer_pool), set when the
+    pool is made: in a fresh process, since the limit holds for the whole process."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"}
+    done = subprocess.run(
+        [sys.executable, "-c", BLAS_THREADS_AROUND_THE_POOL], capture_output=True, text=True, env=env, check=True
+    )
+    seen = json.loads(done.stdout)
+    assert seen["numpy"], "MLX computes on the CPU here"
+    assert seen["before"] and max(seen["before"]) == 2, seen
+    assert seen["after"] == [1] * len(seen["before"]), seen
