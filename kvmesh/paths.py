@@ -71,6 +71,11 @@ def rates_file(data: Path | str) -> Path:
     return Path(data) / "rates.json"
 
 
+def coding_times_file(data: Path | str) -> Path:
+    """How long this machine's codings on request took, per model (kvmesh.net.on_request)."""
+    return Path(data) / "coding-times.json"
+
+
 def lock_file(data: Path | str) -> Path:
     """Held by the daemon of a data directory for its whole life: one daemon per data directory."""
     return Path(data) / "daemon.lock"

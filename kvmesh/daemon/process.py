@@ -41,7 +41,7 @@ from kvmesh.net.node_id import node_id
 from kvmesh.net.server import RunningServer, start_server
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.net.transport import GRPC_OPTIONS
-from kvmesh.paths import lock_file, state_file
+from kvmesh.paths import coding_times_file, lock_file, state_file
 from kvmesh.store import CacheStore
 from kvmesh.v1 import control_pb2 as cpb
 from kvmesh.v1 import control_pb2_grpc
@@ -169,6 +169,7 @@ class Daemon:
                 interceptors=self.membership.interceptors if self.membership else (),
                 services=[self.membership.add_to] if self.membership else (),
                 guarded=self.credentials is not None,
+                coding_times=coding_times_file(data_dir),
             )
         except ListenError as e:
             if holder := port_holder(e.port):

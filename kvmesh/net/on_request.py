@@ -16,19 +16,27 @@ and a process's first coding builds MLX's kernels (1 s for 128 tokens, against 0
 daemon that starts with a model's basis in its store, or first offers coding with one, readies all
 that in the background (`_ready`), so that a request does not wait for it and the first timing
 does not stand for the rest; a daemon that holds no basis never loads MLX.
+
+A daemon keeps its timings in its data directory (`coding-times.json`: kvmesh.paths), so that after a
+restart its offers say what coding takes here from the first lookup, not 0 until it has coded again.
+An offer gives the fit's fixed part too: a receiver that wants a shorter prefix scales the rest.
 """
 
+import json
 import logging
+import math
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.manifest import fp16_bytes, uncodable_reason
-from kvmesh.codec.timing import fit_codec_time
+from kvmesh.codec.timing import CodecTime, fit_codec_time
 from kvmesh.errors import KvmeshError, NotFoundError, Rejection, StoreError
+from kvmesh.files.atomic import write_atomic
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store
@@ -62,7 +70,8 @@ class OnRequestCoding:
     """Coding `store`'s full caches on request, for one daemon (one coding at a time: it takes the
     cores)."""
 
-    def __init__(self, store: CacheStore, node_id: str, *, enabled: bool = True):
+    def __init__(self, store: CacheStore, node_id: str, *, enabled: bool = True, timings: Path | None = None):
+        """`timings`: the file that keeps this machine's codings across restarts (None: memory only)."""
         self.store = store
         self.node_id = node_id
         self.enabled = enabled and not store.read_only
@@ -71,6 +80,9 @@ class OnRequestCoding:
         # Per model id: the latest codings on request, (tokens, seconds) from reading the full copy
         # to keeping the coded one.
         self._timings: dict[str, deque[tuple[float, float]]] = {}
+        self._timings_path = timings
+        if timings is not None and self.enabled:
+            self._timings = read_timings(timings)
         # (source id, tokens, level, basis) -> the id of the coded copy made for it.
         self._made: dict[tuple[str, int, str, str], str] = {}
         self._readied: set[str] = set()
@@ -104,19 +116,26 @@ class OnRequestCoding:
         if uncodable_reason(manifest):
             return None
         self._ready_soon(digest)
+        timed = self.coding_time(entry.model_id)
         return spb.OnRequest(
             basis_sha256=digest,
             basis_bytes=basis_bytes,
             fp16_bytes=fp16_bytes(manifest),
             coded_bytes=expected_coded_bytes(manifest, OFFERED_LEVEL),
-            encode_s=self.coding_s(entry.model_id, entry.num_tokens) or 0.0,
+            encode_s=timed.seconds(entry.num_tokens) if timed else 0.0,
+            encode_fixed_s=timed.fixed_s if timed else 0.0,
         )
 
-    def coding_s(self, model_id: str, tokens: int) -> float | None:
-        """The seconds coding `tokens` tokens of the model's caches is expected to take here, fitted
-        to the latest codings (kvmesh.codec.timing); None before the first."""
+    def coding_time(self, model_id: str) -> CodecTime | None:
+        """What coding the model's caches is expected to take here, fitted to the latest codings
+        (kvmesh.codec.timing); None before the first."""
         timings = self._timings.get(model_id)
-        return fit_codec_time(list(timings)).seconds(tokens) if timings else None
+        return fit_codec_time(list(timings)) if timings else None
+
+    def coding_s(self, model_id: str, tokens: int) -> float | None:
+        """The seconds coding `tokens` tokens of the model's caches is expected to take here."""
+        timed = self.coding_time(model_id)
+        return timed.seconds(tokens) if timed else None
 
     def coded(
         self, cache_id: str, manifest: pb.CacheManifest, request: spb.CodeRequest, num_tokens: int
@@ -223,9 +242,45 @@ class OnRequestCoding:
         coded = self.store.add(encoded.manifest, encoded.chunks)
         seconds = time.perf_counter() - start
         self._timings.setdefault(manifest.model.model_id, deque(maxlen=CODING_TIMINGS)).append((tokens, seconds))
+        if self._timings_path is not None:
+            write_timings(self._timings_path, self._timings)
         self._made[key] = coded.cache_id
         log.info(
             "coded %s (%d tokens) at level %s on request in %.2f s: %s, %d bytes",
             cache_id, tokens, level, seconds, coded.cache_id, coded.encoding.encoded_bytes,
         )  # fmt: skip
         return coded.cache_id
+
+
+def read_timings(path: Path) -> dict[str, deque[tuple[float, float]]]:
+    """The codings on request timed in `path` (`write_timings`), per model: none when there is no
+    file, or (with a warning) when it cannot be read; a timing that is not a positive number is
+    left out. They are advice: a daemon without them times its codings again."""
+    try:
+        models = json.loads(path.read_text())["models"]
+        return {
+            str(model): deque(
+                [
+                    (float(t), float(s))
+                    for t, s in timings
+                    if all(math.isfinite(float(x)) and float(x) > 0 for x in (t, s))
+                ][-CODING_TIMINGS:],
+                maxlen=CODING_TIMINGS,
+            )
+            for model, timings in models.items()
+        }
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("%s is unreadable (%s): codings on request are timed again", path, e)
+        return {}
+
+
+def write_timings(path: Path, timings: dict[str, deque[tuple[float, float]]]) -> None:
+    """Keep the codings timed here in `path`, replacing it whole (atomically); a full disk only
+    costs the timings."""
+    data = {"models": {model: [list(t) for t in kept] for model, kept in timings.items()}}
+    try:
+        write_atomic(path, json.dumps(data, indent=1))
+    except OSError as e:
+        log.warning("cannot keep the codings' timings in %s: %s", path, e.strerror or e)

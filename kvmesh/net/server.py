@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar, cast
 
 import grpc
@@ -92,7 +93,10 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         max_transfers: int = 4,
         policy: Policy | None = None,
         max_waiting: int | None = None,
+        coding_times: Path | None = None,
     ):
+        """`coding_times`: where this machine's codings on request are timed across restarts
+        (kvmesh.net.on_request; None: in memory only)."""
         self.store = store
         self.artifacts = artifact_store(store.root)
         self._artifact_sends = threading.BoundedSemaphore(ARTIFACT_SENDS)
@@ -100,7 +104,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
         self.policy = policy or Policy()
         self.limits = PeerLimits(self.policy)
         self.counters = TransferCounters(max_transfers, max_transfers if max_waiting is None else max_waiting)
-        self.coding = OnRequestCoding(store, node_id, enabled=self.policy.code_on_request)
+        self.coding = OnRequestCoding(store, node_id, enabled=self.policy.code_on_request, timings=coding_times)
         self._probe_message = probe_data(PROBE_MESSAGE_BYTES)
 
     def _admit(self, context: grpc.ServicerContext) -> str:
@@ -476,6 +480,7 @@ def start_server(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     services: Sequence[Callable[[grpc.Server], None]] = (),
     guarded: bool = False,
+    coding_times: Path | None = None,
 ) -> RunningServer:
     """Serve the kvmesh service, standard health checking and reflection.
 
@@ -485,7 +490,8 @@ def start_server(
     call (membership: kvmesh.net.admission); `services` add more services to the server (the
     Membership service). `guarded`: the addresses are served by a Guard that holds each peer address
     to `policy.connections_per_address` connections (kvmesh.net.guard), gRPC on a loopback port
-    behind it: the daemon on a mesh, whose port a stranger reaches.
+    behind it: the daemon on a mesh, whose port a stranger reaches. `coding_times`: the file that
+    keeps the codings on request timed here (the daemon's data directory: kvmesh.paths).
     """
     policy = policy or Policy()
     listen = [addresses] if isinstance(addresses, str) else addresses
@@ -509,6 +515,7 @@ def start_server(
         max_transfers=max_transfers,
         policy=policy,
         max_waiting=workers - max_transfers - RESERVED_WORKERS,
+        coding_times=coding_times,
     )
     add_service(service, server)
     for add in services:

@@ -119,8 +119,9 @@ def on_request_copy(
     """The copy of `tokens` of `candidate` that its peer offers to code on request at `level`, as
     this machine would fetch it: the coded bytes the peer expects (its float16 bytes over the level's
     ratio on the bench, as the offer sizes OFFERED_LEVEL's), streaming at the rate coded copies
-    reached from it, its basis unless held here, the coding as long as the peer expects (a share of
-    it for a shorter prefix; the same at any level, which changes only the step; before the peer has
+    reached from it, its basis unless held here, the coding as long as the peer expects (its fixed
+    part and a share of the rest for a shorter prefix; the same at any level, which changes only the
+    step; before the peer has
     coded one: this machine's decode time of the copy, a like amount of work) and this machine's
     decode."""
     offer = candidate.on_request
@@ -128,7 +129,8 @@ def on_request_copy(
     decoding = rates.decoding(model_fp.model_id)
     decode_s = decoding.seconds("transform", tokens) if decoding else None
     if offer.encode_s > 0:
-        encode_s, how = offer.encode_s * share, "measured there"
+        fixed = min(offer.encode_fixed_s, offer.encode_s)  # (0 from a peer that does not say)
+        encode_s, how = fixed + (offer.encode_s - fixed) * share, "measured there"
     else:
         encode_s, how = decode_s or 0.0, "not measured there yet: taken as this machine's decode"
     return Copy(

@@ -2,6 +2,7 @@
 it, codes it when a receiver asks (and it pays), keeps the copy, and refuses with a reason when it
 would not pay or cannot be done; the receiver's choice weighs that copy against the others."""
 
+import json
 import sys
 from importlib import resources
 from pathlib import Path
@@ -18,6 +19,7 @@ from kvmesh.codec.manifest import LEVEL_KL, transform_coded
 from kvmesh.codec.timing import CodecTime
 from kvmesh.errors import CacheRejected
 from kvmesh.net.client import PeerClient
+from kvmesh.paths import coding_times_file
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.reuse.find import find_prefix
 from kvmesh.reuse.rates import Decoding, Rates
@@ -104,6 +106,32 @@ def test_a_peer_codes_a_full_cache_on_request_and_keeps_the_copy(tiny_fp, basis,
     with PeerClient(address) as client:
         again = fetch_cache(client, entry.cache_id, profile, code=spb.CodeRequest(level="default"))
     assert again.manifest.cache_id == got.manifest.cache_id and len(CacheStore(root).entries()) == 2
+
+
+def test_a_restarted_peer_offers_the_coding_times_it_measured_before(tiny_fp, full_peer, serve, tmp_path):
+    """A daemon keeps its codings' timings in its data directory (kvmesh.paths.coding_times_file): after
+    a restart its offers say what coding takes from the first lookup; an unreadable file is timed again."""
+    address, root, prompt, _ = full_peer
+    [entry] = CacheStore(root).entries()
+    with PeerClient(address) as client:
+        fetch_cache(client, entry.cache_id, ReceiverProfile(tiny_fp), code=spb.CodeRequest(level="default"))
+    before = full_candidate(address, tiny_fp.model_id, prompt).on_request
+    assert before.encode_s > 0 and 0 <= before.encode_fixed_s <= before.encode_s
+
+    def restarted(address):
+        process = serve.processes.pop(address)
+        process.terminate()
+        assert process.wait(timeout=30) == 0
+        return serve(root)
+
+    address = restarted(address)
+    after = full_candidate(address, tiny_fp.model_id, prompt).on_request
+    assert (after.encode_s, after.encode_fixed_s) == (before.encode_s, before.encode_fixed_s)
+
+    coding_times_file(f"{root}.data").write_text(json.dumps({"models": {tiny_fp.model_id: [[384, "soon"]]}}))
+    address = restarted(address)
+    assert full_candidate(address, tiny_fp.model_id, prompt).on_request.encode_s == 0
+    assert "coding-times.json is unreadable" in Path(f"{root}.log").read_text()
 
 
 def test_a_shorter_prefix_is_cut_then_coded(tiny_fp, full_peer):

@@ -28,7 +28,7 @@ from kvmesh.reuse.rates import (
     Rates,
     fit_prefill,
 )
-from kvmesh.reuse.weigh import fetch_or_prefill, record_fetch
+from kvmesh.reuse.weigh import fetch_or_prefill, on_request_copy, record_fetch
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import ArtifactStore, artifact_store
 from kvmesh.v1 import cache_pb2 as pb
@@ -309,6 +309,24 @@ def test_decoding_is_counted_and_the_soonest_copy_is_weighed():
     # On Wi-Fi with the basis to fetch, neither copy beats the prefill.
     wifi = choose(4096, copies(200 * MB, 50 * MB, 12e6, basis_bytes=200 * MB), prefill_model)
     assert not wifi.fetch and str(wifi).endswith(": prefill")
+
+
+def test_a_peer_s_coding_on_request_of_a_shorter_prefix_costs_its_fixed_part_whole(tiny_fp, tmp_path):
+    """An offer says what coding the whole entry takes and the part of it fixed however short the
+    prefix (OnRequest.encode_fixed_s): a receiver that wants half the tokens expects the fixed part
+    and half the rest; a peer that does not say (0) is scaled whole, as before."""
+    candidate = spb.Candidate(cache_id="c" * 32, num_tokens=1000)
+    candidate.on_request.CopyFrom(spb.OnRequest(fp16_bytes=10 * MB, encode_s=1.0, encode_fixed_s=0.4))
+
+    def expected_coding(tokens: int) -> float:
+        copy = on_request_copy(Rates(tmp_path), tiny_fp, "127.0.0.1:1", candidate, tokens=tokens, bases=[])
+        assert copy.encode_measured == "measured there"
+        return copy.encode_s
+
+    assert expected_coding(1000) == pytest.approx(1.0)
+    assert expected_coding(500) == pytest.approx(0.4 + 0.6 * 0.5)
+    candidate.on_request.encode_fixed_s = 0
+    assert expected_coding(500) == pytest.approx(0.5)
 
 
 def test_decode_times_are_kept_beside_the_link_rates(tmp_path):
