@@ -9,8 +9,10 @@ copy the daemon codes on request from a full one (kvmesh.net.on_request; a full 
 each link, stored with another zstd level, so that each is coded anew: the row's fetch counts the
 coding, and "coding s" is that fetch less the stored coded copy's with the basis held). Per
 fetch: wire s (request to the last byte, the basis included), decode s (the same copy decoded again
-here, from the receiver's store), fetch s (request to caches ready) and first token s (fetch, then
-the next token fed); against a prefill of the same tokens here, then the next token.
+here, from the receiver's store), fetch s (request to caches ready), first token s (fetch, then
+the next token fed), and the CPU seconds the fetch took here (the receiving process, every thread)
+and there (the daemon): both ends share this machine's cores, which a pair of Macs would not;
+against a prefill of the same tokens here, then the next token.
 """
 
 import json
@@ -25,7 +27,7 @@ from support.real_model import blas_name, fast_blas, smollm2_dir
 PORT = 7481
 
 CHILD = """
-import json, sys, tempfile, time
+import json, os, sys, tempfile, time
 from pathlib import Path
 import mlx.core as mx
 import mlx_lm
@@ -43,7 +45,13 @@ from kvmesh.v1.service_pb2 import CodeRequest
 from kvmesh.allocator import tune_allocator
 
 tune_allocator()  # as the kvmesh command does
-model_dir, address, mesh_dir, prompt_file, copies = sys.argv[1:6]
+model_dir, address, mesh_dir, prompt_file, copies, daemon_pid = sys.argv[1:7]
+TICK = os.sysconf("SC_CLK_TCK")
+
+def daemon_cpu():
+    # utime and stime of the daemon (every thread), fields 14 and 15 of /proc/PID/stat
+    fields = Path(f"/proc/{daemon_pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
 model, _ = mlx_lm.load(model_dir)
 fp = fingerprint(Path(model_dir))
 credentials = load_credentials(Path(mesh_dir))
@@ -63,11 +71,12 @@ with tempfile.TemporaryDirectory() as tmp:
     store = CacheStore(Path(tmp))
     for name, cache_id, level in json.loads(copies):
         code = CodeRequest(level=level) if level else None
-        start = time.perf_counter()
+        start, cpu_here, cpu_there = time.perf_counter(), time.process_time(), daemon_cpu()
         with PeerClient(address, credentials=credentials) as client:
             fetched = fetch_cache(client, cache_id, ReceiverProfile(fp, prompt=prompt), store=store, code=code)
             ready(fetched.cache)
         fetch_s = time.perf_counter() - start
+        cpu_here, cpu_there = time.process_time() - cpu_here, daemon_cpu() - cpu_there
         ttft = fetch_s + first_token(fetched.cache, prompt[-1:])
         start = time.perf_counter()
         ready(load_prefix(store, fetched.manifest.cache_id, len(prompt) - 1))
@@ -75,6 +84,7 @@ with tempfile.TemporaryDirectory() as tmp:
         print(json.dumps({
             "copy": name, "wire_bytes": fetched.wire_bytes, "basis_bytes": fetched.basis_bytes,
             "wire_s": fetched.wire_s, "decode_s": decode_s, "fetch_s": fetch_s, "ttft_s": ttft,
+            "cpu_here_s": cpu_here, "cpu_there_s": cpu_there,
         }), flush=True)
 prefill_ttft = first_token(make_prompt_cache(model), prompt)
 print(json.dumps({"copy": "prefill here", "ttft_s": prefill_ttft}), flush=True)
@@ -93,6 +103,7 @@ def shaped(links: list[float], tokens: int) -> None:
     from kvmesh.codec.coded import TransformCoding, transform_code
     from kvmesh.codec.encode import EncodeOptions, encode_cache
     from kvmesh.codec.levels import LEVELS
+    from kvmesh.daemon.control import read_state
     from kvmesh.model.fingerprint import fingerprint
     from kvmesh.store import CacheStore
     from kvmesh.store.artifacts import artifact_store
@@ -122,6 +133,7 @@ def shaped(links: list[float], tokens: int) -> None:
         "fetch s",
         "coding s",
         "first token s",
+        "CPU s here / there",
     )
     for column in columns:
         table.add_column(column, justify="right")
@@ -140,6 +152,7 @@ def shaped(links: list[float], tokens: int) -> None:
         (root / "prompt.json").write_text(json.dumps(document[: tokens + 1]))
         across = namespaces.member_daemon_across_a_link(root, store.root, f"kvt{os.getpid() % 100000}", PORT)
         with across as (link, client_dir):
+            daemon_pid = read_state(client_dir.parent / "server").pid
             for mbit, source in zip(links, to_code, strict=True):
                 link.shape(mbit * 1e6)
                 copies = [
@@ -159,6 +172,7 @@ def shaped(links: list[float], tokens: int) -> None:
                         str(client_dir),
                         str(root / "prompt.json"),
                         json.dumps(copies),
+                        str(daemon_pid),
                     ],
                     capture_output=True,
                     text=True,
@@ -183,10 +197,12 @@ def shaped(links: list[float], tokens: int) -> None:
                         f"{row['basis_bytes'] / 1e6:.2f}" if "basis_bytes" in row else "-",
                         *cells,
                         f"{row['ttft_s']:.2f}",
+                        f"{row['cpu_here_s']:.2f} / {row['cpu_there_s']:.2f}" if "cpu_here_s" in row else "-",
                     )
     Console(width=140).print(table)
     print(
         "wire s: request to the last byte (connecting and TLS, the basis when fetched, included); decode s: the "
         "same copy decoded again from the receiver's store; fetch s: request to caches ready (decoding overlaps "
-        "the wire); first token s: the fetch, then the next token fed; prefill here: all the tokens and the next"
+        "the wire); first token s: the fetch, then the next token fed; CPU s: the fetch's, in the receiving process "
+        "and in the daemon (the same cores); prefill here: all the tokens and the next"
     )
