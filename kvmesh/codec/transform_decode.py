@@ -166,6 +166,7 @@ def _code_table(width: int) -> np.ndarray:
 
 
 _TABLES = {width: _code_table(width) for width in WIDTHS}
+_SIGNS = {width: np.sign(table) for width, table in _TABLES.items()}
 # The largest |q| a code of each width stands for (255 escapes one-byte codes: their values are
 # the escapes', which are counted apart).
 _LARGEST = {2: 2, 4: 8, 8: 127}
@@ -173,10 +174,11 @@ _LARGEST = {2: 2, 4: 8, 8: 127}
 
 @dataclass
 class _Coefficients:
-    """A tensor's coefficients in units of its step, (n, rows) float32 component-major, and per
-    component the largest magnitude they may have (from the codes' widths and the escapes)."""
+    """A tensor's coefficients in units of its step, (n, rows) float32 component-major (a NumPy
+    array where the product is NumPy's, which is all that reads them), and per component the
+    largest magnitude they may have (from the codes' widths and the escapes)."""
 
-    values: mx.array
+    values: mx.array | np.ndarray
     largest: np.ndarray
 
 
@@ -202,8 +204,13 @@ def _coefficients(km: dict, seg: Segments, rows: int, *, tables: bool) -> _Coeff
     largest = np.zeros(n)
     for at, count, width, _, delta, _, big in planes:
         largest[at : at + count] = max(_LARGEST[width], float(np.abs(big).max(initial=0))) + abs(delta)
-    out = (_unpack_tables if tables else _unpack)(planes, n, rows)
     escaped = [(where + at * rows, big) for at, _, _, _, _, where, big in planes if where.size]
+    if tables:
+        values = _unpack_tables(planes, n, rows)
+        for where, big in escaped:
+            values.reshape(-1)[where] = big
+        return _Coefficients(values, largest)
+    out = _unpack(planes, n, rows)
     if escaped:
         flat = out.reshape(-1)
         flat[mx.array(np.concatenate([w for w, _ in escaped]).astype(np.int32))] = mx.array(
@@ -213,21 +220,19 @@ def _coefficients(km: dict, seg: Segments, rows: int, *, tables: bool) -> _Coeff
     return _Coefficients(out, largest)
 
 
-def _unpack_tables(planes: list, n: int, rows: int) -> mx.array:
+def _unpack_tables(planes: list, n: int, rows: int) -> np.ndarray:
     """Each byte of codes looked up in a table of the values q + offset * sign(q) it holds, written
-    straight into an MLX buffer: one pass, where the graph makes several."""
-    out = mx.zeros((n, rows))
-    mx.eval(out)
-    view = np.array(out, copy=False)
+    straight into the array NumPy's product reads: one pass, where the graph makes several."""
+    out = np.empty((n, rows), np.float32)
     for at, count, width, plane, delta, _, _ in planes:
-        table = _TABLES[width] + np.float32(delta) * np.sign(_TABLES[width])
+        table = _TABLES[width] + np.float32(delta) * _SIGNS[width]
         packed = np.frombuffer(plane, dtype=np.uint8)
-        into = view[at : at + count].reshape(-1)
+        into = out[at : at + count].reshape(-1)
         per = 8 // width
-        if into.size == packed.size * per:
-            np.take(table, packed, axis=0, out=into.reshape(-1, per))
-        else:  # the last byte holds fewer codes
-            into[:] = np.take(table, packed, axis=0).reshape(-1)[: into.size]
+        whole = into.size // per  # bytes whose codes all belong to the group (the last may hold fewer)
+        np.take(table, packed[:whole], axis=0, out=into[: whole * per].reshape(-1, per))
+        if whole < packed.size:
+            into[whole * per :] = table[packed[whole]][: into.size - whole * per]
     return out
 
 
@@ -239,7 +244,9 @@ def _unpack(planes: list, n: int, rows: int) -> mx.array:
     return _values(joined, mx.array(scales[:, None]) if scales.any() else None)
 
 
-def _synthesised(coefficients: mx.array, tb: TensorBasis, n: int, scale: float, *, numpy: bool) -> mx.array:
+def _synthesised(
+    coefficients: mx.array | np.ndarray, tb: TensorBasis, n: int, scale: float, *, numpy: bool
+) -> mx.array:
     """(rows, F) = coefficients.T @ (the first n components times `scale`) + the mean: in NumPy
     (`numpy`: where MLX computes on the CPU) or in MLX's graph. The mlx[cpu] wheels for Linux link the
     reference BLAS: a 1,024-token layer of 8B geometry took 0.70 s to decode with MLX's product,
@@ -247,7 +254,10 @@ def _synthesised(coefficients: mx.array, tb: TensorBasis, n: int, scale: float, 
     there the GPU decodes."""
     if numpy:
         synthesis = tb.synthesis()[:n] * np.float32(scale)
-        return mx.array(np.asarray(coefficients).T @ synthesis + tb.mean)
+        rows = np.asarray(coefficients).T @ synthesis
+        rows += tb.mean
+        return mx.array(rows)
+    assert isinstance(coefficients, mx.array)
     return coefficients.T @ (tb.on_mlx("synthesis")[:n] * mx.array(np.float32(scale))) + tb.on_mlx("mean")
 
 
