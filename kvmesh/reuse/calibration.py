@@ -22,7 +22,6 @@ from kvmesh.caches.presses import Press, make_press
 from kvmesh.codec.basis import Basis, fit_basis
 from kvmesh.codec.calibration import full_attention_layers
 from kvmesh.codec.coded import code_at_level
-from kvmesh.codec.decode import CacheDecoder
 from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.rate import fastest_run
 from kvmesh.codec.rotary import model_rotaries
@@ -31,6 +30,7 @@ from kvmesh.codec.transform import layers_of_cache
 from kvmesh.errors import StoreError
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.reuse.rates import Decoding, Rates
+from kvmesh.reuse.receive import receive
 from kvmesh.store import CacheStore
 
 log = logging.getLogger(__name__)
@@ -118,21 +118,16 @@ def receive_seconds(
     repeat: int = DECODE_REPEAT,
 ) -> float:
     """Seconds a receiver takes to turn `cache`, encoded, into MLX caches while a store in `scratch`
-    keeps it (None: kept nowhere), as `kvmesh.reuse.fetch.fetch_cache` does with chunks that
-    arrived: the fastest of `repeat` after a warm-up (`kvmesh.codec.rate.fastest_run`), each into a
-    store of its own."""
+    keeps it (None: kept nowhere), in the pass a fetch makes over chunks that arrived
+    (`kvmesh.reuse.receive`): the fastest of `repeat` after a warm-up
+    (`kvmesh.codec.rate.fastest_run`), each into a store of its own."""
     manifest, chunks = encode_cache(cache, model_fp, prompt, press)
     encoded = list(chunks)
     # Made before the timing starts, as a fetch finds its store made.
     stores = [CacheStore(Path(tempfile.mkdtemp(dir=scratch))) for _ in range(repeat + 1)] if scratch else []
 
-    def receive() -> None:
-        decoder = CacheDecoder(manifest, bases)
-        decoded = decoder.feed_iter(encoded)
-        if stores:
-            stores.pop().add(manifest, decoded)
-        for _ in decoded:  # (what the store left: all of it when nothing keeps it)
-            pass
-        mx.eval([layer.state for layer in decoder.finish()])  # type: ignore[union-attr]  # never a CodedLayer
+    def received() -> None:
+        cache = receive(manifest, encoded, bases, stores.pop() if stores else None).cache
+        mx.eval([layer.state for layer in cache])  # type: ignore[union-attr]  # never a CodedLayer
 
-    return fastest_run(receive, repeat=repeat)
+    return fastest_run(received, repeat=repeat)

@@ -12,11 +12,11 @@ from kvmesh.codec.basis_file import basis_bytes_bound, geometry_problem
 from kvmesh.codec.chunks import Chunk
 from kvmesh.codec.coded import parse_basis, parsed_basis
 from kvmesh.codec.compat import ReceiverProfile, basis_problem
-from kvmesh.codec.decode import CacheDecoder
 from kvmesh.errors import IntegrityError, PeerError, Rejection, StoreError
 from kvmesh.net.client import PeerClient, Transfer
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.progress import Progress
+from kvmesh.reuse.receive import receive
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import ArtifactStore, Incoming, artifact_store
 from kvmesh.v1 import cache_pb2 as pb
@@ -103,25 +103,15 @@ def fetch_cache(
             if keep:
                 fetch.refuse(Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}"))
             store = None  # decode it all the same, without keeping it
-        decoder = CacheDecoder(manifest, bases)
         arrived = Arrivals(start, start)
-        decoded = decoder.feed_iter(timed(fetch.chunks(), arrived, fetch.held))
-        if store is not None:
-            try:
-                manifest = store.add(manifest, decoded)
-            except StoreError as e:  # the store failed, not the cache: it is decoded all the same
-                log.warning("the fetched cache is used but not kept: %s", e)
-                store = None
-        for _ in decoded:  # (what store.add left: all of it when nothing keeps it)
-            pass
-        cache = decoder.finish()
+        received = receive(manifest, timed(fetch.chunks(), arrived, fetch.held), bases, store)
     seconds = time.perf_counter() - start
     return Fetched(
-        manifest,
-        cache,
+        received.manifest,
+        received.cache,
         seconds,
         fetch.wire_bytes,
-        kept=store is not None,
+        kept=received.kept,
         basis_bytes=missing,
         basis_s=basis_s,
         wire_s=arrived.last - start,
