@@ -66,6 +66,8 @@ class CacheDecoder:
             for t, layer in enumerate(leaves)
             if layer.kind == pb.CACHE_KIND_TRANSFORM_KV and t in last
         }
+        # Their bytes are a blob for the decoder, not a tensor of the cache: received into NumPy.
+        self.coded_tensors = {t for t, _ in self.coded_at.values()}
         self.coded: dict[int, Layer] = {}
         self._decoding: list[tuple[int, futures.Future[Layer]]] = []
         self._memo: dict = {}  # rotation tables, shared by the coded layers' threads
@@ -76,13 +78,18 @@ class CacheDecoder:
             self._buffer(self.checker.plan[chunk.index].tensor)
         return chunk
 
-    def _buffer(self, tensor: int) -> mx.array:
-        buffer = self.buffers[tensor]
-        if buffer is None:
-            buffer = mx.zeros(*self.shapes[tensor])
-            mx.eval(buffer)
-            self.buffers[tensor], self.views[tensor] = buffer, uint_view(buffer)[0]
-        return buffer
+    def _buffer(self, tensor: int) -> mx.array | None:
+        """The tensor's MLX buffer, made now if need be (None for a transform-coded layer's bytes:
+        a NumPy buffer of their own, read by its decoder and dropped)."""
+        if self.views[tensor] is None:
+            shape, dtype = self.shapes[tensor]
+            if tensor in self.coded_tensors:
+                self.views[tensor] = np.empty(shape[1:], np.dtype(f"uint{8 * dtype.size}"))
+            else:
+                buffer = mx.zeros(shape, dtype)
+                mx.eval(buffer)
+                self.buffers[tensor], self.views[tensor] = buffer, uint_view(buffer)[0]
+        return self.buffers[tensor]
 
     def feed_all(self, chunks: Iterable[Chunk], threads: int = DECODE_THREADS) -> None:
         for _ in self.feed_iter(chunks, threads):
@@ -130,7 +137,8 @@ class CacheDecoder:
         layers' threads (`kvmesh.codec.layer_pool`) while the next ones arrive; taken in order."""
         view = self.views[tensor]
         assert view is not None, "a coded tensor is decoded once its chunks are written"
-        self._decoding.append((tensor, layer_pool().submit(self._decode_coded, layer, view.tobytes())))
+        blob = view.reshape(-1).view(np.uint8).data  # (its chunks are all in: nothing writes it again)
+        self._decoding.append((tensor, layer_pool().submit(self._decode_coded, layer, blob)))
 
     def _collect_coded(self, *, wait: bool) -> None:
         """Take the coded layers decoded so far (all of them when `wait`), raising the first failure."""
@@ -145,7 +153,7 @@ class CacheDecoder:
         futures.wait([future for _, future in self._decoding])
         self._decoding = []
 
-    def _decode_coded(self, layer: pb.LayerSpec, blob: bytes) -> Layer:
+    def _decode_coded(self, layer: pb.LayerSpec, blob: memoryview) -> Layer:
         """A transform-coded layer into its SparseKVCache (or the quantized cache asked for)."""
         try:
             dtype = DTYPES[dtype_name(self.manifest.dtype)]
@@ -183,7 +191,8 @@ class CacheDecoder:
             held = [next(tensors) for _ in layer.tensors]
             if layer.kind == pb.CACHE_KIND_TRANSFORM_KV:
                 return self.coded[held[0][0]]
-            return rebuild_layer(layer, [buf.view(DTYPES[tensor_dtype(spec)]) for _, (spec, buf) in held])
+            arrays = [buf.view(DTYPES[tensor_dtype(spec)]) for _, (spec, buf) in held if buf is not None]
+            return rebuild_layer(layer, arrays)
 
         caches = [rebuild(layer) for layer in self.manifest.layers]
         self.buffers, self.views = [], []
