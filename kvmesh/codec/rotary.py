@@ -7,12 +7,19 @@ kernel the model used, so removal then re-application is exact to float rounding
 
 Positions are given per stored row: a sparse cache keeps positions that need not be contiguous, and a
 press may keep different ones per head. Contiguous positions take the model's own call (one offset);
-otherwise `mx.fast.rope` gets one offset per batch entry, every row becoming its own batch entry
-`(N, 1, 1, head_dim)` with offset = its position: the same arithmetic as the model's call there.
+other rows are rotated by `rotate` with cos/sin tables read off the kernel (`rotation_table`: the
+kernel applied to unit pairs over the positions' range, at one offset, and the rows at the
+positions taken), each product and sum its own float32 operation (for float32 keys the CPU kernel's
+own floats; float16 ones within an ulp of them).
 
-The codec itself rotates with cos/sin tables read off the kernel (`rotate`, in MLX)
-(`rotation_table`: the kernel applied to unit pairs), computed once per set of positions for all
-layers: the same angles as the model's, without a kernel call per layer.
+So the kernel is only ever called as the model calls it: on a row-contiguous block, at one offset.
+MLX's CUDA kernel (mlx 0.32.4 on an H200) misread a broadcast block of rows given one offset per
+row (every transform-coded key decoded wrong), and failed to launch on 396 rows of one offset each
+(`cudaGraphAddKernelNode ... invalid argument`), where its CPU kernel gives the same floats either
+way (Metal: not measured).
+
+The codec itself rotates with these tables (`rotate`, in MLX), computed once per set of positions
+for all layers: the same angles as the model's, without a kernel call per layer.
 """
 
 from __future__ import annotations
@@ -120,19 +127,18 @@ def model_rotaries(model: Any, layers: Sequence[int] | None = None) -> list[Rota
     return out
 
 
-def _positions(positions: Any, shape: tuple[int, ...]) -> mx.array:
+def _positions(positions: Any, shape: tuple[int, ...]) -> np.ndarray:
     """Positions as one int32 per row of x (B, H, T, D), flattened in (B, H, T) order."""
     b, h, t, _ = shape
-    pos = mx.array(np.asarray(positions, dtype=np.int32)) if not isinstance(positions, mx.array) else positions
-    pos = pos.astype(mx.int32)
+    pos = np.asarray(positions, dtype=np.int32)
     if pos.ndim == 1:
         if pos.shape[0] != t:
             raise RotaryError(f"{pos.shape[0]} positions for {t} rows")
-        pos = mx.broadcast_to(pos[None, None], (b, h, t))
+        pos = np.broadcast_to(pos[None, None], (b, h, t))
     elif pos.ndim == 2:
         if tuple(pos.shape) != (h, t):
             raise RotaryError(f"positions of shape {tuple(pos.shape)} for {h} heads of {t} rows")
-        pos = mx.broadcast_to(pos[None], (b, h, t))
+        pos = np.broadcast_to(pos[None], (b, h, t))
     elif pos.ndim != 3 or tuple(pos.shape) != (b, h, t):
         raise RotaryError(f"positions of shape {tuple(pos.shape)} for keys of shape {shape}")
     return pos.reshape(-1)
@@ -146,6 +152,7 @@ def apply_rope(x: mx.array, positions: Any, rotary: Rotary, inverse: bool = Fals
     shape = tuple(x.shape)
     if shape[2] == 0:
         return x
+    x = mx.contiguous(x)
     scale = -rotary.scale if inverse else rotary.scale
     freqs = None if rotary.freqs is None else mx.array(np.asarray(rotary.freqs, dtype=np.float32))
     start = contiguous_start(positions, shape)
@@ -163,8 +170,9 @@ def apply_rope(x: mx.array, positions: Any, rotary: Rotary, inverse: bool = Fals
 
     if start is not None:  # the model's own call: one offset for the whole block
         return rope(x, start)
-    # One batch entry per row, each with its own offset.
-    return rope(x.reshape(-1, 1, 1, shape[3]), _positions(positions, shape)).reshape(shape)
+    b, h, t, _ = shape
+    cos, sin = (a.reshape(b, h, t, rotary.dims) for a in rotation_table(rotary, _positions(positions, shape)))
+    return rotate(x.astype(mx.float32), cos, sin, rotary, inverse=inverse).astype(x.dtype)
 
 
 def contiguous_start(positions: Any, shape: tuple[int, ...]) -> int | None:
@@ -190,8 +198,9 @@ def rotation_table(rotary: Rotary, positions: Any) -> tuple[mx.array, mx.array]:
     sine, negated where the pair's first element takes it.
 
     Taken from the kernel itself (it rotates unit pairs), so a rotation applied with them matches
-    the model's own to float rounding. One call per distinct set of positions serves every layer
-    with the same rotary settings.
+    the model's own to float rounding: one call, at one offset, over the positions' range (lowest
+    to highest), whose rows at the positions are taken. One call per distinct set of positions
+    serves every layer with the same rotary settings.
     """
     pos = np.asarray(positions, dtype=np.int32).reshape(-1)
     half = rotary.dims // 2
@@ -200,8 +209,11 @@ def rotation_table(rotary: Rotary, positions: Any) -> tuple[mx.array, mx.array]:
     unit[0, first[0]] = 1.0
     if pos.size == 0:
         return mx.zeros((0, rotary.dims)), mx.zeros((0, rotary.dims))
-    x = mx.broadcast_to(mx.array(unit), (pos.size, rotary.dims)).reshape(1, pos.size, 1, rotary.dims)
-    out = apply_rope(x, pos.reshape(1, -1, 1), rotary).reshape(pos.size, rotary.dims)
+    low, span = int(pos.min()), int(pos.max()) - int(pos.min()) + 1
+    x = mx.broadcast_to(mx.array(unit), (span, rotary.dims)).reshape(1, 1, span, rotary.dims)
+    out = apply_rope(x, np.arange(low, low + span), rotary).reshape(span, rotary.dims)
+    if not (span == pos.size and bool((np.diff(pos) == 1).all())):
+        out = out[mx.array(pos - low)]
     cos, sin = out[:, first[0]], out[:, first[1]]
     if rotary.traditional:
         return (

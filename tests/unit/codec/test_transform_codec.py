@@ -89,6 +89,25 @@ def test_rope_round_trip_and_model_kernel():
     assert float(mx.abs(back - x).max()) < 2e-6
 
 
+@pytest.mark.parametrize("traditional", [False, True])
+def test_rows_at_positions_of_their_own_are_rotated_as_the_model_rotates_each_one(traditional):
+    """Rows each at its own position, contiguous in memory or a broadcast block (as the rotation
+    tables are made), come back as the model's own call rotates each row at its offset: the kernel
+    is only ever called as the model calls it (MLX's CUDA kernel misread a broadcast block given
+    one offset per row: every coded key decoded wrong on an H200)."""
+    rng = np.random.default_rng(3)
+    rot = Rotary(dims=16, traditional=traditional, base=10000.0, scale=1.0)
+    pos = np.stack([sparse_positions(rng, 30, 4000) for _ in range(2)])  # (H, T): per head
+    rows = mx.array(rng.standard_normal((1, 2, 30, 32)).astype(np.float32))
+    for x in (rows, mx.broadcast_to(rows[:, :, :1], rows.shape)):
+        got = np.asarray(apply_rope(x, pos, rot))
+        for h in range(2):
+            for t in range(30):
+                one = mx.contiguous(x[:, h : h + 1, t : t + 1])
+                want = mx.fast.rope(one, 16, traditional=traditional, base=10000.0, scale=1.0, offset=int(pos[h, t]))
+                np.testing.assert_allclose(got[:, h : h + 1, t : t + 1], np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 def test_rotary_with_freqs_and_scale():
     """A rope given as periods (mlx-lm's _freqs, as Llama3RoPE) and a linear scale."""
     rng = np.random.default_rng(2)
