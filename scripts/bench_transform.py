@@ -15,10 +15,16 @@ The process's allocator is tuned as the `kvmesh` command tunes it (`kvmesh.alloc
 measures only the codec's speed, at the `--compress` default level's step: encode and
 decode of the first probed text's cache (blobs to arrays, and the wire path: chunks through
 `kvmesh.codec.decode.decode_chunks` into caches), then the same for a cache of Llama-3.1-8B's
-geometry (8 KV heads of 128, synthetic numbers and basis: `kvmesh.codec.rate`).
+geometry (8 KV heads of 128, synthetic numbers and basis: `kvmesh.codec.rate`). The codec runs
+on MLX's default device: on a GPU, its MLX graphs (`kvmesh.codec.layer_pool.numpy_by_default`).
+
+`--save-coded FILE` keeps the probed cache as coded at that level (8 MB, against 62 MB of float32);
+`--speed --coded FILE --basis FILE` then times the codec on it where the model is not installed (a
+machine with a GPU): the cache is what decoding the file gives, which the encoder is timed on.
 
     scripts/dev run python scripts/bench_transform.py [--texts notes] [--ratios 4 8] [--json FILE]
-    scripts/dev run python scripts/bench_transform.py --speed [--basis FILE]
+    scripts/dev run python scripts/bench_transform.py --speed [--basis FILE] [--save-coded FILE]
+    python scripts/bench_transform.py --speed --coded FILE --basis FILE
 """
 
 import argparse
@@ -40,6 +46,7 @@ if "--speed" in sys.argv:
 fast_blas()
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from kvmesh.allocator import tune_allocator  # noqa: E402
 from kvmesh.caches.prefill import run_prompt  # noqa: E402
@@ -54,7 +61,7 @@ from kvmesh.codec.rate import measure_decode_rate, synthetic_basis, synthetic_la
 from kvmesh.codec.rotary import model_rotaries  # noqa: E402
 from kvmesh.codec.transform import encode_layers, fp16_nbytes, layers_of_cache  # noqa: E402
 from kvmesh.codec.transform_decode import decode_layers  # noqa: E402
-from kvmesh.model.fingerprint import fingerprint  # noqa: E402
+from kvmesh.model.fingerprint import ModelFingerprint, fingerprint  # noqa: E402
 from kvmesh.model.prompt import prompt_tokens  # noqa: E402
 from support import quality_probes as bq  # noqa: E402
 
@@ -149,21 +156,59 @@ def speed_rows(name: str, layers, basis: Basis, cache, fp, repeat: int) -> None:
     )
 
 
-def real_cache_speed(model, context: list[int], basis: Basis, model_dir: Path, repeat: int) -> None:
+def real_cache_speed(
+    model, context: list[int], basis: Basis, fp: ModelFingerprint, repeat: int, save_coded: Path | None
+) -> None:
     start = time.perf_counter()
     dense, _, _ = run_prompt(model, context)
     print(f"{len(context)} context tokens prefilled in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     cache = make_press("full").apply(dense)
-    speed_rows("SmolLM2-135M (30 x 3 x 64)", layers_of_cache(cache), basis, cache, fingerprint(model_dir), repeat)
+    layers = layers_of_cache(cache)
+    if save_coded:
+        blobs = encode_layers(layers, basis, step=LEVELS["default"].step).blobs
+        arrays = {f"layer.{i}": mx.array(np.frombuffer(blob, np.uint8)) for i, blob in enumerate(blobs)}
+        mx.save_safetensors(str(save_coded), arrays, {"fingerprint": json.dumps(fp.to_dict()), "basis": basis.digest})
+        print(f"the coded cache written to {save_coded}", file=sys.stderr)
+    speed_rows("SmolLM2-135M (30 x 3 x 64)", layers, basis, cache, fp, repeat)
 
 
-def synthetic_speed(model_dir: Path, repeat: int, *, tokens: int = 1024, n_layers: int = 4) -> None:
+def coded_cache_speed(path: Path, basis: Basis, repeat: int) -> ModelFingerprint:
+    """The rows of `real_cache_speed` on a cache written by `--save-coded` (decoded: a cache the
+    model could have made, within the codec's error of the one it made)."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    if meta.get("basis") != basis.digest:
+        sys.exit(f"{path} was coded with basis {meta.get('basis', '?')[:12]}, --basis is {basis.digest[:12]}")
+    blobs = [bytes(np.asarray(arrays[f"layer.{i}"])) for i in range(len(arrays))]
+    fp = ModelFingerprint(**json.loads(meta["fingerprint"]))
+    decoded = decode_layers(blobs, basis)
+    tokens = decoded[0][0].shape[2]
+    layers = [(k, v, np.arange(tokens)) for k, v in decoded]
+    cache = [SparseKVCache.from_arrays(k, v, tokens) for k, v in decoded]
+    name = f"SmolLM2-135M (30 x 3 x 64, decoded from {path.name})"
+    speed_rows(name, layers, basis, cache, fp, repeat)
+    return fp
+
+
+def synthetic_speed(fp: ModelFingerprint, repeat: int, *, tokens: int = 1024, n_layers: int = 4) -> None:
     """A float16 cache of Llama-3.1-8B's geometry (8 KV heads of 128), of `n_layers` layers."""
     basis = synthetic_basis(n_layers, 8, 128)
     layers = synthetic_layers(basis, tokens)
     cache = [SparseKVCache.from_arrays(k, v, tokens) for k, v, _ in layers]
-    fp = dataclasses.replace(fingerprint(model_dir), num_layers=n_layers, num_kv_heads=8, head_dim=128, dtype="float16")
+    fp = dataclasses.replace(fp, num_layers=n_layers, num_kv_heads=8, head_dim=128, dtype="float16")
     speed_rows(f"8B geometry ({n_layers} x 8 x 128, {tokens} tokens)", layers, basis, cache, fp, repeat)
+
+
+def decode_rates() -> None:
+    for heads, head_dim in ((3, 64), (8, 128)):
+        rate = measure_decode_rate(heads, head_dim)
+        print(f"measure_decode_rate({heads}, {head_dim}): {rate / 1e9:.3f} GB/s")
+
+
+def read_basis(path: Path) -> Basis:
+    digest = path.with_suffix(".sha256").read_text().strip()
+    basis = Basis.from_bytes(path.read_bytes(), digest)
+    print(f"basis {digest[:12]} read from {path}", file=sys.stderr)
+    return basis
 
 
 def main() -> None:
@@ -180,8 +225,18 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     parser.add_argument("--speed", action="store_true", help="only the codec's encode and decode GB/s")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs of each (--speed), the best kept")
+    parser.add_argument("--save-coded", type=Path, help="(--speed) also write the probed cache, coded, here")
+    parser.add_argument("--coded", type=Path, help="(--speed, --basis) time the codec on this --save-coded cache")
     args = parser.parse_args()
     tune_allocator()  # as the kvmesh command does: freed buffers kept for reuse
+    print(f"MLX's default device: {mx.default_device()}", file=sys.stderr)
+    if args.coded:
+        if not (args.speed and args.basis and args.basis.exists()):
+            parser.error("--coded needs --speed and the --basis the cache was coded with")
+        fp = coded_cache_speed(args.coded, read_basis(args.basis), args.repeat)
+        synthetic_speed(fp, args.repeat)
+        decode_rates()
+        return
 
     import mlx_lm
 
@@ -191,9 +246,7 @@ def main() -> None:
 
     basis: Basis | None = None
     if args.basis and args.basis.exists():
-        digest = args.basis.with_suffix(".sha256").read_text().strip()
-        basis = Basis.from_bytes(args.basis.read_bytes(), digest)
-        print(f"basis {digest[:12]} read from {args.basis}", file=sys.stderr)
+        basis = read_basis(args.basis)
     if basis is None:
         start = time.perf_counter()
         calibration = []
@@ -220,11 +273,10 @@ def main() -> None:
     texts = bq.load_texts()
     if args.speed:
         context = prompt_tokens(tokenizer, bq.with_facts(texts[args.texts[0]]), "", chat=True)
-        real_cache_speed(model, context, basis, smollm2_dir(), args.repeat)
-        synthetic_speed(smollm2_dir(), args.repeat)
-        for heads, head_dim in ((3, 64), (8, 128)):
-            rate = measure_decode_rate(heads, head_dim)
-            print(f"measure_decode_rate({heads}, {head_dim}): {rate / 1e9:.3f} GB/s")
+        fp = fingerprint(smollm2_dir())
+        real_cache_speed(model, context, basis, fp, args.repeat, args.save_coded)
+        synthetic_speed(fp, args.repeat)
+        decode_rates()
         return
     rows = []
     for name in args.texts:
