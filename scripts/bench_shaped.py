@@ -7,12 +7,14 @@ veth pair limited with `tbf` to each rate (mutual TLS, as on a LAN): the coded c
 receiver without the basis (it travels first), then again with it held, then the full copy, then a
 copy the daemon codes on request from a full one (kvmesh.net.on_request; a full copy of its own for
 each link, stored with another zstd level, so that each is coded anew: the row's fetch counts the
-coding, and "coding s" is that fetch less the stored coded copy's with the basis held). Per
-fetch: wire s (request to the last byte, the basis included), decode s (the same copy decoded again
-here, from the receiver's store), fetch s (request to caches ready), first token s (fetch, then
-the next token fed), and the CPU seconds the fetch took here (the receiving process, every thread)
-and there (the daemon): both ends share this machine's cores, which a pair of Macs would not;
-against a prefill of the same tokens here, then the next token.
+coding, and "coding s" is that fetch less the stored coded copy's with the basis held). Each fetch
+follows a lookup over the same channel, as `kvmesh.reuse.find.find_prefix` fetches: lookup s
+(connecting, mutual TLS and the lookup), then per fetch: wire s (request to the last byte, the basis
+included), decode s (the same copy decoded again here, from the receiver's store), fetch s (request
+to caches ready), first token s (lookup and fetch, then the next token fed), and the CPU seconds the
+fetch took here (the receiving process, every thread) and there (the daemon): both ends share this
+machine's cores, which a pair of Macs would not; against a prefill of the same tokens here, then the
+next token.
 """
 
 import json
@@ -71,18 +73,21 @@ with tempfile.TemporaryDirectory() as tmp:
     store = CacheStore(Path(tmp))
     for name, cache_id, level in json.loads(copies):
         code = CodeRequest(level=level) if level else None
-        start, cpu_here, cpu_there = time.perf_counter(), time.process_time(), daemon_cpu()
         with PeerClient(address, credentials=credentials) as client:
+            start = time.perf_counter()
+            client.lookup(fp.model_id, prompt[:-1])
+            lookup_s = time.perf_counter() - start
+            start, cpu_here, cpu_there = time.perf_counter(), time.process_time(), daemon_cpu()
             fetched = fetch_cache(client, cache_id, ReceiverProfile(fp, prompt=prompt), store=store, code=code)
             ready(fetched.cache)
-        fetch_s = time.perf_counter() - start
-        cpu_here, cpu_there = time.process_time() - cpu_here, daemon_cpu() - cpu_there
-        ttft = fetch_s + first_token(fetched.cache, prompt[-1:])
+            fetch_s = time.perf_counter() - start
+            cpu_here, cpu_there = time.process_time() - cpu_here, daemon_cpu() - cpu_there
+        ttft = lookup_s + fetch_s + first_token(fetched.cache, prompt[-1:])
         start = time.perf_counter()
         ready(load_prefix(store, fetched.manifest.cache_id, len(prompt) - 1))
         decode_s = time.perf_counter() - start
         print(json.dumps({
-            "copy": name, "wire_bytes": fetched.wire_bytes, "basis_bytes": fetched.basis_bytes,
+            "copy": name, "wire_bytes": fetched.wire_bytes, "basis_bytes": fetched.basis_bytes, "lookup_s": lookup_s,
             "wire_s": fetched.wire_s, "decode_s": decode_s, "fetch_s": fetch_s, "ttft_s": ttft,
             "cpu_here_s": cpu_here, "cpu_there_s": cpu_there,
         }), flush=True)
@@ -128,6 +133,7 @@ def shaped(links: list[float], tokens: int) -> None:
         "copy",
         "wire MB",
         "basis MB",
+        "lookup s",
         "wire s",
         "decode s",
         "fetch s",
@@ -187,9 +193,8 @@ def shaped(links: list[float], tokens: int) -> None:
                     if row["copy"] == "coded on request" and held_s is not None:
                         row["coding_s"] = row["fetch_s"] - held_s
                     print(json.dumps({"mbit": mbit, **row}))
-                    cells = [
-                        f"{row[k]:.2f}" if k in row else "-" for k in ("wire_s", "decode_s", "fetch_s", "coding_s")
-                    ]
+                    times = ("lookup_s", "wire_s", "decode_s", "fetch_s", "coding_s")
+                    cells = [f"{row[k]:.2f}" if k in row else "-" for k in times]
                     table.add_row(
                         f"{mbit:g}",
                         row["copy"],
@@ -201,8 +206,9 @@ def shaped(links: list[float], tokens: int) -> None:
                     )
     Console(width=140).print(table)
     print(
-        "wire s: request to the last byte (connecting and TLS, the basis when fetched, included); decode s: the "
-        "same copy decoded again from the receiver's store; fetch s: request to caches ready (decoding overlaps "
-        "the wire); first token s: the fetch, then the next token fed; CPU s: the fetch's, in the receiving process "
-        "and in the daemon (the same cores); prefill here: all the tokens and the next"
+        "lookup s: connecting, TLS and the lookup before the fetch, on the same channel; wire s: the fetch's request "
+        "to its last byte (the basis when fetched included); decode s: the same copy decoded again from the "
+        "receiver's store; fetch s: request to caches ready (decoding overlaps the wire); first token s: lookup and "
+        "fetch, then the next token fed; CPU s: the fetch's, in the receiving process and in the daemon (the same "
+        "cores); prefill here: all the tokens and the next"
     )
