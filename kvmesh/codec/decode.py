@@ -17,14 +17,13 @@ from mlx_lm.models.cache import CacheList
 
 from kvmesh.caches.kinds import arrays_from_state, chunked_from_arrays, window_from_arrays
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
-from kvmesh.codec.arrays import DTYPES, UINT_OF_SIZE, Layer, mlx_shape, uint_view, write_rows
+from kvmesh.codec.arrays import DTYPES, UINT_OF_SIZE, Layer, all_finite, mlx_shape, uint_view, write_rows
 from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.chunks import DECODE_THREADS, Chunk, ChunkChecker, Raw, ordered_map
 from kvmesh.codec.coded import decode_coded
 from kvmesh.codec.layer_blob import TransformCodecError
 from kvmesh.codec.layer_pool import layer_pool
 from kvmesh.codec.manifest import ITEMSIZE, leaf_layers, tensor_dtype, token_major
-from kvmesh.codec.transform_decode import finite
 from kvmesh.errors import IntegrityError
 from kvmesh.model.fingerprint import dtype_name
 from kvmesh.v1 import cache_pb2 as pb
@@ -127,9 +126,11 @@ class CacheDecoder:
     def _check_finite(self) -> None:
         """Every float tensor that arrived as it is holds finite numbers (coded layers are checked as
         they decode): checksums prove the bytes are the sender's, not that they are a cache."""
-        for i, (spec, buffer) in enumerate(zip(self.checker.specs, self.buffers, strict=True)):
+        for i, (spec, buffer, view) in enumerate(zip(self.checker.specs, self.buffers, self.views, strict=True)):
             dtype = DTYPES[tensor_dtype(spec)]
-            if buffer is not None and mx.issubdtype(dtype, mx.floating) and not finite(buffer.view(dtype)):
+            if buffer is None or view is None or not mx.issubdtype(dtype, mx.floating):
+                continue
+            if not all_finite(buffer, view, dtype):
                 raise IntegrityError(f"tensor {i} ({spec.name}) of the cache holds NaN or infinite numbers")
 
     def _start_coded(self, tensor: int, layer: pb.LayerSpec) -> None:

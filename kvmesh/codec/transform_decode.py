@@ -142,14 +142,6 @@ def decode_layer(
     return keys, values
 
 
-def finite(*arrays: mx.array) -> bool:
-    """Every number of `arrays` is finite (evaluating them, in one evaluation): so that a cache of
-    NaNs (a lying sender's steps or raw rows, a basis that passed its checks) is never kept."""
-    checks = [mx.isfinite(a).all() for a in arrays]
-    mx.eval(*arrays, *checks)
-    return all(bool(c) for c in checks)
-
-
 def _raw_array(data: bytes, dtype: str, shape: tuple[int, ...]) -> mx.array:
     """Raw rows from their bytes, in their own dtype."""
     if dtype not in RAW_DTYPES:

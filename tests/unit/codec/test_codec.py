@@ -8,7 +8,7 @@ import pytest
 
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
-from kvmesh.caches.sparse import truncate
+from kvmesh.caches.sparse import SparseKVCache, truncate
 from kvmesh.codec.chunks import parse_frame
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import CacheDecoder, decode_chunks
@@ -236,3 +236,24 @@ def test_a_cut_refuses_what_it_cannot_serve_and_damage_it_reads(caches, tiny_fp,
     records = [c.frame() for c in chunks]
     with pytest.raises(IntegrityError, match=f"chunk {partial} is corrupt"):
         cut_prefix(manifest, lambda: iter(records), 128)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
+def test_a_number_that_is_not_finite_is_refused_in_every_float_dtype(tiny_fp, dtype):
+    """NaN, +inf and -inf in a tensor sent as it is fail the transfer; a tensor holding the dtype's
+    largest and smallest numbers, -0 and subnormals passes (the check reads the exponent bits)."""
+    info = {mx.float16: (65504.0, 2.0**-24), mx.bfloat16: (3.3895e38, 2.0**-133), mx.float32: (3.4028e38, 2.0**-149)}
+    largest, tiniest = info[dtype]
+    keys = mx.zeros((1, 2, 64, 16), dtype)
+    edges = mx.array([largest, -largest, tiniest, -tiniest, -0.0, 1.0]).astype(dtype)
+    keys[0, 1, 7, :6] = edges
+    assert bool(mx.isfinite(keys).all())
+    manifest, chunks = encode_cache([SparseKVCache.from_arrays(keys, keys, 64)], tiny_fp, list(range(64)))
+    decoded = decode_chunks(manifest, list(chunks))
+    assert mx.array_equal(decoded[0].keys_and_values()[0], keys)
+    for bad in (mx.nan, mx.inf, -mx.inf):
+        values = mx.zeros((1, 2, 64, 16), dtype)
+        values[0, 0, 63, 15] = bad
+        manifest, chunks = encode_cache([SparseKVCache.from_arrays(keys, values, 64)], tiny_fp, list(range(64)))
+        with pytest.raises(IntegrityError, match=r"tensor 1 \(values\) of the cache holds NaN or infinite"):
+            decode_chunks(manifest, list(chunks))
