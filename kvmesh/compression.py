@@ -63,15 +63,16 @@ def model_basis(
         except BasisError as e:  # (kept by an older kvmesh, or damaged): fitted again below
             log.warning("%s: fitting the model's basis again", e)
         else:
-            if basis.has_step_factors or not fitted_on(basis, default_texts()):
-                if not basis.has_step_factors:
+            current = basis.has_step_factors and basis.weighted
+            if current or not fitted_on(basis, default_texts()):
+                if not current:
                     log.warning(
-                        "the model's basis (fitted on your texts) predates per-layer steps, so --compress codes "
-                        "every layer at one step (larger caches at the same quality); run `kvmesh model "
-                        "calibrate MODEL --text ...` again to fit them"
+                        "the model's basis (fitted on your texts) predates %s, so --compress codes larger "
+                        "caches at the same quality; run `kvmesh model calibrate MODEL --text ...` again to fit %s",
+                        *(("per-layer steps", "them") if not basis.has_step_factors else ("attention weights", "it")),
                     )
                 return basis, None
-            log.info("the model's basis predates per-layer steps: fitting it again")
+            log.info("the model's basis predates per-layer steps or attention weights: fitting it again")
     if on_fit is not None:
         on_fit()
     calibrated = fit_model_basis(

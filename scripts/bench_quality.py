@@ -121,6 +121,11 @@ def main() -> None:
         action="store_true",
         help="code every layer at the one step given (keys at twice it), without the basis's per-layer factors",
     )
+    parser.add_argument(
+        "--unweighted",
+        action="store_true",
+        help="fit the basis's PCA without the attention's weights (kvmesh.codec.attention_metric), as before",
+    )
     args = parser.parse_args()
 
     import mlx_lm
@@ -128,7 +133,7 @@ def main() -> None:
     model, tokenizer = mlx_lm.load(str(smollm2_dir()))
     fp = fingerprint(smollm2_dir(), FileHashCache(Path(tempfile.mkdtemp()) / "hashes.sqlite3"))
     print(f"SmolLM2-135M-Instruct float32 on the CPU ({blas_name()})", file=sys.stderr)
-    calibrated = fit_model_basis(model, tokenizer)
+    calibrated = fit_model_basis(model, tokenizer, weigh=not args.unweighted)
     basis = calibrated.basis
     if args.one_step:
         basis = basis.without_step_factors()

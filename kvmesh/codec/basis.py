@@ -25,7 +25,11 @@ import mlx.core as mx
 import numpy as np
 
 from kvmesh.codec.basis_file import FORMAT, BasisError, read_basis, safetensors_bytes
+from kvmesh.codec.levels import Level
 from kvmesh.codec.rotary import Rotary, remove_rope
+
+# What `info["weighted"]` says of a basis whose PCA weighed the features as attention does.
+ATTENTION_WEIGHTS = "attention"
 
 
 @dataclass
@@ -86,8 +90,19 @@ class TensorBasis:
         return np.asarray(coefficients, dtype=np.float32) @ self.synthesis()[:n] + self.mean
 
 
-def fit_tensor_basis(rows: np.ndarray | None = None, *, moments: tuple | None = None, dtype=np.float16) -> TensorBasis:
-    """The PCA of (N, F) rows, or of accumulated `moments` (count, sum (F,), sum of outer products (F, F))."""
+def fit_tensor_basis(
+    rows: np.ndarray | None = None,
+    *,
+    moments: tuple | None = None,
+    dtype=np.float16,
+    weights: np.ndarray | None = None,
+) -> TensorBasis:
+    """The PCA of (N, F) rows, or of accumulated `moments` (count, sum (F,), sum of outer products (F, F)).
+
+    With `weights` (F,), of the rows scaled by their square roots (the features an error costs more
+    in: kvmesh.codec.attention_metric): the components are then the principal axes of the scaled
+    rows, scaled back (so no longer orthonormal: the analysis is their inverse all the same), and
+    the coefficients' RMS theirs, so that a uniform step spends its error where it costs least."""
     if moments is None:
         assert rows is not None
         r = np.asarray(rows, dtype=np.float64)
@@ -97,6 +112,8 @@ def fit_tensor_basis(rows: np.ndarray | None = None, *, moments: tuple | None = 
         raise BasisError("a basis needs at least two calibration rows")
     mean = total / count
     cov = outer / count - np.outer(mean, mean)
+    root = np.ones(len(mean)) if weights is None else np.sqrt(np.asarray(weights, dtype=np.float64))
+    cov = cov * np.outer(root, root)
     cov = (cov + cov.T) / 2
     eigvals, eigvecs = np.linalg.eigh(cov)
     order = np.argsort(eigvals)[::-1]
@@ -106,7 +123,7 @@ def fit_tensor_basis(rows: np.ndarray | None = None, *, moments: tuple | None = 
     eigvecs = eigvecs * np.where(signs == 0, 1.0, signs)
     return TensorBasis(
         mean=mean.astype(np.float32),
-        components=np.ascontiguousarray(eigvecs.T.astype(dtype)),
+        components=np.ascontiguousarray((eigvecs.T / root).astype(dtype)),
         rms=np.sqrt(eigvals).astype(np.float32),
     )
 
@@ -164,6 +181,17 @@ class Basis:
     def has_step_factors(self) -> bool:
         """Whether calibration fitted a step factor per layer and tensor (kvmesh.codec.sensitivity)."""
         return "steps" in self.info
+
+    @property
+    def weighted(self) -> bool:
+        """Whether its PCA was fitted with the attention's weights (kvmesh.codec.attention_metric):
+        the `--compress` levels' steps were measured on such bases; one fitted before them needs
+        its own (kvmesh.codec.levels)."""
+        return self.info.get("weighted") == ATTENTION_WEIGHTS
+
+    def step_at(self, level: Level) -> float:
+        """The global step a `--compress` level codes with on this basis."""
+        return level.step_for(factors=self.has_step_factors, weighted=self.weighted)
 
     def without_step_factors(self) -> Basis:
         """This basis as fitted before per-layer step factors: one step for every layer."""
@@ -230,12 +258,14 @@ def fit_basis(
     skip: int = 4,
     dtype=np.float16,
     info: dict[str, Any] | None = None,
+    weights: Sequence[tuple[np.ndarray | None, np.ndarray | None]] | None = None,
 ) -> Basis:
     """Fit the per-layer key and value bases from calibration caches.
 
     `calibration` yields caches, each a sequence of per-layer (keys, values, positions); keys are
     un-rotated with `rotaries` first. The first `skip` rows of each cache (the attention sinks, which
-    the codec sends raw) are left out of the fit.
+    the codec sends raw) are left out of the fit. `weights`, per layer (keys', values'), weigh the
+    features (`fit_tensor_basis`; None: not weighed); the basis then says so (`Basis.weighted`).
     """
     n_layers = len(rotaries)
     acc: list[list[Any]] = [[None, None] for _ in range(n_layers)]
@@ -259,7 +289,12 @@ def fit_basis(
                     acc[i][j][2] = acc[i][j][2] + m[2]
     if caches == 0:
         raise BasisError("no calibration caches")
-    keys_b = [fit_tensor_basis(moments=tuple(a[0]), dtype=dtype) for a in acc]
-    values_b = [fit_tensor_basis(moments=tuple(a[1]), dtype=dtype) for a in acc]
+    w = list(weights) if weights is not None else [(None, None)] * n_layers
+    if len(w) != n_layers:
+        raise BasisError(f"weights for {len(w)} layers of {n_layers}")
+    keys_b = [fit_tensor_basis(moments=tuple(a[0]), dtype=dtype, weights=w[i][0]) for i, a in enumerate(acc)]
+    values_b = [fit_tensor_basis(moments=tuple(a[1]), dtype=dtype, weights=w[i][1]) for i, a in enumerate(acc)]
     meta = {"caches": caches, "skip": skip, **(info or {})}
+    if any(x is not None for pair in w for x in pair):
+        meta["weighted"] = ATTENTION_WEIGHTS
     return Basis(keys_b, values_b, list(rotaries), meta)

@@ -27,8 +27,12 @@ TENSOR_DTYPES = {"mean": ("F32",), "components": ("F16", "F32"), "rms": ("F32",)
 # pair, so one of its features reaches sqrt(2) times that.
 FLOAT16_MAX = 65504.0
 FEATURE_LIMITS = {"k": math.sqrt(2) * FLOAT16_MAX, "v": FLOAT16_MAX}
-# Each component is a unit row: float16 rounding of its entries moves its norm by ~2^-11, so a row
-# further than this from 1 is not one (and no entry of a unit row exceeds 1 + this).
+# Each component is a unit row, scaled back from the space where the features were weighed
+# (kvmesh.codec.attention_metric): by 1 / sqrt(weight), each weight at least WEIGHT_FLOOR of their mean
+# of 1, so its norm lies between 1 / sqrt(F * (1 + WEIGHT_FLOOR)) and 1 / sqrt(WEIGHT_FLOOR) (1 for a
+# basis fitted without weights). Float16 rounding of its entries moves its norm by ~2^-11: a row
+# further than UNIT_TOLERANCE beyond those bounds is not one.
+WEIGHT_FLOOR = 0.01
 UNIT_TOLERANCE = 2**-6
 # A header's bytes: per layer, six tensors' names, shapes and offsets and a rotary's settings (its
 # frequencies too: up to 256 of them); beside them, how the basis was fitted (the texts' names).
@@ -95,11 +99,18 @@ def read_basis(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     return tensors, meta
 
 
+def component_norms(features: int) -> tuple[float, float]:
+    """The least and the largest norm a component of `features` may have (see WEIGHT_FLOOR)."""
+    return (1 - UNIT_TOLERANCE) / math.sqrt(features * (1 + WEIGHT_FLOOR)), (1 + UNIT_TOLERANCE) / math.sqrt(
+        WEIGHT_FLOOR
+    )
+
+
 def tensor_problem(name: str, array: np.ndarray) -> str | None:
     """Why one tensor of a basis (`layers.{i}.{k|v}.{mean|components|rms}`) cannot be a PCA of
-    float16 KV, or None: a mean is within what a feature can be; a component is a unit row; a
-    coefficient's RMS is at most the longest a centred row can be (2 * limit * sqrt(F)), in order of
-    decreasing variance."""
+    float16 KV, or None: a mean is within what a feature can be; a component is a unit row, weighed
+    (`component_norms`); a coefficient's RMS is at most what the longest centred row (2 * limit *
+    sqrt(F)) can give, in order of decreasing variance."""
     *_, kind, what = ["", *name.split(".")]
     x = array.astype(np.float64)
     if not np.isfinite(x).all():
@@ -107,12 +118,15 @@ def tensor_problem(name: str, array: np.ndarray) -> str | None:
     limit = FEATURE_LIMITS.get(kind, FLOAT16_MAX)
     if what == "mean" and x.size and (top := float(np.abs(x).max())) > limit:
         return f"a mean of {top:.4g}, beyond what float16 KV holds ({limit:.6g})"
-    if what == "components" and x.ndim == 2:
+    if what == "components" and x.ndim == 2 and x.size:
         norms = np.sqrt((x * x).sum(axis=1))
-        if x.size and (far := float(np.abs(norms - 1.0).max())) > UNIT_TOLERANCE:
-            return f"a component's norm is {1.0 + far:.4g} or {1.0 - far:.4g}, not 1 (components are unit rows)"
+        low, high = component_norms(x.shape[1])
+        if norms.min() < low or norms.max() > high:
+            far = float(norms.min() if norms.min() < low else norms.max())
+            return f"a component's norm is {far:.4g}, outside [{low:.4g}, {high:.4g}] (unit rows, weighed)"
     if what == "rms" and x.size:
-        bound = 2 * limit * math.sqrt(x.size)
+        # (Coefficients of weighed rows: at most sqrt(F * (1 + WEIGHT_FLOOR)) times a row's length.)
+        bound = 2 * limit * math.sqrt(x.size) * component_norms(x.size)[0] ** -1
         if x.min() < 0 or x.max() > bound:
             return f"an RMS of {float(x.min() if x.min() < 0 else x.max()):.4g}, outside [0, {bound:.6g}]"
         if (np.diff(x) > 0).any():

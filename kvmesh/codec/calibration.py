@@ -6,7 +6,9 @@ few texts (each cut to `tokens_per_text` tokens, in the model's chat template as
 and fits the basis from those caches. The default texts are Python's own help topics
 (`pydoc_data.topics`): they ship with every Python, mix English prose with code, and are none of the
 texts kvmesh's quality benchmark probes. On SmolLM2-135M four texts of 1,024 tokens take ~3 s to
-prefill here and the fit well under a second (scripts/bench_quality.py prints both). Then each
+prefill here and the fit well under a second (scripts/bench_quality.py prints both). The fit weighs
+each feature as attention weighs an error there, from the queries recorded while the texts prefill
+(kvmesh.codec.attention_metric). Then each
 layer's keys and values get their own step factor from how much the model's predictions move when
 that tensor alone is coded (kvmesh.codec.sensitivity): two short passes per layer.
 """
@@ -20,9 +22,10 @@ from typing import Any
 from mlx_lm.models.cache import KVCache
 
 from kvmesh.caches.prefill import run_prompt
+from kvmesh.codec.attention_metric import layer_weights, recording_queries
 from kvmesh.codec.basis import Basis, fit_basis
 from kvmesh.codec.levels import CALIBRATION_TOKENS
-from kvmesh.codec.rotary import RotaryError, model_rotaries
+from kvmesh.codec.rotary import RotaryError, model_layers, model_rotaries
 from kvmesh.codec.sensitivity import PROBE_TOKENS, step_factors, tensor_sensitivities
 from kvmesh.codec.transform import layers_of_cache
 from kvmesh.errors import KvmeshError
@@ -87,10 +90,15 @@ def fit_model_basis(
     tokens_per_text: int = CALIBRATION_TOKENS,
     info: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
+    weigh: bool = True,
 ) -> Calibrated:
-    """The model's basis, fitted on its caches of `texts` (default: `default_texts()`)."""
+    """The model's basis, fitted on its caches of `texts` (default: `default_texts()`), its PCA
+    weighed as attention weighs errors (kvmesh.codec.attention_metric; `weigh=False`: as before,
+    for comparison)."""
     texts = dict(texts or default_texts())
     calibration = []
+    every = model_layers(model)
+    recorded = []  # each prefill's queries (kvmesh.codec.attention_metric)
     layers: list[int] | None = None
     total = 0
     start = time.perf_counter()
@@ -101,7 +109,9 @@ def fit_model_basis(
         tokens = read[:tokens_per_text]
         if len(tokens) < 16:
             raise KvmeshError(f"a calibration text of {len(tokens)} tokens is too short (give at least a page)")
-        cache, _, _ = run_prompt(model, tokens)
+        with recording_queries(every, range(len(every))) as queries:
+            cache, _, _ = run_prompt(model, tokens)
+        recorded.append(queries)
         if probed is None:
             # What the model predicts next with the cache: the text past it, or (a text too short
             # for that) its own last tokens read again.
@@ -120,11 +130,13 @@ def fit_model_basis(
     prefill_s = time.perf_counter() - start
     assert layers is not None
     start = time.perf_counter()
+    rotaries = model_rotaries(model, layers)
     basis = fit_basis(
         calibration,
-        model_rotaries(model, layers),
+        rotaries,
         # The texts' names only (a --text path's file name): the basis travels to peers.
         info={**(info or {}), "layers": layers, "texts": sorted(Path(name).name for name in texts), "tokens": total},
+        weights=layer_weights(every, layers, rotaries, recorded) if weigh else None,
     )
     fit_s = time.perf_counter() - start
     assert probed is not None

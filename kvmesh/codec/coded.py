@@ -154,7 +154,7 @@ def code_at_level(cache: Sequence, basis: Basis, level: str) -> list:
     per-layer step factors or without); KvmeshError for a level that does not exist."""
     if level not in LEVELS:
         raise KvmeshError(f"unknown compression level {level!r}; choose one of {', '.join(LEVELS)}")
-    return transform_code(cache, TransformCoding(basis, step=LEVELS[level].step_for(basis.has_step_factors)))
+    return transform_code(cache, TransformCoding(basis, step=basis.step_at(LEVELS[level])))
 
 
 def coded_artifacts(cache: Sequence) -> list[pb.Artifact]:

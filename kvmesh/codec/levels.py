@@ -20,8 +20,10 @@ class Level:
     max_kl: float
     ratio: float
     kl: float
-    # The largest step that met the same bar with one step for every layer: for a basis fitted before
-    # per-layer step factors (kvmesh.codec.sensitivity), which coarser steps would take past the bar.
+    # The largest steps that met the same bar with bases fitted before: with per-layer step factors
+    # (kvmesh.codec.sensitivity) but without the attention's weights (kvmesh.codec.attention_metric),
+    # and with one step for every layer; on those, this level's step would take the cache past the bar.
+    factors_step: float
     one_step: float
 
     def coded_bytes(self, fp16_bytes: float) -> int:
@@ -29,15 +31,22 @@ class Level:
         its ratio on the bench's worst text."""
         return int(fp16_bytes / self.ratio)
 
-    def step_for(self, factors: bool) -> float:
-        """The level's step for a basis with per-layer step factors, or for one without."""
-        return self.step if factors else self.one_step
+    def step_for(self, *, factors: bool, weighted: bool) -> float:
+        """The level's step for a basis with or without per-layer step factors, fitted with or
+        without the attention's weights (`Basis.has_step_factors`, `Basis.weighted`)."""
+        if not factors:
+            return self.one_step
+        return self.step if weighted else self.factors_step
 
 
-# scripts/bench_quality.py --methods full --steps ..., 2026-12-03 (worst of declaration / notes / code),
-# with the basis's per-layer step factors (kvmesh.codec.sensitivity); one step for every layer had
-# reached 3.68x at KL 0.0024 (step 0.12) and 5.10x at KL 0.0171 (step 0.28).
+# scripts/bench_quality.py --methods full --steps 0.17 0.18 0.19 0.2 0.44 0.46 0.48 0.5, 2026-12-04
+# (worst of declaration / notes / code), with the basis fitted in the attention's weights
+# (kvmesh.codec.attention_metric) and its per-layer step factors (kvmesh.codec.sensitivity). The
+# Declaration's KL does not grow evenly with the step there (0.0031 / 0.0024 / 0.0029 / 0.0037 at
+# 0.17-0.2): the default takes 0.18, not 0.19 (4.36x at 0.0029, at the bar). Before the weights, with
+# the factors alone: 3.74x at KL 0.0018 (step 0.15) and 6.27x at 0.0165 (step 0.5); with one step for
+# every layer 3.68x at 0.0024 (step 0.12) and 5.10x at 0.0171 (step 0.28).
 LEVELS: dict[str, Level] = {
-    "default": Level(step=0.15, max_kl=0.003, ratio=3.74, kl=0.0018, one_step=0.12),
-    "small": Level(step=0.5, max_kl=0.02, ratio=6.27, kl=0.0165, one_step=0.28),
+    "default": Level(step=0.18, max_kl=0.003, ratio=4.27, kl=0.0024, factors_step=0.15, one_step=0.12),
+    "small": Level(step=0.48, max_kl=0.02, ratio=6.68, kl=0.0195, factors_step=0.5, one_step=0.28),
 }

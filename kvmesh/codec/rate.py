@@ -77,7 +77,7 @@ def measure_decode_rate(
     quicker."""
     basis = synthetic_basis(LAYER_THREADS, heads, head_dim)
     layers = synthetic_layers(basis, tokens)
-    default = LEVELS["default"].step_for(basis.has_step_factors)
+    default = basis.step_at(LEVELS["default"])
     blobs = encode_layers(layers, basis, step=default if step is None else step).blobs
     return fp16_nbytes(layers) / fastest_run(lambda: mx.eval(decode_layers(blobs, basis)), repeat=repeat)
 

@@ -104,7 +104,8 @@ def rotary_of(rope: Any) -> Rotary:
     return Rotary(int(dims), bool(traditional), float(base), float(getattr(rope, "scale", 1.0)))
 
 
-def _layers(model: Any) -> list:
+def model_layers(model: Any) -> list:
+    """An mlx-lm model's decoder layers (`layers` on the model, or on its `model`, or on that one's)."""
     for owner in (model, getattr(model, "model", None), getattr(getattr(model, "model", None), "model", None)):
         layers = getattr(owner, "layers", None)
         if layers is not None:
@@ -116,7 +117,7 @@ def model_rotaries(model: Any, layers: Sequence[int] | None = None) -> list[Rota
     """Per layer (or per layer of `layers`), the rotary settings of an mlx-lm model's attention
     (`layers[i].self_attn.rope`)."""
     out = []
-    every = _layers(model)
+    every = model_layers(model)
     for i in range(len(every)) if layers is None else layers:
         layer = every[i]
         attn = getattr(layer, "self_attn", None)

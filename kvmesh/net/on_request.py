@@ -206,7 +206,7 @@ class OnRequestCoding:
 
         try:
             basis = self._basis(digest)
-            step = LEVELS[OFFERED_LEVEL].step_for(basis.has_step_factors)
+            step = basis.step_at(LEVELS[OFFERED_LEVEL])
             encode_layers(synthetic_layers(basis, WARM_UP_TOKENS), basis, step=step)
         except (KvmeshError, ValueError) as e:  # the request that follows says so
             log.warning("cannot ready basis %s for coding on request: %s", digest[:12], e)

@@ -103,25 +103,37 @@ def test_coding_a_tensor_coarser_adds_more_kl(tiny, basis, prompt_ids):
         assert coarse[kind].sum() > 4 * fine[kind].sum() > 0, (kind, fine, coarse)
 
 
-def test_a_stored_basis_from_before_the_factors_is_fitted_again_unless_fitted_on_the_users_texts(
-    basis, tiny_loaded, prompt_ids, tmp_path, caplog
+def unweighted(basis: Basis, **info) -> Basis:
+    """`basis` as a kvmesh before the attention's weights fitted it (its factors kept)."""
+    plain = {k: v for k, v in basis.info.items() if k != "weighted"}
+    return replace(basis, info={**plain, **info}, _bytes=None, _digest=None)
+
+
+@pytest.mark.parametrize(
+    "older, predates, step_of",
+    [(unfitted, "per-layer steps", "one_step"), (unweighted, "attention weights", "factors_step")],
+    ids=["without-factors", "without-weights"],
+)
+def test_a_stored_basis_from_before_is_fitted_again_unless_fitted_on_the_users_texts(
+    basis, tiny_loaded, prompt_ids, tmp_path, caplog, older, predates, step_of
 ):
-    """--compress on a store whose basis predates step factors: one fitted on the default texts is
-    fitted again (its levels are measured with factors); one fitted on the user's texts is kept, said."""
+    """--compress on a store whose basis predates step factors or the attention's weights: one fitted
+    on the default texts is fitted again (the levels are measured on current bases); one fitted on the
+    user's texts is kept, said, and coded at the step the level met its bar with on such bases."""
     model_id = tiny_loaded.fingerprint.model_id
+    assert basis.weighted and basis.has_step_factors
     for store, old, refitted in [
-        (tmp_path / "a", unfitted(basis), True),
-        (tmp_path / "b", unfitted(basis, texts=["my-notes.md"]), False),
+        (tmp_path / "a", older(basis), True),
+        (tmp_path / "b", older(basis, texts=["my-notes.md"]), False),
     ]:
         artifacts = artifact_store(store)
         artifacts.put(old.to_bytes(), old.digest)
         artifacts.set_model_basis(model_id, old.digest)
         got, calibrated = model_basis(store, tiny_loaded, tokens_per_text=64)
-        assert (calibrated is not None) is refitted and got.has_step_factors is refitted
+        assert (calibrated is not None) is refitted and (got.weighted and got.has_step_factors) is refitted
         assert artifacts.model_basis(model_id) == (got.digest if refitted else old.digest)
-        # The level's step for the basis at hand: with one step for every layer, the one that met its bar.
         level = LEVELS["default"]
         coded = compress(tiny_loaded.model, prefill(tiny_loaded.model, prompt_ids).cache, prompt_ids, "default", got)
         steps = {layer.spec.value_step / got.step_factor(layer.spec.basis_layer, "v", 2.0) for layer in coded.cache}
-        assert steps and all(s == pytest.approx(level.step if refitted else level.one_step) for s in steps)
-    assert "predates per-layer steps, so --compress codes every layer at one step" in caplog.text
+        assert steps and all(s == pytest.approx(level.step if refitted else getattr(level, step_of)) for s in steps)
+    assert f"predates {predates}, so --compress codes larger caches at the same quality" in caplog.text
