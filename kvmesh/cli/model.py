@@ -63,15 +63,18 @@ def calibrate(args: Args) -> int:
         "prefill_s": round(calibrated.prefill_s, 2),
         "fit_s": round(calibrated.fit_s, 2),
         "sensitivity_s": round(calibrated.sensitivity_s, 2),
+        # Whether its PCA weighed the features as attention does (kvmesh.codec.attention_metric).
+        "weighted": basis.weighted,
     }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
+        weighed = " in the attention's weights" if basis.weighted else ""
         print(
             f"basis {basis.digest[:12]} for model {result['model_id']}: {basis.nbytes / 1e6:.2f} MB, "
             f"{len(basis)} layers, fitted on {calibrated.tokens:,} tokens of {result['texts']} texts "
-            f"(prefills {calibrated.prefill_s:.1f} s, fit {calibrated.fit_s:.2f} s, each layer's step from its "
-            f"sensitivity {calibrated.sensitivity_s:.1f} s); `--compress` codes "
+            f"(prefills {calibrated.prefill_s:.1f} s, fit {calibrated.fit_s:.2f} s{weighed}, "
+            f"each layer's step from its sensitivity {calibrated.sensitivity_s:.1f} s); `--compress` codes "
             "this model's caches with it, and peers fetch it once with the first such cache"
         )
     return 0

@@ -24,7 +24,8 @@ alone, 4.27x with both; a full (non-diagonal) metric for the keys, their queries
 over RoPE's turns, measured no better (about 4.2x).
 
 A layer whose attention this cannot read (no `q_proj`, `o_proj` and head counts as mlx-lm's llama
-names them, or a norm applied to the queries after q_proj) keeps plain PCA for that tensor.
+names them) keeps plain PCA; one that norms its queries after q_proj (qwen3's and gemma3's q_norm),
+plain PCA for its keys.
 """
 
 from collections.abc import Iterator, Sequence
@@ -64,9 +65,14 @@ class _QuerySquares:
         return self.total() / max(self.count, 1)
 
 
+def _heads(attn: Any) -> bool:
+    """Whether a layer's attention names its projections and head counts as mlx-lm's llama does."""
+    return all(hasattr(attn, a) for a in ("q_proj", "o_proj", "n_heads", "n_kv_heads"))
+
+
 def _readable(attn: Any) -> bool:
-    """Whether a layer's attention is shaped as this module reads it."""
-    return all(hasattr(attn, a) for a in ("q_proj", "o_proj", "n_heads", "n_kv_heads")) and not hasattr(attn, "q_norm")
+    """Whether q_proj's output is the layer's queries (no norm applied to them after it)."""
+    return _heads(attn) and not hasattr(attn, "q_norm")
 
 
 @contextmanager
@@ -132,15 +138,13 @@ def layer_weights(
     out: list[tuple[np.ndarray | None, np.ndarray | None]] = []
     for i, rotary in zip(layers, rotaries, strict=True):
         attn = getattr(every_layer[i], "self_attn", None)
-        squares = [r[i] for r in recorded if i in r and r[i].count]
-        if attn is None or not squares:
+        if attn is None or not _heads(attn):
             out.append((None, None))
             continue
-        mean_square = np.sum([s.total() for s in squares], axis=0) / sum(s.count for s in squares)
-        out.append(
-            (
-                key_weights(mean_square, attn.n_heads, attn.n_kv_heads, rotary),
-                value_weights(attn.o_proj, attn.n_heads, attn.n_kv_heads),
-            )
-        )
+        squares = [r[i] for r in recorded if i in r and r[i].count]
+        keys = None
+        if squares:
+            mean_square = np.sum([s.total() for s in squares], axis=0) / sum(s.count for s in squares)
+            keys = key_weights(mean_square, attn.n_heads, attn.n_kv_heads, rotary)
+        out.append((keys, value_weights(attn.o_proj, attn.n_heads, attn.n_kv_heads)))
     return out

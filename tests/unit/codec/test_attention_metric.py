@@ -91,3 +91,15 @@ def test_a_model_s_basis_is_fitted_weighed_and_reads_back(tiny):
     assert not unweighed.weighted
     norms = np.linalg.norm(basis.keys[0].components.astype(np.float32), axis=1)
     assert norms.max() > 1.05  # its components were scaled back from the weighed space
+
+
+def test_a_model_that_norms_its_queries_after_q_proj_weighs_its_values_alone(preset_model):
+    """qwen3's q_norm comes between q_proj and the scores: what q_proj gives is not the queries, so
+    its keys are fitted as before (unit rows), its values in o_proj's weights."""
+    model, tokenizer = preset_model("tiny-qwen3")
+    basis = fit_model_basis(model, tokenizer, tokens_per_text=64).basis
+    assert basis.weighted
+    for keys, values in zip(basis.keys, basis.values, strict=True):
+        # (float16 rounding moves a unit row's norm by ~2^-11; a random o_proj's columns differ little.)
+        np.testing.assert_allclose(np.linalg.norm(keys.components.astype(np.float32), axis=1), 1.0, atol=2**-9)
+        assert np.abs(np.linalg.norm(values.components.astype(np.float32), axis=1) - 1).max() > 2**-8
