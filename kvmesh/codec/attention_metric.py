@@ -19,9 +19,10 @@ each normalised to a mean of 1 and floored at `WEIGHT_FLOOR` of it (a feature no
 keeps some; a basis's components are checked against the norms that floor allows: kvmesh.codec.basis_file).
 
 Measured on SmolLM2 with scripts/bench_quality.py (three texts, the worst; the per-layer step factors
-fitted on top, kvmesh.codec.sensitivity), at KL <= 0.003: 3.74x without weights, 3.93x with the keys'
-alone, 4.27x with both; a full (non-diagonal) metric for the keys, their queries' covariance averaged
-over RoPE's turns, measured no better (about 4.2x).
+fitted on top, kvmesh.codec.sensitivity), the default level at KL <= 0.003: 3.74x without weights,
+4.27x with them (the keys' alone: 3.93x at KL 0.0019); a full (non-diagonal) metric for the keys,
+their queries' covariance averaged over RoPE's turns, measured no better (4.08x at 0.0024, 4.37x at
+0.0038). The README has the frontier.
 
 A layer whose attention this cannot read (no `q_proj`, `o_proj` and head counts as mlx-lm's llama
 names them) keeps plain PCA; one that norms its queries after q_proj (qwen3's and gemma3's q_norm),
