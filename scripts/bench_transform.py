@@ -267,6 +267,7 @@ def main() -> None:
             file=sys.stderr,
         )
         if args.basis:
+            args.basis.parent.mkdir(parents=True, exist_ok=True)  # (the README's path is in ~/.cache)
             args.basis.write_bytes(data)
             args.basis.with_suffix(".sha256").write_text(basis.digest + "\n")
 
