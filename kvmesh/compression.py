@@ -66,10 +66,14 @@ def model_basis(
             current = basis.has_step_factors and basis.weighted
             if current or not fitted_on(basis, default_texts()):
                 if not current:
+                    missing, them = (
+                        ("per-layer steps", "them") if not basis.has_step_factors else ("attention weights", "it")
+                    )
                     log.warning(
                         "the model's basis (fitted on your texts) predates %s, so --compress codes larger "
                         "caches at the same quality; run `kvmesh model calibrate MODEL --text ...` again to fit %s",
-                        *(("per-layer steps", "them") if not basis.has_step_factors else ("attention weights", "it")),
+                        missing,
+                        them,
                     )
                 return basis, None
             log.info("the model's basis predates per-layer steps or attention weights: fitting it again")

@@ -62,9 +62,6 @@ class _QuerySquares:
         """Each feature's sum of squares so far (float64)."""
         return np.zeros(0) if self.sums is None else np.asarray(self.sums).astype(np.float64)
 
-    def mean_square(self) -> np.ndarray:
-        return self.total() / max(self.count, 1)
-
 
 def _heads(attn: Any) -> bool:
     """Whether a layer's attention names its projections and head counts as mlx-lm's llama does."""

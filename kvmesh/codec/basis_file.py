@@ -126,7 +126,7 @@ def tensor_problem(name: str, array: np.ndarray) -> str | None:
             return f"a component's norm is {far:.4g}, outside [{low:.4g}, {high:.4g}] (unit rows, weighed)"
     if what == "rms" and x.size:
         # (Coefficients of weighed rows: at most sqrt(F * (1 + WEIGHT_FLOOR)) times a row's length.)
-        bound = 2 * limit * math.sqrt(x.size) * component_norms(x.size)[0] ** -1
+        bound = 2 * limit * math.sqrt(x.size) / component_norms(x.size)[0]
         if x.min() < 0 or x.max() > bound:
             return f"an RMS of {float(x.min() if x.min() < 0 else x.max()):.4g}, outside [0, {bound:.6g}]"
         if (np.diff(x) > 0).any():

@@ -109,7 +109,8 @@ def fit_model_basis(
         tokens = read[:tokens_per_text]
         if len(tokens) < 16:
             raise KvmeshError(f"a calibration text of {len(tokens)} tokens is too short (give at least a page)")
-        with recording_queries(every, range(len(every))) as queries:
+        # (The layers it codes are known after the first prefill: until then, every layer's queries.)
+        with recording_queries(every, range(len(every)) if layers is None else layers) as queries:
             cache, _, _ = run_prompt(model, tokens)
         recorded.append(queries)
         if probed is None:
