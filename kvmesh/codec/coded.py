@@ -12,6 +12,8 @@ positions it kept (`SparseKVCache.kept_positions`: the codec needs each key's po
 off), which its blob carries; quantized layers stay as the press made them.
 """
 
+from __future__ import annotations
+
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ import numpy as np
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.layer_blob import TransformCodecError, read_header
-from kvmesh.codec.levels import LEVELS
+from kvmesh.codec.levels import LEVELS, Level
 from kvmesh.codec.manifest import BASIS_KIND
 from kvmesh.codec.rotary import Rotary
 from kvmesh.codec.transform import encode_layers
@@ -40,8 +42,16 @@ class TransformCoding:
     basis: Basis
     step: float
     sinks: int = 4
+    # The last coded rows, at `tail_factor` times each tensor's step (kvmesh.codec.transform).
+    tail: int = 0
+    tail_factor: float = 1.0
     recent: int = 0
     key_factor: float = 2.0
+
+    @classmethod
+    def at_level(cls, basis: Basis, level: Level) -> TransformCoding:
+        """A `--compress` level's coding (kvmesh.codec.levels): its step for `basis`, its tail."""
+        return cls(basis, step=basis.step_at(level), tail=level.tail, tail_factor=level.tail_factor)
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,8 @@ def transform_code(cache: Sequence, coding: TransformCoding) -> list:
         step=coding.step,
         basis_layers=basis_layers,
         sinks=coding.sinks,
+        tail=coding.tail,
+        tail_factor=coding.tail_factor,
         recent=coding.recent,
         key_factor=coding.key_factor,
     )
@@ -143,6 +155,10 @@ def transform_code(cache: Sequence, coding: TransformCoding) -> list:
             value_components=header["v"]["n"],
             rotary=rotary_to_proto(coding.basis.rotaries[j]),
         )
+        if "tail" in header:
+            spec.tail = header["tail"]
+            spec.key_tail_step, spec.value_tail_step = header["k"]["tail"]["step"], header["v"]["tail"]["step"]
+            spec.key_tail_components, spec.value_tail_components = header["k"]["tail"]["n"], header["v"]["tail"]["n"]
         dtype = str(cache[i].keys.dtype).rsplit(".", 1)[-1]
         kept = cache[i].n_kept if cache[i].n_kept != cache[i].offset else None
         out[i] = CodedLayer(blob, spec, cache[i].offset, dtype, coding.basis, kept)
@@ -154,7 +170,7 @@ def code_at_level(cache: Sequence, basis: Basis, level: str) -> list:
     per-layer step factors or without); KvmeshError for a level that does not exist."""
     if level not in LEVELS:
         raise KvmeshError(f"unknown compression level {level!r}; choose one of {', '.join(LEVELS)}")
-    return transform_code(cache, TransformCoding(basis, step=basis.step_at(LEVELS[level])))
+    return transform_code(cache, TransformCoding.at_level(basis, LEVELS[level]))
 
 
 def coded_artifacts(cache: Sequence) -> list[pb.Artifact]:
@@ -184,6 +200,11 @@ def decode_coded(
         "value_step": t.value_step,
         "key_components": t.key_components,
         "value_components": t.value_components,
+        "tail": t.tail,
+        "key_tail_step": t.key_tail_step,
+        "value_tail_step": t.value_tail_step,
+        "key_tail_components": t.key_tail_components,
+        "value_tail_components": t.value_tail_components,
     }
     if spec.n_kept == spec.offset:
         expect["start"] = 0  # it kept every position

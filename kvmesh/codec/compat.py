@@ -45,7 +45,7 @@ from kvmesh.codec.prefix import prefix_sha256
 from kvmesh.errors import CacheRejected, Rejection
 from kvmesh.model.fingerprint import ModelFingerprint, dtype_name
 from kvmesh.v1 import cache_pb2 as pb
-from kvmesh.versions import SCHEMA_VERSION
+from kvmesh.versions import READABLE_SCHEMAS
 
 if TYPE_CHECKING:
     from kvmesh.codec.basis import Basis as BasisLike
@@ -196,14 +196,17 @@ def transform_problem(m: pb.CacheManifest, layer: pb.LayerSpec, bad: Callable[[s
             f"transform coded {layer.n_kept} of {layer.offset} positions, {t.kv_heads}x{t.head_dim} "
             f"(the cache is {m.num_kv_heads}x{m.head_dim})"
         )
-    steps_ok = all(math.isfinite(x) and x > 0 for x in (t.key_step, t.value_step))
-    if not steps_ok or t.key_components > features or t.value_components > features:
-        return bad(
-            f"transform steps {t.key_step}/{t.value_step}, components {t.key_components}/"
-            f"{t.value_components} of {features}"
-        )
-    if t.sinks + t.recent > layer.n_kept:
-        return bad(f"{t.sinks} sinks and {t.recent} recent rows of {layer.n_kept}")
+    regions = [(t.key_step, t.value_step, t.key_components, t.value_components)]
+    if t.tail:
+        regions.append((t.key_tail_step, t.value_tail_step, t.key_tail_components, t.value_tail_components))
+    for key_step, value_step, key_components, value_components in regions:
+        steps_ok = all(math.isfinite(x) and x > 0 for x in (key_step, value_step))
+        if not steps_ok or key_components > features or value_components > features:
+            return bad(
+                f"transform steps {key_step}/{value_step}, components {key_components}/{value_components} of {features}"
+            )
+    if t.sinks + t.recent + t.tail > layer.n_kept:
+        return bad(f"{t.sinks} sinks, {t.tail} tail and {t.recent} recent rows of {layer.n_kept}")
     r = t.rotary
     if not 0 < r.dims <= t.head_dim or r.dims % 2 or (r.HasField("base") == bool(r.freqs)):
         return bad(f"rotary of {r.dims} dims (head dim {t.head_dim}) needs a base or its frequencies, not both")
@@ -320,9 +323,10 @@ def expected_width(name: str, head_dim: int, bits: int, group_size: int) -> int:
 
 def check_manifest(m: pb.CacheManifest, profile: ReceiverProfile) -> Rejection | None:
     """None if the receiver can use the cache, else why not (the first reason found)."""
-    if m.schema_version != SCHEMA_VERSION:
+    if m.schema_version not in READABLE_SCHEMAS:
         return Rejection(
-            pb.REJECT_REASON_SCHEMA, f"manifest schema {m.schema_version}, this kvmesh reads {SCHEMA_VERSION}"
+            pb.REJECT_REASON_SCHEMA,
+            f"manifest schema {m.schema_version}, this kvmesh reads {' and '.join(map(str, READABLE_SCHEMAS))}",
         )
     if rejection := validate_manifest(m):
         return rejection

@@ -106,6 +106,12 @@ def layer_spec(layer: Layer, num_tokens: int) -> pb.LayerSpec:
     return spec
 
 
+def manifest_schema(leaves: Sequence[pb.LayerSpec]) -> int:
+    """The oldest schema that describes these layers (kvmesh.versions): 2 unless a transform-coded
+    layer has a tail."""
+    return SCHEMA_VERSION if any(layer.transform.tail for layer in leaves) else 2
+
+
 def build_manifest(
     cache: Sequence[Layer],
     model: ModelFingerprint,
@@ -135,7 +141,7 @@ def build_manifest(
     byte_shuffle = dtype == "bfloat16" if options.byte_shuffle is None else options.byte_shuffle
     zstd = options.codec == "zstd"
     manifest = pb.CacheManifest(
-        schema_version=SCHEMA_VERSION,
+        schema_version=manifest_schema(leaves),
         model=model.to_proto(),
         prefix=prefix.to_proto(),
         num_layers=len(layers),

@@ -2,7 +2,8 @@
 and the blob of a shorter prefix of it (what the store and the daemon need to serve one).
 
 The layout (`kvmesh.codec.transform` makes and decodes blobs): `MAGIC` (`MAGIC_RAW_DTYPE` when its
-raw rows are not float16), a little-endian u32 header length, a canonical JSON header, the segments.
+raw rows are not float16, `MAGIC_TAIL` when its last coded rows have steps of their own), a
+little-endian u32 header length, a canonical JSON header, the segments.
 """
 
 import json
@@ -13,6 +14,8 @@ import zstandard
 
 MAGIC = b"KVTC\x01"
 MAGIC_RAW_DTYPE = b"KVTC\x02"
+MAGIC_TAIL = b"KVTC\x03"
+MAGICS = (MAGIC, MAGIC_RAW_DTYPE, MAGIC_TAIL)
 ESCAPE = 255
 # Bits per packed code, and bytes per value of the dtypes raw rows travel in.
 WIDTHS = (2, 4, 8)
@@ -86,7 +89,10 @@ class Writer:
 def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
     """The header of a layer's blob and the segments' bytes."""
     view = memoryview(data)
-    if bytes(view[: len(MAGIC)]) not in (MAGIC, MAGIC_RAW_DTYPE):
+    magic = bytes(view[: len(MAGIC)])
+    if magic not in MAGICS:
+        if magic[:4] == MAGIC[:4]:
+            raise TransformCodecError(f"a transform-coded layer of a newer kvmesh (version {magic[4]}): upgrade kvmesh")
         raise TransformCodecError("not a transform-coded layer (bad magic)")
     try:
         (n,) = struct.unpack_from("<I", view, len(MAGIC))
@@ -118,12 +124,14 @@ class Segments:
         return self.decompressor.decompress(blob, max_output_size=size)
 
 
-def cut_rows(tokens: int, sinks: int, recent: int, num_tokens: int) -> tuple[int, int]:
-    """(sinks, recent) of the first `num_tokens` rows of a layer of `tokens` rows of which `sinks`
-    lead and `recent` trail raw: the raw rows of the prefix are the whole's that lie in it."""
+def cut_rows(tokens: int, sinks: int, recent: int, num_tokens: int, tail: int = 0) -> tuple[int, int, int]:
+    """(sinks, recent, tail) of the first `num_tokens` rows of a layer of `tokens` rows of which
+    `sinks` lead and `recent` trail raw, the `tail` rows before those coded finer: each kind of row
+    of the prefix is the whole's of that kind that lies in it."""
     kept_sinks = min(sinks, num_tokens)
+    kept_tail = max(0, min(num_tokens, tokens - recent) - (tokens - recent - tail))
     coded_end = max(kept_sinks, min(num_tokens, tokens - recent))
-    return kept_sinks, num_tokens - coded_end
+    return kept_sinks, num_tokens - coded_end, kept_tail
 
 
 def cut_layer(data: bytes | memoryview, num_tokens: int, level: int = 1) -> bytes:
@@ -149,28 +157,41 @@ def _cut_layer(header: dict, seg: Segments, num_tokens: int, magic: bytes, level
     b, h, t, d = header["shape"]
     if not 0 < num_tokens <= t:
         raise TransformCodecError(f"a layer of {t} rows has no prefix of {num_tokens}")
-    s, r = header["sinks"], header["recent"]
-    kept_sinks, kept_recent = cut_rows(t, s, r, num_tokens)
-    mid, kept_mid = t - s - r, num_tokens - kept_sinks - kept_recent
+    s, r, tail = header["sinks"], header["recent"], header.get("tail", 0)
+    kept_sinks, kept_recent, kept_tail = cut_rows(t, s, r, num_tokens, tail)
+    body, kept_body = t - s - r - tail, num_tokens - kept_sinks - kept_recent - kept_tail
     out = Writer(level)
     cut = {k: v for k, v in header.items() if k != "segments"}
     cut.update(shape=[b, h, num_tokens, d], sinks=kept_sinks, recent=kept_recent)
+    if tail:
+        cut["tail"] = kept_tail
     if "seg" in header["positions"]:
         pos = np.frombuffer(seg(header["positions"]["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)
         rows = np.ascontiguousarray(pos[:, :, :num_tokens]).tobytes()
         cut["positions"] = {"shape": [b, h, num_tokens], "seg": out.add(rows, True)}
     for kind in "kv":
         km = header[kind]
-        groups = []
-        for count, width, plane_ref, esc_ref, delta in km["groups"]:
-            if width not in WIDTHS:
-                raise TransformCodecError(f"a group of {count} components of {width} bits")
-            values = count * b * mid  # codes (count, b, mid), component-major: rows of (count * b, mid)
-            esc = seg(esc_ref, 4 * values) if esc_ref is not None else b""
-            plane, esc = cut_codes(width, seg(plane_ref, -(-values // (8 // width))), esc, count * b, mid, kept_mid)
-            groups.append([count, width, out.add(plane, True), out.add(esc, True) if esc else None, delta])
+        cut[kind] = {**km, "groups": _cut_groups(km["groups"], seg, out, b, body, kept_body)}
+        if tail:
+            cut[kind]["tail"] = {
+                **km["tail"],
+                "groups": _cut_groups(km["tail"]["groups"], seg, out, b, tail, kept_tail),
+            }
         row = RAW_ITEMSIZE[km.get("raw_dtype", "float16")] * d
         raw = np.frombuffer(seg(km["raw"], b * h * (s + r) * row), np.uint8).reshape(b, h, s + r, row)
         kept = np.concatenate([raw[:, :, :kept_sinks], raw[:, :, s : s + kept_recent]], axis=2)
-        cut[kind] = {**km, "groups": groups, "raw": out.add(kept.tobytes(), False)}
+        cut[kind]["raw"] = out.add(kept.tobytes(), False)
     return out.blob(cut, magic)
+
+
+def _cut_groups(groups: list, seg: Segments, out: Writer, b: int, rows: int, kept: int) -> list:
+    """A region's runs of components, each cut from `rows` to its first `kept` rows, added to `out`."""
+    cut = []
+    for count, width, plane_ref, esc_ref, delta in groups:
+        if width not in WIDTHS:
+            raise TransformCodecError(f"a group of {count} components of {width} bits")
+        values = count * b * rows  # codes (count, b, rows), component-major: rows of (count * b, rows)
+        esc = seg(esc_ref, 4 * values) if esc_ref is not None else b""
+        plane, esc = cut_codes(width, seg(plane_ref, -(-values // (8 // width))), esc, count * b, rows, kept)
+        cut.append([count, width, out.add(plane, True), out.add(esc, True) if esc else None, delta])
+    return cut

@@ -315,13 +315,19 @@ def layer_report(manifest: pb.CacheManifest) -> list[dict[str, Any]]:
 
 def layer_codec(layer: pb.LayerSpec) -> str:
     """How a layer's tensors are coded, for people: `fp16`, `8-bit`, or the transform's steps and
-    components (keys / values)."""
+    components (keys / values; its tail's when it has one)."""
     if layer.kind == pb.CACHE_KIND_TRANSFORM_KV:
         t = layer.transform
         features = t.kv_heads * t.head_dim
+        tail = (
+            f", last {t.tail} rows k {t.key_tail_components} @{t.key_tail_step:.3g}, "
+            f"v {t.value_tail_components} @{t.value_tail_step:.3g}"
+            if t.tail
+            else ""
+        )
         return (
             f"transform k {t.key_components}/{features} @{t.key_step:.3g}, "
-            f"v {t.value_components}/{features} @{t.value_step:.3g}, {t.sinks} sinks raw"
+            f"v {t.value_components}/{features} @{t.value_step:.3g}{tail}, {t.sinks} sinks raw"
         )
     if layer.bits:
         return f"{layer.bits}-bit (groups of {layer.group_size})"

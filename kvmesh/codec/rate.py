@@ -77,8 +77,14 @@ def measure_decode_rate(
     quicker."""
     basis = synthetic_basis(LAYER_THREADS, heads, head_dim)
     layers = synthetic_layers(basis, tokens)
-    default = basis.step_at(LEVELS["default"])
-    blobs = encode_layers(layers, basis, step=default if step is None else step).blobs
+    level = LEVELS["default"]
+    blobs = encode_layers(
+        layers,
+        basis,
+        step=basis.step_at(level) if step is None else step,
+        tail=level.tail,
+        tail_factor=level.tail_factor,
+    ).blobs
     return fp16_nbytes(layers) / fastest_run(lambda: mx.eval(decode_layers(blobs, basis)), repeat=repeat)
 
 

@@ -5,7 +5,8 @@ at once: the packed codes unpacked by shifts and masks and un-zigzagged (the cen
 inverse transform as one product with the basis's components and the mean added, RoPE re-applied
 with cos/sin tables read off the model's own kernel (`kvmesh.codec.rotary.rotate`: made once per
 set of positions, so the kernel's sines and cosines are not recomputed per layer, which on a CPU
-costs more than the rotation), and the raw sink and recent rows placed around the coded ones. Only
+costs more than the rotation), and the raw sink and recent rows placed around the coded ones (a
+tail's rows decoded the same way, at their own steps, after the body's). Only
 what must run on the CPU stays in Python and NumPy: zstd, the header, and finding the rare escaped
 codes. So a Mac runs the decoder on its GPU. Where MLX computes on the CPU, the codes become numbers
 by NumPy table look-ups (one pass, where the graph makes several, each on one core) and the inverse
@@ -30,7 +31,7 @@ import zstandard
 from kvmesh.codec.basis import Basis, BasisError, TensorBasis
 from kvmesh.codec.layer_blob import ESCAPE, WIDTHS, Segments, TransformCodecError, read_header
 from kvmesh.codec.layer_pool import map_layers, numpy_by_default
-from kvmesh.codec.rotary import rotate, token_major_tables
+from kvmesh.codec.rotary import Rotary, rotate, token_major_tables
 
 # The dtypes raw rows travel in (a header without one: float16).
 RAW_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -103,6 +104,11 @@ def check_header(header: dict, expect: dict[str, Any]) -> None:
         "value_step": header.get("v", {}).get("step"),
         "key_components": header.get("k", {}).get("n"),
         "value_components": header.get("v", {}).get("n"),
+        "tail": header.get("tail", 0),
+        "key_tail_step": header.get("k", {}).get("tail", {}).get("step", 0.0),
+        "value_tail_step": header.get("v", {}).get("tail", {}).get("step", 0.0),
+        "key_tail_components": header.get("k", {}).get("tail", {}).get("n", 0),
+        "value_tail_components": header.get("v", {}).get("tail", {}).get("n", 0),
     }
     wrong = [f"{k} {got[k]!r} (the manifest says {v!r})" for k, v in expect.items() if got[k] != v]
     if wrong:
@@ -280,8 +286,10 @@ def _decode_layer(
     b, h, t, d = header["shape"]
     if h * d != basis.keys[j].features:
         raise BasisError(f"{h} heads of {d} for a basis layer of {basis.keys[j].features} features")
-    s, r = header["sinks"], header["recent"]
+    s, r, tail = header["sinks"], header["recent"], header.get("tail", 0)
     m = t - s - r
+    if not 0 <= tail <= m:
+        raise TransformCodecError(f"a tail of {tail} rows where {m} are coded")
     pm = header["positions"]
     if "seg" in pm:
         pos = np.frombuffer(seg(pm["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)
@@ -290,31 +298,60 @@ def _decode_layer(
     tensors, checks = [], []
     for kind, tb in (("k", basis.keys[j]), ("v", basis.values[j])):
         km = header[kind]
-        n = km["n"]
         raw_dtype = km.get("raw_dtype", "float16")
         raw = _raw_array(seg(km["raw"], 4 * b * h * (s + r) * d), raw_dtype, (b, h, s + r, d))
         parts = [raw[:, :, :s]]
         checks.append(mx.isfinite(raw).all())
-        if m:
-            scale = km["step"] * tb.scale
-            largest = np.zeros(0)
-            if n:
-                coefficients = _coefficients(km, seg, b * m, tables=numpy)
-                rows = _synthesised(coefficients.values, tb, n, scale, numpy=numpy)
-                largest = coefficients.largest
-            else:
-                rows = mx.broadcast_to(tb.on_mlx("mean"), (b * m, h * d))
-            block = rows.reshape(b, m, h, d)  # token-major
-            if kind == "k":
-                cos, sin = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo)
-                block = rotate(block, cos, sin, basis.rotaries[j])
-            if not _magnitude_bound(largest, tb, scale, kind == "k") < ROUNDS_TO_INFINITY[raw.dtype]:
-                checks.append(mx.abs(block).max() < ROUNDS_TO_INFINITY[raw.dtype])
-            block = block.transpose(0, 2, 1, 3)
-            parts.append(block if raw.dtype == mx.float32 else block.astype(raw.dtype))
+        # The body's rows, then the tail's (each region with its own steps and components).
+        for lo, hi, region in ((s, t - r - tail, km), (t - r - tail, t - r, km.get("tail"))):
+            if hi > lo:
+                rotation = token_major_tables(basis.rotaries[j], pos[:, :, lo:hi], memo) if kind == "k" else None
+                block = _region_rows(region, seg, tb, (b, hi - lo, h, d), rotation, basis.rotaries[j], numpy)
+                if not _magnitude_bound(block.largest, tb, block.scale, kind == "k") < ROUNDS_TO_INFINITY[raw.dtype]:
+                    checks.append(mx.abs(block.rows).max() < ROUNDS_TO_INFINITY[raw.dtype])
+                rows = block.rows.transpose(0, 2, 1, 3)
+                parts.append(rows if raw.dtype == mx.float32 else rows.astype(raw.dtype))
         parts.append(raw[:, :, s:])
         tensors.append(mx.concatenate(parts, axis=2))
     return tensors[0], tensors[1], checks
+
+
+@dataclass
+class _Region:
+    """A region's decoded rows (B, rows, H, D), token-major, and what bounds their magnitude (the
+    largest |coefficient| per component, in units of `scale`)."""
+
+    rows: mx.array
+    largest: np.ndarray
+    scale: float
+
+
+def _region_rows(
+    region: dict | None,
+    seg: Segments,
+    tb: TensorBasis,
+    shape: tuple[int, int, int, int],
+    rotation: tuple[mx.array, mx.array] | None,
+    rotary: Rotary,
+    numpy: bool,
+) -> _Region:
+    """One region of a tensor's coded rows (the body, or the tail: `_decode_layer`) decoded, and
+    rotated back with `rotation`'s tables (keys)."""
+    if region is None:
+        raise TransformCodecError("a tail of rows without its steps and components")
+    b, m, h, d = shape
+    scale = region["step"] * tb.scale
+    n, largest = region["n"], np.zeros(0)
+    if n:
+        coefficients = _coefficients(region, seg, b * m, tables=numpy)
+        rows = _synthesised(coefficients.values, tb, n, scale, numpy=numpy)
+        largest = coefficients.largest
+    else:
+        rows = mx.broadcast_to(tb.on_mlx("mean"), (b * m, h * d))
+    block = rows.reshape(b, m, h, d)
+    if rotation is not None:
+        block = rotate(block, *rotation, rotary)
+    return _Region(block, largest, scale)
 
 
 def decode_layers(blobs: Sequence[bytes], basis: Basis) -> list[tuple[mx.array, mx.array]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kvmesh.caches.sparse import SparseQuantizedKVCache
+from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.model.prompt import prompt_tokens
 
 DECLARATION = Path(__file__).resolve().parents[2] / "scripts" / "data" / "declaration.txt"
@@ -113,6 +113,12 @@ def continuation_logprobs(model, cache, tokens: list[int]) -> mx.array:
     mx.eval(logits)
     trim(cache, len(tokens))
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def first_rows(cache, n: int) -> list:
+    """The first n positions of a cache of full-attention layers, as a cut prefix decodes (a cut
+    decodes to exactly the whole's first rows: tests/unit/codec/test_transform_wire.py)."""
+    return [SparseKVCache.from_arrays(*(x[:, :, :n] for x in layer.keys_and_values()), n) for layer in cache]
 
 
 def value_nll(model, cache, question: list[int], value: list[int]) -> float:

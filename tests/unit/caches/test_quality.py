@@ -52,7 +52,13 @@ def test_prefill_compress_uses_the_measured_level_and_ships_its_loss(tiny_dir, t
         t = layer.transform
         assert t.value_step == pytest.approx(LEVELS["default"].step * basis.info["steps"]["v"][t.basis_layer])
         assert t.key_step == pytest.approx(LEVELS["default"].step * basis.info["steps"]["k"][t.basis_layer])
+        # The level's tail: its last rows at a finer step, which the manifest states (schema 3).
+        assert t.tail == LEVELS["default"].tail and t.key_tail_step == pytest.approx(
+            t.key_step * LEVELS["default"].tail_factor
+        )
+    assert manifest.schema_version == 3
     shown = cli("cache", "--store", store, "show", out["cache_id"]).stdout
+    assert f"last {LEVELS['default'].tail} rows" in shown
     assert "full + transform" in shown and "quality      tail_kl" in shown and "needs        transform-basis" in shown
     small = json.loads(
         cli(

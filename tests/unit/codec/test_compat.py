@@ -61,11 +61,13 @@ def test_accepted_as_is(manifest, profile):
 
 
 def test_schema(manifest, profile):
-    manifest.schema_version = SCHEMA_VERSION + 1
-    assert reason(manifest, profile) == "schema"
-    assert f"manifest schema {SCHEMA_VERSION + 1}, this kvmesh reads {SCHEMA_VERSION}" in str(
-        check_manifest(manifest, profile)
-    )
+    assert manifest.schema_version == 2, "a manifest without transform tails is written in schema 2"
+    manifest.schema_version = SCHEMA_VERSION
+    assert check_manifest(manifest, profile) is None
+    for other in (1, SCHEMA_VERSION + 1):
+        manifest.schema_version = other
+        assert reason(manifest, profile) == "schema"
+        assert f"manifest schema {other}, this kvmesh reads 2 and 3" in str(check_manifest(manifest, profile))
 
 
 def test_model_config(manifest, profile, tiny_dir, tmp_path):

@@ -9,7 +9,15 @@ import pytest
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError, fit_basis, fit_tensor_basis
 from kvmesh.codec.coded import TransformCoding, decoded, transform_code
-from kvmesh.codec.layer_blob import ESCAPE, MAGIC, MAGIC_RAW_DTYPE, TransformCodecError, cut_codes, read_header
+from kvmesh.codec.layer_blob import (
+    ESCAPE,
+    MAGIC,
+    MAGIC_RAW_DTYPE,
+    MAGIC_TAIL,
+    TransformCodecError,
+    cut_codes,
+    read_header,
+)
 from kvmesh.codec.rotary import Rotary, apply_rope, model_rotaries, remove_rope, rotary_of
 from kvmesh.codec.transform import (
     bit_allocation,
@@ -345,6 +353,45 @@ def test_round_trip_error_bounded_by_step():
     # Finer steps, smaller errors and more bytes.
     finer = encode_layers(layers, basis, step=step / 8, sinks=4, recent=3)
     assert finer.nbytes > enc.nbytes
+
+
+def test_a_tail_is_coded_at_its_own_finer_step():
+    """The last `tail` coded rows (before the raw recent ones) are rounded at `tail_factor` times each
+    tensor's step, with more components sent: their coefficients come back within half that finer
+    step, where the body's err by up to half the coarser one. A blob with a tail has its own magic."""
+    rng = np.random.default_rng(9)
+    basis = small_basis(rng)
+    layers = random_layers(rng, t=60)
+    step, tail = 0.4, 12
+    plain = encode_layers(layers, basis, step=step, sinks=4, recent=3)
+    enc = encode_layers(layers, basis, step=step, sinks=4, tail=tail, tail_factor=0.125, recent=3)
+    assert plain.blobs[0][:5] == MAGIC_RAW_DTYPE and enc.blobs[0][:5] == MAGIC_TAIL  # (float32 rows)
+    assert plain.nbytes < enc.nbytes
+    errors = {}
+    for i, ((k, v, pos), (dk, dv)) in enumerate(zip(layers, decode_layers(enc.blobs, basis), strict=True)):
+        header = read_header(enc.blobs[i])[0]
+        assert header["tail"] == tail
+        for kind, raw, got, tb in (("k", k, dk, basis.keys[i]), ("v", v, dv, basis.values[i])):
+            assert np.array_equal(np.asarray(got[:, :, -3:]), raw[:, :, -3:])  # the recent rows, raw
+            km = header[kind]
+            assert km["tail"]["step"] == pytest.approx(km["step"] / 8) and km["tail"]["n"] > km["n"]
+            mid, got_mid = raw[:, :, 4:-3], np.asarray(got[:, :, 4:-3])
+            if kind == "k":
+                mid = np.asarray(remove_rope(mx.array(mid), pos[4:-3], basis.rotaries[i]))
+                got_mid = np.asarray(remove_rope(mx.array(got_mid), pos[4:-3], basis.rotaries[i]))
+            c = tb.project(mid.transpose(0, 2, 1, 3).reshape(-1, 32))
+            got_c = tb.project(got_mid.transpose(0, 2, 1, 3).reshape(-1, 32))
+            for region, rows in (("body", slice(0, -tail)), ("tail", slice(-tail, None))):
+                m = km["tail"] if region == "tail" else km
+                n, unit = m["n"], m["step"] * tb.scale
+                offset = max((abs(g[4]) for g in m["groups"]), default=0.0)
+                error = np.abs(c[rows, :n] - got_c[rows, :n]).max() / unit
+                assert error <= 0.5 + offset + 1e-3
+                errors.setdefault(region, []).append(np.abs(c[rows] - got_c[rows]).max())
+    assert max(errors["tail"]) < 0.5 * min(errors["body"])
+    # A kvmesh that reads these blobs names a later version of them for what it is.
+    with pytest.raises(TransformCodecError, match=r"newer kvmesh \(version 9\): upgrade kvmesh"):
+        read_header(b"KVTC\x09" + enc.blobs[0][5:])
 
 
 def test_the_encoder_rounds_and_packs_alike_in_numpy_and_in_mlx_s_graph():

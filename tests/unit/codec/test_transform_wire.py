@@ -222,22 +222,33 @@ def test_an_evicting_press_then_the_codec_compose(tiny, calibrated, prompt_ids, 
     assert (mx.exp(lp_w) * (lp_w - lp_h)).sum(-1).mean().item() < 0.01
 
 
-@pytest.mark.parametrize("recent", [0, 200])
+@pytest.mark.parametrize(("recent", "tail"), [(0, 0), (200, 0), (0, 64), (100, 64)])
 @pytest.mark.parametrize("num_tokens", [128, 256])
 def test_a_shorter_prefix_of_a_coded_cache_decodes_as_that_prefix_of_the_whole(
-    coded, calibrated, tiny_fp, prompt_ids, recent, num_tokens
+    coded, calibrated, tiny_fp, prompt_ids, recent, tail, num_tokens
 ):
     """Cut from the stored chunks (kvmesh.codec.cut), the prefix decodes array-equal to the first
     rows of the whole cache's decoding; with 200 raw recent rows a cut at 128 or 256 reaches into
-    them (the coded rows end at 100)."""
+    them (the coded rows end at 100). With a tail of 64 finer rows (236-299, or 136-199 before 100
+    raw ones), a cut at 256 keeps part or all of it and one at 128 none."""
     full, _ = coded
-    cache = transform_code(full, TransformCoding(calibrated.basis, step=0.12, recent=recent))
+    cache = transform_code(
+        full, TransformCoding(calibrated.basis, step=0.12, recent=recent, tail=tail, tail_factor=0.25)
+    )
     manifest, chunks = encode_cache(cache, tiny_fp, prompt_ids)
+    assert manifest.schema_version == (3 if tail else 2)
+    assert all(layer.transform.tail == tail for layer in manifest.layers)
+    assert all((f", last {tail} rows k " in row["codec"]) == bool(tail) for row in layer_report(manifest))
+    manifest.quality.CopyFrom(pb.Quality(metric="tail_kl", value=0.001, tokens=32))  # as a producer measures it
     records = [c.frame() for c in chunks]
     bases = {calibrated.basis.digest: calibrated.basis}
     whole = decode_chunks(manifest, map(parse_frame, records), bases=bases)
     cut, stream = cut_prefix(manifest, lambda: iter(records), num_tokens)
     assert validate_manifest(cut) is None and cut.prefix.num_tokens == num_tokens
+    kept_tail = max(0, min(num_tokens, 300 - recent) - (300 - recent - tail))
+    assert all(layer.transform.tail == kept_tail for layer in cut.layers)
+    # The whole's loss was measured with its tail: a prefix without all of it does not claim it.
+    assert cut.HasField("quality") == (kept_tail == tail)
     assert cut.encoding.encoded_bytes < manifest.encoding.encoded_bytes
     got = decode_chunks(cut, map(parse_frame, stream), bases=bases)
     for part, layer in zip(got, whole, strict=True):

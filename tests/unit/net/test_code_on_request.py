@@ -84,9 +84,8 @@ def test_a_peer_codes_a_full_cache_on_request_and_keeps_the_copy(tiny_fp, basis,
     assert transform_coded(got.manifest) and got.basis_bytes == basis.nbytes
     assert got.manifest.quality.metric == LEVEL_KL and got.manifest.quality.value == LEVELS["default"].kl
     assert got.wire_bytes < entry.file_bytes / 4
-    # Exactly what coding it here at the level's step would give.
-    step = basis.step_at(LEVELS["default"])
-    here = decoded(transform_code(cache, TransformCoding(basis, step=step)))
+    # Exactly what coding it here at the level (its step for this basis, its tail) would give.
+    here = decoded(transform_code(cache, TransformCoding.at_level(basis, LEVELS["default"])))
     for a, b in zip(got.cache, here, strict=True):
         assert all(mx.array_equal(x, y) for x, y in zip(a.keys_and_values(), b.keys_and_values(), strict=True))
 
