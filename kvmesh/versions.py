@@ -18,6 +18,8 @@ need no bump. The loopback `Control` service changes with the package (CLI and d
 
 __version__ = "0.2.0"
 SCHEMA_VERSION = 3
-# The schemas this kvmesh reads (and writes: the oldest that describes a manifest).
-READABLE_SCHEMAS = (2, 3)
+# The first schema with transform-coded layers' tails, and the schemas this kvmesh reads (and
+# writes: the oldest that describes a manifest, kvmesh.codec.manifest.manifest_schema).
+TAIL_SCHEMA = 3
+READABLE_SCHEMAS = (2, TAIL_SCHEMA)
 PROTOCOL_VERSION = 3

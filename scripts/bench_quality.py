@@ -317,7 +317,11 @@ def main() -> None:
         best = max(fits, key=lambda f: f["ratio"], default=None)
         chosen = LEVELS[level]
         verdict = f"{best['method']}: {best['ratio']:.2f}x, worst KL {best['kl']:.4f}" if best else "none"
-        print(f"--compress {level} (KL <= {bar}, every fact): smallest {verdict}; shipped: step={chosen.step:g}")
+        shipped = f"step={chosen.step:g}" + (f", tail {chosen.tail} at x{chosen.tail_factor:g}" if chosen.tail else "")
+        print(
+            f"--compress {level} (KL <= {bar}, every fact): smallest {verdict} (tail {args.tail} at "
+            f"x{args.tail_factor:g}); shipped: {shipped}"
+        )
     if args.json:
         args.json.write_text(json.dumps({"rows": list(rows.values()), "frontier": front}, indent=2))
 

@@ -45,7 +45,7 @@ from kvmesh.codec.prefix import prefix_sha256
 from kvmesh.errors import CacheRejected, Rejection
 from kvmesh.model.fingerprint import ModelFingerprint, dtype_name
 from kvmesh.v1 import cache_pb2 as pb
-from kvmesh.versions import READABLE_SCHEMAS
+from kvmesh.versions import READABLE_SCHEMAS, TAIL_SCHEMA
 
 if TYPE_CHECKING:
     from kvmesh.codec.basis import Basis as BasisLike
@@ -205,6 +205,8 @@ def transform_problem(m: pb.CacheManifest, layer: pb.LayerSpec, bad: Callable[[s
             return bad(
                 f"transform steps {key_step}/{value_step}, components {key_components}/{value_components} of {features}"
             )
+    if t.tail and m.schema_version < TAIL_SCHEMA:
+        return bad(f"a tail of {t.tail} rows in a schema {m.schema_version} manifest")
     if t.sinks + t.recent + t.tail > layer.n_kept:
         return bad(f"{t.sinks} sinks, {t.tail} tail and {t.recent} recent rows of {layer.n_kept}")
     r = t.rotary

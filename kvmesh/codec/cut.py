@@ -8,7 +8,7 @@ the payload digest is recomputed from the chunks' (length, checksum) pairs. Noth
 no MLX array is made: a server streams the cut as it reads its file.
 
 A transform-coded layer is one blob, not rows: its prefix is re-coded from the blob's codes
-(`kvmesh.codec.transform.cut_layer`, no basis needed), so that it decodes to exactly the first m rows
+(`kvmesh.codec.layer_blob.cut_layer`, no basis needed), so that it decodes to exactly the first m rows
 the whole blob decodes to, then chunked afresh. Those blobs are made once, before the manifest (their
 sizes are in it), and held for the stream.
 
@@ -32,7 +32,9 @@ from kvmesh.codec.manifest import (
     chunk_plan,
     content_id,
     leaf_layers,
+    manifest_schema,
     tensor_dtype,
+    transform_coded,
     uncuttable_reason,
 )
 from kvmesh.codec.prefix import PrefixKey
@@ -57,8 +59,9 @@ def cut_manifest(manifest: pb.CacheManifest, num_tokens: int, coded: Mapping[int
     """The manifest of the first `num_tokens`, without the sizes and digest the chunks tell.
 
     `coded`: the cut blob of each transform-coded tensor (by index over all tensors), whose size the
-    manifest states. A prefix that ends without all of a coded layer's tail (its finer last rows)
-    claims no measured loss: the whole's was measured with it."""
+    manifest states. A prefix of a transform-coded cache claims no measured loss (the whole's was
+    measured at its end), and is written in the oldest schema that describes it (a cut that keeps no
+    tail rows reaches peers of schema 2)."""
     if why := can_cut(manifest, num_tokens):
         raise ValueError(f"cache {manifest.cache_id} cannot serve a {num_tokens}-token prefix: {why}")
     cut = pb.CacheManifest()
@@ -69,14 +72,16 @@ def cut_manifest(manifest: pb.CacheManifest, num_tokens: int, coded: Mapping[int
     for layer in cut.layers:
         layer.offset = num_tokens  # a composite layer's own, and its parts' below
     index = 0
-    tail_cut = False
     for _, layer in leaf_layers(cut.layers):
         layer.n_kept = layer.offset = num_tokens
         if layer.kind == pb.CACHE_KIND_TRANSFORM_KV:
             t = layer.transform
-            tail = t.tail
-            t.sinks, t.recent, t.tail = cut_rows(manifest.prefix.num_tokens, t.sinks, t.recent, num_tokens, tail)
-            tail_cut |= t.tail < tail
+            t.sinks, t.recent, t.tail = cut_rows(manifest.prefix.num_tokens, t.sinks, t.recent, num_tokens, t.tail)
+            if not t.tail:
+                t.ClearField("key_tail_step")
+                t.ClearField("value_tail_step")
+                t.ClearField("key_tail_components")
+                t.ClearField("value_tail_components")
             (tensor,) = layer.tensors
             tensor.shape[0] = tensor.nbytes = len(coded[index])
         else:
@@ -84,10 +89,12 @@ def cut_manifest(manifest: pb.CacheManifest, num_tokens: int, coded: Mapping[int
                 tensor.nbytes = tensor.nbytes // tensor.shape[0] * num_tokens
                 tensor.shape[0] = num_tokens
         index += len(layer.tensors)
-    if tail_cut:
-        # The loss measured on the whole leaned on its finer tail, which this prefix ends without (on
-        # SmolLM2 at the default level, such prefixes measured 1-4x the whole's KL): not claimed.
+    if transform_coded(manifest):
+        # The loss measured on the whole is not a shorter prefix's: a coded cache's end is coded
+        # finer than the rest (a tail), and even without one the error a cut ends on differs (on
+        # SmolLM2 such prefixes measured up to 2x the whole's KL, kvmesh.codec.levels): not claimed.
         cut.ClearField("quality")
+    cut.schema_version = manifest_schema(leaf for _, leaf in leaf_layers(cut.layers))
     cut.encoding.raw_bytes = sum(t.nbytes for _, layer in leaf_layers(cut.layers) for t in layer.tensors)
     cut.encoding.chunk_count = chunk_count(cut)
     return cut

@@ -29,6 +29,7 @@ from kvmesh.codec.manifest import (
     chunk_count,
     chunk_plan,
     leaf_layers,
+    manifest_schema,
     press_config_to_proto,
     state_names,
     tensor_dtype,
@@ -38,7 +39,6 @@ from kvmesh.codec.manifest import (
 from kvmesh.codec.prefix import PrefixKey
 from kvmesh.model.fingerprint import ModelFingerprint, dtype_to_proto
 from kvmesh.v1 import cache_pb2 as pb
-from kvmesh.versions import SCHEMA_VERSION
 
 
 @dataclass(frozen=True)
@@ -104,12 +104,6 @@ def layer_spec(layer: Layer, num_tokens: int) -> pb.LayerSpec:
             name=tensor_name, dtype=dtype_to_proto(mlx_dtype_name(t.dtype)), shape=wire_shape(kind, t), nbytes=t.nbytes
         )
     return spec
-
-
-def manifest_schema(leaves: Sequence[pb.LayerSpec]) -> int:
-    """The oldest schema that describes these layers (kvmesh.versions): 2 unless a transform-coded
-    layer has a tail."""
-    return SCHEMA_VERSION if any(layer.transform.tail for layer in leaves) else 2
 
 
 def build_manifest(

@@ -91,7 +91,7 @@ def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
     view = memoryview(data)
     magic = bytes(view[: len(MAGIC)])
     if magic not in MAGICS:
-        if magic[:4] == MAGIC[:4]:
+        if len(magic) == len(MAGIC) and magic[:4] == MAGIC[:4] and magic[4] > MAGICS[-1][4]:
             raise TransformCodecError(f"a transform-coded layer of a newer kvmesh (version {magic[4]}): upgrade kvmesh")
         raise TransformCodecError("not a transform-coded layer (bad magic)")
     try:
@@ -158,12 +158,13 @@ def _cut_layer(header: dict, seg: Segments, num_tokens: int, magic: bytes, level
     if not 0 < num_tokens <= t:
         raise TransformCodecError(f"a layer of {t} rows has no prefix of {num_tokens}")
     s, r, tail = header["sinks"], header["recent"], header.get("tail", 0)
+    check_tail(header, t - s - r)
     kept_sinks, kept_recent, kept_tail = cut_rows(t, s, r, num_tokens, tail)
     body, kept_body = t - s - r - tail, num_tokens - kept_sinks - kept_recent - kept_tail
     out = Writer(level)
-    cut = {k: v for k, v in header.items() if k != "segments"}
+    cut = {k: v for k, v in header.items() if k not in ("segments", "tail")}
     cut.update(shape=[b, h, num_tokens, d], sinks=kept_sinks, recent=kept_recent)
-    if tail:
+    if kept_tail:
         cut["tail"] = kept_tail
     if "seg" in header["positions"]:
         pos = np.frombuffer(seg(header["positions"]["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)
@@ -171,17 +172,29 @@ def _cut_layer(header: dict, seg: Segments, num_tokens: int, magic: bytes, level
         cut["positions"] = {"shape": [b, h, num_tokens], "seg": out.add(rows, True)}
     for kind in "kv":
         km = header[kind]
-        cut[kind] = {**km, "groups": _cut_groups(km["groups"], seg, out, b, body, kept_body)}
-        if tail:
-            cut[kind]["tail"] = {
-                **km["tail"],
-                "groups": _cut_groups(km["tail"]["groups"], seg, out, b, tail, kept_tail),
-            }
+        cut[kind] = {k: v for k, v in km.items() if k != "tail"}
+        cut[kind]["groups"] = _cut_groups(km["groups"], seg, out, b, body, kept_body)
+        if kept_tail:  # (a prefix that keeps none of the tail is a blob without one)
+            groups = _cut_groups(km["tail"]["groups"], seg, out, b, tail, kept_tail)
+            cut[kind]["tail"] = {**km["tail"], "groups": groups}
         row = RAW_ITEMSIZE[km.get("raw_dtype", "float16")] * d
         raw = np.frombuffer(seg(km["raw"], b * h * (s + r) * row), np.uint8).reshape(b, h, s + r, row)
         kept = np.concatenate([raw[:, :, :kept_sinks], raw[:, :, s : s + kept_recent]], axis=2)
         cut[kind]["raw"] = out.add(kept.tobytes(), False)
+    if not kept_tail and magic == MAGIC_TAIL:
+        raw_dtypes = {header[kind].get("raw_dtype", "float16") for kind in "kv"}
+        magic = MAGIC if raw_dtypes == {"float16"} else MAGIC_RAW_DTYPE
     return out.blob(cut, magic)
+
+
+def check_tail(header: dict, coded: int) -> None:
+    """A header's tail: between 0 and its `coded` rows, with the keys' and values' own steps and
+    components exactly when it has rows."""
+    tail = header.get("tail", 0)
+    if not (isinstance(tail, int) and 0 <= tail <= coded):
+        raise TransformCodecError(f"a tail of {tail!r} rows where {coded} are coded")
+    if any(("tail" in header[kind]) != bool(tail) for kind in "kv"):
+        raise TransformCodecError(f"a tail of {tail} rows, and steps for it {'missing' if tail else 'without one'}")
 
 
 def _cut_groups(groups: list, seg: Segments, out: Writer, b: int, rows: int, kept: int) -> list:

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvmesh.model.fingerprint import dtype_name
 from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.versions import READABLE_SCHEMAS, TAIL_SCHEMA
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "uint32": 4, "uint8": 1}
 # The tensors each attention cache kind stores, in manifest order (recurrent layers: `state_names`).
@@ -78,6 +79,12 @@ def lossy(manifest: pb.CacheManifest) -> bool:
     bits alone (`prefill --kv-bits`) as `full`."""
     quantized = manifest.compression.config.HasField("kv_bits") or bool(layer_bits(manifest))
     return manifest.compression.method != "full" or quantized or transform_coded(manifest)
+
+
+def manifest_schema(leaves: Iterable[pb.LayerSpec]) -> int:
+    """The oldest schema that describes these (leaf) layers (kvmesh.versions): the tails' schema
+    where a transform-coded layer has a tail, else the oldest this kvmesh reads."""
+    return TAIL_SCHEMA if any(layer.transform.tail for layer in leaves) else READABLE_SCHEMAS[0]
 
 
 def measured_loss(manifest: pb.CacheManifest) -> float | None:

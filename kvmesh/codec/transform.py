@@ -465,6 +465,8 @@ def encode_layers(
         raise TransformCodecError(f"the step must be a positive number, not {step}")
     if not (math.isfinite(tail_factor) and tail_factor > 0):
         raise TransformCodecError(f"the tail's step factor must be a positive number, not {tail_factor}")
+    if any(not (isinstance(rows, int) and rows >= 0) for rows in (sinks, tail, recent)):
+        raise TransformCodecError(f"sinks, tail and recent rows must be counts, not {sinks}, {tail}, {recent}")
     indices = list(range(len(layers))) if basis_layers is None else list(basis_layers)
     numpy = numpy_by_default() if numpy is None else numpy
     prepared, metas = _prepare(layers, basis, (sinks, tail, recent), indices)

@@ -29,7 +29,7 @@ import numpy as np
 import zstandard
 
 from kvmesh.codec.basis import Basis, BasisError, TensorBasis
-from kvmesh.codec.layer_blob import ESCAPE, WIDTHS, Segments, TransformCodecError, read_header
+from kvmesh.codec.layer_blob import ESCAPE, WIDTHS, Segments, TransformCodecError, check_tail, read_header
 from kvmesh.codec.layer_pool import map_layers, numpy_by_default
 from kvmesh.codec.rotary import Rotary, rotate, token_major_tables
 
@@ -91,8 +91,9 @@ def _escapes(plane: bytes, escapes: bytes, offset: float) -> tuple[np.ndarray, n
 
 def check_header(header: dict, expect: dict[str, Any]) -> None:
     """The blob's header says what the manifest said: its shape, basis layer, raw rows, steps and
-    component counts (`expect`, the same keys as the header's), positions from 0 when `start` is
-    expected (a layer that kept every one; `kvmesh.codec.coded.check_kept_positions` checks the others).
+    component counts, its tail's rows, steps and components (`expect`, the same keys as the
+    header's), positions from 0 when `start` is expected (a layer that kept every one;
+    `kvmesh.codec.coded.check_kept_positions` checks the others).
     A sender's blob may not decode to anything else, nor allocate beyond that."""
     got = {
         "shape": header.get("shape"),
@@ -287,9 +288,7 @@ def _decode_layer(
     if h * d != basis.keys[j].features:
         raise BasisError(f"{h} heads of {d} for a basis layer of {basis.keys[j].features} features")
     s, r, tail = header["sinks"], header["recent"], header.get("tail", 0)
-    m = t - s - r
-    if not 0 <= tail <= m:
-        raise TransformCodecError(f"a tail of {tail} rows where {m} are coded")
+    check_tail(header, t - s - r)
     pm = header["positions"]
     if "seg" in pm:
         pos = np.frombuffer(seg(pm["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)

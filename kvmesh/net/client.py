@@ -257,6 +257,8 @@ class PeerClient:
         Only block hashes leave this machine; an exact-prefix candidate is confirmed here against
         the prompt itself. A peer's answer is a claim: a candidate that claims more than the prompt
         holds, or than the cache itself, is left out (and logged), so a lying peer costs nothing more.
+        A transform-coded candidate that would serve a shorter prefix of itself loses its loss figure
+        (its manifest will claim none).
         """
         request = spb.LookupRequest(model_id=model_id, block_size=BLOCK_SIZE, block_hashes=block_hashes(tokens))
         try:
@@ -272,6 +274,9 @@ class PeerClient:
                 continue
             seen.add(c.cache_id)
             if n := tokens_served(tokens, c.num_tokens, c.prefix_sha256, c.cuttable, c.matched_tokens):
+                if n < c.num_tokens and c.lossy and c.method == "full":
+                    # A cut of a transform-coded cache claims no measured loss (kvmesh.codec.cut).
+                    c.ClearField("quality")
                 matches.append(Match(c, n))
         if bogus:
             log.warning(

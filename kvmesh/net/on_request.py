@@ -206,8 +206,9 @@ class OnRequestCoding:
 
         try:
             basis = self._basis(digest)
-            step = basis.step_at(LEVELS[OFFERED_LEVEL])
-            encode_layers(synthetic_layers(basis, WARM_UP_TOKENS), basis, step=step)
+            level = LEVELS[OFFERED_LEVEL]
+            layers = synthetic_layers(basis, WARM_UP_TOKENS)
+            encode_layers(layers, basis, step=basis.step_at(level), tail=level.tail, tail_factor=level.tail_factor)
         except (KvmeshError, ValueError) as e:  # the request that follows says so
             log.warning("cannot ready basis %s for coding on request: %s", digest[:12], e)
 

@@ -337,4 +337,6 @@ def load_prefix(store: CacheStore, cache_id: str, num_tokens: int, *, max_kl: fl
         records = store.chunk_records(cache_id)
     else:
         manifest, records = cut_prefix(manifest, lambda: store.chunk_records(cache_id), num_tokens)
+        if rejection := quality_problem(manifest, max_kl):  # a cut may claim less than the whole
+            raise CacheRejected(rejection)
     return decode_chunks(manifest, map(parse_frame, records), bases=stored_bases(store.root, manifest))

@@ -115,3 +115,27 @@ def test_the_local_store_is_held_to_the_quality_floor(tiny, tiny_fp, prompt_ids,
     assert len(refused.skipped) == 1 and "quality" in refused.skipped[0]
     taken = find_prefix(tiny_fp, prompt_ids, store, max_kl=pressed.tail_kl * 2)
     assert taken.cache is not None and (taken.where, taken.tokens) == ("local store", 256)
+
+
+def test_a_cut_of_a_coded_cache_claims_no_loss_and_a_floor_prefills_instead(tiny, tiny_fp, prompt_ids, tmp_path):
+    """The loss measured on a transform-coded cache is its whole's (its finer tail is at its end): a
+    shorter prefix cut from it claims none, so a receiver with a quality floor refuses the cut (and
+    takes the whole), one without takes either."""
+    from kvmesh.codec.calibration import fit_model_basis
+    from kvmesh.codec.coded import code_at_level
+    from kvmesh.codec.encode import encode_cache
+    from kvmesh.reuse.find import find_prefix
+
+    model, tokenizer = tiny
+    basis = fit_model_basis(model, tokenizer, tokens_per_text=300).basis
+    full = prefill(model, prompt_ids[:300]).cache
+    store = CacheStore(tmp_path / "store")
+    artifact_store(store.root).put(basis.to_bytes(), basis.digest)
+    store.add(*encode_cache(code_at_level(full, basis, "default"), tiny_fp, prompt_ids[:300], tail_kl=0.001))
+    whole = find_prefix(tiny_fp, prompt_ids[:300] + [5], store, max_kl=0.01)
+    assert whole.cache is not None and whole.tokens == 300
+    other = prompt_ids[:260] + [5] * 50  # shares the first 256 tokens (whole blocks) only
+    refused = find_prefix(tiny_fp, other, store, max_kl=0.01)
+    assert refused.cache is None and "did not measure" in refused.skipped[0]
+    taken = find_prefix(tiny_fp, other, store)
+    assert taken.cache is not None and taken.tokens == 256

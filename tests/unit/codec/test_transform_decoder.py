@@ -22,7 +22,7 @@ import pytest
 from test_transform_codec import random_layers, sparse_positions
 
 from kvmesh.codec.basis import Basis, fit_basis
-from kvmesh.codec.layer_blob import Segments, TransformCodecError, read_header
+from kvmesh.codec.layer_blob import Segments, TransformCodecError, cut_layer, read_header
 from kvmesh.codec.layer_pool import layer_pool, map_layers
 from kvmesh.codec.rate import measure_decode_rate, synthetic_basis, synthetic_layers
 from kvmesh.codec.rotary import Rotary, apply_rope
@@ -193,6 +193,61 @@ def test_a_step_that_takes_coded_rows_beyond_float16_is_refused(kind):
     for factor in (1e6, float("inf"), float("nan")):
         with pytest.raises(TransformCodecError, match="NaN or infinite"):
             decode_layer(scaled(factor), basis)
+
+
+def _drop(key):
+    def change(header):
+        del header[key]["tail"]
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda h: h.update(tail=h["shape"][2]), "a tail of 60 rows where 56 are coded"),
+        (lambda h: h.update(tail=-2), "a tail of -2 rows"),
+        (lambda h: h.update(tail=1.5), "a tail of 1.5 rows"),
+        (_drop("v"), "steps for it missing"),
+        (lambda h: h.pop("tail"), "a tail of 0 rows, and steps for it without one"),
+    ],
+    ids=["beyond", "negative", "fraction", "no steps", "steps only"],
+)
+def test_a_blob_whose_tail_lies_is_refused_by_decode_and_cut(change, says):
+    """A tail beyond the coded rows, not a count, or steps for a tail the header does not have (and
+    the other way round) is refused with its reason, by the decoder and by a cut."""
+    rng = np.random.default_rng(12)
+    basis = fit_basis([random_layers(rng, 1, 2, 200, 16)], [Rotary(dims=16, traditional=False)])
+    (blob,) = encode_layers(random_layers(rng, 1), basis, step=0.3, tail=10, tail_factor=0.25).blobs
+    lying = with_header(blob, change)
+    for read in (lambda: decode_layer(lying, basis), lambda: cut_layer(lying, 30)):
+        with pytest.raises(TransformCodecError, match=says):
+            read()
+
+
+def test_tails_in_batches_and_in_either_coder():
+    """With a tail, the NumPy and MLX encoders make the same bytes, the two decoders the same rows
+    (to float32 rounding), and a cache of two sequences cuts to exactly its first rows at any length
+    (in the sinks, the body, the tail and the raw recent rows), a cut of a cut too."""
+    rng = np.random.default_rng(13)
+    basis = fit_basis([random_layers(rng, 1, 2, 200, 16)], [Rotary(dims=16, traditional=False)])
+    (k1, v1, _), (k2, v2, _) = random_layers(rng, 2)
+    layer = (np.concatenate([k1, k2]), np.concatenate([v1, v2]), np.arange(60))  # (2, heads, 60, dim)
+    options = {"step": 0.3, "tail": 10, "tail_factor": 0.25, "recent": 3}
+    (graph,) = encode_layers([layer], basis, numpy=False, **options).blobs
+    (blob,) = encode_layers([layer], basis, numpy=True, **options).blobs
+    assert graph == blob
+    whole = decode_layer(blob, basis, numpy=True)
+    for mine, theirs in zip(whole, decode_layer(blob, basis, numpy=False), strict=True):
+        assert mx.allclose(mine, theirs, atol=1e-5).item()
+    for n in (3, 20, 47, 50, 57, 59):
+        cut = cut_layer(blob, n)
+        assert ("tail" in read_header(cut)[0]) == (n > 47) and cut[:5] == (blob[:5] if n > 47 else b"KVTC\x02")
+        for got, want in zip(decode_layer(cut, basis), whole, strict=True):
+            assert mx.array_equal(got, want[:, :, :n]).item()
+        again = cut_layer(cut, n - 2)
+        for got, want in zip(decode_layer(again, basis), whole, strict=True):
+            assert mx.array_equal(got, want[:, :, : n - 2]).item()
 
 
 def test_layers_decoded_at_once_are_the_layers_decoded_one_by_one():

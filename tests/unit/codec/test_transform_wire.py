@@ -143,6 +143,14 @@ def test_another_basis_is_refused_before_any_byte(tiny, wire, calibrated):
     assert "basis layer 7" in basis_problem(tampered, calibrated.basis).message
 
 
+def _tail(m: pb.CacheManifest, rows: int, *, schema: int = 3, step: float = 0.01, components: int = 8) -> None:
+    """A tail stated for layer 0."""
+    m.schema_version = schema
+    t = m.layers[0].transform
+    t.tail, t.key_tail_step, t.value_tail_step = rows, step, step
+    t.key_tail_components = t.value_tail_components = components
+
+
 @pytest.mark.parametrize(
     "damage, reason, words",
     [
@@ -155,6 +163,10 @@ def test_another_basis_is_refused_before_any_byte(tiny, wire, calibrated):
         (lambda m: m.layers[0].transform.rotary.freqs.append(1.0), pb.REJECT_REASON_MALFORMED, "rotary"),
         (lambda m: setattr(m.layers[0], "n_kept", 301), pb.REJECT_REASON_MALFORMED, "301 kept of offset 300"),
         (lambda m: setattr(m.layers[0].tensors[0], "name", "keys"), pb.REJECT_REASON_MALFORMED, "uint8 `coded`"),
+        (lambda m: _tail(m, 10, schema=2), pb.REJECT_REASON_MALFORMED, "a tail of 10 rows in a schema 2 manifest"),
+        (lambda m: _tail(m, 10, step=0.0), pb.REJECT_REASON_MALFORMED, "transform steps 0.0/"),
+        (lambda m: _tail(m, 10, components=10**6), pb.REJECT_REASON_MALFORMED, "components 1000000/"),
+        (lambda m: _tail(m, 297), pb.REJECT_REASON_MALFORMED, "4 sinks, 297 tail and 0 recent rows of 300"),
     ],
 )
 def test_a_manifest_that_lies_about_its_coding_is_refused(wire, damage, reason, words):
@@ -247,8 +259,9 @@ def test_a_shorter_prefix_of_a_coded_cache_decodes_as_that_prefix_of_the_whole(
     assert validate_manifest(cut) is None and cut.prefix.num_tokens == num_tokens
     kept_tail = max(0, min(num_tokens, 300 - recent) - (300 - recent - tail))
     assert all(layer.transform.tail == kept_tail for layer in cut.layers)
-    # The whole's loss was measured with its tail: a prefix without all of it does not claim it.
-    assert cut.HasField("quality") == (kept_tail == tail)
+    # The whole's loss was measured at its end: a shorter prefix does not claim it. One that keeps no
+    # tail rows is written in schema 2 (a kvmesh before the tail reads it).
+    assert not cut.HasField("quality") and cut.schema_version == (3 if kept_tail else 2)
     assert cut.encoding.encoded_bytes < manifest.encoding.encoded_bytes
     got = decode_chunks(cut, map(parse_frame, stream), bases=bases)
     for part, layer in zip(got, whole, strict=True):

@@ -101,6 +101,13 @@ def test_a_peer_codes_a_full_cache_on_request_and_keeps_the_copy(tiny_fp, basis,
     # Named by the metric it was measured by: its level's loss on the bench's texts, not its own.
     assert listed[got.manifest.cache_id].quality.metric == LEVEL_KL
     assert listed[got.manifest.cache_id].quality.value == pytest.approx(LEVELS["default"].kl)
+    # For a prompt that shares only its first block, it would be cut: then it claims no loss (its
+    # manifest will not: kvmesh.codec.cut); the full copy is lossless either way.
+    with PeerClient(address) as client:
+        shorter = {m.candidate.cache_id: m for m in client.lookup(tiny_fp.model_id, prompt[:130] + [5] * 200)}
+    assert shorter[got.manifest.cache_id].tokens == 128 and not shorter[got.manifest.cache_id].candidate.HasField(
+        "quality"
+    )
     # Asked again: the same copy, nothing coded or kept twice.
     with PeerClient(address) as client:
         again = fetch_cache(client, entry.cache_id, profile, code=spb.CodeRequest(level="default"))

@@ -406,7 +406,7 @@ def two_copies(tiny, tiny_fp, serve, tmp_path):
     put(CacheStore(tmp_path / "full"), cache, tiny_fp, prompt[:384], codec="none")
     basis = fit_model_basis(model, tokenizer, tokens_per_text=128).basis
     coded = CacheStore(tmp_path / "coded")
-    put(coded, transform_code(cache, TransformCoding(basis, step=LEVELS["default"].step)), tiny_fp, prompt[:384])
+    put(coded, transform_code(cache, TransformCoding.at_level(basis, LEVELS["default"])), tiny_fp, prompt[:384])
     artifact_store(coded.root).put(basis.to_bytes(), basis.digest)
     return prompt, serve(tmp_path / "full"), serve(tmp_path / "coded"), basis
 
