@@ -132,26 +132,19 @@ def best_times(runs: dict, repeat: int) -> dict[str, float]:
     return best
 
 
-def level_coding(basis: Basis) -> tuple[TransformCoding, dict]:
-    """The default level's coding of `basis` (its step for such a basis, its tail), and the same
-    as `encode_layers`'s options."""
-    coding = TransformCoding.at_level(basis, LEVELS["default"])
-    return coding, {"step": coding.step, "tail": coding.tail, "tail_factor": coding.tail_factor}
-
-
 def speed_rows(name: str, layers, basis: Basis, cache, fp, repeat: int) -> None:
     """Encode and decode GB/s (fp16-equivalent) of one cache at the default level: blobs to
     arrays (`encode_layers`, `decode_layers`) and the wire path (coded cache -> chunks -> caches)."""
-    coding, options = level_coding(basis)
+    coding = TransformCoding.at_level(basis, LEVELS["default"])  # (its step for such a basis, its tail)
     step = coding.step
     fp16 = fp16_nbytes(layers)
-    enc = encode_layers(layers, basis, **options)
+    enc = coding.encode(layers)
     encoded = encode_cache(transform_code(cache, coding), fp, list(range(cache[0].offset)))
     chunks = list(encoded.chunks)
     bases = {basis.digest: basis}
     s = best_times(
         {
-            "encode": lambda: encode_layers(layers, basis, **options),
+            "encode": lambda: coding.encode(layers),
             "decode": lambda: mx.eval(decode_layers(enc.blobs, basis)),
             "wire encode": lambda: list(encode_cache(transform_code(cache, coding), fp, range(cache[0].offset)).chunks),
             "wire decode": lambda: decode_chunks(encoded.manifest, iter(chunks), bases=bases),
@@ -174,7 +167,7 @@ def real_cache_speed(
     cache = make_press("full").apply(dense)
     layers = layers_of_cache(cache)
     if save_coded:
-        blobs = encode_layers(layers, basis, **level_coding(basis)[1]).blobs
+        blobs = TransformCoding.at_level(basis, LEVELS["default"]).encode(layers).blobs
         arrays = {f"layer.{i}": mx.array(np.frombuffer(blob, np.uint8)) for i, blob in enumerate(blobs)}
         mx.save_safetensors(str(save_coded), arrays, {"fingerprint": json.dumps(fp.to_dict()), "basis": basis.digest})
         print(f"the coded cache written to {save_coded}", file=sys.stderr)

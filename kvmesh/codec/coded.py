@@ -22,12 +22,12 @@ import mlx.core as mx
 import numpy as np
 
 from kvmesh.caches.sparse import SparseKVCache
-from kvmesh.codec.basis import Basis, BasisError
+from kvmesh.codec.basis import Basis, BasisError, LayerKV
 from kvmesh.codec.layer_blob import TransformCodecError, read_header
 from kvmesh.codec.levels import LEVELS, Level
 from kvmesh.codec.manifest import BASIS_KIND
 from kvmesh.codec.rotary import Rotary
-from kvmesh.codec.transform import encode_layers
+from kvmesh.codec.transform import Encoded, encode_layers
 from kvmesh.codec.transform_decode import decode_layer
 from kvmesh.errors import KvmeshError
 from kvmesh.v1 import cache_pb2 as pb
@@ -52,6 +52,20 @@ class TransformCoding:
     def at_level(cls, basis: Basis, level: Level) -> TransformCoding:
         """A `--compress` level's coding (kvmesh.codec.levels): its step for `basis`, its tail."""
         return cls(basis, step=basis.step_at(level), tail=level.tail, tail_factor=level.tail_factor)
+
+    def encode(self, layers: Sequence[LayerKV], basis_layers: Sequence[int] | None = None) -> Encoded:
+        """`encode_layers` of (keys, values, positions) per layer, coded as this says."""
+        return encode_layers(
+            layers,
+            self.basis,
+            step=self.step,
+            basis_layers=basis_layers,
+            sinks=self.sinks,
+            tail=self.tail,
+            tail_factor=self.tail_factor,
+            recent=self.recent,
+            key_factor=self.key_factor,
+        )
 
 
 @dataclass(frozen=True)
@@ -127,17 +141,7 @@ def transform_code(cache: Sequence, coding: TransformCoding) -> list:
         keys, values = cache[i].keys_and_values()
         layers.append((keys, values, _positions(cache[i])))
     basis_layers = [basis_layer_of(coding.basis, i) for i in at]
-    encoded = encode_layers(
-        layers,
-        coding.basis,
-        step=coding.step,
-        basis_layers=basis_layers,
-        sinks=coding.sinks,
-        tail=coding.tail,
-        tail_factor=coding.tail_factor,
-        recent=coding.recent,
-        key_factor=coding.key_factor,
-    )
+    encoded = coding.encode(layers, basis_layers)
     out = list(cache)
     for i, j, blob in zip(at, basis_layers, encoded.blobs, strict=True):
         header, _ = read_header(blob)

@@ -78,10 +78,8 @@ def cut_manifest(manifest: pb.CacheManifest, num_tokens: int, coded: Mapping[int
             t = layer.transform
             t.sinks, t.recent, t.tail = cut_rows(manifest.prefix.num_tokens, t.sinks, t.recent, num_tokens, t.tail)
             if not t.tail:
-                t.ClearField("key_tail_step")
-                t.ClearField("value_tail_step")
-                t.ClearField("key_tail_components")
-                t.ClearField("value_tail_components")
+                for name in ("key_tail_step", "value_tail_step", "key_tail_components", "value_tail_components"):
+                    t.ClearField(name)
             (tensor,) = layer.tensors
             tensor.shape[0] = tensor.nbytes = len(coded[index])
         else:

@@ -134,6 +134,11 @@ def cut_rows(tokens: int, sinks: int, recent: int, num_tokens: int, tail: int = 
     return kept_sinks, num_tokens - coded_end, kept_tail
 
 
+def coded_regions(tokens: int, sinks: int, recent: int, tail: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rows [lo, hi) of a layer's body and of its tail, between the raw sink and recent rows."""
+    return (sinks, tokens - recent - tail), (tokens - recent - tail, tokens - recent)
+
+
 def cut_layer(data: bytes | memoryview, num_tokens: int, level: int = 1) -> bytes:
     """The blob of a layer's first `num_tokens` rows, which decodes to exactly the first `num_tokens`
     rows the whole blob decodes to.

@@ -11,15 +11,17 @@ a synthetic basis of the same size: cheap enough to call before a choice (well u
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 
 from kvmesh.codec.basis import Basis, LayerKV, TensorBasis
+from kvmesh.codec.coded import TransformCoding
 from kvmesh.codec.layer_pool import LAYER_THREADS
 from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.rotary import Rotary, apply_rope
-from kvmesh.codec.transform import encode_layers, fp16_nbytes
+from kvmesh.codec.transform import fp16_nbytes
 from kvmesh.codec.transform_decode import decode_layers
 
 # Spread of the synthetic components' calibration RMS (largest / smallest = e^SPREAD), about a real
@@ -77,14 +79,8 @@ def measure_decode_rate(
     quicker."""
     basis = synthetic_basis(LAYER_THREADS, heads, head_dim)
     layers = synthetic_layers(basis, tokens)
-    level = LEVELS["default"]
-    blobs = encode_layers(
-        layers,
-        basis,
-        step=basis.step_at(level) if step is None else step,
-        tail=level.tail,
-        tail_factor=level.tail_factor,
-    ).blobs
+    coding = TransformCoding.at_level(basis, LEVELS["default"])
+    blobs = (coding if step is None else replace(coding, step=step)).encode(layers).blobs
     return fp16_nbytes(layers) / fastest_run(lambda: mx.eval(decode_layers(blobs, basis)), repeat=repeat)
 
 

@@ -61,6 +61,7 @@ from kvmesh.codec.layer_blob import (
     MAGIC_TAIL,
     TransformCodecError,
     Writer,
+    coded_regions,
     pack_zigzag,
 )
 from kvmesh.codec.layer_pool import map_layers, numpy_by_default
@@ -336,7 +337,7 @@ def _prepare_layer(
     prepared = []
     for kind, x, tb in (("k", keys, basis.keys[j]), ("v", values, basis.values[j])):
         regions = []
-        for lo, hi in ((s, t - r - tail), (t - r - tail, t - r)):
+        for lo, hi in coded_regions(t, s, r, tail):
             coeffs = mx.zeros((h * d, 0))
             if hi > lo:
                 block = x[:, :, lo:hi].transpose(0, 2, 1, 3)  # (B, T', H, D): token-major

@@ -29,7 +29,15 @@ import numpy as np
 import zstandard
 
 from kvmesh.codec.basis import Basis, BasisError, TensorBasis
-from kvmesh.codec.layer_blob import ESCAPE, WIDTHS, Segments, TransformCodecError, check_tail, read_header
+from kvmesh.codec.layer_blob import (
+    ESCAPE,
+    WIDTHS,
+    Segments,
+    TransformCodecError,
+    check_tail,
+    coded_regions,
+    read_header,
+)
 from kvmesh.codec.layer_pool import map_layers, numpy_by_default
 from kvmesh.codec.rotary import Rotary, rotate, token_major_tables
 
@@ -301,9 +309,11 @@ def _decode_layer(
         raw = _raw_array(seg(km["raw"], 4 * b * h * (s + r) * d), raw_dtype, (b, h, s + r, d))
         parts = [raw[:, :, :s]]
         checks.append(mx.isfinite(raw).all())
-        # The body's rows, then the tail's (each region with its own steps and components).
-        for lo, hi, region in ((s, t - r - tail, km), (t - r - tail, t - r, km.get("tail"))):
+        # The body's rows, then the tail's (each region with its own steps and components; a tail's
+        # are there exactly when it has rows: `check_tail`).
+        for (lo, hi), region in zip(coded_regions(t, s, r, tail), (km, km.get("tail")), strict=True):
             if hi > lo:
+                assert region is not None
                 rotation = token_major_tables(basis.rotaries[j], pos[:, :, lo:hi], memo) if kind == "k" else None
                 block = _region_rows(region, seg, tb, (b, hi - lo, h, d), rotation, basis.rotaries[j], numpy)
                 if not _magnitude_bound(block.largest, tb, block.scale, kind == "k") < ROUNDS_TO_INFINITY[raw.dtype]:
@@ -326,7 +336,7 @@ class _Region:
 
 
 def _region_rows(
-    region: dict | None,
+    region: dict,
     seg: Segments,
     tb: TensorBasis,
     shape: tuple[int, int, int, int],
@@ -336,8 +346,6 @@ def _region_rows(
 ) -> _Region:
     """One region of a tensor's coded rows (the body, or the tail: `_decode_layer`) decoded, and
     rotated back with `rotation`'s tables (keys)."""
-    if region is None:
-        raise TransformCodecError("a tail of rows without its steps and components")
     b, m, h, d = shape
     scale = region["step"] * tb.scale
     n, largest = region["n"], np.zeros(0)

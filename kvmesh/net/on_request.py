@@ -201,14 +201,12 @@ class OnRequestCoding:
         tokens with it (a process's first coding builds MLX's kernels, starts the layer threads and
         took 1 s for 128 tokens, against 0.1 s after), ahead of a request."""
         import kvmesh.codec.coded_copy  # noqa: F401
+        from kvmesh.codec.coded import TransformCoding
         from kvmesh.codec.rate import synthetic_layers
-        from kvmesh.codec.transform import encode_layers
 
         try:
             basis = self._basis(digest)
-            level = LEVELS[OFFERED_LEVEL]
-            layers = synthetic_layers(basis, WARM_UP_TOKENS)
-            encode_layers(layers, basis, step=basis.step_at(level), tail=level.tail, tail_factor=level.tail_factor)
+            TransformCoding.at_level(basis, LEVELS[OFFERED_LEVEL]).encode(synthetic_layers(basis, WARM_UP_TOKENS))
         except (KvmeshError, ValueError) as e:  # the request that follows says so
             log.warning("cannot ready basis %s for coding on request: %s", digest[:12], e)
 
