@@ -61,7 +61,7 @@ from kvmesh.codec.encode import encode_cache  # noqa: E402
 from kvmesh.codec.levels import LEVELS  # noqa: E402
 from kvmesh.codec.rate import measure_decode_rate, synthetic_basis, synthetic_layers  # noqa: E402
 from kvmesh.codec.rotary import model_rotaries  # noqa: E402
-from kvmesh.codec.transform import encode_layers, fp16_nbytes, layers_of_cache  # noqa: E402
+from kvmesh.codec.transform import SINKS, encode_layers, fp16_nbytes, layers_of_cache  # noqa: E402
 from kvmesh.codec.transform_decode import decode_layers  # noqa: E402
 from kvmesh.model.fingerprint import ModelFingerprint, fingerprint  # noqa: E402
 from kvmesh.model.prompt import prompt_tokens  # noqa: E402
@@ -246,7 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--texts", nargs="+", default=["declaration", "notes"], help="probed texts")
     parser.add_argument("--ratios", nargs="+", type=float, default=[3, 4, 6, 8, 12])
-    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--sinks", type=int, default=SINKS)
     parser.add_argument("--recent", type=int, default=0)
     parser.add_argument("--key-factor", type=float, default=2.0, help="keys' step relative to values'")
     parser.add_argument("--calibration", type=int, default=4, help="how many calibration texts (of 8)")

@@ -27,7 +27,7 @@ from kvmesh.codec.layer_blob import TransformCodecError, read_header
 from kvmesh.codec.levels import LEVELS, Level
 from kvmesh.codec.manifest import BASIS_KIND
 from kvmesh.codec.rotary import Rotary
-from kvmesh.codec.transform import Encoded, encode_layers
+from kvmesh.codec.transform import SINKS, Encoded, encode_layers
 from kvmesh.codec.transform_decode import decode_layer
 from kvmesh.errors import KvmeshError
 from kvmesh.v1 import cache_pb2 as pb
@@ -41,7 +41,7 @@ class TransformCoding:
 
     basis: Basis
     step: float
-    sinks: int = 4
+    sinks: int = SINKS
     # The last coded rows, at `tail_factor` times each tensor's step (kvmesh.codec.transform).
     tail: int = 0
     tail_factor: float = 1.0

@@ -1,6 +1,6 @@
 """A coded copy of a full cache: its chunks decoded, transform coded at a level, encoded again.
 
-A receiver on a slow link would rather fetch a transform-coded copy (4.9x smaller than float16 at
+A receiver on a slow link would rather fetch a transform-coded copy (5.1x smaller than float16 at
 the default level) than a full one. When a sender holds only the full copy and the model's basis,
 it codes the full copy at the level the receiver asks for (kvmesh.net.on_request), keeps that copy
 and serves it. Needs MLX, but not the model: the basis is all the codec needs.

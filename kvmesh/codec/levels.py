@@ -43,22 +43,24 @@ class Level:
         return self.step if weighted else self.factors_step
 
 
-# scripts/bench_quality.py --methods full --steps 0.28 0.54 --cuts 512 768 1024 (the bench's default
-# tail, --tail 48 --tail-factor 0.25) and --steps 0.18 0.48 --tail 0, 2026-12-04 (worst of
+# scripts/bench_quality.py --methods full --steps 0.28 0.48 --cuts 512 768 1024 (the bench's default
+# tail, --tail 48 --tail-factor 0.25) and --steps 0.48 0.5 --tail 0, 2026-12-05 (worst of
 # declaration / notes / code), with the basis fitted in the attention's weights
-# (kvmesh.codec.attention_metric) and its per-layer step factors (kvmesh.codec.sensitivity).
+# (kvmesh.codec.attention_metric) and its per-layer step factors (kvmesh.codec.sensitivity), the
+# first row alone raw (kvmesh.codec.transform.SINKS; with four, 4.94x and 6.68x at the same steps).
 # The default codes the last 48 rows at a quarter of its step, which lets the rest take a coarser
-# one: 4.94x at KL 0.0029, where without the tail the bar was met at 4.27x (KL 0.0024, step 0.18).
-# The cost: a prefix cut from the cache before its tail is worse than the whole (worst of the cuts
-# at 512, 768 and 1,024 tokens: KL 0.0060, against 0.0025 at step 0.18 without a tail), so a cut
-# that drops tail rows claims no measured loss (kvmesh.codec.cut). `small` has no tail: there the
-# facts bind, not the KL (with the tail, steps 0.57-0.63 lost a fact; 0.54 met the bars at 6.85x,
-# KL 0.0106, its cuts at up to KL 0.0376), so the tail bought 2.5% for much worse cuts. Before the
-# weights, with the factors alone: 3.74x at KL 0.0018 (step 0.15) and 6.27x at 0.0165 (step 0.5);
-# with one step for every layer 3.68x at 0.0024 (step 0.12) and 5.10x at 0.0171 (step 0.28).
+# one: 5.07x at KL 0.0030, where without the tail the bar was met at 4.27x (KL 0.0024, step 0.18,
+# four rows raw). The cost: a prefix cut from the cache before its tail is worse than the whole
+# (worst of the cuts at 512, 768 and 1,024 tokens: KL 0.0080, against 0.0025 at step 0.18 without a
+# tail), so a cut that drops tail rows claims no measured loss (kvmesh.codec.cut). `small` has no
+# tail: there the facts bind, not the KL (with the tail and four raw rows, steps 0.57-0.63 lost a
+# fact; 0.54 met the bars at 6.85x, KL 0.0106, its cuts at up to KL 0.0376), so the tail bought 2.5%
+# for much worse cuts; step 0.5 without it: 7.06x at KL 0.0222. Before the weights, with the factors
+# alone: 3.74x at KL 0.0018 (step 0.15) and 6.27x at 0.0165 (step 0.5); with one step for every
+# layer 3.68x at 0.0024 (step 0.12) and 5.10x at 0.0171 (step 0.28) (four rows raw).
 LEVELS: dict[str, Level] = {
     "default": Level(
-        step=0.28, max_kl=0.003, ratio=4.94, kl=0.0029, factors_step=0.15, one_step=0.12, tail=48, tail_factor=0.25
+        step=0.28, max_kl=0.003, ratio=5.07, kl=0.0030, factors_step=0.15, one_step=0.12, tail=48, tail_factor=0.25
     ),
-    "small": Level(step=0.48, max_kl=0.02, ratio=6.68, kl=0.0195, factors_step=0.5, one_step=0.28),
+    "small": Level(step=0.48, max_kl=0.02, ratio=6.90, kl=0.0194, factors_step=0.5, one_step=0.28),
 }

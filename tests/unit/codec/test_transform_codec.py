@@ -426,7 +426,8 @@ def test_raw_rows_travel_in_the_cache_s_own_dtype(dtype):
     enc = encode_layers(layers, basis, step=0.2, sinks=4, recent=3)
     assert all(blob.startswith(MAGIC if dtype == mx.float16 else MAGIC_RAW_DTYPE) for blob in enc.blobs)
     cache = [SparseKVCache.from_arrays(k, v, k.shape[2]) for k, v, _ in layers]
-    through_cache = [c.keys_and_values() for c in decoded(transform_code(cache, TransformCoding(basis, 0.2, recent=3)))]
+    coding = TransformCoding(basis, 0.2, sinks=4, recent=3)
+    through_cache = [c.keys_and_values() for c in decoded(transform_code(cache, coding))]
     for (k, v, _), *decodes in zip(layers, decode_layers(enc.blobs, basis), through_cache, strict=True):
         for got_k, got_v in decodes:
             assert got_k.dtype == got_v.dtype == dtype

@@ -205,7 +205,7 @@ def _drop(key):
 @pytest.mark.parametrize(
     ("change", "says"),
     [
-        (lambda h: h.update(tail=h["shape"][2]), "a tail of 60 rows where 56 are coded"),
+        (lambda h: h.update(tail=h["shape"][2]), "a tail of 60 rows where 59 are coded"),
         (lambda h: h.update(tail=-2), "a tail of -2 rows"),
         (lambda h: h.update(tail=1.5), "a tail of 1.5 rows"),
         (_drop("v"), "steps for it missing"),
@@ -233,7 +233,7 @@ def test_tails_in_batches_and_in_either_coder():
     basis = fit_basis([random_layers(rng, 1, 2, 200, 16)], [Rotary(dims=16, traditional=False)])
     (k1, v1, _), (k2, v2, _) = random_layers(rng, 2)
     layer = (np.concatenate([k1, k2]), np.concatenate([v1, v2]), np.arange(60))  # (2, heads, 60, dim)
-    options = {"step": 0.3, "tail": 10, "tail_factor": 0.25, "recent": 3}
+    options = {"step": 0.3, "sinks": 4, "tail": 10, "tail_factor": 0.25, "recent": 3}
     (graph,) = encode_layers([layer], basis, numpy=False, **options).blobs
     (blob,) = encode_layers([layer], basis, numpy=True, **options).blobs
     assert graph == blob
