@@ -6,7 +6,8 @@ inverse transform as one product with the basis's components and the mean added,
 with cos/sin tables read off the model's own kernel (`kvmesh.codec.rotary.rotate`: made once per
 set of positions, so the kernel's sines and cosines are not recomputed per layer, which on a CPU
 costs more than the rotation), and the raw sink and recent rows placed around the coded ones (a
-tail's rows decoded the same way, at their own steps, after the body's). Only
+tail's rows, at their own steps and components, are a product of their own written after the body's
+into one block: the mean, the rotation and the placing run once per tensor). Only
 what must run on the CPU stays in Python and NumPy: zstd, the header, and finding the rare escaped
 codes. So a Mac runs the decoder on its GPU. Where MLX computes on the CPU, the codes become numbers
 by NumPy table look-ups (one pass, where the graph makes several, each on one core) and the inverse
@@ -252,20 +253,20 @@ def _unpack(planes: list, n: int, rows: int) -> mx.array:
 
 
 def _synthesised(
-    coefficients: mx.array | np.ndarray, tb: TensorBasis, n: int, scale: float, *, numpy: bool
-) -> mx.array:
-    """(rows, F) = coefficients.T @ (the first n components times `scale`) + the mean: in NumPy
-    (`numpy`: where MLX computes on the CPU) or in MLX's graph. The mlx[cpu] wheels for Linux link the
-    reference BLAS: a 1,024-token layer of 8B geometry took 0.70 s to decode with MLX's product,
-    0.04 s with NumPy's (OpenBLAS) on this 2-core box; MLX on a Mac's CPU has Accelerate, but
-    there the GPU decodes."""
-    if numpy:
+    coefficients: mx.array | np.ndarray, tb: TensorBasis, n: int, scale: float, out: np.ndarray | None
+) -> mx.array | None:
+    """(B * rows, F) = coefficients.T @ (the first n components times `scale`), from coefficients
+    (n, B * rows): with `out` (a NumPy array (B, rows, F)), NumPy's product written into it (where
+    MLX computes on the CPU); with None, MLX's graph's, returned. The caller adds the mean. The
+    mlx[cpu] wheels for Linux link the reference BLAS: a 1,024-token layer of 8B geometry took 0.70 s
+    to decode with MLX's product, 0.04 s with NumPy's (OpenBLAS) on this 2-core box; MLX on a Mac's
+    CPU has Accelerate, but there the GPU decodes."""
+    if out is not None:
         synthesis = tb.synthesis()[:n] * np.float32(scale)
-        rows = np.asarray(coefficients).T @ synthesis
-        rows += tb.mean
-        return mx.array(rows)
+        np.matmul(np.asarray(coefficients).T.reshape(*out.shape[:2], n), synthesis, out=out)
+        return None
     assert isinstance(coefficients, mx.array)
-    return coefficients.T @ (tb.on_mlx("synthesis")[:n] * mx.array(np.float32(scale))) + tb.on_mlx("mean")
+    return coefficients.T @ (tb.on_mlx("synthesis")[:n] * mx.array(np.float32(scale)))
 
 
 def _magnitude_bound(largest: np.ndarray, tb: TensorBasis, scale: float, rotated: bool) -> float:
@@ -310,55 +311,76 @@ def _decode_layer(
         parts = [raw[:, :, :s]]
         checks.append(mx.isfinite(raw).all())
         # The body's rows, then the tail's (each region with its own steps and components; a tail's
-        # are there exactly when it has rows: `check_tail`).
-        for (lo, hi), region in zip(coded_regions(t, s, r, tail), (km, km.get("tail")), strict=True):
-            if hi > lo:
-                assert region is not None
-                rotation = token_major_tables(basis.rotaries[j], pos[:, :, lo:hi], memo) if kind == "k" else None
-                block = _region_rows(region, seg, tb, (b, hi - lo, h, d), rotation, basis.rotaries[j], numpy)
-                if not _magnitude_bound(block.largest, tb, block.scale, kind == "k") < ROUNDS_TO_INFINITY[raw.dtype]:
-                    checks.append(mx.abs(block.rows).max() < ROUNDS_TO_INFINITY[raw.dtype])
-                rows = block.rows.transpose(0, 2, 1, 3)
-                parts.append(rows if raw.dtype == mx.float32 else rows.astype(raw.dtype))
+        # are there exactly when it has rows: `check_tail`), decoded as one block of rows.
+        spans = [
+            (hi - lo, region)
+            for (lo, hi), region in zip(coded_regions(t, s, r, tail), (km, km.get("tail")), strict=True)
+            if hi > lo
+        ]
+        if spans:
+            rotation = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo) if kind == "k" else None
+            block = _coded_rows(spans, seg, tb, (b, h, d), rotation, basis.rotaries[j], numpy)
+            bounds = [_magnitude_bound(largest, tb, scale, kind == "k") for largest, scale in block.bounds]
+            if not max(bounds) < ROUNDS_TO_INFINITY[raw.dtype]:
+                checks.append(mx.abs(block.rows).max() < ROUNDS_TO_INFINITY[raw.dtype])
+            rows = block.rows.transpose(0, 2, 1, 3)
+            parts.append(rows if raw.dtype == mx.float32 else rows.astype(raw.dtype))
         parts.append(raw[:, :, s:])
         tensors.append(mx.concatenate(parts, axis=2))
     return tensors[0], tensors[1], checks
 
 
 @dataclass
-class _Region:
-    """A region's decoded rows (B, rows, H, D), token-major, and what bounds their magnitude (the
-    largest |coefficient| per component, in units of `scale`)."""
+class _Rows:
+    """A tensor's coded rows (B, rows, H, D), token-major, and per region what bounds their
+    magnitude: (the largest |coefficient| per component in units of the scale, the scale)."""
 
     rows: mx.array
-    largest: np.ndarray
-    scale: float
+    bounds: list[tuple[np.ndarray, float]]
 
 
-def _region_rows(
-    region: dict,
+def _coded_rows(
+    spans: list[tuple[int, dict]],
     seg: Segments,
     tb: TensorBasis,
-    shape: tuple[int, int, int, int],
+    shape: tuple[int, int, int],
     rotation: tuple[mx.array, mx.array] | None,
     rotary: Rotary,
     numpy: bool,
-) -> _Region:
-    """One region of a tensor's coded rows (the body, or the tail: `_decode_layer`) decoded, and
-    rotated back with `rotation`'s tables (keys)."""
-    b, m, h, d = shape
-    scale = region["step"] * tb.scale
-    n, largest = region["n"], np.zeros(0)
-    if n:
-        coefficients = _coefficients(region, seg, b * m, tables=numpy)
-        rows = _synthesised(coefficients.values, tb, n, scale, numpy=numpy)
-        largest = coefficients.largest
+) -> _Rows:
+    """A tensor's coded regions (`spans`: (rows, the header's region), the body then the tail: each
+    its own product, with its own steps and components) as one block of rows: the mean added, the
+    block passed to MLX (in NumPy) and rotated back with `rotation`'s tables (keys) once."""
+    b, h, d = shape
+    m = sum(rows for rows, _ in spans)
+    bounds: list[tuple[np.ndarray, float]] = []
+    into = np.empty((b, m, h * d), np.float32) if numpy else None
+    products, at = [], 0
+    for rows, region in spans:
+        scale = region["step"] * tb.scale
+        n, largest = region["n"], np.zeros(0)
+        out = into[:, at : at + rows] if into is not None else None
+        if n:
+            coefficients = _coefficients(region, seg, b * rows, tables=numpy)
+            product = _synthesised(coefficients.values, tb, n, scale, out)
+            if product is not None:
+                products.append(product.reshape(b, rows, h * d))
+            largest = coefficients.largest
+        elif out is not None:
+            out[...] = 0.0
+        else:
+            products.append(mx.zeros((b, rows, h * d), mx.float32))
+        bounds.append((largest, scale))
+        at += rows
+    if into is not None:
+        into += tb.mean
+        block = mx.array(into)
     else:
-        rows = mx.broadcast_to(tb.on_mlx("mean"), (b * m, h * d))
-    block = rows.reshape(b, m, h, d)
+        block = (mx.concatenate(products, axis=1) if len(products) > 1 else products[0]) + tb.on_mlx("mean")
+    block = block.reshape(b, m, h, d)
     if rotation is not None:
         block = rotate(block, *rotation, rotary)
-    return _Region(block, largest, scale)
+    return _Rows(block, bounds)
 
 
 def decode_layers(blobs: Sequence[bytes], basis: Basis) -> list[tuple[mx.array, mx.array]]:

@@ -502,3 +502,18 @@ def test_rotary_of_mlx_lm_rope_modules():
         assert mx.allclose(apply_rope(x, np.arange(5, 14), rot), rope(x, offset=5), atol=1e-6)
     with pytest.raises(ValueError, match="not supported"):
         rotary_of(initialize_rope(64, 1e4, False, {"rope_type": "yarn", "factor": 4.0}, 4096))
+
+
+def test_the_first_row_alone_travels_raw_by_default():
+    """The attention sink (the first row) comes back exactly, however far it lies from what the
+    basis was fitted on; the rows after it are coded like the rest."""
+    rng = np.random.default_rng(21)
+    basis = small_basis(rng)
+    layers = [(mx.array(k), mx.array(v), pos) for k, v, pos in random_layers(rng)]
+    layers[0][0][:, :, 0] = 40.0
+    cache = [SparseKVCache.from_arrays(k, v, k.shape[2]) for k, v, _ in layers]
+    coded = transform_code(cache, TransformCoding(basis, 0.2))
+    for (k, v, _), layer in zip(layers, decoded(coded), strict=True):
+        for raw, got in zip((k, v), layer.keys_and_values(), strict=True):
+            assert mx.array_equal(got[:, :, :1], raw[:, :, :1]).item()
+            assert not mx.array_equal(got[:, :, 1:2], raw[:, :, 1:2]).item()
