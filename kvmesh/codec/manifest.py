@@ -332,9 +332,10 @@ def layer_codec(layer: pb.LayerSpec) -> str:
             if t.tail
             else ""
         )
+        sinks = f"{t.sinks} sink{'s' if t.sinks != 1 else ''} raw"
         return (
             f"transform k {t.key_components}/{features} @{t.key_step:.3g}, "
-            f"v {t.value_components}/{features} @{t.value_step:.3g}{tail}, {t.sinks} sinks raw"
+            f"v {t.value_components}/{features} @{t.value_step:.3g}{tail}, {sinks}"
         )
     if layer.bits:
         return f"{layer.bits}-bit (groups of {layer.group_size})"

@@ -251,6 +251,7 @@ def test_a_shorter_prefix_of_a_coded_cache_decodes_as_that_prefix_of_the_whole(
     assert manifest.schema_version == (3 if tail else 2)
     assert all(layer.transform.tail == tail for layer in manifest.layers)
     assert all((f", last {tail} rows k " in row["codec"]) == bool(tail) for row in layer_report(manifest))
+    assert all(row["codec"].endswith(", 1 sink raw") for row in layer_report(manifest))
     manifest.quality.CopyFrom(pb.Quality(metric="tail_kl", value=0.001, tokens=32))  # as a producer measures it
     records = [c.frame() for c in chunks]
     bases = {calibrated.basis.digest: calibrated.basis}
