@@ -263,10 +263,11 @@ def fit_basis(
     """Fit the per-layer key and value bases from calibration caches.
 
     `calibration` yields caches, each a sequence of per-layer (keys, values, positions); keys are
-    un-rotated with `rotaries` first. The first `skip` rows of each cache (the attention sink, which
-    the codec sends raw, and the tokens right after it, unlike the rest of a text) are left out of
-    the fit. `weights`, per layer (keys', values'), weigh the features (`fit_tensor_basis`; None:
-    not weighed); the basis then says so (`Basis.weighted`).
+    un-rotated with `rotaries` first. The first `skip` rows of each cache are left out of the fit:
+    the attention sink, which the codec sends raw (`kvmesh.codec.transform.SINKS`), and three more,
+    which it sent raw too before 2026-12-05 (they code as well as any; left out still, a refit finds
+    the components it found before). `weights`, per layer (keys', values'), weigh the features
+    (`fit_tensor_basis`; None: not weighed); the basis then says so (`Basis.weighted`).
     """
     n_layers = len(rotaries)
     acc: list[list[Any]] = [[None, None] for _ in range(n_layers)]

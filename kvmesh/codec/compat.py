@@ -37,6 +37,7 @@ from kvmesh.codec.manifest import (
     loss_text,
     lossy,
     measured_loss,
+    sink_rows,
     state_names,
     tensor_dtype,
     tensor_specs,
@@ -208,7 +209,7 @@ def transform_problem(m: pb.CacheManifest, layer: pb.LayerSpec, bad: Callable[[s
     if t.tail and m.schema_version < TAIL_SCHEMA:
         return bad(f"a tail of {t.tail} rows in a schema {m.schema_version} manifest")
     if t.sinks + t.recent + t.tail > layer.n_kept:
-        return bad(f"{t.sinks} sink, {t.tail} tail and {t.recent} recent rows of {layer.n_kept}")
+        return bad(f"{sink_rows(t.sinks)}, {t.tail} tail and {t.recent} recent rows of {layer.n_kept}")
     r = t.rotary
     if not 0 < r.dims <= t.head_dim or r.dims % 2 or (r.HasField("base") == bool(r.freqs)):
         return bad(f"rotary of {r.dims} dims (head dim {t.head_dim}) needs a base or its frequencies, not both")

@@ -60,7 +60,7 @@ class Level:
 # layer 3.68x at 0.0024 (step 0.12) and 5.10x at 0.0171 (step 0.28) (four rows raw).
 LEVELS: dict[str, Level] = {
     "default": Level(
-        step=0.28, max_kl=0.003, ratio=5.07, kl=0.0030, factors_step=0.15, one_step=0.12, tail=48, tail_factor=0.25
+        step=0.28, max_kl=0.003, ratio=5.07, kl=0.00296, factors_step=0.15, one_step=0.12, tail=48, tail_factor=0.25
     ),
     "small": Level(step=0.48, max_kl=0.02, ratio=6.90, kl=0.0194, factors_step=0.5, one_step=0.28),
 }

@@ -320,6 +320,11 @@ def layer_report(manifest: pb.CacheManifest) -> list[dict[str, Any]]:
     return report
 
 
+def sink_rows(count: int) -> str:
+    """'1 sink', '4 sinks': a transform-coded layer's leading raw rows, as messages name them."""
+    return f"{count} sink{'s' if count != 1 else ''}"
+
+
 def layer_codec(layer: pb.LayerSpec) -> str:
     """How a layer's tensors are coded, for people: `fp16`, `8-bit`, or the transform's steps and
     components (keys / values; its tail's when it has one)."""
@@ -332,10 +337,9 @@ def layer_codec(layer: pb.LayerSpec) -> str:
             if t.tail
             else ""
         )
-        sinks = f"{t.sinks} sink{'s' if t.sinks != 1 else ''} raw"
         return (
             f"transform k {t.key_components}/{features} @{t.key_step:.3g}, "
-            f"v {t.value_components}/{features} @{t.value_step:.3g}{tail}, {sinks}"
+            f"v {t.value_components}/{features} @{t.value_step:.3g}{tail}, {sink_rows(t.sinks)} raw"
         )
     if layer.bits:
         return f"{layer.bits}-bit (groups of {layer.group_size})"

@@ -72,8 +72,8 @@ SQRT12 = math.sqrt(12.0)
 # Leading rows sent raw: the first token is the attention sink, whose keys and values are outliers
 # no basis codes well. On SmolLM2 at the default level, coding it too took the worst text's KL from
 # 0.0030 to 0.21 (a throwaway run); keeping the next three raw as well (StreamingLLM's four) left
-# the KL as it was and, in a float32 cache, cost 2.7% of the bytes (scripts/bench_quality.py,
-# 2026-12-05: 5.07x with one, 4.94x with four).
+# the KL as it was and, in a float32 cache, cost 2.6% of the bytes on the worst text
+# (scripts/bench_quality.py, 2026-12-05: 5.07x with one, 4.94x with four).
 SINKS = 1
 
 

@@ -1,7 +1,9 @@
 """The transform codec's MLX decoder (kvmesh.codec.transform_decode) against the NumPy decoder it
 replaced, written here as the reference: the same floats from the same blobs, in every dtype, with
-contiguous and per-head positions, both RoPE pairings, partial rotary dims, raw recent rows, and
-steps from fine (escaped one-byte codes) to coarse (no component sent).
+contiguous and per-head positions, both RoPE pairings, partial rotary dims, raw recent rows, a tail
+(each region decoded and rotated on its own, as the decoder did before it made one block of a
+tensor's regions), two sequences in a batch, and steps from fine (escaped one-byte codes) to coarse
+(no component sent).
 
 Bit for bit, on any device: both compute the same matrix product (MLX's, of the same operands),
 and every other step is one correctly rounded float32 operation in the same order (table look-ups,
@@ -10,6 +12,7 @@ So the MLX decoder cannot change a generated token: the cache it gives is the on
 """
 
 import contextlib
+import itertools
 import json
 import os
 import struct
@@ -22,11 +25,11 @@ import pytest
 from test_transform_codec import random_layers, sparse_positions
 
 from kvmesh.codec.basis import Basis, fit_basis
-from kvmesh.codec.layer_blob import Segments, TransformCodecError, cut_layer, read_header
+from kvmesh.codec.layer_blob import Segments, TransformCodecError, coded_regions, cut_layer, read_header
 from kvmesh.codec.layer_pool import layer_pool, map_layers
 from kvmesh.codec.rate import measure_decode_rate, synthetic_basis, synthetic_layers
 from kvmesh.codec.rotary import Rotary, apply_rope
-from kvmesh.codec.transform import encode_layers
+from kvmesh.codec.transform import SINKS, encode_layers
 from kvmesh.codec.transform_decode import RAW_DTYPES, decode_layer, decode_layers
 
 
@@ -84,7 +87,6 @@ def reference_decode(blob: bytes, basis: Basis, *, numpy_product: bool) -> list[
     seg = Segments(header, body)
     j, (b, h, t, d) = header["layer"], header["shape"]
     s, r = header["sinks"], header["recent"]
-    m = t - s - r
     pm = header["positions"]
     if "seg" in pm:
         pos = np.frombuffer(seg(pm["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)
@@ -99,16 +101,19 @@ def reference_decode(blob: bytes, basis: Basis, *, numpy_product: bool) -> list[
         raw = np.asarray(raw.astype(mx.float32 if raw_dtype != "float16" else mx.float16)).reshape(b, h, s + r, d)
         full = np.empty((b, h, t, d), raw.dtype)
         full[:, :, :s], full[:, :, t - r :] = raw[:, :, :s], raw[:, :, s:]
-        if m:
-            n = km["n"]
+        for (lo, hi), region in zip(coded_regions(t, s, r, header.get("tail", 0)), (km, km.get("tail"))):
+            m = hi - lo
+            if not m:
+                continue
+            n = region["n"]
             coded = np.concatenate(
                 [
                     reference_group(w, seg(p, 1 << 30), seg(e, 1 << 30) if e else b"", c * b * m, o).reshape(c, b * m)
-                    for c, w, p, e, o in km["groups"]
+                    for c, w, p, e, o in region["groups"]
                 ]
                 or [np.zeros((0, b * m), np.float32)]
             )
-            synthesis = tb.synthesis()[:n] * np.float32(km["step"] * tb.scale)
+            synthesis = tb.synthesis()[:n] * np.float32(region["step"] * tb.scale)
             if n and numpy_product:
                 rows = coded.T @ synthesis + tb.mean
             elif n:
@@ -117,8 +122,8 @@ def reference_decode(blob: bytes, basis: Basis, *, numpy_product: bool) -> list[
                 rows = np.broadcast_to(tb.mean, (b * m, h * d))
             block = np.ascontiguousarray(rows.reshape(b, m, h, d).transpose(0, 2, 1, 3))
             if kind == "k":
-                block = reference_rotate(block, pos[:, :, s : t - r], basis.rotaries[j])
-            full[:, :, s : t - r] = block
+                block = reference_rotate(block, pos[:, :, lo:hi], basis.rotaries[j])
+            full[:, :, lo:hi] = block
         out.append(mx.array(full).astype(RAW_DTYPES[raw_dtype]))
     return out
 
@@ -137,9 +142,14 @@ def test_the_mlx_decoder_gives_the_reference_s_floats(traditional, dims, numpy):
                 (mx.array(k).astype(dtype), mx.array(v).astype(dtype), p)
                 for k, v, p in random_layers(rng, 2, 2, 60, 16, positions=positions)
             ]
-            # Fine (escaped codes), middling, and so coarse that no component is sent.
-            for step in (0.002, 0.3, 50.0):
-                for blob in encode_layers(layers, basis, step=step, recent=3).blobs:
+            caches = [layers]
+            if positions is None:  # and two sequences in a batch
+                (k1, v1, p1), (k2, v2, p2) = layers
+                caches.append([(mx.concatenate([k1, k2]), mx.concatenate([v1, v2]), p) for p in (p1, p2)])
+            # Fine (escaped codes), middling, and so coarse that no component is sent; without and
+            # with a tail (at 50 with a tail of a sixteenth of it, only the body sends none).
+            for cache, step, tail in itertools.product(caches, (0.002, 0.3, 50.0), (0, 10)):
+                for blob in encode_layers(cache, basis, step=step, recent=3, tail=tail, tail_factor=1 / 16).blobs:
                     header = read_header(blob)[0]
                     got_kv = decode_layer(blob, basis, numpy=numpy)
                     want_kv = reference_decode(blob, basis, numpy_product=numpy)
@@ -187,12 +197,34 @@ def test_a_step_that_takes_coded_rows_beyond_float16_is_refused(kind):
 
     # A bound beyond float16 (the codes' widths allow 127 steps), the rows inside it: decoded.
     big = decode_layer(scaled(2e3), basis)[kind == "v"]
-    coded = slice(4, None)  # past the raw sink rows
+    coded = slice(SINKS, None)  # past the raw sink
     assert float(mx.abs(big[:, :, coded]).max()) > 20 * float(mx.abs(honest[:, :, coded]).max())
     assert bool(mx.isfinite(big).all())
     for factor in (1e6, float("inf"), float("nan")):
         with pytest.raises(TransformCodecError, match="NaN or infinite"):
             decode_layer(scaled(factor), basis)
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("field", ["step", "offset"])
+def test_a_tail_whose_step_or_offset_is_not_a_number_is_refused(kind, field):
+    """Each region's bound is checked on its own: a tail's step, or a run's centroid offset (which
+    no manifest states), that is not a number is refused though the body's bound is finite."""
+    rng = np.random.default_rng(5)
+    basis = fit_basis([random_layers(rng, 1, 2, 200, 16)], [Rotary(dims=16, traditional=False)])
+    layers = [(mx.array(k).astype(mx.float16), mx.array(v).astype(mx.float16), p) for k, v, p in random_layers(rng, 1)]
+    (blob,) = encode_layers(layers, basis, step=0.3, tail=10, tail_factor=0.25).blobs
+
+    def change(header):
+        tail = header[kind]["tail"]
+        if field == "step":
+            tail["step"] = float("nan")
+        else:
+            tail["groups"][0][4] = float("nan")
+
+    decode_layer(blob, basis)
+    with pytest.raises(TransformCodecError, match="NaN or infinite"):
+        decode_layer(with_header(blob, change), basis)
 
 
 def _drop(key):

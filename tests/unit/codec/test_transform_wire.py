@@ -23,7 +23,7 @@ from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.layer_blob import read_header
-from kvmesh.codec.manifest import layer_report, lossy, uncuttable_reason
+from kvmesh.codec.manifest import layer_codec, layer_report, lossy, uncuttable_reason
 from kvmesh.codec.transform_decode import decode_layer
 from kvmesh.errors import IntegrityError, StoreError
 from kvmesh.store.artifacts import ArtifactStore
@@ -252,6 +252,10 @@ def test_a_shorter_prefix_of_a_coded_cache_decodes_as_that_prefix_of_the_whole(
     assert all(layer.transform.tail == tail for layer in manifest.layers)
     assert all((f", last {tail} rows k " in row["codec"]) == bool(tail) for row in layer_report(manifest))
     assert all(row["codec"].endswith(", 1 sink raw") for row in layer_report(manifest))
+    four = pb.CacheManifest()
+    four.CopyFrom(manifest)
+    four.layers[0].transform.sinks = 4
+    assert layer_codec(four.layers[0]).endswith(", 4 sinks raw")
     manifest.quality.CopyFrom(pb.Quality(metric="tail_kl", value=0.001, tokens=32))  # as a producer measures it
     records = [c.frame() for c in chunks]
     bases = {calibrated.basis.digest: calibrated.basis}
