@@ -23,7 +23,7 @@ import numpy as np
 
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError, LayerKV
-from kvmesh.codec.layer_blob import TransformCodecError, read_header
+from kvmesh.codec.layer_blob import CODING_FIELDS, TransformCodecError, coding_fields, read_header
 from kvmesh.codec.levels import LEVELS, Level
 from kvmesh.codec.manifest import BASIS_KIND
 from kvmesh.codec.rotary import Rotary
@@ -151,18 +151,9 @@ def transform_code(cache: Sequence, coding: TransformCoding) -> list:
             basis_layer=j,
             kv_heads=heads,
             head_dim=head_dim,
-            sinks=header["sinks"],
-            recent=header["recent"],
-            key_step=header["k"]["step"],
-            value_step=header["v"]["step"],
-            key_components=header["k"]["n"],
-            value_components=header["v"]["n"],
             rotary=rotary_to_proto(coding.basis.rotaries[j]),
+            **coding_fields(header),
         )
-        if "tail" in header:
-            spec.tail = header["tail"]
-            spec.key_tail_step, spec.value_tail_step = header["k"]["tail"]["step"], header["v"]["tail"]["step"]
-            spec.key_tail_components, spec.value_tail_components = header["k"]["tail"]["n"], header["v"]["tail"]["n"]
         dtype = str(cache[i].keys.dtype).rsplit(".", 1)[-1]
         kept = cache[i].n_kept if cache[i].n_kept != cache[i].offset else None
         out[i] = CodedLayer(blob, spec, cache[i].offset, dtype, coding.basis, kept)
@@ -198,17 +189,7 @@ def decode_coded(
     expect = {
         "shape": [1, t.kv_heads, spec.n_kept, t.head_dim],
         "layer": t.basis_layer,
-        "sinks": t.sinks,
-        "recent": t.recent,
-        "key_step": t.key_step,
-        "value_step": t.value_step,
-        "key_components": t.key_components,
-        "value_components": t.value_components,
-        "tail": t.tail,
-        "key_tail_step": t.key_tail_step,
-        "value_tail_step": t.value_tail_step,
-        "key_tail_components": t.key_tail_components,
-        "value_tail_components": t.value_tail_components,
+        **{name: getattr(t, name) for name in CODING_FIELDS},
     }
     if spec.n_kept == spec.offset:
         expect["start"] = 0  # it kept every position

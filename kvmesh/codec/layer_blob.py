@@ -8,6 +8,7 @@ little-endian u32 header length, a canonical JSON header, the segments.
 
 import json
 import struct
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -84,6 +85,37 @@ class Writer:
             at += len(seg)
         text = json.dumps({**header, "segments": offsets}, sort_keys=True, separators=(",", ":")).encode()
         return magic + struct.pack("<I", len(text)) + text + b"".join(self.segments)
+
+
+def blob_magic(raw_dtypes: set[str], tail: bool) -> bytes:
+    """The magic of a blob whose raw rows are of `raw_dtypes` and that has a tail or not: the oldest
+    that says what it holds, so that an older kvmesh reads what it can and refuses what it would misread."""
+    if tail:
+        return MAGIC_TAIL
+    return MAGIC if raw_dtypes == {"float16"} else MAGIC_RAW_DTYPE
+
+
+def coding_fields(header: dict) -> dict[str, Any]:
+    """What a layer's header says of its coding, by the names of the manifest's `TransformSpec`
+    fields that state it too (raw rows, steps and components, its tail's; a header without a tail:
+    zeros). None for a field a malformed header lacks."""
+    k, v = header.get("k", {}), header.get("v", {})
+    return {
+        "sinks": header.get("sinks"),
+        "recent": header.get("recent"),
+        "key_step": k.get("step"),
+        "value_step": v.get("step"),
+        "key_components": k.get("n"),
+        "value_components": v.get("n"),
+        "tail": header.get("tail", 0),
+        "key_tail_step": k.get("tail", {}).get("step", 0.0),
+        "value_tail_step": v.get("tail", {}).get("step", 0.0),
+        "key_tail_components": k.get("tail", {}).get("n", 0),
+        "value_tail_components": v.get("tail", {}).get("n", 0),
+    }
+
+
+CODING_FIELDS = tuple(coding_fields({}))
 
 
 def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
@@ -187,8 +219,7 @@ def _cut_layer(header: dict, seg: Segments, num_tokens: int, magic: bytes, level
         kept = np.concatenate([raw[:, :, :kept_sinks], raw[:, :, s : s + kept_recent]], axis=2)
         cut[kind]["raw"] = out.add(kept.tobytes(), False)
     if not kept_tail and magic == MAGIC_TAIL:
-        raw_dtypes = {header[kind].get("raw_dtype", "float16") for kind in "kv"}
-        magic = MAGIC if raw_dtypes == {"float16"} else MAGIC_RAW_DTYPE
+        magic = blob_magic({header[kind].get("raw_dtype", "float16") for kind in "kv"}, tail=False)
     return out.blob(cut, magic)
 
 

@@ -56,11 +56,9 @@ import numpy as np
 from kvmesh.codec.basis import Basis, BasisError, LayerKV, TensorBasis
 from kvmesh.codec.layer_blob import (
     ESCAPE,
-    MAGIC,
-    MAGIC_RAW_DTYPE,
-    MAGIC_TAIL,
     TransformCodecError,
     Writer,
+    blob_magic,
     coded_regions,
     pack_zigzag,
 )
@@ -402,8 +400,7 @@ def _assemble_layer(
         if "tail" in meta:
             km["tail"] = _coded_groups(out, p.tail, rms, steps[1] * factor, numpy, one_run=True)
         lm[kind] = {**km, "raw": out.add(p.raw, False), "raw_dtype": p.raw_dtype}
-    magic = MAGIC if all(p.raw_dtype == "float16" for p in layer) else MAGIC_RAW_DTYPE
-    return out.blob({"basis": basis.digest, **lm}, MAGIC_TAIL if "tail" in meta else magic)
+    return out.blob({"basis": basis.digest, **lm}, blob_magic({p.raw_dtype for p in layer}, "tail" in meta))
 
 
 def _assemble(

@@ -37,6 +37,7 @@ from kvmesh.codec.layer_blob import (
     TransformCodecError,
     check_tail,
     coded_regions,
+    coding_fields,
     read_header,
 )
 from kvmesh.codec.layer_pool import map_layers, numpy_by_default
@@ -107,18 +108,8 @@ def check_header(header: dict, expect: dict[str, Any]) -> None:
     got = {
         "shape": header.get("shape"),
         "layer": header.get("layer"),
-        "sinks": header.get("sinks"),
-        "recent": header.get("recent"),
         "start": header.get("positions", {}).get("start"),
-        "key_step": header.get("k", {}).get("step"),
-        "value_step": header.get("v", {}).get("step"),
-        "key_components": header.get("k", {}).get("n"),
-        "value_components": header.get("v", {}).get("n"),
-        "tail": header.get("tail", 0),
-        "key_tail_step": header.get("k", {}).get("tail", {}).get("step", 0.0),
-        "value_tail_step": header.get("v", {}).get("tail", {}).get("step", 0.0),
-        "key_tail_components": header.get("k", {}).get("tail", {}).get("n", 0),
-        "value_tail_components": header.get("v", {}).get("tail", {}).get("n", 0),
+        **coding_fields(header),
     }
     wrong = [f"{k} {got[k]!r} (the manifest says {v!r})" for k, v in expect.items() if got[k] != v]
     if wrong:
@@ -252,18 +243,13 @@ def _unpack(planes: list, n: int, rows: int) -> mx.array:
     return _values(joined, mx.array(scales[:, None]) if scales.any() else None)
 
 
-def _synthesis(tb: TensorBasis, n: int, scale: float) -> np.ndarray:
-    """The first n components times `scale`: what a region's coefficients multiply."""
-    return tb.synthesis()[:n] * np.float32(scale)
-
-
 def _synthesised_into(out: np.ndarray, coefficients: np.ndarray, tb: TensorBasis, n: int, scale: float) -> None:
-    """NumPy's product of a region's coefficients (n, B * rows) with `_synthesis`, written into
-    `out` (B, rows, F): where MLX computes on the CPU. The mlx[cpu] wheels for Linux link the
+    """NumPy's product of a region's coefficients (n, B * rows) with the first n components times
+    `scale`, written into `out` (B, rows, F): where MLX computes on the CPU. The mlx[cpu] wheels for Linux link the
     reference BLAS: a 1,024-token layer of 8B geometry took 0.70 s to decode with MLX's product,
     0.04 s with NumPy's (OpenBLAS) on this 2-core box; MLX on a Mac's CPU has Accelerate, but
     there the GPU decodes."""
-    np.matmul(coefficients.T.reshape(*out.shape[:2], n), _synthesis(tb, n, scale), out=out)
+    np.matmul(coefficients.T.reshape(*out.shape[:2], n), tb.synthesis()[:n] * np.float32(scale), out=out)
 
 
 def _synthesised(coefficients: mx.array | np.ndarray, tb: TensorBasis, n: int, scale: float) -> mx.array:
@@ -323,9 +309,8 @@ def _decode_layer(
         if regions:
             rotation = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo) if kind == "k" else None
             block = _coded_rows(regions, seg, tb, (b, h, d), rotation, basis.rotaries[j], numpy)
-            bounds = [_magnitude_bound(largest, tb, scale, kind == "k") for largest, scale in block.bounds]
             # (each bound compared: NaN, from a step or offset that is not a number, fails its own)
-            if not all(bound < ROUNDS_TO_INFINITY[raw.dtype] for bound in bounds):
+            if not all(bound < ROUNDS_TO_INFINITY[raw.dtype] for bound in block.bounds):
                 checks.append(mx.abs(block.rows).max() < ROUNDS_TO_INFINITY[raw.dtype])
             rows = block.rows.transpose(0, 2, 1, 3)
             parts.append(rows if raw.dtype == mx.float32 else rows.astype(raw.dtype))
@@ -336,11 +321,11 @@ def _decode_layer(
 
 @dataclass
 class _Rows:
-    """A tensor's coded rows (B, rows, H, D), token-major, and per region what bounds their
-    magnitude: (the largest |coefficient| per component in units of the scale, the scale)."""
+    """A tensor's coded rows (B, rows, H, D), token-major, and per region the bound on their
+    magnitude that its codes' widths give (`_magnitude_bound`)."""
 
     rows: mx.array
-    bounds: list[tuple[np.ndarray, float]]
+    bounds: list[float]
 
 
 def _coded_rows(
@@ -355,11 +340,11 @@ def _coded_rows(
     """A tensor's coded regions ((rows, the header's region): the body, then the tail), each its own
     product with its own steps and components, as one block of rows: the mean added, the rows
     passed to MLX (from NumPy, where it makes the products) and rotated back with `rotation`'s
-    tables (keys) once per tensor, not once per region (2-4% quicker decoding with a tail)."""
+    tables (keys) once per tensor, not once per region (2-6% quicker decoding with a tail)."""
     b, h, d = shape
     into = np.empty((b, sum(rows for rows, _ in regions), h * d), np.float32) if numpy else None
     products: list[mx.array] = []
-    bounds: list[tuple[np.ndarray, float]] = []
+    bounds: list[float] = []
     at = 0
     for rows, region in regions:
         scale = region["step"] * tb.scale
@@ -376,7 +361,7 @@ def _coded_rows(
             products.append(_synthesised(coefficients.values, tb, n, scale).reshape(b, rows, h * d))
         else:
             products.append(mx.zeros((b, rows, h * d), mx.float32))
-        bounds.append((largest, scale))
+        bounds.append(_magnitude_bound(largest, tb, scale, rotated=rotation is not None))
         at += rows
     if into is not None:
         into += tb.mean
