@@ -194,6 +194,19 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """What a link probe measured: `bytes` of probe data received `seconds` after the call began."""
+
+    bytes: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second."""
+        return self.bytes / self.seconds
+
+
+@dataclass(frozen=True)
 class Published:
     """What a publish did: the id the peer keeps the cache under, and whether its chunks were sent
     (not when the peer held that cache already)."""
@@ -472,10 +485,9 @@ class PeerClient:
         if received != nbytes:
             raise PeerError(self.address, f"sent {received:,} of the {nbytes:,} bytes of artefact {sha256[:12]}")
 
-    def probe(self, nbytes: int = 4 << 20, *, timeout: float | None = None) -> float:
-        """The link's rate to this peer in bytes per second, measured by receiving `nbytes` (at
-        most 8 MiB) of probe data within `timeout` seconds (default: the client's): the fallback
-        when no transfer from it was timed yet."""
+    def probe(self, nbytes: int = 4 << 20, *, timeout: float | None = None) -> Probe:
+        """The link to this peer measured by receiving `nbytes` (at most 8 MiB) of probe data within
+        `timeout` seconds (default: the client's): the fallback when no transfer from it was timed yet."""
         start = time.perf_counter()
         received = 0
         try:
@@ -486,4 +498,4 @@ class PeerClient:
         elapsed = time.perf_counter() - start
         if not received:
             raise PeerError(self.address, "sent no probe data")
-        return received / elapsed
+        return Probe(received, elapsed)

@@ -12,10 +12,10 @@ from collections.abc import Collection, Sequence
 from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.manifest import LOSS_METRICS
 from kvmesh.model.fingerprint import ModelFingerprint
-from kvmesh.net.client import PeerClient
+from kvmesh.net.client import PeerClient, Probe
 from kvmesh.net.on_request import OFFERED_LEVEL
 from kvmesh.net.timeouts import TIMEOUTS
-from kvmesh.reuse.choice import Copy, Decision, choose, probe_bytes
+from kvmesh.reuse.choice import MAX_PROBE_BYTES, MIN_PROBE_SECONDS, Copy, Decision, choose, probe_bytes
 from kvmesh.reuse.fetch import Fetched
 from kvmesh.reuse.rates import Rates
 from kvmesh.v1.service_pb2 import Candidate
@@ -72,7 +72,7 @@ def fetch_or_prefill(
         wire = candidate.stored_bytes * (held + tokens) // max(1, candidate.num_tokens)
         address = client.address
         if prefill is not None and rates.link_rate(address) is None:
-            rates.record_probe(address, client.probe(probe_bytes(wire), timeout=timeout))
+            rates.record_probe(address, probe_link(client, wire, timeout=timeout).rate)
         copies.append(
             Copy(
                 address,
@@ -94,6 +94,16 @@ def fetch_or_prefill(
                 for level in request_levels(max_kl)
             ]
     return choose(tokens, copies, prefill, context=held)
+
+
+def probe_link(client: PeerClient, wire: int, *, timeout: float, min_seconds: float = MIN_PROBE_SECONDS) -> Probe:
+    """The probe of a link never measured, before a fetch of `wire` bytes over it: a share of them
+    (`probe_bytes`), then MAX_PROBE_BYTES when that share arrived in under `min_seconds` (a fast
+    link: the short probe measured its round trip or a shaper's burst more than its rate)."""
+    probe = client.probe(probe_bytes(wire), timeout=timeout)
+    if probe.seconds < min_seconds and probe.bytes < MAX_PROBE_BYTES:
+        probe = client.probe(MAX_PROBE_BYTES, timeout=timeout)
+    return probe
 
 
 def request_levels(max_kl: float | None) -> list[str]:

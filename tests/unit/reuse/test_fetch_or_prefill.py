@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 import re
 from importlib import resources
 
@@ -15,8 +16,8 @@ from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.timing import CodecTime, fit_codec_time
 from kvmesh.net.client import PeerClient
-from kvmesh.net.server import MAX_PROBE_BYTES
-from kvmesh.reuse.choice import Copy, choose
+from kvmesh.net.server import MAX_PROBE_BYTES as SERVER_PROBE_CAP
+from kvmesh.reuse.choice import MAX_PROBE_BYTES, MIN_PROBE_BYTES, Copy, choose
 from kvmesh.reuse.fetch import Fetched, fetch_cache
 from kvmesh.reuse.find import find_prefix
 from kvmesh.reuse.generate import generate
@@ -28,7 +29,7 @@ from kvmesh.reuse.rates import (
     Rates,
     fit_prefill,
 )
-from kvmesh.reuse.weigh import fetch_or_prefill, on_request_copy, record_fetch
+from kvmesh.reuse.weigh import fetch_or_prefill, on_request_copy, probe_link, record_fetch
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import ArtifactStore, artifact_store
 from kvmesh.v1 import cache_pb2 as pb
@@ -267,11 +268,20 @@ def test_the_cli_explains_its_choice_and_every_line_agrees_with_it(tiny_fp, tiny
 
 
 def test_a_probe_measures_the_link_within_its_cap(tmp_path, serve):
+    def framed(n: int) -> range:  # the data, and its framing
+        return range(n, n + 4096)
+
     address = serve(tmp_path / "a")
     with PeerClient(address) as client:
-        assert client.probe(1 << 20) > 1e6  # loopback moves a MiB at more than a MB/s
-        received = sum(map(len, client._probe(spb.ProbeRequest(bytes=100 << 20))))
-    assert MAX_PROBE_BYTES <= received < MAX_PROBE_BYTES + 4096  # the data, and its framing
+        probe = client.probe(1 << 20)
+        assert probe.bytes in framed(1 << 20) and probe.rate > 1e6  # loopback moves a MiB at more than a MB/s
+        assert sum(map(len, client._probe(spb.ProbeRequest(bytes=100 << 20)))) in framed(SERVER_PROBE_CAP)
+
+        # Before a fetch: a share of its bytes, and the longest probe after one that was over too soon.
+        wire = 8 * MIN_PROBE_BYTES
+        assert probe_link(client, wire, timeout=10, min_seconds=0).bytes in framed(2 * MIN_PROBE_BYTES)
+        assert probe_link(client, wire, timeout=10, min_seconds=math.inf).bytes in framed(MAX_PROBE_BYTES)
+        assert probe_link(client, 1 << 30, timeout=10, min_seconds=math.inf).bytes in framed(MAX_PROBE_BYTES)
 
 
 def copies(wire_full: int, wire_coded: int, bytes_per_s: float, *, basis_bytes: int = 0) -> list[Copy]:
