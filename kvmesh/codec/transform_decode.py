@@ -86,14 +86,16 @@ def _values(codes: mx.array, offsets: mx.array | None) -> mx.array:
 
 
 _ONE, _ZERO = mx.array(np.uint8(1)), mx.array(np.uint8(0))
+_ESCAPE_BYTE = bytes([ESCAPE])
 
 
 def _escapes(plane: bytes, escapes: bytes, offset: float) -> tuple[np.ndarray, np.ndarray]:
     """Where a plane of one-byte codes escapes (255) and the float32 values those codes stand for."""
     esc = np.frombuffer(escapes, dtype="<u4").astype(np.int64)
-    escaped = np.frombuffer(plane, dtype=np.uint8) == ESCAPE
-    at = np.flatnonzero(escaped) if esc.size else np.zeros(0, np.int64)  # (a count is quicker)
-    if (at.size if esc.size else np.count_nonzero(escaped)) != esc.size:
+    # (most planes escape nothing: for those a byte search, not a pass of NumPy's, 2-5% of decoding)
+    found = esc.size or _ESCAPE_BYTE in plane
+    at = np.flatnonzero(np.frombuffer(plane, dtype=np.uint8) == ESCAPE) if found else np.zeros(0, np.int64)
+    if at.size != esc.size:
         raise TransformCodecError("escape count does not match the plane")
     big = ((esc >> 1) ^ -(esc & 1)).astype(np.float32)
     return at, big + np.float32(offset) * np.sign(big)

@@ -285,6 +285,17 @@ def test_codes_packed_several_per_byte():
     assert pack_codes(np.array([1, -1, 0, -2]))[1] == bytes([2 | 1 << 2 | 3 << 6])
 
 
+def test_one_byte_codes_whose_escapes_disagree_with_the_plane_are_refused():
+    """A plane of one-byte codes has exactly as many escapes (255) as it sends escaped values: too
+    few or too many, or one where none was sent, is refused (most planes escape nothing)."""
+    width, plane, esc = pack_codes(np.array([3, -300, 5, 200]))
+    assert width == 8 and len(esc) == 8 and plane.count(ESCAPE) == 2
+    unescaped = bytes([ESCAPE, 0, 0, 0])
+    for p, e in ((plane, esc[:4]), (plane, esc + esc[:4]), (plane, b""), (unescaped, b""), (bytes(4), esc[:4])):
+        with pytest.raises(TransformCodecError, match="escape count"):
+            decode_group(8, p, e, 4, 0.0)
+
+
 def test_packed_codes_cut_to_their_first_columns():
     """A coded layer's prefix keeps the first columns (tokens) of every component's codes, at the
     same width; one-byte codes keep their escapes in order."""
