@@ -15,6 +15,7 @@ component's coefficient); the metadata holds each layer's rotary settings and ho
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -48,7 +49,7 @@ class TensorBasis:
     def features(self) -> int:
         return int(self.mean.shape[0])
 
-    @property
+    @functools.cached_property
     def scale(self) -> float:
         """The calibration RMS per feature (all components together): the unit coefficients are coded in."""
         return float(np.sqrt(np.mean(self.rms.astype(np.float64) ** 2))) or 1.0
