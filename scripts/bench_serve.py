@@ -31,6 +31,16 @@ instead measures caches by blocks (#30): an agent session of that many turns thr
 holds against the sum of each turn's whole copy, and the chunk bytes on the wire when a peer that
 holds the second-to-last turn fetches the last one from that store (a real gRPC server over it)
 against the whole cache's.
+
+    scripts/dev run python scripts/bench_serve.py --beside 3 [--max-tokens 256]
+
+instead measures whether a fetch slows beside a generation in the same server: a peer's daemon
+holds transform-coded caches (the default level) of several system prompts (~1,000 tokens of the
+Declaration each), and one server (its
+first fetch brings the basis) fetches each, in turn alone and while another request, with nothing
+cached, streams `--max-tokens` tokens: the fetch's seconds (the server's `prefix_s`) both ways. The
+decoder's threads need the GIL between their NumPy, zstd and MLX calls, and the generation thread
+holds it while it builds each step's graph. On SmolLM2-135M-Instruct (float32).
 """
 
 import argparse
@@ -386,7 +396,12 @@ def main() -> int:
     parser.add_argument("--batching", type=int, default=0, help="measure only whether caches from elsewhere batch")
     parser.add_argument("--model", choices=("tiny", "real"), default="tiny", help="--batching's and --blocks' model")
     parser.add_argument("--blocks", type=int, default=0, help="measure only caches by blocks, over this many turns")
+    parser.add_argument(
+        "--beside", type=int, default=0, help="measure only a coded fetch alone and beside a generation, rounds"
+    )
     args = parser.parse_args()
+    if args.beside:
+        return main_beside(args)
     if args.batching:
         return main_batching(args)
     if args.blocks:
@@ -470,6 +485,103 @@ def main() -> int:
                 f"{row['p95']:.3f}",
             )
         console.print(table)
+    return 0
+
+
+def beside(root: Path, model: Path, rounds: int, max_tokens: int, text: str) -> list[dict]:
+    """Per round, a coded cache's fetch alone and one beside a streamed generation, in one server."""
+    from kvmesh.caches.prefill import prefill as prefill_cache
+    from kvmesh.codec.calibration import fit_model_basis
+    from kvmesh.codec.coded import TransformCoding, transform_code
+    from kvmesh.codec.encode import encode_cache
+    from kvmesh.codec.levels import LEVELS
+    from kvmesh.model.fingerprint import fingerprint
+    from kvmesh.store import CacheStore
+    from kvmesh.store.artifacts import artifact_store
+
+    loaded, tokenizer = mlx_lm.load(str(model))[:2]
+    fp = fingerprint(model)
+    basis = fit_model_basis(loaded, tokenizer).basis
+    store = CacheStore(root / "peer" / "store")
+    artifact_store(store.root).put(basis.to_bytes(), basis.digest)
+    coding = TransformCoding.at_level(basis, LEVELS["default"])
+    chats = []
+    for i in range(1 + 2 * rounds):  # the first brings the basis
+        part = text[i * 500 : i * 500 + 4000]
+        system = [{"role": "system", "content": f"Reader {i}: answer from this document.\n{part}"}]
+        chat = [*system, {"role": "user", "content": "What is the document about?"}]
+        prefix = tokenizer.apply_chat_template(system)
+        store.add(*encode_cache(transform_code(prefill_cache(loaded, prefix).cache, coding), fp, prefix))
+        chats.append(chat)
+    story = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+    daemon = loopback_daemon(root / "peer")
+    server = start_server(root / "server", model, "--peer", daemon.address, "--fetch", "always", "--no-store",
+                          log=root / "server.log")  # fmt: skip
+    try:
+        until_ready(server)
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+
+        def fetched(chat: list[dict]) -> dict:
+            answer = client.chat.completions.create(model=model.name, messages=chat, max_tokens=1)
+            return {**answer.usage.model_extra["kvmesh"], "cached": answer.usage.prompt_tokens_details.cached_tokens}
+
+        fetched(chats[0])
+        rows = []
+        for r in range(rounds):
+            alone = fetched(chats[1 + 2 * r])
+            started, done = threading.Event(), []
+
+            def generate(started: threading.Event = started, done: list = done) -> None:
+                stream = client.chat.completions.create(model=model.name, messages=story, max_tokens=max_tokens,
+                                                        stream=True)  # fmt: skip
+                tokens = 0
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        tokens += 1
+                        started.set()
+                done.append((time.perf_counter(), tokens))
+
+            thread = threading.Thread(target=generate)
+            thread.start()
+            started.wait()
+            with_it = fetched(chats[2 + 2 * r])
+            fetch_ended = time.perf_counter()
+            thread.join()
+            rows.append({"alone": alone, "beside": with_it, "generation_ran_on": done[0][0] > fetch_ended,
+                         "generated": done[0][1]})  # fmt: skip
+        return rows
+    finally:
+        server.stop()
+        daemon.stop()
+
+
+def main_beside(args: argparse.Namespace) -> int:
+    from support.real_model import MISSING, fast_blas, smollm2_dir
+
+    if MISSING:
+        print(MISSING, file=sys.stderr)
+        return 1
+    fast_blas()
+    text = (Path(__file__).parent / "data" / "declaration.txt").read_text()
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-beside-") as tmp:
+        rows = beside(Path(tmp), smollm2_dir(), args.beside, args.max_tokens, text)
+    table = Table(
+        title=f"a coded cache's fetch in `kvmesh serve`, alone and beside a generation ({args.max_tokens} tokens)"
+    )
+    for column in ("round", "cached tokens", "alone s", "beside s", "x slower", "from", "generation went on"):
+        table.add_column(column, justify="right")
+    for i, row in enumerate(rows):
+        alone, with_it = row["alone"], row["beside"]
+        table.add_row(
+            str(i),
+            f"{alone['cached']} / {with_it['cached']}",
+            f"{alone['prefix_s']:.3f}",
+            f"{with_it['prefix_s']:.3f}",
+            f"{with_it['prefix_s'] / alone['prefix_s']:.2f}x",
+            f"{alone['prefix_from']} / {with_it['prefix_from']}",
+            f"yes ({row['generated']} tokens)" if row["generation_ran_on"] else f"no ({row['generated']} tokens)",
+        )
+    Console(width=160).print(table)
     return 0
 
 
