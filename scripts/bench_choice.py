@@ -16,8 +16,8 @@ calibrated once at the start), then measures every option: each copy's fetch int
 without the basis (a new connection, lookup excluded, until the cache is decoded) and a local
 prefill of the same tokens; an option that takes under a second is measured three times and its
 median kept (at 1 Gbit/s the copies of a short prefix arrive in 60-150 ms, where one odd run moves
-an option by the 10% the choice is judged on). The measurements then feed the rates, as real use
-does. Each rate is a new peer: its link history starts empty, so its first choice rests on a probe.
+an option by the 10% the choice is judged on). The measurements (the median run's) then feed the
+rates, as real use does. Each rate is a new peer: its link history starts empty, so its first choice rests on a probe.
 
 With --on-request the daemon holds no coded copy but the model's basis, and codes a full copy on
 request (kvmesh.net.on_request): the options are the full and 8-bit copies, the copy coded on
@@ -102,12 +102,15 @@ def fetched_in(candidate, code):
         return fetched, time.perf_counter() - start
 
 def timed(once):
-    # An option's time: `once()`'s seconds, the median of REPEATS runs where one took under SHORT
-    # seconds (a few milliseconds of noise are a tenth of such an option's time).
-    first = once()
-    if first >= SHORT:
-        return first
-    return statistics.median([first, *(once() for _ in range(REPEATS - 1))])
+    # An option's seconds: once()'s, or the median run's of REPEATS where one took under SHORT seconds
+    # (a few milliseconds of noise are a tenth of such an option's time). Each run returns its
+    # seconds and how to record it: the rates learn of the median run alone, as of one fetch in use.
+    runs = [once()]
+    if runs[0][0] < SHORT:
+        runs += [once() for _ in range(REPEATS - 1)]
+    seconds, record = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
+    record()
+    return seconds
 
 for n in json.loads(sys.argv[6]):
     tokens = document[:n]
@@ -121,16 +124,14 @@ for n in json.loads(sys.argv[6]):
     def fetches(candidate, code, **how):
         def once():
             fetched, seconds = fetched_in(candidate, code)
-            record_fetch(rates, fp.model_id, address, candidate, fetched, **how)
-            return seconds
+            return seconds, lambda: record_fetch(rates, fp.model_id, address, candidate, fetched, **how)
         return once
 
     def prefills():
         start = time.perf_counter()
         run_prompt(model, tokens)
         seconds = time.perf_counter() - start
-        rates.record_prefill(fp.model_id, n, seconds)
-        return seconds
+        return seconds, lambda: rates.record_prefill(fp.model_id, n, seconds)
 
     for _, candidate in offers:
         measured[codec_of(candidate)] = timed(fetches(candidate, None))

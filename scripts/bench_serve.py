@@ -35,8 +35,8 @@ against the whole cache's.
     scripts/dev run python scripts/bench_serve.py --beside 3 [--max-tokens 256]
 
 instead measures whether a fetch slows beside a generation in the same server: a peer's daemon
-holds transform-coded caches (the default level) of several system prompts (~1,000 tokens of the
-Declaration each), and one server (its
+holds transform-coded caches (the default level) of several system prompts (windows of the
+Declaration, 700-860 tokens each), and one server (its
 first fetch brings the basis) fetches each, in turn alone and while another request, with nothing
 cached, streams `--max-tokens` tokens: the fetch's seconds (the server's `prefix_s`) both ways. The
 decoder's threads need the GIL between their NumPy, zstd and MLX calls, and the generation thread
@@ -488,9 +488,12 @@ def main() -> int:
     return 0
 
 
-def beside(root: Path, model: Path, rounds: int, max_tokens: int, text: str) -> list[dict]:
-    """Per round, a coded cache's fetch alone and one beside a streamed generation, in one server."""
-    from kvmesh.caches.prefill import prefill as prefill_cache
+STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+
+
+def coded_system_prompts(store_dir: Path, model: Path, count: int, text: str) -> list[list[dict]]:
+    """`count` chats, each a system prompt (a window of `text`) and a question, the system prompt's
+    cache transform coded at the default level in the store at `store_dir`, with the model's basis."""
     from kvmesh.codec.calibration import fit_model_basis
     from kvmesh.codec.coded import TransformCoding, transform_code
     from kvmesh.codec.encode import encode_cache
@@ -502,54 +505,74 @@ def beside(root: Path, model: Path, rounds: int, max_tokens: int, text: str) -> 
     loaded, tokenizer = mlx_lm.load(str(model))[:2]
     fp = fingerprint(model)
     basis = fit_model_basis(loaded, tokenizer).basis
-    store = CacheStore(root / "peer" / "store")
+    store = CacheStore(store_dir)
     artifact_store(store.root).put(basis.to_bytes(), basis.digest)
     coding = TransformCoding.at_level(basis, LEVELS["default"])
     chats = []
-    for i in range(1 + 2 * rounds):  # the first brings the basis
-        part = text[i * 500 : i * 500 + 4000]
-        system = [{"role": "system", "content": f"Reader {i}: answer from this document.\n{part}"}]
-        chat = [*system, {"role": "user", "content": "What is the document about?"}]
+    for i in range(count):
+        system = [
+            {"role": "system", "content": f"Reader {i}: answer from this document.\n{text[i * 500 : i * 500 + 4000]}"}
+        ]
         prefix = tokenizer.apply_chat_template(system)
-        store.add(*encode_cache(transform_code(prefill_cache(loaded, prefix).cache, coding), fp, prefix))
-        chats.append(chat)
-    story = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+        store.add(*encode_cache(transform_code(prefill(loaded, prefix).cache, coding), fp, prefix))
+        chats.append([*system, {"role": "user", "content": "What is the document about?"}])
+    return chats
+
+
+def fetched(client: openai.OpenAI, model: str, chat: list[dict]) -> dict:
+    """What the server says of the prefix it took for `chat` (kvmesh's usage), and its cached tokens."""
+    answer = client.chat.completions.create(model=model, messages=chat, max_tokens=1)
+    return {**answer.usage.model_extra["kvmesh"], "cached": answer.usage.prompt_tokens_details.cached_tokens}
+
+
+def fetched_beside_a_generation(client: openai.OpenAI, model: str, chat: list[dict], max_tokens: int) -> dict:
+    """`fetched` for `chat` once another request's stream has begun; with when that stream ended
+    (after the fetch, or not) and its tokens."""
+    started, ended = threading.Event(), []
+
+    def generate() -> None:
+        tokens = 0
+        try:
+            for chunk in client.chat.completions.create(
+                model=model, messages=STORY, max_tokens=max_tokens, stream=True
+            ):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    tokens += 1
+                    started.set()
+        finally:
+            started.set()  # (a request that failed fails the round below, rather than hanging it)
+            ended.append((time.perf_counter(), tokens))
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    started.wait(timeout=600)
+    row = fetched(client, model, chat)
+    fetch_ended = time.perf_counter()
+    thread.join()
+    [(generation_ended, tokens)] = ended
+    if not tokens:
+        raise RuntimeError("the generation beside the fetch streamed nothing")
+    return {**row, "generation_went_on": generation_ended > fetch_ended, "generated": tokens}
+
+
+def beside(root: Path, model: Path, rounds: int, max_tokens: int, text: str) -> list[dict]:
+    """Per round, a coded cache's fetch alone and one beside a streamed generation, in one server
+    (its first fetch, which brings the basis, is not counted)."""
+    chats = coded_system_prompts(root / "peer" / "store", model, 1 + 2 * rounds, text)
     daemon = loopback_daemon(root / "peer")
     server = start_server(root / "server", model, "--peer", daemon.address, "--fetch", "always", "--no-store",
                           log=root / "server.log")  # fmt: skip
     try:
         until_ready(server)
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
-
-        def fetched(chat: list[dict]) -> dict:
-            answer = client.chat.completions.create(model=model.name, messages=chat, max_tokens=1)
-            return {**answer.usage.model_extra["kvmesh"], "cached": answer.usage.prompt_tokens_details.cached_tokens}
-
-        fetched(chats[0])
-        rows = []
-        for r in range(rounds):
-            alone = fetched(chats[1 + 2 * r])
-            started, done = threading.Event(), []
-
-            def generate(started: threading.Event = started, done: list = done) -> None:
-                stream = client.chat.completions.create(model=model.name, messages=story, max_tokens=max_tokens,
-                                                        stream=True)  # fmt: skip
-                tokens = 0
-                for chunk in stream:
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        tokens += 1
-                        started.set()
-                done.append((time.perf_counter(), tokens))
-
-            thread = threading.Thread(target=generate)
-            thread.start()
-            started.wait()
-            with_it = fetched(chats[2 + 2 * r])
-            fetch_ended = time.perf_counter()
-            thread.join()
-            rows.append({"alone": alone, "beside": with_it, "generation_ran_on": done[0][0] > fetch_ended,
-                         "generated": done[0][1]})  # fmt: skip
-        return rows
+        fetched(client, model.name, chats[0])
+        return [
+            {
+                "alone": fetched(client, model.name, chats[1 + 2 * r]),
+                "beside": fetched_beside_a_generation(client, model.name, chats[2 + 2 * r], max_tokens),
+            }
+            for r in range(rounds)
+        ]
     finally:
         server.stop()
         daemon.stop()
@@ -579,7 +602,7 @@ def main_beside(args: argparse.Namespace) -> int:
             f"{with_it['prefix_s']:.3f}",
             f"{with_it['prefix_s'] / alone['prefix_s']:.2f}x",
             f"{alone['prefix_from']} / {with_it['prefix_from']}",
-            f"yes ({row['generated']} tokens)" if row["generation_ran_on"] else f"no ({row['generated']} tokens)",
+            f"{'yes' if with_it['generation_went_on'] else 'no'} ({with_it['generated']} tokens)",
         )
     Console(width=160).print(table)
     return 0

@@ -86,13 +86,12 @@ def _values(codes: mx.array, offsets: mx.array | None) -> mx.array:
 
 
 _ONE, _ZERO = mx.array(np.uint8(1)), mx.array(np.uint8(0))
-_ESCAPE_BYTE = bytes([ESCAPE])
 
 
 def _escapes(plane: bytes, escapes: bytes, offset: float) -> tuple[np.ndarray, np.ndarray]:
     """Where a plane of one-byte codes escapes (255) and the float32 values those codes stand for."""
     # Most planes escape nothing: for those a byte search, not a pass of NumPy's (2-5% of decoding).
-    if not escapes and _ESCAPE_BYTE not in plane:
+    if not escapes and ESCAPE not in plane:
         return np.zeros(0, np.int64), np.zeros(0, np.float32)
     esc = np.frombuffer(escapes, dtype="<u4").astype(np.int64)
     at = np.flatnonzero(np.frombuffer(plane, dtype=np.uint8) == ESCAPE)

@@ -195,7 +195,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Probe:
-    """What a link probe measured: `bytes` of probe data received `seconds` after the call began."""
+    """What a link probe measured: `bytes` received (the probe data and its framing) `seconds` after
+    the call began."""
 
     bytes: int
     seconds: float

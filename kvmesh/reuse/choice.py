@@ -28,7 +28,8 @@ MIN_PROBE_BYTES, MAX_PROBE_BYTES = 256 << 10, 4 << 20
 # A probe that arrived sooner than this is too short to tell the link's rate from its round trip
 # and from a shaper's burst (a 256 KiB probe over a tbf-shaped 1 Gbit/s link measured 151 MB/s,
 # 1.2x the line's rate, and the choice fetched the wrong copy): it is made again at MAX_PROBE_BYTES
-# (at 1 Gbit/s, ~35 ms more).
+# (at 1 Gbit/s ~35 ms more; over a slow link whose shaper let the first through in a burst, up to
+# the probe's timeout, after which the first is kept).
 MIN_PROBE_SECONDS = 0.05
 
 # How a command or server takes peers' caches: "auto" weighs each fetch against a local prefill.

@@ -6,11 +6,13 @@ Besides the copies peers hold, a peer that offers to code a full one on request
 at (OFFERED_LEVEL, the default), when the level is within the receiver's quality floor.
 """
 
+import logging
 import math
 from collections.abc import Collection, Sequence
 
 from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.manifest import LOSS_METRICS
+from kvmesh.errors import PeerError
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient, Probe
 from kvmesh.net.on_request import OFFERED_LEVEL
@@ -19,6 +21,8 @@ from kvmesh.reuse.choice import MAX_PROBE_BYTES, MIN_PROBE_SECONDS, Copy, Decisi
 from kvmesh.reuse.fetch import Fetched
 from kvmesh.reuse.rates import Rates
 from kvmesh.v1.service_pb2 import Candidate
+
+log = logging.getLogger(__name__)
 
 Offer = tuple[PeerClient, Candidate]
 # A stream that took no longer than this factor of its decode time may have been paced by decoding.
@@ -56,13 +60,13 @@ def fetch_or_prefill(
     """Whether fetching one of `offers` (copies of the same prefix, on one peer or several) beats
     prefilling the `tokens` they add to the `held` ones here, and which copy.
 
-    Each copy streams at the rate its codec's copies reached from that peer, else the link's (earlier
-    transfers, else a short probe's, within `timeout` seconds); its decode takes what this machine
-    measured for the model and codec; a transform coded copy counts its basis unless this machine
-    holds one of the model's (`bases`: their ids). A full copy a peer would code on request adds that
-    copy (`on_request_copy`) at each level whose loss is within `max_kl` (`request_levels`).
-    Without timed prefills of the model (`ensure_calibrated`), fetching is the choice, the copies in
-    the order given.
+    Each copy streams at the rate its codec's copies reached from that peer, else the link's
+    (earlier transfers, else `probe_link`'s, each probe within `timeout` seconds); its decode takes
+    what this machine measured for the model and codec; a transform coded copy counts its basis
+    unless this machine holds one of the model's (`bases`: their ids). A full copy a peer would code
+    on request adds that copy (`on_request_copy`) at each level whose loss is within `max_kl`
+    (`request_levels`). Without timed prefills of the model (`ensure_calibrated`), fetching is the
+    choice, the copies in the order given.
     """
     prefill = rates.prefill_model(model_fp.model_id)
     decoding = rates.decoding(model_fp.model_id)
@@ -99,10 +103,16 @@ def fetch_or_prefill(
 def probe_link(client: PeerClient, wire: int, *, timeout: float, min_seconds: float = MIN_PROBE_SECONDS) -> Probe:
     """The probe of a link never measured, before a fetch of `wire` bytes over it: a share of them
     (`probe_bytes`), then MAX_PROBE_BYTES when that share arrived in under `min_seconds` (a fast
-    link: the short probe measured its round trip or a shaper's burst more than its rate)."""
-    probe = client.probe(probe_bytes(wire), timeout=timeout)
-    if probe.seconds < min_seconds and probe.bytes < MAX_PROBE_BYTES:
-        probe = client.probe(MAX_PROBE_BYTES, timeout=timeout)
+    link: the short probe measured its round trip or a shaper's burst more than its rate). Each
+    within `timeout` seconds; a second probe that fails or runs out of time (a slow link whose
+    shaper let the first through in a burst) leaves the first's measurement, not none."""
+    asked = probe_bytes(wire)
+    probe = client.probe(asked, timeout=timeout)
+    if asked < MAX_PROBE_BYTES and probe.seconds < min_seconds:
+        try:
+            return client.probe(MAX_PROBE_BYTES, timeout=timeout)
+        except PeerError as e:
+            log.info("a second probe of %s failed (%s): its first is kept", client.address, e)
     return probe
 
 

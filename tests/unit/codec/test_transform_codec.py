@@ -291,7 +291,8 @@ def test_one_byte_codes_whose_escapes_disagree_with_the_plane_are_refused():
     width, plane, esc = pack_codes(np.array([3, -300, 5, 200]))
     assert width == 8 and len(esc) == 8 and plane.count(ESCAPE) == 2
     unescaped = bytes([ESCAPE, 0, 0, 0])
-    for p, e in ((plane, esc[:4]), (plane, esc + esc[:4]), (plane, b""), (unescaped, b""), (bytes(4), esc[:4])):
+    cases = [(plane, esc[:4]), (plane, esc + esc[:4]), (plane, b""), (unescaped, b""), (bytes(4), esc[:4])]
+    for p, e in [*cases, (memoryview(unescaped), b""), (memoryview(plane), b"")]:
         with pytest.raises(TransformCodecError, match="escape count"):
             decode_group(8, p, e, 4, 0.0)
 

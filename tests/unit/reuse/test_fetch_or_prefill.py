@@ -15,7 +15,8 @@ from kvmesh.codec.coded import TransformCoding, transform_code
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.timing import CodecTime, fit_codec_time
-from kvmesh.net.client import PeerClient
+from kvmesh.errors import PeerError
+from kvmesh.net.client import PeerClient, Probe
 from kvmesh.net.server import MAX_PROBE_BYTES as SERVER_PROBE_CAP
 from kvmesh.reuse.choice import MAX_PROBE_BYTES, MIN_PROBE_BYTES, Copy, choose
 from kvmesh.reuse.fetch import Fetched, fetch_cache
@@ -277,11 +278,34 @@ def test_a_probe_measures_the_link_within_its_cap(tmp_path, serve):
         assert probe.bytes in framed(1 << 20) and probe.rate > 1e6  # loopback moves a MiB at more than a MB/s
         assert sum(map(len, client._probe(spb.ProbeRequest(bytes=100 << 20)))) in framed(SERVER_PROBE_CAP)
 
-        # Before a fetch: a share of its bytes, and the longest probe after one that was over too soon.
-        wire = 8 * MIN_PROBE_BYTES
-        assert probe_link(client, wire, timeout=10, min_seconds=0).bytes in framed(2 * MIN_PROBE_BYTES)
-        assert probe_link(client, wire, timeout=10, min_seconds=math.inf).bytes in framed(MAX_PROBE_BYTES)
-        assert probe_link(client, 1 << 30, timeout=10, min_seconds=math.inf).bytes in framed(MAX_PROBE_BYTES)
+
+def test_a_probe_over_too_soon_is_made_again_at_its_largest(tmp_path, serve):
+    """Before a fetch: a share of its bytes, then, after a probe that was over too soon, the largest
+    (one probe when the share is the largest already); a second probe that fails leaves the first."""
+    address = serve(tmp_path / "a")
+    with PeerClient(address) as client:
+        asked: list[int] = []
+        second_fails = [False]
+        real_probe = client.probe
+
+        def probe(nbytes: int, **options) -> Probe:
+            asked.append(nbytes)
+            if len(asked) > 1 and second_fails[0]:
+                raise PeerError(address, "the second probe ran out of time")
+            return real_probe(nbytes, **options)
+
+        client.probe = probe  # type: ignore[method-assign]  # (the real probe, its sizes noted)
+        wire, share = 8 * MIN_PROBE_BYTES, 2 * MIN_PROBE_BYTES
+        for wire_bytes, min_seconds, failing, want, kept in (
+            (wire, 0.0, False, [share], share),
+            (wire, math.inf, False, [share, MAX_PROBE_BYTES], MAX_PROBE_BYTES),
+            (wire, math.inf, True, [share, MAX_PROBE_BYTES], share),
+            (1 << 30, math.inf, False, [MAX_PROBE_BYTES], MAX_PROBE_BYTES),
+        ):
+            asked.clear()
+            second_fails[0] = failing
+            got = probe_link(client, wire_bytes, timeout=10, min_seconds=min_seconds)
+            assert asked == want and got.bytes in range(kept, kept + 4096)  # (the data, and its framing)
 
 
 def copies(wire_full: int, wire_coded: int, bytes_per_s: float, *, basis_bytes: int = 0) -> list[Copy]:
