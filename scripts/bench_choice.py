@@ -12,12 +12,12 @@ model's basis, which a receiver lacks: it travels first). A client in another na
 over a veth pair limited with `tbf` to each rate in Mbit/s (mutual TLS, as on a LAN). For each point
 the client first makes the choice exactly as `kvmesh generate` does (kvmesh.reuse.weigh: link rate
 from earlier transfers, else a probe; decode rates and the prefill model measured on this machine,
-calibrated once at the start), then measures every option: each copy's fetch into a receiver
-without the basis (a new connection, lookup excluded, until the cache is decoded) and a local
-prefill of the same tokens; an option that takes under a second is measured three times and its
-median kept (at 1 Gbit/s the copies of a short prefix arrive in 60-150 ms, where one odd run moves
-an option by the 10% the choice is judged on). The measurements (the median run's) then feed the
-rates, as real use does. Each rate is a new peer: its link history starts empty, so its first choice rests on a probe.
+calibrated once at the start), then measures every option: each copy's fetch into a receiver without
+the basis (a new connection, lookup excluded, until the cache is decoded) and a local prefill of the
+same tokens; an option that takes under a second is measured three times and its median kept (at 1
+Gbit/s the copies of a short prefix arrive in 60-150 ms, where one odd run moves an option by the
+10% the choice is judged on). The measurements (the median run's) then feed the rates, as real use
+does. Each rate is a new peer: its link history starts empty, so its first choice rests on a probe.
 
 With --on-request the daemon holds no coded copy but the model's basis, and codes a full copy on
 request (kvmesh.net.on_request): the options are the full and 8-bit copies, the copy coded on
@@ -61,7 +61,7 @@ TOLERANCE = 1.10
 OPTIONS = ("full", "quantized", "transform", "on request", "prefill")
 
 CHILD = """
-import json, statistics, sys, tempfile, time
+import json, sys, tempfile, time
 from pathlib import Path
 import mlx.core as mx
 import mlx_lm

@@ -34,13 +34,13 @@ against the whole cache's.
 
     scripts/dev run python scripts/bench_serve.py --beside 3 [--max-tokens 256]
 
-instead measures whether a fetch slows beside a generation in the same server: a peer's daemon
-holds transform-coded caches (the default level) of several system prompts (windows of the
-Declaration, 700-860 tokens each), and one server (its
-first fetch brings the basis) fetches each, in turn alone and while another request, with nothing
-cached, streams `--max-tokens` tokens: the fetch's seconds (the server's `prefix_s`) both ways. The
-decoder's threads need the GIL between their NumPy, zstd and MLX calls, and the generation thread
-holds it while it builds each step's graph. On SmolLM2-135M-Instruct (float32).
+instead measures whether a fetch slows beside a generation in the same server: a peer's daemon holds
+transform-coded caches (the default level) of several system prompts (windows of the Declaration,
+700-860 tokens each), and one server (its first fetch brings the basis) fetches each, in turn alone
+and while another request, with nothing cached, streams `--max-tokens` tokens: the fetch's seconds
+(the server's `prefix_s`) both ways. The decoder's threads need the GIL between their NumPy, zstd
+and MLX calls, and the generation thread holds it while it builds each step's graph. On
+SmolLM2-135M-Instruct (float32).
 """
 
 import argparse

@@ -247,10 +247,10 @@ def _unpack(planes: list, n: int, rows: int) -> mx.array:
 
 def _synthesised_into(out: np.ndarray, coefficients: np.ndarray, tb: TensorBasis, n: int, scale: float) -> None:
     """NumPy's product of a region's coefficients (n, B * rows) with the first n components times
-    `scale`, written into `out` (B, rows, F): where MLX computes on the CPU. The mlx[cpu] wheels for Linux link the
-    reference BLAS: a 1,024-token layer of 8B geometry took 0.70 s to decode with MLX's product,
-    0.04 s with NumPy's (OpenBLAS) on this 2-core box; MLX on a Mac's CPU has Accelerate, but
-    there the GPU decodes."""
+    `scale`, written into `out` (B, rows, F): where MLX computes on the CPU. The mlx[cpu] wheels for
+    Linux link the reference BLAS: a 1,024-token layer of 8B geometry took 0.70 s to decode with
+    MLX's product, 0.04 s with NumPy's (OpenBLAS) on this 2-core box; MLX on a Mac's CPU has
+    Accelerate, but there the GPU decodes."""
     np.matmul(coefficients.T.reshape(*out.shape[:2], n), tb.synthesis()[:n] * np.float32(scale), out=out)
 
 

@@ -268,10 +268,12 @@ def test_the_cli_explains_its_choice_and_every_line_agrees_with_it(tiny_fp, tiny
     ]
 
 
-def test_a_probe_measures_the_link_within_its_cap(tmp_path, serve):
-    def framed(n: int) -> range:  # the data, and its framing
-        return range(n, n + 4096)
+def framed(n: int) -> range:
+    """What a probe of `n` bytes receives: the data, and its framing."""
+    return range(n, n + 4096)
 
+
+def test_a_probe_measures_the_link_within_its_cap(tmp_path, serve):
     address = serve(tmp_path / "a")
     with PeerClient(address) as client:
         probe = client.probe(1 << 20)
@@ -305,7 +307,7 @@ def test_a_probe_over_too_soon_is_made_again_at_its_largest(tmp_path, serve):
             asked.clear()
             second_fails[0] = failing
             got = probe_link(client, wire_bytes, timeout=10, min_seconds=min_seconds)
-            assert asked == want and got.bytes in range(kept, kept + 4096)  # (the data, and its framing)
+            assert asked == want and got.bytes in framed(kept)
 
 
 def copies(wire_full: int, wire_coded: int, bytes_per_s: float, *, basis_bytes: int = 0) -> list[Copy]:
