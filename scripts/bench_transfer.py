@@ -3,7 +3,7 @@
 with --links, a transform coded cache of the real model over shaped links against a local prefill.
 
     scripts/dev run python scripts/bench_transfer.py [--mb 256] [--repeat 3]
-    sudo scripts/dev run python scripts/bench_transfer.py --links 1000 200 [--prefix-tokens 1024]
+    sudo scripts/dev run python scripts/bench_transfer.py --links 1000 200 [--prefix-tokens 1024] [--repeat 3]
 
 The cache is real KV of the `small` preset (tests/support/bench_caches.py: in scripts/bench_codec.py's
 work dir, prefilled on first use), tiled along the tokens to about --mb megabytes. A `kvmesh daemon`
@@ -158,14 +158,19 @@ def fetch_in_child(address: str, cache_id: str, fp, reject: bool = False, tuned:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_cache_arguments(parser, mb=256)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs per figure (medians); with --links, fetches of the held-basis coded copy",
+    )
     parser.add_argument("--links", type=float, nargs="+", help="shaped link rates in Mbit/s: the coded cache bench")
     parser.add_argument("--prefix-tokens", type=int, default=1024, help="with --links: the prefix's tokens")
     args = parser.parse_args()
     if args.links:
         from bench_shaped import shaped
 
-        return shaped(args.links, args.prefix_tokens)
+        return shaped(args.links, args.prefix_tokens, args.repeat)
     if not sys.platform.startswith("linux"):
         sys.exit("bench_transfer reads /proc for peak memory: run it on Linux")
     tiled, fp, tokens = tiled_cache(args)

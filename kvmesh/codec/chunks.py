@@ -192,7 +192,14 @@ def payload_digest(slots: Iterable[tuple[int, int]]) -> bytes:
 
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
-    """fn over items on a thread pool, results in order, at most 2x threads results waiting."""
+    """fn over items on a thread pool, results in order, at most 2x threads results waiting.
+
+    A result goes out as soon as it is done and the next item has come, not only once 2x threads
+    wait: a fetch's chunks come one by one off the wire, and a coded layer starts to decode when
+    its chunk is out. Waiting for four more chunks held the first layer back four chunks and left
+    the last four to decode after the last byte (SmolLM2's coded cache over a 200 Mbit/s link, 30
+    fetches each way: the first layer decoding at 21.6 ms against 8.6, the fetch 215.5 ms against
+    208.9, medians)."""
     if threads <= 1:
         yield from map(fn, items)
         return
@@ -200,7 +207,7 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Itera
         pending: deque[Future[R]] = deque()
         for item in items:
             pending.append(pool.submit(fn, item))
-            if len(pending) >= 2 * threads:
+            while pending and (len(pending) >= 2 * threads or pending[0].done()):
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
