@@ -5,11 +5,13 @@ transform coded at the default level with the model's basis (fitted as `kvmesh m
 fits it). A daemon in one network namespace serves both; a client in another fetches each over a
 veth pair limited with `tbf` to each rate (mutual TLS, as on a LAN): the coded copy first into a
 receiver without the basis (it travels first), then again with it held (--repeat times: a fetch of
-a tenth of a second on a shared 2-core box varies by half between runs, so the table gives medians
-and each fetch's ratio to the slower of its wire and decode), then the full copy, then a
+a tenth of a second on a shared 2-core box varies by half between runs, so the table gives each
+figure's median over them, and below it each fetch's ratio to the slower of its wire and decode),
+then the full copy, then a
 copy the daemon codes on request from a full one (kvmesh.net.on_request; a full copy of its own for
 each link, stored with another zstd level, so that each is coded anew: the row's fetch counts the
-coding, and "coding s" is that fetch less the stored coded copy's with the basis held). Each fetch
+coding, and "coding s" is that fetch less the median of the stored coded copy's with the basis
+held: one fetch's noise). Each fetch
 follows a lookup over the same channel, as `kvmesh.reuse.find.find_prefix` fetches: lookup s
 (connecting, mutual TLS and the lookup), then per fetch: wire s (request to the last byte, the basis
 included), decode s (the same copy decoded again here, from the receiver's store), fetch s (request
@@ -204,36 +206,37 @@ def shaped(links: list[float], tokens: int, rounds: int) -> None:
                     row = json.loads(line)
                     print(json.dumps({"mbit": mbit, **row}))
                     runs.setdefault(row["copy"], []).append(row)
-                for name, rows in runs.items():
-                    row = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "copy"}
+                for name, fetches in runs.items():
+                    median = {key: statistics.median(f[key] for f in fetches) for key in fetches[0] if key != "copy"}
                     if name == "coded on request":
-                        row["coding_s"] = row["fetch_s"] - statistics.median(
-                            r["fetch_s"] for r in runs["coded, basis held"]
+                        median["coding_s"] = median["fetch_s"] - statistics.median(
+                            f["fetch_s"] for f in runs["coded, basis held"]
                         )
-                    ratios = [r["fetch_s"] / max(r["wire_s"], r["decode_s"]) for r in rows if "decode_s" in r]
+                    ratios = [f["fetch_s"] / max(f["wire_s"], f["decode_s"]) for f in fetches if "decode_s" in f]
                     if name == "coded, basis held":
                         listed = ", ".join(f"{x:.2f}" for x in ratios)
                         slower.append(f"{mbit:g} Mbit/s: {statistics.median(ratios):.2f}x (each fetch: {listed})")
                     times = ("lookup_s", "wire_s", "decode_s", "fetch_s", "coding_s")
-                    cells = [f"{row[k]:.3f}" if k in row else "-" for k in times]
+                    cells = [f"{median[k]:.3f}" if k in median else "-" for k in times]
                     table.add_row(
                         f"{mbit:g}",
                         name,
-                        str(len(rows)),
-                        f"{row['wire_bytes'] / 1e6:.2f}" if "wire_bytes" in row else "-",
-                        f"{row['basis_bytes'] / 1e6:.2f}" if "basis_bytes" in row else "-",
+                        str(len(fetches)),
+                        f"{median['wire_bytes'] / 1e6:.2f}" if "wire_bytes" in median else "-",
+                        f"{median['basis_bytes'] / 1e6:.2f}" if "basis_bytes" in median else "-",
                         *cells,
                         f"{statistics.median(ratios):.2f}" if ratios else "-",
-                        f"{row['ttft_s']:.2f}",
-                        f"{row['cpu_here_s']:.2f} / {row['cpu_there_s']:.2f}" if "cpu_here_s" in row else "-",
+                        f"{median['ttft_s']:.3f}",
+                        f"{median['cpu_here_s']:.2f} / {median['cpu_there_s']:.2f}" if "cpu_here_s" in median else "-",
                     )
     Console(width=180).print(table)
     print(
         "lookup s: connecting, TLS and the lookup before the fetch, on the same channel; wire s: the fetch's "
         "request to its last byte (the basis when fetched included); decode s: the same copy decoded again from "
         "the receiver's store; fetch s: request to caches ready (decoding overlaps the wire); times are medians "
-        "over the fetches; first token s: lookup and fetch, then the next token fed; fetch / slower: fetch s over "
-        "the larger of wire s and decode s, per fetch (issue 33 asks 1.15x of a coded fetch); CPU s: the fetch's, "
+        "over the fetches; first token s: lookup and fetch, then the next token fed; fetch / slower: the median of "
+        "each fetch's fetch s over the larger of its wire s and decode s (not the ratio of the row's medians; issue "
+        "33 asks 1.15x of a coded fetch at 1 Gbit/s); CPU s: the fetch's, "
         "in the receiving process and in the daemon (the same cores); prefill here: all the tokens and the next"
     )
     for line in slower:

@@ -167,6 +167,8 @@ def main():
     parser.add_argument("--links", type=float, nargs="+", help="shaped link rates in Mbit/s: the coded cache bench")
     parser.add_argument("--prefix-tokens", type=int, default=1024, help="with --links: the prefix's tokens")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, not {args.repeat}")
     if args.links:
         from bench_shaped import shaped
 

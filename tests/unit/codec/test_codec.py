@@ -1,6 +1,7 @@
 """Wire encoding: bit-exact round trips, and every kind of bad chunk refused with a clear error."""
 
 import itertools
+import threading
 from dataclasses import replace
 
 import mlx.core as mx
@@ -9,7 +10,7 @@ import pytest
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import SparseKVCache, truncate
-from kvmesh.codec.chunks import parse_frame
+from kvmesh.codec.chunks import ordered_map, parse_frame
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import CacheDecoder, decode_chunks
 from kvmesh.codec.encode import EncodeOptions, build_manifest, encode_cache, encode_chunks
@@ -76,6 +77,33 @@ def test_one_thread_and_two_encode_the_same(caches, tiny_fp, prompt_ids):
     one = [c.frame() for c in encode_chunks(cache, manifest, threads=1)]
     two = [c.frame() for c in encode_chunks(cache, manifest, threads=2)]
     assert one == two
+
+
+def test_a_result_goes_out_once_it_is_done_and_the_next_item_has_come():
+    """ordered_map hands on each result, in order, once it is done and the next item has come (a
+    fetch's coded layer decodes as soon as its chunk is out), not only once 2x threads items are in
+    flight: items that come one at a time, each after the last one's work ran, as chunks off a wire."""
+    ran = [threading.Event() for _ in range(6)]
+    out: list[int] = []
+    out_before_the_last_item: list[int] = []
+
+    def work(i: int) -> int:
+        ran[i].set()
+        return i
+
+    def arriving():
+        for i in range(6):
+            if i == 5:
+                out_before_the_last_item.append(len(out))
+            yield i
+            assert ran[i].wait(timeout=60)
+
+    for result in ordered_map(work, arriving(), threads=2):
+        out.append(result)
+    assert out == list(range(6))
+    # Results 0-3 had run when item 5 was asked for: three at least were handed on (the last check
+    # may come before its worker marks it done); waiting for 2x threads in flight handed on two.
+    assert out_before_the_last_item[0] >= 3
 
 
 @pytest.fixture
