@@ -196,8 +196,10 @@ def run(
             daemon.stop()
 
 
-def streamed_request(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
-    """(TTFT, completion tokens) of one streamed chat request."""
+def streamed_request(
+    client: openai.OpenAI, model: str, prompt: str, max_tokens: int, *, started: threading.Event | None = None
+) -> tuple[float, int]:
+    """(TTFT, completion tokens) of one streamed chat request; `started` is set at its first token."""
     start = time.perf_counter()
     first_at, usage = None, None
     for chunk in client.chat.completions.create(
@@ -209,6 +211,8 @@ def streamed_request(client: openai.OpenAI, model: str, prompt: str, max_tokens:
     ):
         if chunk.choices and chunk.choices[0].delta.content and first_at is None:
             first_at = time.perf_counter()
+            if started is not None:
+                started.set()
         elif chunk.usage:
             usage = chunk.usage
     assert usage is not None
@@ -488,7 +492,7 @@ def main() -> int:
     return 0
 
 
-STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+STORY = "Write a long story about a lighthouse keeper and the sea."
 
 
 def coded_system_prompts(store_dir: Path, model: Path, count: int, text: str) -> list[list[dict]]:
@@ -533,12 +537,7 @@ def fetched_beside_a_generation(client: openai.OpenAI, model: str, chat: list[di
     def generate() -> None:
         tokens = 0
         try:
-            for chunk in client.chat.completions.create(
-                model=model, messages=STORY, max_tokens=max_tokens, stream=True
-            ):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    tokens += 1
-                    started.set()
+            tokens = streamed_request(client, model, STORY, max_tokens, started=started)[1]
         finally:
             started.set()  # (a request that failed fails the round below, rather than hanging it)
             ended.append((time.perf_counter(), tokens))
