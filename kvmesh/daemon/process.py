@@ -22,6 +22,7 @@ from typing import TextIO
 
 import grpc
 
+from kvmesh.collector import freeze_startup_objects
 from kvmesh.daemon.config import DaemonConfig
 from kvmesh.daemon.control import DaemonState, write_state
 from kvmesh.daemon.limits import raise_descriptor_limit
@@ -316,6 +317,7 @@ class Daemon:
         """Start, serve until SIGTERM or SIGINT, then stop gracefully."""
         with stop_signals() as stopped:  # (noted until the stop is done: another signal must not cut it)
             self.start()
+            freeze_startup_objects()  # what starting made: no transfer waits while a collection walks it
             print(f"kvmesh: node {self.node_id} ({self.mode}) serving on {', '.join(self.listen)}", flush=True)
             stopped()
             log.info("shutting down")

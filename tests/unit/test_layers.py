@@ -29,6 +29,7 @@ MLX_FREE = [
     "kvmesh.paths",
     "kvmesh.versions",
     "kvmesh.allocator",
+    "kvmesh.collector",
     "kvmesh.model.fingerprint",
     "kvmesh.model.presets",
     "kvmesh.codec.prefix",
