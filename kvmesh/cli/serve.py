@@ -38,7 +38,6 @@ def mesh_words(args: Args, options: ServeOptions) -> str:
 
 
 def serve(args: Args) -> int:
-    from kvmesh.collector import freeze_startup_objects
     from kvmesh.daemon.logs import setup_logging
     from kvmesh.errors import KvmeshError
     from kvmesh.model.loaded import load_model
@@ -65,7 +64,6 @@ def serve(args: Args) -> int:
         peers = DaemonPeers(
             data_dir(args), timeout=options.local_daemon_timeout, cache_seconds=options.local_daemon_cache
         )
-    freeze_startup_objects()  # the model and the server: no request waits while a collection walks them
     serve(
         options,
         loaded,

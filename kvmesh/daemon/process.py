@@ -317,7 +317,7 @@ class Daemon:
         """Start, serve until SIGTERM or SIGINT, then stop gracefully."""
         with stop_signals() as stopped:  # (noted until the stop is done: another signal must not cut it)
             self.start()
-            freeze_startup_objects()  # what starting made: no transfer waits while a collection walks it
+            freeze_startup_objects()  # what starting made: full collections walk less from now on
             print(f"kvmesh: node {self.node_id} ({self.mode}) serving on {', '.join(self.listen)}", flush=True)
             stopped()
             log.info("shutting down")

@@ -22,6 +22,7 @@ import uvicorn
 
 from kvmesh.caches.presses import Press
 from kvmesh.codec.calibration import NothingToCode
+from kvmesh.collector import freeze_startup_objects
 from kvmesh.compat.uvicorn import forget_captured_signals
 from kvmesh.compression import model_basis
 from kvmesh.errors import KvmeshError
@@ -178,6 +179,7 @@ def serve(
         announce(
             '  calibrating the prefill and decode rates here (once): /health says "starting" until done; requests wait'
         )
+    freeze_startup_objects()  # the model, the engine, the app: full collections walk less from now on
     try:
         server.run(sockets=sockets)
     finally:

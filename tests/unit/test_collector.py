@@ -27,8 +27,8 @@ def walked() -> set[int]:
 
 def test_objects_alive_at_the_call_leave_the_collectors_walks_and_later_ones_do_not(thawed):
     alive = [Node() for _ in range(100)]
-    assert all(id(n) in walked() for n in alive[:1])
-    assert freeze_startup_objects() >= len(alive)
+    assert id(alive[0]) in walked()
+    freeze_startup_objects()
     now = walked()
     assert not any(id(n) in now for n in alive)
     later = Node()
