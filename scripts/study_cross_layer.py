@@ -6,25 +6,28 @@ The transform codec (kvmesh.codec.transform) codes each layer on its own. But a 
 in layer l are projections of nearly the same residual stream as in layer l - 1, so a linear map
 fitted once per model predicts part of them from the layer before; only the residual need travel.
 This script simulates that closed loop on SmolLM2 and the three texts of scripts/bench_quality.py:
-layer by layer, the predictors are the *decoded* coefficients a receiver would hold (the previous
-layer's keys and values, and with `previous+keys` this layer's keys for its values), the map is
-fitted on Python's help topics coded the same way at the same step (ridge regression; `--rank`
-keeps a reduced-rank map, `--inputs` the leading components of each predictor), and the residual is
-rounded, packed and zstd-coded by runs as the codec codes coefficients (its bits per component from
-the residual's calibration RMS; centroid offsets; the first row raw). The decoded caches are probed
-as bench_quality.py probes them: KL of the teacher-forced continuation and the five facts. With
-`--predict none` it is the codec itself, simulated: that row checks the simulation (2026-12-05:
-6.925x at KL 0.0194 on the Declaration at step 0.48, where the codec measures 6.90x at 0.0194).
+layer by layer, the predictors are the *decoded* coefficients a receiver would hold (the layer
+before's keys and values, and with `previous+keys` this layer's keys for its values); each map is a
+ridge regression fitted on Python's help topics coded the same way at the same step, stored in
+float16 as a basis would (`--rank` keeps a reduced-rank map, `--inputs` the leading components of
+each predictor); the residual is coded by the codec's own quantizer and writer, its components in the
+order of their calibration RMS, into blobs with the codec's headers (their bytes are counted); the
+receiver predicts in float32 from what it decoded, the sender in float64 (peers do not compute bit
+for bit: the gap is printed). The rebuilt caches are probed as bench_quality.py probes them: KL of
+the teacher-forced continuation and the five facts. With `--predict none` it is the codec itself,
+which checks the simulation: 6.898x at KL 0.0194 on the Declaration at step 0.48 (2026-12-05), as
+bench_quality.py measures the codec.
 
 What it leaves out, and what building it would cost, is in the README (the transform codec's
 section). Needs the real model, as bench_quality.py:
-    scripts/dev run python scripts/study_cross_layer.py --predict previous+keys --steps 0.43 0.44
+    scripts/dev run python scripts/study_cross_layer.py [--predict previous+keys] [--steps 0.44]
         [--zstd-level 19] [--rank 64] [--inputs 64] [--basis FILE]
 """
 
 import argparse
 import hashlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from support.real_model import fast_blas, smollm2_dir
@@ -34,17 +37,24 @@ fast_blas()
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 import numpy as np  # noqa: E402
-import zstandard  # noqa: E402
 
 from kvmesh.caches.prefill import run_prompt  # noqa: E402
 from kvmesh.caches.presses import make_press  # noqa: E402
 from kvmesh.caches.sparse import SparseKVCache  # noqa: E402
 from kvmesh.codec.basis import Basis  # noqa: E402
 from kvmesh.codec.calibration import default_texts, fit_model_basis  # noqa: E402
+from kvmesh.codec.layer_blob import Writer, blob_magic  # noqa: E402
 from kvmesh.codec.levels import CALIBRATION_TOKENS  # noqa: E402
 from kvmesh.codec.rotary import apply_rope  # noqa: E402
-from kvmesh.codec.sensitivity import PROBE_TOKENS  # noqa: E402
-from kvmesh.codec.transform import _prepare, component_groups, kept_components, layers_of_cache, pack_codes  # noqa: E402
+from kvmesh.codec.sensitivity import KEY_FACTOR, PROBE_TOKENS  # noqa: E402
+from kvmesh.codec.transform import (  # noqa: E402
+    SINKS,
+    _coded_groups,
+    _prepare,
+    component_groups,
+    kept_components,
+    layers_of_cache,
+)
 from kvmesh.model.prompt import cache_prompt_tokens, prompt_tokens  # noqa: E402
 from support.quality_probes import (  # noqa: E402
     CONTINUATION,
@@ -57,97 +67,165 @@ from support.quality_probes import (  # noqa: E402
     with_facts,
 )
 
-# A run's share of its layer's header (offsets, widths, sizes): the codec's headers took 23 KB of a
-# `small` cache of the Declaration, ~24 bytes a run.
-RUN_HEADER_BYTES = 24
-# Ridge regularisation, as a share of each predictor's own energy.
+# Ridge regularisation, as a share of each predictor's own energy (plus a trace-scaled floor, for
+# predictors that are all zero: components the layer before did not code).
 RIDGE = 0.01
 
-Coefficients = list[list[np.ndarray]]  # [layer][0 keys, 1 values]: (tokens after the sink, features)
+Coefficients = list[list[np.ndarray]]  # [layer][0 keys, 1 values]: (coded rows, features), float64
 
 
-def coefficients(cache: list, basis: Basis) -> Coefficients:
-    """Each layer's keys (RoPE off) and values past the first row, on the basis, in its units."""
-    prepared, _ = _prepare(layers_of_cache(cache), basis, (1, 0, 0), list(range(len(basis))))
-    return [[np.asarray(p.coeffs).T.astype(np.float64) for p in layer] for layer, _ in prepared]
+@dataclass
+class Prepared:
+    """A cache as the codec's encoder sees it: each layer's coefficients past the raw rows, in the
+    basis's units, and what its blob's header and raw rows say (kvmesh.codec.transform)."""
+
+    coefficients: Coefficients
+    metas: list[dict]
+    raws: list[list[tuple[bytes, str]]]
 
 
-def quantized(residual: np.ndarray, rms: np.ndarray, step: float, compressor) -> tuple[np.ndarray, int]:
-    """A region coded as the codec codes one (runs of components by bits, centroid offsets): what a
-    receiver decodes, and the bytes."""
-    n = kept_components(rms, step)
-    out = np.zeros_like(residual)
-    nbytes, at = 0, 0
-    for count in component_groups(rms, step, n):
-        x = residual[:, at : at + count] / step
-        q = np.rint(x)
-        nonzero = q != 0
-        offset = float((np.abs(x) - np.abs(q))[nonzero].mean()) if nonzero.any() else 0.0
-        out[:, at : at + count] = (q + offset * np.sign(q)) * step
-        _, plane, escapes = pack_codes(q.T.astype(np.int64))
-        nbytes += len(compressor.compress(plane)) + len(escapes) + RUN_HEADER_BYTES
-        at += count
-    return out, nbytes
+@dataclass
+class Map:
+    """One tensor's prediction: weights (predictors + 1, features) as a basis would store them
+    (float16), the calibration residual's RMS per component, and the order of that RMS, falling
+    (what the coded components are taken in)."""
+
+    weights: np.ndarray
+    rms: np.ndarray
+    order: np.ndarray
 
 
-def predictors(decoded: list, layer: int, kind: int, args) -> np.ndarray | None:
+@dataclass(frozen=True)
+class Setting:
+    predict: str  # "none", "previous" or "previous+keys"
+    rank: int  # 0: full
+    inputs: int  # 0: every component of each predictor
+
+
+def prepared(cache: list, basis: Basis) -> Prepared:
+    layers, metas = _prepare(layers_of_cache(cache), basis, (SINKS, 0, 0), list(range(len(basis))))
+    return Prepared(
+        [[np.asarray(p.coeffs).T.astype(np.float64) for p in layer] for layer, _ in layers],
+        metas,
+        [[(p.raw, p.raw_dtype) for p in layer] for layer, _ in layers],
+    )
+
+
+def step_of(basis: Basis, step: float, layer: int, kind: int) -> float:
+    return step * basis.step_factor(layer, "kv"[kind], KEY_FACTOR)
+
+
+def predictors(decoded: list, layer: int, kind: int, setting: Setting) -> np.ndarray | None:
     """What a receiver holds when it decodes `layer`'s keys (kind 0) or values (1): the layer
     before's decoded keys and values and, with previous+keys, this layer's keys for its values; a
-    column of ones last."""
-    if args.predict == "none":
+    column of ones last. None: nothing to predict from."""
+    if setting.predict == "none":
         return None
     parts = list(decoded[layer - 1]) if layer else []
-    if args.predict == "previous+keys" and kind == 1:
+    if setting.predict == "previous+keys" and kind == 1:
         parts.append(decoded[layer][0])
     if not parts:
         return None
-    if args.inputs:
-        parts = [p[:, : args.inputs] for p in parts]
+    if setting.inputs:
+        parts = [p[:, : setting.inputs] for p in parts]
     return np.concatenate([*parts, np.ones((parts[0].shape[0], 1))], axis=1)
 
 
-def code(
-    sets: list[Coefficients], basis: Basis, step: float, args, maps: dict | None = None
-) -> tuple[list[list[list[np.ndarray]]], list[int], dict]:
-    """Each set coded layer by layer in the closed loop (the predictors decoded as a receiver
-    decodes them): the decoded coefficients and the bytes per set, and the maps used. With no
-    `maps`, each is fitted on these sets as they come (calibration)."""
-    fitting = maps is None
-    maps = {} if maps is None else maps
-    compressor = zstandard.ZstdCompressor(level=args.zstd_level)
+def reconstructed(residual: np.ndarray, rms: np.ndarray, order: np.ndarray, step: float) -> np.ndarray:
+    """What a receiver decodes of a residual the codec codes at `step` (kvmesh.codec.transform's
+    `_coded_groups`: its components in `order`, runs by bits, each run's centroid offset)."""
+    out = np.zeros_like(residual)
+    at = 0
+    for count in component_groups(rms[order], step, kept_components(rms[order], step)):
+        columns = order[at : at + count]
+        x = residual[:, columns] / step
+        q = np.rint(x)
+        nonzero = q != 0
+        offset = round(float((np.abs(x) - np.abs(q))[nonzero].mean()), 4) if nonzero.any() else 0.0
+        out[:, columns] = (q + offset * np.sign(q)) * step
+        at += count
+    return out
+
+
+def fit_maps(sets: list[Coefficients], basis: Basis, step: float, setting: Setting) -> dict[tuple[int, int], Map]:
+    """Each tensor's map, fitted layer by layer on `sets` (the calibration texts) coded in the closed
+    loop at `step`: layer l's from the layer before as a receiver decodes it."""
+    maps: dict[tuple[int, int], Map] = {}
     decoded: list[list[list[np.ndarray]]] = [[] for _ in sets]
-    nbytes = [0 for _ in sets]
     for layer in range(len(basis)):
         for d in decoded:
             d.append([])
         for kind, tb in enumerate((basis.keys[layer], basis.values[layer])):
-            s = step * basis.step_factor(layer, "kv"[kind], 2.0)
-            xs = [predictors(d, layer, kind, args) for d in decoded]
-            if xs[0] is not None and fitting:
-                x = np.concatenate(xs)
-                y = np.concatenate([c[layer][kind] for c in sets])
+            xs = [predictors(d, layer, kind, setting) for d in decoded]
+            ys = [c[layer][kind] for c in sets]
+            if xs[0] is None:
+                rms = (tb.rms / tb.scale).astype(np.float64)
+                maps[layer, kind] = Map(np.zeros((0, len(rms))), rms, np.arange(len(rms)))
+            else:
+                x, y = np.concatenate(xs), np.concatenate(ys)
                 gram = x.T @ x
                 gram += RIDGE * np.diag(np.diag(gram)) + 1e-6 * np.trace(gram) / len(gram) * np.eye(len(gram))
                 w = np.linalg.solve(gram, x.T @ y)
-                if args.rank:
+                if setting.rank:
                     _, _, vt = np.linalg.svd(x @ w, full_matrices=False)
-                    w = w @ vt[: args.rank].T @ vt[: args.rank]
-                maps[layer, kind] = (w, np.sqrt(((y - x @ w) ** 2).mean(axis=0)))
-            for i, c in enumerate(sets):
-                y = c[layer][kind]
-                if xs[i] is None:
-                    prediction, rms = np.zeros_like(y), tb.rms / tb.scale
-                else:
-                    w, rms = maps[layer, kind]
-                    prediction = xs[i] @ w
-                residual, b = quantized(y - prediction, rms, s, compressor)
-                decoded[i][layer].append(prediction + residual)
-                nbytes[i] += b
-    return decoded, nbytes, maps
+                    w = w @ vt[: setting.rank].T @ vt[: setting.rank]
+                w = w.astype(np.float16).astype(np.float64)
+                rms = np.sqrt(((y - x @ w) ** 2).mean(axis=0))
+                maps[layer, kind] = Map(w, rms, np.argsort(-rms, kind="stable"))
+            m = maps[layer, kind]
+            for d, x_, y_ in zip(decoded, xs, ys, strict=True):
+                prediction = 0.0 if x_ is None else x_ @ m.weights
+                d[layer].append(
+                    prediction + reconstructed(y_ - prediction, m.rms, m.order, step_of(basis, step, layer, kind))
+                )
+    return maps
 
 
-def decoded_cache(cache: list, basis: Basis, exact: Coefficients, decoded: list) -> list:
-    """The cache as a receiver would rebuild it: each row moved by its coefficients' error."""
+@dataclass
+class Coded:
+    decoded: list  # [layer][kind]: the coefficients as the receiver decodes them
+    nbytes: int  # the layers' blobs, as the codec writes them
+    drift: float  # the largest gap between the receiver's and the sender's decoded coefficients, in steps
+
+
+def coded(
+    text: Prepared, basis: Basis, step: float, maps: dict[tuple[int, int], Map], setting: Setting, level: int
+) -> Coded:
+    """`text` coded in the closed loop: the sender predicts in float64 from what it decoded, the
+    receiver in float32 from what it decoded (as a peer's GPU or CPU would, not bit for bit), the same
+    residual codes for both; each layer's blob made by the codec's own writer and header."""
+    sender: list[list[np.ndarray]] = []
+    receiver: list[list[np.ndarray]] = []
+    nbytes, drift = 0, 0.0
+    for layer in range(len(basis)):
+        sender.append([])
+        receiver.append([])
+        out = Writer(level)
+        header = dict(text.metas[layer])
+        for kind in range(2):
+            m, s = maps[layer, kind], step_of(basis, step, layer, kind)
+            x = predictors(sender, layer, kind, setting)
+            prediction = 0.0 if x is None else x @ m.weights
+            residual = text.coefficients[layer][kind] - prediction
+            header["kv"[kind]] = {
+                **_coded_groups(out, mx.array(residual[:, m.order].T.astype(np.float32)), m.rms[m.order], s, True),
+                "raw": out.add(text.raws[layer][kind][0], False),
+                "raw_dtype": text.raws[layer][kind][1],
+            }
+            decoded = reconstructed(residual, m.rms, m.order, s)
+            sender[layer].append(prediction + decoded)
+            x = predictors(receiver, layer, kind, setting)
+            theirs = 0.0 if x is None else (x.astype(np.float32) @ m.weights.astype(np.float32)).astype(np.float64)
+            receiver[layer].append(theirs + decoded)
+            drift = max(drift, float(np.abs(receiver[layer][kind] - sender[layer][kind]).max()) / s)
+        magic = blob_magic({raw[1] for raw in text.raws[layer]}, False)
+        nbytes += len(out.blob({"basis": basis.digest, **header}, magic))
+    return Coded(receiver, nbytes, drift)
+
+
+def rebuilt(cache: list, basis: Basis, exact: Coefficients, decoded: list) -> list:
+    """The cache as a receiver would rebuild it: each coded row moved by its coefficients' error
+    (the synthesis is linear and the analysis its exact inverse; RoPE is linear too)."""
     out = []
     for layer, c in enumerate(cache):
         tensors = []
@@ -155,10 +233,10 @@ def decoded_cache(cache: list, basis: Basis, exact: Coefficients, decoded: list)
             tb = (basis.keys[layer], basis.values[layer])[kind]
             b, h, t, d = x.shape
             error = ((decoded[layer][kind] - exact[layer][kind]) * tb.scale).astype(np.float32) @ tb.synthesis()
-            moved = mx.array(error.reshape(b, t - 1, h, d).transpose(0, 2, 1, 3))
+            moved = mx.array(error.reshape(b, t - SINKS, h, d).transpose(0, 2, 1, 3))
             if kind == 0:
-                moved = apply_rope(moved, np.arange(1, t), basis.rotaries[layer])
-            tensors.append(mx.concatenate([x[:, :, :1], x[:, :, 1:] + moved.astype(x.dtype)], axis=2))
+                moved = apply_rope(moved, np.arange(SINKS, t), basis.rotaries[layer])
+            tensors.append(mx.concatenate([x[:, :, :SINKS], x[:, :, SINKS:] + moved.astype(x.dtype)], axis=2))
         out.append(SparseKVCache.from_arrays(*tensors, c.offset))
     return out
 
@@ -171,27 +249,18 @@ def retrieved(model, tokenizer, cache: list, probes: list) -> int:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--predict", choices=("none", "previous", "previous+keys"), default="previous+keys")
-    parser.add_argument("--steps", type=float, nargs="+", default=[0.43, 0.44], help="global steps, as the levels'")
-    parser.add_argument("--zstd-level", type=int, default=1, help="the codec codes at 1")
-    parser.add_argument("--rank", type=int, default=0, help="a reduced-rank map (0: full)")
-    parser.add_argument("--inputs", type=int, default=0, help="the leading components of each predictor (0: all)")
-    parser.add_argument("--basis", type=Path, help="a basis file (default: fitted as bench_quality.py fits it)")
-    args = parser.parse_args()
+@dataclass
+class Probed:
+    """One bench text, as bench_quality.py probes it: the full cache, the continuation and the
+    model's predictions over it with that cache, the fact questions."""
 
-    model, tokenizer = mlx_lm.load(str(smollm2_dir()))
-    if args.basis:
-        data = args.basis.read_bytes()
-        basis = Basis.from_bytes(data, hashlib.sha256(data).hexdigest())
-    else:
-        basis = fit_model_basis(model, tokenizer).basis
-    print(f"basis {basis.digest[:12]}", file=sys.stderr)
-    calibration = []
-    for text in default_texts().values():
-        tokens = cache_prompt_tokens(tokenizer, text[: 8 * (CALIBRATION_TOKENS + PROBE_TOKENS)])[:CALIBRATION_TOKENS]
-        calibration.append(coefficients(run_prompt(model, tokens)[0], basis))
+    cache: list
+    rest: list[int]
+    reference: mx.array
+    probes: list
+
+
+def probed_texts(model, tokenizer) -> dict[str, Probed]:
     texts = {}
     for name, text in load_texts().items():
         words = with_facts(text).split(" ")
@@ -207,24 +276,59 @@ def main() -> None:
             )
             for thing, value in FACTS
         ]
-        texts[name] = (cache, rest, continuation_logprobs(model, cache, rest), probes)
+        texts[name] = Probed(cache, rest, continuation_logprobs(model, cache, rest), probes)
         print(f"{name}: the full cache retrieves {retrieved(model, tokenizer, cache, probes)} of the facts")
-    print(f"predict {args.predict}, zstd {args.zstd_level}, rank {args.rank or 'full'}, inputs {args.inputs or 'all'}")
+    return texts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--predict", choices=("none", "previous", "previous+keys"), default="previous+keys")
+    parser.add_argument("--steps", type=float, nargs="+", default=[0.44], help="global steps, as the levels'")
+    parser.add_argument("--zstd-level", type=int, default=1, help="the codec codes at 1")
+    parser.add_argument("--rank", type=int, default=0, help="a reduced-rank map (0: full)")
+    parser.add_argument("--inputs", type=int, default=0, help="the leading components of each predictor (0: all)")
+    parser.add_argument("--basis", type=Path, help="a basis file (default: fitted as bench_quality.py fits it)")
+    args = parser.parse_args()
+    setting = Setting(args.predict, args.rank, args.inputs)
+
+    model, tokenizer = mlx_lm.load(str(smollm2_dir()))
+    if args.basis:
+        data = args.basis.read_bytes()
+        basis = Basis.from_bytes(data, hashlib.sha256(data).hexdigest())
+    else:
+        basis = fit_model_basis(model, tokenizer).basis
+    print(f"basis {basis.digest[:12]}", file=sys.stderr)
+    calibration = [
+        prepared(
+            run_prompt(
+                model,
+                cache_prompt_tokens(tokenizer, text[: 8 * (CALIBRATION_TOKENS + PROBE_TOKENS)])[:CALIBRATION_TOKENS],
+            )[0],
+            basis,
+        ).coefficients
+        for text in default_texts().values()
+    ]
+    texts = probed_texts(model, tokenizer)
+    print(f"{setting}, zstd level {args.zstd_level}")
     for step in args.steps:
-        maps = code(calibration, basis, step, args)[2]
-        cells, worst = [], (float("inf"), 0.0)
-        for name, (cache, rest, reference, probes) in texts.items():
-            exact = coefficients(cache, basis)
-            (decoded,), (nbytes,), _ = code([exact], basis, step, args, maps)
-            raw = sum(2 * c.keys.shape[1] * c.keys.shape[3] * c.keys.dtype.size for c in cache)  # the first rows
-            rebuilt = decoded_cache(cache, basis, exact, decoded)
-            logprobs = continuation_logprobs(model, rebuilt, rest)
-            kl = (mx.exp(reference) * (reference - logprobs)).sum(axis=-1)[:-1].mean().item()
-            facts = retrieved(model, tokenizer, rebuilt, probes)
-            ratio = fp16_bytes(cache) / (nbytes + raw)
+        maps = fit_maps(calibration, basis, step, setting)
+        cells, worst = [], (float("inf"), 0.0, 0.0)
+        for name, t in texts.items():
+            text = prepared(t.cache, basis)
+            result = coded(text, basis, step, maps, setting, args.zstd_level)
+            cache = rebuilt(t.cache, basis, text.coefficients, result.decoded)
+            logprobs = continuation_logprobs(model, cache, t.rest)
+            kl = (mx.exp(t.reference) * (t.reference - logprobs)).sum(axis=-1)[:-1].mean().item()
+            ratio = fp16_bytes(t.cache) / result.nbytes
+            facts = retrieved(model, tokenizer, cache, t.probes)
             cells.append(f"{name} {ratio:.3f}x KL {kl:.4f} facts {facts}")
-            worst = (min(worst[0], ratio), max(worst[1], kl))
-        print(f"step {step:g}: " + "; ".join(cells) + f" | worst {worst[0]:.3f}x, KL {worst[1]:.4f}", flush=True)
+            worst = (min(worst[0], ratio), max(worst[1], kl), max(worst[2], result.drift))
+        print(
+            f"step {step:g}: " + "; ".join(cells) + f" | worst {worst[0]:.3f}x, KL {worst[1]:.4f}; "
+            f"the receiver's coefficients within {worst[2]:.1e} steps of the sender's",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
