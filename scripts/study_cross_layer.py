@@ -43,18 +43,12 @@ from kvmesh.caches.presses import make_press  # noqa: E402
 from kvmesh.caches.sparse import SparseKVCache  # noqa: E402
 from kvmesh.codec.basis import Basis  # noqa: E402
 from kvmesh.codec.calibration import default_texts, fit_model_basis  # noqa: E402
-from kvmesh.codec.layer_blob import Writer, blob_magic  # noqa: E402
+from kvmesh.codec.layer_blob import MAGIC, Segments, Writer, blob_magic, read_header  # noqa: E402
 from kvmesh.codec.levels import CALIBRATION_TOKENS  # noqa: E402
 from kvmesh.codec.rotary import apply_rope  # noqa: E402
 from kvmesh.codec.sensitivity import KEY_FACTOR, PROBE_TOKENS  # noqa: E402
-from kvmesh.codec.transform import (  # noqa: E402
-    SINKS,
-    _coded_groups,
-    _prepare,
-    component_groups,
-    kept_components,
-    layers_of_cache,
-)
+from kvmesh.codec.transform import SINKS, _coded_groups, _prepare, layers_of_cache  # noqa: E402
+from kvmesh.codec.transform_decode import _coefficients  # noqa: E402
 from kvmesh.model.prompt import cache_prompt_tokens, prompt_tokens  # noqa: E402
 from support.quality_probes import (  # noqa: E402
     CONTINUATION,
@@ -67,11 +61,12 @@ from support.quality_probes import (  # noqa: E402
     with_facts,
 )
 
-# Ridge regularisation, as a share of each predictor's own energy (plus a trace-scaled floor, for
-# predictors that are all zero: components the layer before did not code).
+# Ridge regularisation, as a share of each predictor's own energy (the constant's too), plus a
+# trace-scaled floor for predictors that are all zero (components the layer before did not code).
 RIDGE = 0.01
 
 Coefficients = list[list[np.ndarray]]  # [layer][0 keys, 1 values]: (coded rows, features), float64
+Maps = dict[tuple[int, int], "Map"]  # (layer, kind) -> its map
 
 
 @dataclass
@@ -87,8 +82,9 @@ class Prepared:
 @dataclass
 class Map:
     """One tensor's prediction: weights (predictors + 1, features) as a basis would store them
-    (float16), the calibration residual's RMS per component, and the order of that RMS, falling
-    (what the coded components are taken in)."""
+    (float16), the calibration residual's RMS per component (float32; measured on the rows the map
+    was fitted on, so a little low), and the order of that RMS, falling (what the coded components
+    are taken in: the codec's bits and runs assume a falling RMS)."""
 
     weights: np.ndarray
     rms: np.ndarray
@@ -97,13 +93,18 @@ class Map:
 
 @dataclass(frozen=True)
 class Setting:
+    """What predicts what (the command line's options)."""
+
     predict: str  # "none", "previous" or "previous+keys"
     rank: int  # 0: full
     inputs: int  # 0: every component of each predictor
 
 
 def prepared(cache: list, basis: Basis) -> Prepared:
+    """A full-attention cache of contiguous positions (the study's), projected by the codec's own
+    encoder."""
     layers, metas = _prepare(layers_of_cache(cache), basis, (SINKS, 0, 0), list(range(len(basis))))
+    assert all(positions is None for _, positions in layers), "positions that are not 0, 1, 2, ..."
     return Prepared(
         [[np.asarray(p.coeffs).T.astype(np.float64) for p in layer] for layer, _ in layers],
         metas,
@@ -112,10 +113,11 @@ def prepared(cache: list, basis: Basis) -> Prepared:
 
 
 def step_of(basis: Basis, step: float, layer: int, kind: int) -> float:
+    """A tensor's step at a global `step`: the basis's factor for it, as the codec applies it."""
     return step * basis.step_factor(layer, "kv"[kind], KEY_FACTOR)
 
 
-def predictors(decoded: list, layer: int, kind: int, setting: Setting) -> np.ndarray | None:
+def predictors(decoded: Coefficients, layer: int, kind: int, setting: Setting) -> np.ndarray | None:
     """What a receiver holds when it decodes `layer`'s keys (kind 0) or values (1): the layer
     before's decoded keys and values and, with previous+keys, this layer's keys for its values; a
     column of ones last. None: nothing to predict from."""
@@ -131,27 +133,26 @@ def predictors(decoded: list, layer: int, kind: int, setting: Setting) -> np.nda
     return np.concatenate([*parts, np.ones((parts[0].shape[0], 1))], axis=1)
 
 
-def reconstructed(residual: np.ndarray, rms: np.ndarray, order: np.ndarray, step: float) -> np.ndarray:
-    """What a receiver decodes of a residual the codec codes at `step` (kvmesh.codec.transform's
-    `_coded_groups`: its components in `order`, runs by bits, each run's centroid offset)."""
-    out = np.zeros_like(residual)
-    at = 0
-    for count in component_groups(rms[order], step, kept_components(rms[order], step)):
-        columns = order[at : at + count]
-        x = residual[:, columns] / step
-        q = np.rint(x)
-        nonzero = q != 0
-        offset = round(float((np.abs(x) - np.abs(q))[nonzero].mean()), 4) if nonzero.any() else 0.0
-        out[:, columns] = (q + offset * np.sign(q)) * step
-        at += count
-    return out
+def coded_residual(out: Writer, residual: np.ndarray, tensor: Map, step: float) -> tuple[dict, np.ndarray]:
+    """A residual coded into `out` by the codec's own quantizer (`_coded_groups`, its components in
+    the map's order), and what the codec's decoder makes of the bytes written: the header's entry
+    and the decoded residual."""
+    entry = _coded_groups(
+        out, mx.array(residual[:, tensor.order].T.astype(np.float32)), tensor.rms[tensor.order], step, True
+    )
+    header, body = read_header(out.blob({}, MAGIC))
+    values = _coefficients(entry, Segments(header, body), residual.shape[0], tables=True).values  # in steps
+    decoded = np.zeros_like(residual)
+    decoded[:, tensor.order[: entry["n"]]] = np.asarray(values, dtype=np.float64).T * step
+    return entry, decoded
 
 
-def fit_maps(sets: list[Coefficients], basis: Basis, step: float, setting: Setting) -> dict[tuple[int, int], Map]:
+def fit_maps(sets: list[Coefficients], basis: Basis, step: float, setting: Setting) -> Maps:
     """Each tensor's map, fitted layer by layer on `sets` (the calibration texts) coded in the closed
-    loop at `step`: layer l's from the layer before as a receiver decodes it."""
-    maps: dict[tuple[int, int], Map] = {}
-    decoded: list[list[list[np.ndarray]]] = [[] for _ in sets]
+    loop at `step`: layer l's from the layer before as a receiver decodes it. (With `rank`, the
+    reduced map's product is rounded to float16, not its factors.)"""
+    maps: Maps = {}
+    decoded: list[Coefficients] = [[] for _ in sets]
     for layer in range(len(basis)):
         for d in decoded:
             d.append([])
@@ -159,7 +160,7 @@ def fit_maps(sets: list[Coefficients], basis: Basis, step: float, setting: Setti
             xs = [predictors(d, layer, kind, setting) for d in decoded]
             ys = [c[layer][kind] for c in sets]
             if xs[0] is None:
-                rms = (tb.rms / tb.scale).astype(np.float64)
+                rms = (tb.rms / tb.scale).astype(np.float32)
                 maps[layer, kind] = Map(np.zeros((0, len(rms))), rms, np.arange(len(rms)))
             else:
                 x, y = np.concatenate(xs), np.concatenate(ys)
@@ -170,32 +171,31 @@ def fit_maps(sets: list[Coefficients], basis: Basis, step: float, setting: Setti
                     _, _, vt = np.linalg.svd(x @ w, full_matrices=False)
                     w = w @ vt[: setting.rank].T @ vt[: setting.rank]
                 w = w.astype(np.float16).astype(np.float64)
-                rms = np.sqrt(((y - x @ w) ** 2).mean(axis=0))
+                rms = np.sqrt(((y - x @ w) ** 2).mean(axis=0)).astype(np.float32)
                 maps[layer, kind] = Map(w, rms, np.argsort(-rms, kind="stable"))
-            m = maps[layer, kind]
-            for d, x_, y_ in zip(decoded, xs, ys, strict=True):
-                prediction = 0.0 if x_ is None else x_ @ m.weights
-                d[layer].append(
-                    prediction + reconstructed(y_ - prediction, m.rms, m.order, step_of(basis, step, layer, kind))
-                )
+            tensor, tensor_step = maps[layer, kind], step_of(basis, step, layer, kind)
+            for d, inputs, exact in zip(decoded, xs, ys, strict=True):
+                prediction = 0.0 if inputs is None else inputs @ tensor.weights
+                _, residual = coded_residual(Writer(1), exact - prediction, tensor, tensor_step)
+                d[layer].append(prediction + residual)
     return maps
 
 
 @dataclass
 class Coded:
-    decoded: list  # [layer][kind]: the coefficients as the receiver decodes them
+    """A text coded in the closed loop."""
+
+    decoded: Coefficients  # as the receiver decodes them
     nbytes: int  # the layers' blobs, as the codec writes them
     drift: float  # the largest gap between the receiver's and the sender's decoded coefficients, in steps
 
 
-def coded(
-    text: Prepared, basis: Basis, step: float, maps: dict[tuple[int, int], Map], setting: Setting, level: int
-) -> Coded:
+def coded(text: Prepared, basis: Basis, step: float, maps: Maps, setting: Setting, level: int) -> Coded:
     """`text` coded in the closed loop: the sender predicts in float64 from what it decoded, the
     receiver in float32 from what it decoded (as a peer's GPU or CPU would, not bit for bit), the same
     residual codes for both; each layer's blob made by the codec's own writer and header."""
-    sender: list[list[np.ndarray]] = []
-    receiver: list[list[np.ndarray]] = []
+    sender: Coefficients = []
+    receiver: Coefficients = []
     nbytes, drift = 0, 0.0
     for layer in range(len(basis)):
         sender.append([])
@@ -203,27 +203,25 @@ def coded(
         out = Writer(level)
         header = dict(text.metas[layer])
         for kind in range(2):
-            m, s = maps[layer, kind], step_of(basis, step, layer, kind)
-            x = predictors(sender, layer, kind, setting)
-            prediction = 0.0 if x is None else x @ m.weights
-            residual = text.coefficients[layer][kind] - prediction
-            header["kv"[kind]] = {
-                **_coded_groups(out, mx.array(residual[:, m.order].T.astype(np.float32)), m.rms[m.order], s, True),
-                "raw": out.add(text.raws[layer][kind][0], False),
-                "raw_dtype": text.raws[layer][kind][1],
-            }
-            decoded = reconstructed(residual, m.rms, m.order, s)
-            sender[layer].append(prediction + decoded)
-            x = predictors(receiver, layer, kind, setting)
-            theirs = 0.0 if x is None else (x.astype(np.float32) @ m.weights.astype(np.float32)).astype(np.float64)
-            receiver[layer].append(theirs + decoded)
-            drift = max(drift, float(np.abs(receiver[layer][kind] - sender[layer][kind]).max()) / s)
+            tensor, tensor_step = maps[layer, kind], step_of(basis, step, layer, kind)
+            inputs = predictors(sender, layer, kind, setting)
+            prediction = 0.0 if inputs is None else inputs @ tensor.weights
+            entry, residual = coded_residual(out, text.coefficients[layer][kind] - prediction, tensor, tensor_step)
+            raw, raw_dtype = text.raws[layer][kind]
+            header["kv"[kind]] = {**entry, "raw": out.add(raw, False), "raw_dtype": raw_dtype}
+            sender[layer].append(prediction + residual)
+            inputs = predictors(receiver, layer, kind, setting)
+            weights = tensor.weights.astype(np.float32)
+            theirs = 0.0 if inputs is None else (inputs.astype(np.float32) @ weights).astype(np.float64)
+            receiver[layer].append(theirs + residual)
+            gap = np.abs(receiver[layer][kind] - sender[layer][kind]).max()
+            drift = max(drift, float(gap) / tensor_step)
         magic = blob_magic({raw[1] for raw in text.raws[layer]}, False)
         nbytes += len(out.blob({"basis": basis.digest, **header}, magic))
     return Coded(receiver, nbytes, drift)
 
 
-def rebuilt(cache: list, basis: Basis, exact: Coefficients, decoded: list) -> list:
+def rebuilt(cache: list, basis: Basis, exact: Coefficients, decoded: Coefficients) -> list:
     """The cache as a receiver would rebuild it: each coded row moved by its coefficients' error
     (the synthesis is linear and the analysis its exact inverse; RoPE is linear too)."""
     out = []
@@ -261,6 +259,7 @@ class Probed:
 
 
 def probed_texts(model, tokenizer) -> dict[str, Probed]:
+    """The bench's three texts, each prefilled with its facts and probed with the full cache."""
     texts = {}
     for name, text in load_texts().items():
         words = with_facts(text).split(" ")
@@ -282,6 +281,7 @@ def probed_texts(model, tokenizer) -> dict[str, Probed]:
 
 
 def main() -> None:
+    """Fit the maps for each step on the calibration texts, code the bench's texts with them, probe."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--predict", choices=("none", "previous", "previous+keys"), default="previous+keys")
     parser.add_argument("--steps", type=float, nargs="+", default=[0.44], help="global steps, as the levels'")
