@@ -54,16 +54,17 @@ from kvmesh.model.fingerprint import FileHashCache, fingerprint  # noqa: E402
 from kvmesh.model.prompt import prompt_tokens  # noqa: E402
 from support.quality_probes import (  # noqa: E402
     CONTINUATION,
-    FACTS,
     QUESTIONS,
     after,
     continuation_logprobs,
+    fact_probes,
+    facts_retrieved,
     first_rows,
     fp16_bytes,
     greedy,
     load_texts,
+    split_context,
     value_nll,
-    with_facts,
 )
 
 
@@ -177,24 +178,10 @@ def main() -> None:
 
     rows: dict[tuple[str, str], dict] = {}
     for name, text in load_texts().items():
-        context_text = with_facts(text)
-        words = context_text.split(" ")
-        cut = len(words) - max(40, len(words) // 8)
-        context_text, rest_text = " ".join(words[:cut]), " " + " ".join(words[cut:])
+        context_text, rest_text = split_context(text)
         context = prompt_tokens(tokenizer, context_text, "", chat=True)
         rest = tokenizer.encode(rest_text, add_special_tokens=False)[:CONTINUATION]
-        # What follows the context for each question: the rest of the user message and the turn's end.
-        # The answer's start is given ("The code of the blue locker is"): retrieval is whether the
-        # value follows, greedily, and how likely the value is (its mean log-probability per token).
-        probes = [
-            (
-                after(tokenizer, context_text, f"According to the text, what is the {thing}? Answer briefly.")
-                + tokenizer.encode(f"The {thing} is", add_special_tokens=False),
-                value,
-                tokenizer.encode(f" {value}", add_special_tokens=False),
-            )
-            for thing, value in FACTS
-        ]
+        probes = fact_probes(tokenizer, context_text)
         questions = [(after(tokenizer, context_text, question), want) for question, want in QUESTIONS[name]]
 
         start = time.perf_counter()
@@ -239,10 +226,7 @@ def main() -> None:
             kl = kl_of(reference, logprobs)
             top1 = (mx.argmax(reference, -1) == mx.argmax(logprobs, -1))[:-1].astype(mx.float32).mean().item()
             nll = -mx.take_along_axis(logprobs[:-1], mx.array(rest[1:])[:, None], axis=-1).mean().item()
-            facts = sum(
-                value.lower() in tokenizer.decode(greedy(model, cache, q, 6, tokenizer.eos_token_id)).lower()
-                for q, value, _ in probes
-            )
+            facts = facts_retrieved(model, tokenizer, cache, probes)
             fact_nll = sum(value_nll(model, cache, q, v) for q, _, v in probes) / len(probes)
             answers = sum(
                 want in tokenizer.decode(greedy(model, cache, q, 24, tokenizer.eos_token_id)).lower()

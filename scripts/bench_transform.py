@@ -111,10 +111,7 @@ def probe(model, tokenizer, cache, rest, probes, reference):
         reference = logprobs
     kl = (mx.exp(reference) * (reference - logprobs)).sum(axis=-1)[:-1].mean().item()
     top1 = (mx.argmax(reference, -1) == mx.argmax(logprobs, -1))[:-1].astype(mx.float32).mean().item()
-    facts = sum(
-        value.lower() in tokenizer.decode(bq.greedy(model, cache, q, 6, tokenizer.eos_token_id)).lower()
-        for q, value, _ in probes
-    )
+    facts = bq.facts_retrieved(model, tokenizer, cache, probes)
     fact_nll = sum(bq.value_nll(model, cache, q, v) for q, _, v in probes) / len(probes)
     return reference, {"kl": kl, "top1": top1, "facts": facts, "fact_nll": fact_nll}
 
@@ -294,21 +291,10 @@ def main() -> None:
         return
     rows = []
     for name in args.texts:
-        context_text = bq.with_facts(texts[name])
-        words = context_text.split(" ")
-        cut = len(words) - max(40, len(words) // 8)
-        context_text, rest_text = " ".join(words[:cut]), " " + " ".join(words[cut:])
+        context_text, rest_text = bq.split_context(texts[name])
         context = prompt_tokens(tokenizer, context_text, "", chat=True)
         rest = tokenizer.encode(rest_text, add_special_tokens=False)[: bq.CONTINUATION]
-        probes = [
-            (
-                bq.after(tokenizer, context_text, f"According to the text, what is the {thing}? Answer briefly.")
-                + tokenizer.encode(f"The {thing} is", add_special_tokens=False),
-                value,
-                tokenizer.encode(f" {value}", add_special_tokens=False),
-            )
-            for thing, value in bq.FACTS
-        ]
+        probes = bq.fact_probes(tokenizer, context_text)
         start = time.perf_counter()
         dense, _, _ = run_prompt(model, context)
         print(

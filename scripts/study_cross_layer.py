@@ -52,13 +52,12 @@ from kvmesh.codec.transform_decode import _coefficients  # noqa: E402
 from kvmesh.model.prompt import cache_prompt_tokens, prompt_tokens  # noqa: E402
 from support.quality_probes import (  # noqa: E402
     CONTINUATION,
-    FACTS,
-    after,
     continuation_logprobs,
+    fact_probes,
+    facts_retrieved,
     fp16_bytes,
-    greedy,
     load_texts,
-    with_facts,
+    split_context,
 )
 
 # Ridge regularisation, as a share of each predictor's own energy (the constant's too), plus a
@@ -239,14 +238,6 @@ def rebuilt(cache: list, basis: Basis, exact: Coefficients, decoded: Coefficient
     return out
 
 
-def retrieved(model, tokenizer, cache: list, probes: list) -> int:
-    """How many facts the model answers with `cache`, as bench_quality.py asks them."""
-    return sum(
-        value.lower() in tokenizer.decode(greedy(model, cache, q, 6, tokenizer.eos_token_id)).lower()
-        for q, value in probes
-    )
-
-
 @dataclass
 class Probed:
     """One bench text, as bench_quality.py probes it: the full cache, the continuation and the
@@ -262,21 +253,12 @@ def probed_texts(model, tokenizer) -> dict[str, Probed]:
     """The bench's three texts, each prefilled with its facts and probed with the full cache."""
     texts = {}
     for name, text in load_texts().items():
-        words = with_facts(text).split(" ")
-        cut = len(words) - max(40, len(words) // 8)
-        context_text = " ".join(words[:cut])
-        rest = tokenizer.encode(" " + " ".join(words[cut:]), add_special_tokens=False)[:CONTINUATION]
+        context_text, rest_text = split_context(text)
+        rest = tokenizer.encode(rest_text, add_special_tokens=False)[:CONTINUATION]
         cache = make_press("full").apply(run_prompt(model, prompt_tokens(tokenizer, context_text, "", chat=True))[0])
-        probes = [
-            (
-                after(tokenizer, context_text, f"According to the text, what is the {thing}? Answer briefly.")
-                + tokenizer.encode(f"The {thing} is", add_special_tokens=False),
-                value,
-            )
-            for thing, value in FACTS
-        ]
+        probes = fact_probes(tokenizer, context_text)
         texts[name] = Probed(cache, rest, continuation_logprobs(model, cache, rest), probes)
-        print(f"{name}: the full cache retrieves {retrieved(model, tokenizer, cache, probes)} of the facts")
+        print(f"{name}: the full cache retrieves {facts_retrieved(model, tokenizer, cache, probes)} of the facts")
     return texts
 
 
@@ -321,7 +303,7 @@ def main() -> None:
             logprobs = continuation_logprobs(model, cache, t.rest)
             kl = (mx.exp(t.reference) * (t.reference - logprobs)).sum(axis=-1)[:-1].mean().item()
             ratio = fp16_bytes(t.cache) / result.nbytes
-            facts = retrieved(model, tokenizer, cache, t.probes)
+            facts = facts_retrieved(model, tokenizer, cache, t.probes)
             cells.append(f"{name} {ratio:.3f}x KL {kl:.4f} facts {facts}")
             worst = (min(worst[0], ratio), max(worst[1], kl), max(worst[2], result.drift))
         print(

@@ -97,6 +97,37 @@ def after(tokenizer, context_text: str, question: str) -> list[int]:
     return prompt_tokens(tokenizer, context_text, "\n\n" + question, chat=True)[len(context) :]
 
 
+def split_context(text: str) -> tuple[str, str]:
+    """The text with its facts (`with_facts`), cut before its last eighth of words (at least 40): the
+    context that is cached, and the rest (a space first) that is teacher-forced after it."""
+    words = with_facts(text).split(" ")
+    cut = len(words) - max(40, len(words) // 8)
+    return " ".join(words[:cut]), " " + " ".join(words[cut:])
+
+
+def fact_probes(tokenizer, context_text: str) -> list[tuple[list[int], str, list[int]]]:
+    """Per fact: what follows the context to ask it (the rest of the user message, the turn's end,
+    and the answer's start, "The code of the blue locker is"), its value, and the value's tokens.
+    Retrieval is whether the value follows, greedily, and how likely it is."""
+    return [
+        (
+            after(tokenizer, context_text, f"According to the text, what is the {thing}? Answer briefly.")
+            + tokenizer.encode(f"The {thing} is", add_special_tokens=False),
+            value,
+            tokenizer.encode(f" {value}", add_special_tokens=False),
+        )
+        for thing, value in FACTS
+    ]
+
+
+def facts_retrieved(model, tokenizer, cache, probes: list[tuple[list[int], str, list[int]]]) -> int:
+    """How many of `fact_probes`' values the model answers greedily (in 6 tokens) with `cache`."""
+    return sum(
+        value.lower() in tokenizer.decode(greedy(model, cache, q, 6, tokenizer.eos_token_id)).lower()
+        for q, value, _ in probes
+    )
+
+
 def greedy(model, cache, tokens: list[int], n: int, stop: int) -> list[int]:
     """Up to n greedy tokens (ending at `stop`) after feeding `tokens`; the cache is trimmed back after."""
     logits = model(mx.array(tokens)[None], cache=cache)[0, -1]
