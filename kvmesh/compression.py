@@ -18,7 +18,7 @@ from kvmesh.caches.quality import tail_kl
 from kvmesh.codec.basis import Basis, BasisError
 from kvmesh.codec.calibration import Calibrated, default_texts, fit_model_basis
 from kvmesh.codec.coded import CodedLayer, code_at_level, decoded, parse_basis
-from kvmesh.codec.levels import CALIBRATION_TOKENS
+from kvmesh.codec.levels import CALIBRATION_TOKENS, PREDICTED_STEP
 from kvmesh.errors import IntegrityError, StoreError
 from kvmesh.model.loaded import LoadedModel
 from kvmesh.progress import Progress
@@ -63,20 +63,25 @@ def model_basis(
         except BasisError as e:  # (kept by an older kvmesh, or damaged): fitted again below
             log.warning("%s: fitting the model's basis again", e)
         else:
-            current = basis.has_step_factors and basis.weighted
-            if current or not fitted_on(basis, default_texts()):
-                if not current:
-                    missing, them = (
-                        ("per-layer steps", "them") if not basis.has_step_factors else ("attention weights", "it")
-                    )
+            missing = [
+                name
+                for name, has in (
+                    ("per-layer steps", basis.has_step_factors),
+                    ("attention weights", basis.weighted),
+                    ("small's predictors", basis.predicted_step == PREDICTED_STEP),
+                )
+                if not has
+            ]
+            if not missing or not fitted_on(basis, default_texts()):
+                if missing:
                     log.warning(
                         "the model's basis (fitted on your texts) predates %s, so --compress codes larger "
-                        "caches at the same quality; run `kvmesh model calibrate MODEL --text ...` again to fit %s",
-                        missing,
-                        them,
+                        "caches at the same quality; run `kvmesh model calibrate MODEL --text ...` again to fit "
+                        "a current one",
+                        " and ".join(missing),
                     )
                 return basis, None
-            log.info("the model's basis predates per-layer steps or attention weights: fitting it again")
+            log.info("the model's basis predates %s: fitting it again", " and ".join(missing))
     if on_fit is not None:
         on_fit()
     calibrated = fit_model_basis(

@@ -6,8 +6,9 @@
   it. Readers refuse other schemas before any chunk moves (reject reason `schema`), and a store
   opened by a newer kvmesh sets aside entries of a schema it cannot read. A manifest is written in
   the oldest schema that describes it, so that a change only new caches use leaves older peers able
-  to read the rest: schema 3 adds transform-coded layers' tails (`TransformSpec.tail`), schema 2
-  is schema 3 without them.
+  to read the rest: schema 4 adds transform-coded layers predicted from the layer before
+  (`TransformSpec.predicted`), schema 3 is schema 4 without them, schema 2 is schema 3 without
+  transform-coded layers' tails (`TransformSpec.tail`).
 - `PROTOCOL_VERSION` (the peer-to-peer gRPC service): raised whenever a message of
   `kvmesh.v1.KvMesh` changes incompatibly. Peers advertise it in mDNS (`pv`) and `Info`; discovery
   ignores peers of another protocol.
@@ -17,9 +18,11 @@ need no bump. The loopback `Control` service changes with the package (CLI and d
 """
 
 __version__ = "0.2.0"
-SCHEMA_VERSION = 3
-# The first schema with transform-coded layers' tails, and the schemas this kvmesh reads (and
-# writes: the oldest that describes a manifest, kvmesh.codec.manifest.manifest_schema).
+SCHEMA_VERSION = 4
+# The first schemas with transform-coded layers' tails and with predicted layers, and the schemas
+# this kvmesh reads (and writes: the oldest that describes a manifest,
+# kvmesh.codec.manifest.manifest_schema).
 TAIL_SCHEMA = 3
-READABLE_SCHEMAS = (2, TAIL_SCHEMA)
+PREDICTED_SCHEMA = 4
+READABLE_SCHEMAS = (2, TAIL_SCHEMA, PREDICTED_SCHEMA)
 PROTOCOL_VERSION = 3

@@ -49,7 +49,7 @@ from kvmesh.codec.calibration import fit_model_basis  # noqa: E402
 from kvmesh.codec.coded import TransformCoding, transform_code  # noqa: E402
 from kvmesh.codec.decode import decode_chunks  # noqa: E402
 from kvmesh.codec.encode import encode_cache  # noqa: E402
-from kvmesh.codec.levels import LEVELS  # noqa: E402
+from kvmesh.codec.levels import LEVELS, PREDICTED_STEP  # noqa: E402
 from kvmesh.model.fingerprint import FileHashCache, fingerprint  # noqa: E402
 from kvmesh.model.prompt import prompt_tokens  # noqa: E402
 from support.quality_probes import (  # noqa: E402
@@ -154,6 +154,13 @@ def main() -> None:
         "--tail-factor", type=float, default=LEVELS["default"].tail_factor, help="the tail's step over the body's"
     )
     parser.add_argument(
+        "--predict-at",
+        type=float,
+        default=PREDICTED_STEP,
+        help="fit the basis's cross-layer predictors at this step (kvmesh.codec.prediction): a --steps step "
+        "equal to it codes each layer as predicted from the one before (default: %(default)s, the level's)",
+    )
+    parser.add_argument(
         "--unweighted",
         action="store_true",
         help="fit the basis's PCA without the attention's weights (kvmesh.codec.attention_metric), as before",
@@ -165,7 +172,7 @@ def main() -> None:
     model, tokenizer = mlx_lm.load(str(smollm2_dir()))
     fp = fingerprint(smollm2_dir(), FileHashCache(Path(tempfile.mkdtemp()) / "hashes.sqlite3"))
     print(f"SmolLM2-135M-Instruct float32 on the CPU ({blas_name()})", file=sys.stderr)
-    calibrated = fit_model_basis(model, tokenizer, weigh=not args.unweighted)
+    calibrated = fit_model_basis(model, tokenizer, weigh=not args.unweighted, predict_at=args.predict_at)
     basis = calibrated.basis
     if args.one_step:
         basis = basis.without_step_factors()

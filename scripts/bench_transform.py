@@ -13,13 +13,13 @@ bisection, and at a known step) and of decoding.
 
 The process's allocator is tuned as the `kvmesh` command tunes it (`kvmesh.allocator`). `--speed`
 measures only the codec's speed, on the basis `kvmesh model calibrate` fits (unless --basis names
-one) coded at the `--compress` default level (its step for that basis, its tail): encode and
+one) coded at each `--compress` level (its step for that basis, its tail; `small` predicted): encode and
 decode of the first probed text's cache (blobs to arrays, and the wire path: chunks through
 `kvmesh.codec.decode.decode_chunks` into caches), then the same for a cache of Llama-3.1-8B's
 geometry (8 KV heads of 128, synthetic numbers and basis: `kvmesh.codec.rate`). The codec runs
 on MLX's default device: on a GPU, its MLX graphs (`kvmesh.codec.layer_pool.numpy_by_default`).
 
-`--save-coded FILE` keeps the probed cache as coded at that level (8 MB, against 62 MB of float32);
+`--save-coded FILE` keeps the probed cache as coded at the default level (8 MB, against 62 MB of float32);
 `--speed --coded FILE --basis FILE` then times the codec on it where the model is not installed (a
 machine with a GPU): the cache is what decoding the file gives, which the encoder is timed on.
 
@@ -58,7 +58,7 @@ from kvmesh.codec.calibration import fit_model_basis  # noqa: E402
 from kvmesh.codec.coded import TransformCoding, transform_code  # noqa: E402
 from kvmesh.codec.decode import decode_chunks  # noqa: E402
 from kvmesh.codec.encode import encode_cache  # noqa: E402
-from kvmesh.codec.levels import LEVELS  # noqa: E402
+from kvmesh.codec.levels import LEVELS, PREDICTED_STEP  # noqa: E402
 from kvmesh.codec.rate import measure_decode_rate, synthetic_basis, synthetic_layers  # noqa: E402
 from kvmesh.codec.rotary import model_rotaries  # noqa: E402
 from kvmesh.codec.transform import SINKS, encode_layers, fp16_nbytes, layers_of_cache  # noqa: E402
@@ -129,10 +129,16 @@ def best_times(runs: dict, repeat: int) -> dict[str, float]:
     return best
 
 
-def speed_rows(name: str, layers, basis: Basis, cache, fp, repeat: int) -> None:
-    """Encode and decode GB/s (fp16-equivalent) of one cache at the default level: blobs to
+def speed_rows(name: str, layers, basis: Basis, cache, fp, repeat: int, levels: list[str]) -> None:
+    """Encode and decode GB/s (fp16-equivalent) of one cache at each `--compress` level: blobs to
     arrays (`encode_layers`, `decode_layers`) and the wire path (coded cache -> chunks -> caches)."""
-    coding = TransformCoding.at_level(basis, LEVELS["default"])  # (its step for such a basis, its tail)
+    for level in levels:
+        level_row(f"{name}, {level}", layers, basis, cache, fp, repeat, level)
+
+
+def level_row(name: str, layers, basis: Basis, cache, fp, repeat: int, level: str) -> None:
+    """`speed_rows`' row of one level."""
+    coding = TransformCoding.at_level(basis, LEVELS[level])  # (its step for such a basis, its tail)
     step = coding.step
     fp16 = fp16_nbytes(layers)
     enc = coding.encode(layers)
@@ -149,14 +155,21 @@ def speed_rows(name: str, layers, basis: Basis, cache, fp, repeat: int) -> None:
         repeat,
     )
     print(
-        f"{name}: {fp16 / 1e6:.1f} MB fp16, coded {enc.nbytes / 1e6:.2f} MB ({enc.ratio:.2f}x) at step {step}: "
+        f"{name}: {fp16 / 1e6:.1f} MB fp16, coded {enc.nbytes / 1e6:.2f} MB ({enc.ratio:.2f}x) at step {step}"
+        f"{' (predicted)' if step == basis.predicted_step else ''}: "
         f"encode {fp16 / s['encode'] / 1e9:.3f} GB/s, decode {fp16 / s['decode'] / 1e9:.3f} GB/s; wire path: "
         f"encode {fp16 / s['wire encode'] / 1e9:.3f} GB/s, decode {fp16 / s['wire decode'] / 1e9:.3f} GB/s"
     )
 
 
 def real_cache_speed(
-    model, context: list[int], basis: Basis, fp: ModelFingerprint, repeat: int, save_coded: Path | None
+    model,
+    context: list[int],
+    basis: Basis,
+    fp: ModelFingerprint,
+    repeat: int,
+    save_coded: Path | None,
+    levels: list[str],
 ) -> None:
     start = time.perf_counter()
     dense, _, _ = run_prompt(model, context)
@@ -168,10 +181,10 @@ def real_cache_speed(
         arrays = {f"layer.{i}": mx.array(np.frombuffer(blob, np.uint8)) for i, blob in enumerate(blobs)}
         mx.save_safetensors(str(save_coded), arrays, {"fingerprint": json.dumps(fp.to_dict()), "basis": basis.digest})
         print(f"the coded cache written to {save_coded}", file=sys.stderr)
-    speed_rows("SmolLM2-135M (30 x 3 x 64)", layers, basis, cache, fp, repeat)
+    speed_rows("SmolLM2-135M (30 x 3 x 64)", layers, basis, cache, fp, repeat, levels)
 
 
-def coded_cache_speed(path: Path, basis: Basis, repeat: int) -> ModelFingerprint:
+def coded_cache_speed(path: Path, basis: Basis, repeat: int, levels: list[str]) -> ModelFingerprint:
     """The rows of `real_cache_speed` on a cache written by `--save-coded` (decoded: a cache the
     model could have made, within the codec's error of the one it made)."""
     arrays, meta = mx.load(str(path), return_metadata=True)
@@ -184,17 +197,20 @@ def coded_cache_speed(path: Path, basis: Basis, repeat: int) -> ModelFingerprint
     layers = [(k, v, np.arange(tokens)) for k, v in decoded]
     cache = [SparseKVCache.from_arrays(k, v, tokens) for k, v in decoded]
     name = f"SmolLM2-135M (30 x 3 x 64, decoded from {path.name})"
-    speed_rows(name, layers, basis, cache, fp, repeat)
+    speed_rows(name, layers, basis, cache, fp, repeat, levels)
     return fp
 
 
-def synthetic_speed(fp: ModelFingerprint, repeat: int, *, tokens: int = 1024, n_layers: int = 4) -> None:
-    """A float16 cache of Llama-3.1-8B's geometry (8 KV heads of 128), of `n_layers` layers."""
-    basis = synthetic_basis(n_layers, 8, 128)
+def synthetic_speed(
+    fp: ModelFingerprint, repeat: int, levels: list[str], *, tokens: int = 1024, n_layers: int = 4
+) -> None:
+    """A float16 cache of Llama-3.1-8B's geometry (8 KV heads of 128), of `n_layers` layers (with
+    predictors that predict nothing: a fitted map costs the codec the same)."""
+    basis = synthetic_basis(n_layers, 8, 128, predicted_step=PREDICTED_STEP)
     layers = synthetic_layers(basis, tokens)
     cache = [SparseKVCache.from_arrays(k, v, tokens) for k, v, _ in layers]
     fp = dataclasses.replace(fp, num_layers=n_layers, num_kv_heads=8, head_dim=128, dtype="float16")
-    speed_rows(f"8B geometry ({n_layers} x 8 x 128, {tokens} tokens)", layers, basis, cache, fp, repeat)
+    speed_rows(f"8B geometry ({n_layers} x 8 x 128, {tokens} tokens)", layers, basis, cache, fp, repeat, levels)
 
 
 def decode_rates() -> None:
@@ -253,6 +269,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     parser.add_argument("--speed", action="store_true", help="only the codec's encode and decode GB/s")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs of each (--speed), the best kept")
+    parser.add_argument(
+        "--speed-levels", nargs="+", choices=list(LEVELS), default=list(LEVELS), help="(--speed) the levels timed"
+    )
     parser.add_argument("--save-coded", type=Path, help="(--speed) also write the probed cache, coded, here")
     parser.add_argument("--coded", type=Path, help="(--speed, --basis) time the codec on this --save-coded cache")
     args = parser.parse_args()
@@ -261,8 +280,8 @@ def main() -> None:
     if args.coded:
         if not (args.speed and args.basis and args.basis.exists()):
             parser.error("--coded needs --speed and the --basis the cache was coded with")
-        fp = coded_cache_speed(args.coded, read_basis(args.basis), args.repeat)
-        synthetic_speed(fp, args.repeat)
+        fp = coded_cache_speed(args.coded, read_basis(args.basis), args.repeat, args.speed_levels)
+        synthetic_speed(fp, args.repeat, args.speed_levels)
         decode_rates()
         return
 
@@ -285,8 +304,8 @@ def main() -> None:
     if args.speed:
         context = prompt_tokens(tokenizer, bq.with_facts(texts[args.texts[0]]), "", chat=True)
         fp = fingerprint(smollm2_dir())
-        real_cache_speed(model, context, basis, fp, args.repeat, args.save_coded)
-        synthetic_speed(fp, args.repeat)
+        real_cache_speed(model, context, basis, fp, args.repeat, args.save_coded, args.speed_levels)
+        synthetic_speed(fp, args.repeat, args.speed_levels)
         decode_rates()
         return
     rows = []

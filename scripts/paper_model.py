@@ -29,7 +29,8 @@ the mesh is faster on paper than a CPU-bound receiver may be. A transform-coded 
 decoded: counted as the choice counts it (the slower of the wire and decoding, then the last layer's
 decode), at --decode-gbps of fp16 produced (default 0.15: measured here at 0.13-0.17 GB/s on 2 shared
 CPU cores; a Mac's is not measured), its basis (--basis-mb: ~135 MB for an 8B model; 0, a receiver
-holding it) sent first. The fp16 copy's decode (a copy into MLX arrays) is not counted.
+holding it; `small`'s predictors make it ~460 MB) sent first. The fp16 copy's decode (a copy into
+MLX arrays) is not counted.
 """
 
 import argparse
@@ -134,7 +135,7 @@ def main() -> None:
     )
     parser.add_argument("--basis-mb", type=float, default=0.0, help="the basis a receiver lacks, MB (sent first)")
     args = parser.parse_args()
-    ratio = LEVELS[args.level].ratio
+    ratio = LEVELS[args.level].measured()[0]
     header = [
         "Mac",
         "model",

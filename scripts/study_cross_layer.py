@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
-"""A study, not the codec: how much smaller transform-coded caches would be if each layer's
-coefficients were first predicted from the layer before (issue 33's `--compress small` at 8x).
+"""A study of cross-layer prediction's variants: how much smaller transform-coded caches are when each
+layer's coefficients are first predicted from the layer before, and from what (issue 33's
+`--compress small` at 8x). The codec now predicts so at `small` (kvmesh.codec.prediction, with the
+layer before and this layer's keys: `--predict previous+keys`); this script, which came before it,
+still simulates the other choices (the layer before alone, reduced-rank maps, fewer inputs, other
+zstd levels) without changing the codec.
 
 The transform codec (kvmesh.codec.transform) codes each layer on its own. But a token's keys and values
 in layer l are projections of nearly the same residual stream as in layer l - 1, so a linear map
@@ -45,9 +49,10 @@ from kvmesh.codec.basis import Basis  # noqa: E402
 from kvmesh.codec.calibration import default_texts, fit_model_basis  # noqa: E402
 from kvmesh.codec.layer_blob import MAGIC, Segments, Writer, blob_magic, read_header  # noqa: E402
 from kvmesh.codec.levels import CALIBRATION_TOKENS  # noqa: E402
+from kvmesh.codec.quantize import coded_groups  # noqa: E402
 from kvmesh.codec.rotary import apply_rope  # noqa: E402
 from kvmesh.codec.sensitivity import KEY_FACTOR, PROBE_TOKENS  # noqa: E402
-from kvmesh.codec.transform import SINKS, _coded_groups, _prepare, layers_of_cache  # noqa: E402
+from kvmesh.codec.transform import SINKS, _prepare, layers_of_cache  # noqa: E402
 from kvmesh.codec.transform_decode import _coefficients  # noqa: E402
 from kvmesh.model.prompt import cache_prompt_tokens, prompt_tokens  # noqa: E402
 from support.quality_probes import (  # noqa: E402
@@ -133,10 +138,10 @@ def predictors(decoded: Coefficients, layer: int, kind: int, setting: Setting) -
 
 
 def coded_residual(out: Writer, residual: np.ndarray, tensor: Map, step: float) -> tuple[dict, np.ndarray]:
-    """A residual coded into `out` by the codec's own quantizer (`_coded_groups`, its components in
+    """A residual coded into `out` by the codec's own quantizer (`coded_groups`, its components in
     the map's order), and what the codec's decoder makes of the bytes written: the header's entry
     and the decoded residual."""
-    entry = _coded_groups(
+    entry = coded_groups(
         out, mx.array(residual[:, tensor.order].T.astype(np.float32)), tensor.rms[tensor.order], step, True
     )
     header, body = read_header(out.blob({}, MAGIC))

@@ -137,7 +137,8 @@ def compress_option(parser: Any, what: str) -> None:
     from kvmesh.codec.levels import LEVELS
 
     levels = "; ".join(
-        f"{name}: {lv.ratio:.1f}x smaller than fp16 at KL {lv.kl:.4f} (bar {lv.max_kl})" for name, lv in LEVELS.items()
+        f"{name}: {lv.measured()[0]:.1f}x smaller than fp16 at KL {lv.measured()[1]:.4f} (bar {lv.max_kl})"
+        for name, lv in LEVELS.items()
     )
     parser.add_argument(
         "--compress",

@@ -10,7 +10,10 @@ The bytes are a safetensors file (readable by `mx.load` or `safetensors`; writte
 sane by kvmesh.codec.basis_file, without MLX), the same basis always giving the same bytes:
 `layers.{i}.{k|v}.mean` (float32, F), `.components` (float16 by default, (F, F): row j is component
 j, in order of decreasing calibration variance), `.rms` (float32, F: the calibration RMS of each
-component's coefficient); the metadata holds each layer's rotary settings and how it was fitted.
+component's coefficient), and in a basis that predicts each layer from the one before, for every
+layer after the first, `.predictor` (float16) and `.residual_rms` (float32): kvmesh.codec.prediction;
+the metadata holds each layer's rotary settings and how it was fitted (`info["predicted_step"]`: the
+step its predictors were fitted at).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 
 from kvmesh.codec.basis_file import FORMAT, BasisError, read_basis, safetensors_bytes
 from kvmesh.codec.levels import Level
+from kvmesh.codec.prediction import Predictor
 from kvmesh.codec.rotary import Rotary, remove_rope
 
 # What `info["weighted"]` says of a basis whose PCA weighed the features as attention does.
@@ -40,6 +44,8 @@ class TensorBasis:
     mean: np.ndarray  # (F,) float32
     components: np.ndarray  # (F, F) float16/float32, row j = component j
     rms: np.ndarray  # (F,) float32, decreasing
+    # Its prediction from the layer before (kvmesh.codec.prediction), where the basis has them.
+    predictor: Predictor | None = None
     _synthesis: np.ndarray | None = field(default=None, repr=False)
     _analysis: np.ndarray | None = field(default=None, repr=False)
     _mx: dict[str, mx.array] = field(default_factory=dict, repr=False)
@@ -150,6 +156,10 @@ class Basis:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def pair(self, layer: int) -> tuple[TensorBasis, TensorBasis]:
+        """Layer `layer`'s key and value bases."""
+        return self.keys[layer], self.values[layer]
+
     def to_bytes(self) -> bytes:
         """The basis as deterministic safetensors bytes."""
         if self._bytes is None:
@@ -159,6 +169,9 @@ class Basis:
                     tensors[f"layers.{i}.{kind}.mean"] = tb.mean
                     tensors[f"layers.{i}.{kind}.components"] = tb.components
                     tensors[f"layers.{i}.{kind}.rms"] = tb.rms
+                    if tb.predictor is not None:
+                        tensors[f"layers.{i}.{kind}.predictor"] = tb.predictor.weights
+                        tensors[f"layers.{i}.{kind}.residual_rms"] = tb.predictor.residual_rms
             meta = {
                 "format": FORMAT,
                 "rotaries": json.dumps([r.to_dict() for r in self.rotaries], sort_keys=True, separators=(",", ":")),
@@ -190,16 +203,31 @@ class Basis:
         its own (kvmesh.codec.levels)."""
         return self.info.get("weighted") == ATTENTION_WEIGHTS
 
+    @property
+    def predicted_step(self) -> float | None:
+        """The global step its predictors were fitted at (kvmesh.codec.prediction_fit): layers
+        coded at it are predicted from the layer before; None: it has none."""
+        step = self.info.get("predicted_step")
+        return float(step) if step is not None else None
+
     def step_at(self, level: Level) -> float:
         """The global step a `--compress` level codes with on this basis."""
-        return level.step_for(factors=self.has_step_factors, weighted=self.weighted)
+        return level.step_for(factors=self.has_step_factors, weighted=self.weighted, predicted_step=self.predicted_step)
 
     def without_step_factors(self) -> Basis:
         """This basis as fitted before per-layer step factors: one step for every layer."""
         if not self.has_step_factors:
             return self
         info = {k: v for k, v in self.info.items() if k != "steps"}
-        return replace(self, info=info, _bytes=None, _digest=None)
+        return replace(self, info=info, _bytes=None, _digest=None).without_predictors()
+
+    def without_predictors(self) -> Basis:
+        """This basis as fitted before cross-layer prediction (kvmesh.codec.prediction)."""
+        if self.predicted_step is None:
+            return self
+        info = {k: v for k, v in self.info.items() if k != "predicted_step"}
+        keys, values = ([replace(tb, predictor=None) for tb in tbs] for tbs in (self.keys, self.values))
+        return replace(self, keys=keys, values=values, info=info, _bytes=None, _digest=None)
 
     def step_factor(self, layer: int, kind: str, key_factor: float) -> float:
         """What the global step is multiplied by for basis layer `layer`'s keys ("k") or values
@@ -235,7 +263,7 @@ class Basis:
                     f = mean.shape[0] if mean.ndim == 1 else -1
                     if f < 1 or components.shape != (f, f) or rms.shape != (f,):
                         raise BasisError(f"basis tensors {p}*: mean {mean.shape}, components {components.shape}")
-                    out.append(TensorBasis(mean, components, rms))
+                    out.append(TensorBasis(mean, components, rms, _predictor(tensors, p, i, kind, keys)))
         except KeyError as e:
             raise BasisError(f"basis lacks {e.args[0]}") from None
         except (ValueError, TypeError, AttributeError) as e:
@@ -247,7 +275,31 @@ class Basis:
         layers = info.get("layers", [])
         if not isinstance(layers, list) or not all(type(x) is int for x in layers):
             raise BasisError(f"unreadable basis metadata: the layers it covers are {layers!r:.80}")
+        step = info.get("predicted_step")
+        predicts = [tb.predictor is not None for tb in keys[1:] + values[1:]]
+        if step is not None and not (type(step) in (int, float) and 0 < step < float("inf")):
+            raise BasisError(f"unreadable basis metadata: its predicted step is {step!r:.40}")
+        if (step is None and any(predicts)) or (step is not None and not all(predicts)):
+            raise BasisError("a basis predicts every layer after the first at its predicted step, or none")
         return cls(keys, values, rotaries, info, _bytes=bytes(data))
+
+
+def _predictor(
+    tensors: dict[str, np.ndarray], prefix: str, layer: int, kind: str, keys: list[TensorBasis]
+) -> Predictor | None:
+    """The predictor stored under `prefix` (`layers.{i}.{k|v}.`), checked against the layers it reads:
+    the layer before's keys and values, and for values this layer's keys (`keys` holds those read)."""
+    weights, rms = tensors.get(prefix + "predictor"), tensors.get(prefix + "residual_rms")
+    if weights is None and rms is None:
+        return None
+    if weights is None or rms is None or layer == 0:
+        raise BasisError(f"basis tensors {prefix}*: a predictor needs its map and residual RMS, and a layer before")
+    f = tensors[prefix + "mean"].shape[0]
+    before = tensors[f"layers.{layer - 1}.k.mean"].shape[0] + tensors[f"layers.{layer - 1}.v.mean"].shape[0]
+    inputs = before + (keys[layer].features if kind == "v" else 0)
+    if weights.shape != (inputs + 1, f) or rms.shape != (f,):
+        raise BasisError(f"basis tensors {prefix}*: a predictor {weights.shape} for {inputs} inputs of {f} features")
+    return Predictor(weights, rms)
 
 
 LayerKV = tuple[Any, Any, Any]  # (keys (B, H, T, D), values (B, H, T, D), positions (T,) | (H, T) | (B, H, T))

@@ -22,7 +22,14 @@ FORMAT = "kvmesh-transform-basis/1"
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 # The dtypes each tensor may have: what fit_basis writes (components in float16 unless asked for float32).
-TENSOR_DTYPES = {"mean": ("F32",), "components": ("F16", "F32"), "rms": ("F32",)}
+# Each layer after the first may also hold its keys' and values' predictor (kvmesh.codec.prediction).
+TENSOR_DTYPES = {
+    "mean": ("F32",),
+    "components": ("F16", "F32"),
+    "rms": ("F32",),
+    "predictor": ("F16",),
+    "residual_rms": ("F32",),
+}
 # The largest number float16 KV holds; a key with RoPE taken off moves magnitude within its rotated
 # pair, so one of its features reaches sqrt(2) times that.
 FLOAT16_MAX = 65504.0
@@ -124,12 +131,13 @@ def tensor_problem(name: str, array: np.ndarray) -> str | None:
         if norms.min() < low or norms.max() > high:
             far = float(norms.min() if norms.min() < low else norms.max())
             return f"a component's norm is {far:.4g}, outside [{low:.4g}, {high:.4g}] (unit rows, weighed)"
-    if what == "rms" and x.size:
-        # (Coefficients of weighed rows: at most sqrt(F * (1 + WEIGHT_FLOOR)) times a row's length.)
-        bound = 2 * limit * math.sqrt(x.size) / component_norms(x.size)[0]
+    if what in ("rms", "residual_rms") and x.size:
+        # (Coefficients of weighed rows: at most sqrt(F * (1 + WEIGHT_FLOOR)) times a row's length;
+        # a residual's, in units of the tensor's scale, as large as the predictor allows: not bounded.)
+        bound = 2 * limit * math.sqrt(x.size) / component_norms(x.size)[0] if what == "rms" else math.inf
         if x.min() < 0 or x.max() > bound:
             return f"an RMS of {float(x.min() if x.min() < 0 else x.max()):.4g}, outside [0, {bound:.6g}]"
-        if (np.diff(x) > 0).any():
+        if what == "rms" and (np.diff(x) > 0).any():
             return "the RMS does not decrease (components are in order of decreasing variance)"
     return None
 
@@ -187,10 +195,13 @@ def model_features(m: pb.CacheManifest) -> int:
 
 def basis_bytes_bound(m: pb.CacheManifest) -> int:
     """The most bytes a basis of `m`'s geometry takes: one layer per model layer at most, each of a
-    key and a value part of F features (a float32 mean and rms, F x F float32 components), and a
-    header. A basis announced larger is refused before any byte of it is fetched."""
+    key and a value part of F features (a float32 mean and rms, F x F float32 components, the
+    predictors), and a header. A basis announced larger is refused before any byte of it is fetched."""
     layers, features = len(m.layers), model_features(m)
-    per_layer = 2 * (2 * 4 * features + 4 * features * features)
+    # (and its predictors: float16 maps from 2F inputs (keys) and 3F (values) and a constant, and
+    # each one's float32 residual RMS)
+    predictors = 2 * (5 * features + 2) * features + 2 * 4 * features
+    per_layer = 2 * (2 * 4 * features + 4 * features * features) + predictors
     return HEADER_BYTES + layers * (HEADER_BYTES_PER_LAYER + per_layer)
 
 

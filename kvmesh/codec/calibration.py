@@ -10,7 +10,8 @@ prefill here and the fit well under a second (scripts/bench_quality.py prints bo
 each feature as attention weighs an error there, from the queries recorded while the texts prefill
 (kvmesh.codec.attention_metric). Then each
 layer's keys and values get their own step factor from how much the model's predictions move when
-that tensor alone is coded (kvmesh.codec.sensitivity): two short passes per layer.
+that tensor alone is coded (kvmesh.codec.sensitivity): two short passes per layer. Last, each
+layer's predictors from the layer before (kvmesh.codec.prediction_fit), for the level that predicts.
 """
 
 import time
@@ -24,7 +25,8 @@ from mlx_lm.models.cache import KVCache
 from kvmesh.caches.prefill import run_prompt
 from kvmesh.codec.attention_metric import layer_weights, recording_queries
 from kvmesh.codec.basis import Basis, fit_basis
-from kvmesh.codec.levels import CALIBRATION_TOKENS
+from kvmesh.codec.levels import CALIBRATION_TOKENS, PREDICTED_STEP
+from kvmesh.codec.prediction_fit import fit_predictors
 from kvmesh.codec.rotary import RotaryError, model_layers, model_rotaries
 from kvmesh.codec.sensitivity import PROBE_TOKENS, step_factors, tensor_sensitivities
 from kvmesh.codec.transform import layers_of_cache
@@ -54,7 +56,8 @@ class Calibrated:
     tokens: int
     prefill_s: float
     fit_s: float
-    # Measuring each tensor's sensitivity for its step factor (kvmesh.codec.sensitivity).
+    # Measuring each tensor's sensitivity for its step factor (kvmesh.codec.sensitivity), and fitting
+    # the predictors (kvmesh.codec.prediction_fit).
     sensitivity_s: float
 
 
@@ -91,10 +94,12 @@ def fit_model_basis(
     info: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
     weigh: bool = True,
+    predict_at: float | None = PREDICTED_STEP,
 ) -> Calibrated:
     """The model's basis, fitted on its caches of `texts` (default: `default_texts()`), its PCA
     weighed as attention weighs errors (kvmesh.codec.attention_metric; `weigh=False`: as before,
-    for comparison)."""
+    for comparison), with cross-layer predictors fitted at the step `predict_at`
+    (kvmesh.codec.prediction_fit; None: none)."""
     texts = dict(texts or default_texts())
     calibration = []
     every = model_layers(model)
@@ -152,5 +157,7 @@ def fit_model_basis(
     )
     # (The probe serialized the basis for its digest: the bytes are made again, with the factors.)
     basis = replace(basis, info={**basis.info, "steps": step_factors(basis, sensitivities)}, _bytes=None, _digest=None)
+    if predict_at is not None:
+        basis = fit_predictors(calibration, basis, predict_at)
     basis.to_bytes()  # serialized (and its digest known) here, so the calibration's time includes it
     return Calibrated(basis, total, prefill_s, fit_s, time.perf_counter() - start)

@@ -26,6 +26,7 @@ from kvmesh.codec.basis import Basis, BasisError, LayerKV
 from kvmesh.codec.layer_blob import CODING_FIELDS, TransformCodecError, coding_fields, read_header
 from kvmesh.codec.levels import LEVELS, Level
 from kvmesh.codec.manifest import BASIS_KIND
+from kvmesh.codec.prediction import LayerChain
 from kvmesh.codec.rotary import Rotary
 from kvmesh.codec.transform import SINKS, Encoded, encode_layers
 from kvmesh.codec.transform_decode import decode_layer
@@ -179,9 +180,15 @@ def coded_artifacts(cache: Sequence) -> list[pb.Artifact]:
 
 
 def decode_coded(
-    spec: pb.LayerSpec, blob: bytes | memoryview, bases: Mapping[str, Basis], dtype: mx.Dtype, memo: dict | None = None
+    spec: pb.LayerSpec,
+    blob: bytes | memoryview,
+    bases: Mapping[str, Basis],
+    dtype: mx.Dtype,
+    memo: dict | None = None,
+    chain: LayerChain | None = None,
 ) -> SparseKVCache:
-    """A CACHE_KIND_TRANSFORM_KV layer back into a SparseKVCache of `dtype`."""
+    """A CACHE_KIND_TRANSFORM_KV layer back into a SparseKVCache of `dtype` (`chain`: the cache's
+    layers decoded before it, for one predicted from the layer before: kvmesh.codec.prediction)."""
     basis = bases.get(spec.transform.basis_sha256)
     if basis is None:
         raise BasisError(f"no basis {spec.transform.basis_sha256[:16]}... to decode this cache with")
@@ -195,7 +202,7 @@ def decode_coded(
         expect["start"] = 0  # it kept every position
     else:
         check_kept_positions(read_header(blob)[0], spec)
-    keys, values = decode_layer(blob, basis, memo, expect=expect)
+    keys, values = decode_layer(blob, basis, memo, expect=expect, chain=chain)
     if keys.dtype != dtype:
         keys, values = keys.astype(dtype), values.astype(dtype)
         mx.eval(keys, values)
@@ -219,6 +226,7 @@ def decoded(cache: Sequence) -> list:
     """A cache list with its CodedLayers decoded (what a receiver will hold): for measuring a coded
     cache's loss where it was made."""
     memo: dict = {}
+    chain = LayerChain()
     out = []
     for layer in cache:
         if isinstance(layer, CodedLayer):
@@ -226,7 +234,7 @@ def decoded(cache: Sequence) -> list:
                 kind=pb.CACHE_KIND_TRANSFORM_KV, n_kept=layer.n_kept, offset=layer.offset, transform=layer.spec
             )
             dtype = getattr(mx, layer.dtype)
-            layer = decode_coded(spec, layer.blob, {layer.basis.digest: layer.basis}, dtype, memo)
+            layer = decode_coded(spec, layer.blob, {layer.basis.digest: layer.basis}, dtype, memo, chain)
         out.append(layer)
     return out
 

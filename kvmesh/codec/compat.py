@@ -46,7 +46,7 @@ from kvmesh.codec.prefix import prefix_sha256
 from kvmesh.errors import CacheRejected, Rejection
 from kvmesh.model.fingerprint import ModelFingerprint, dtype_name
 from kvmesh.v1 import cache_pb2 as pb
-from kvmesh.versions import READABLE_SCHEMAS, TAIL_SCHEMA
+from kvmesh.versions import PREDICTED_SCHEMA, READABLE_SCHEMAS, TAIL_SCHEMA
 
 if TYPE_CHECKING:
     from kvmesh.codec.basis import Basis as BasisLike
@@ -208,6 +208,10 @@ def transform_problem(m: pb.CacheManifest, layer: pb.LayerSpec, bad: Callable[[s
             )
     if t.tail and m.schema_version < TAIL_SCHEMA:
         return bad(f"a tail of {t.tail} rows in a schema {m.schema_version} manifest")
+    if t.predicted and (m.schema_version < PREDICTED_SCHEMA or t.tail or t.basis_layer == 0):
+        return bad(
+            f"predicted from the layer before, with a tail of {t.tail} rows, in a schema {m.schema_version} manifest"
+        )
     if t.sinks + t.recent + t.tail > layer.n_kept:
         return bad(f"{sink_rows(t.sinks)}, {t.tail} tail and {t.recent} recent rows of {layer.n_kept}")
     r = t.rotary
@@ -329,7 +333,7 @@ def check_manifest(m: pb.CacheManifest, profile: ReceiverProfile) -> Rejection |
     if m.schema_version not in READABLE_SCHEMAS:
         return Rejection(
             pb.REJECT_REASON_SCHEMA,
-            f"manifest schema {m.schema_version}, this kvmesh reads {' and '.join(map(str, READABLE_SCHEMAS))}",
+            f"manifest schema {m.schema_version}, this kvmesh reads {', '.join(map(str, READABLE_SCHEMAS))}",
         )
     if rejection := validate_manifest(m):
         return rejection

@@ -24,6 +24,7 @@ from kvmesh.codec.coded import decode_coded
 from kvmesh.codec.layer_blob import TransformCodecError
 from kvmesh.codec.layer_pool import layer_pool
 from kvmesh.codec.manifest import ITEMSIZE, leaf_layers, tensor_dtype, token_major
+from kvmesh.codec.prediction import LayerChain
 from kvmesh.errors import IntegrityError
 from kvmesh.model.fingerprint import dtype_name
 from kvmesh.v1 import cache_pb2 as pb
@@ -70,6 +71,8 @@ class CacheDecoder:
         self.coded: dict[int, Layer] = {}
         self._decoding: list[tuple[int, futures.Future[Layer]]] = []
         self._memo: dict = {}  # rotation tables, shared by the coded layers' threads
+        # Their coefficients, for the layers predicted from the one before (kvmesh.codec.prediction).
+        self._chain = LayerChain()
 
     def _allocate(self, chunk: Chunk) -> Chunk:
         """Make the buffer of the tensor where the plan puts `chunk` (not where it claims to go)."""
@@ -137,6 +140,7 @@ class CacheDecoder:
         view = self.views[tensor]
         assert view is not None, "a coded tensor is decoded once its chunks are written"
         blob = view.reshape(-1).view(np.uint8).data  # (its chunks are all in: nothing writes it again)
+        self._chain.expect(layer.transform.basis_layer)  # (before it is handed out: `LayerChain`)
         self._decoding.append((tensor, layer_pool().submit(self._decode_coded, layer, blob)))
 
     def _collect_coded(self, *, wait: bool) -> None:
@@ -149,6 +153,7 @@ class CacheDecoder:
         """Cancel the coded layers not started and wait for those running (the pool is the process's)."""
         for _, future in self._decoding:
             future.cancel()
+        self._chain.close("the transfer stopped before the layer it is predicted from decoded")
         futures.wait([future for _, future in self._decoding])
         self._decoding = []
 
@@ -156,7 +161,7 @@ class CacheDecoder:
         """A transform-coded layer into its SparseKVCache (or the quantized cache asked for)."""
         try:
             dtype = DTYPES[dtype_name(self.manifest.dtype)]
-            decoded = decode_coded(layer, blob, self.bases, dtype, self._memo)
+            decoded = decode_coded(layer, blob, self.bases, dtype, self._memo, self._chain)
             if self.quantize_bits is None:
                 return decoded
             quantized = decoded.to_quantized(bits=self.quantize_bits)

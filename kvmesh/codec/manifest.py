@@ -16,7 +16,7 @@ from typing import Any
 
 from kvmesh.model.fingerprint import dtype_name
 from kvmesh.v1 import cache_pb2 as pb
-from kvmesh.versions import READABLE_SCHEMAS, TAIL_SCHEMA
+from kvmesh.versions import PREDICTED_SCHEMA, READABLE_SCHEMAS, TAIL_SCHEMA
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "uint32": 4, "uint8": 1}
 # The tensors each attention cache kind stores, in manifest order (recurrent layers: `state_names`).
@@ -81,10 +81,19 @@ def lossy(manifest: pb.CacheManifest) -> bool:
     return manifest.compression.method != "full" or quantized or transform_coded(manifest)
 
 
+def predicted(manifest: pb.CacheManifest) -> bool:
+    """Whether any transform-coded layer of the manifest is predicted from the layer before."""
+    return any(layer.transform.predicted for _, layer in leaf_layers(manifest.layers))
+
+
 def manifest_schema(leaves: Iterable[pb.LayerSpec]) -> int:
-    """The oldest schema that describes these (leaf) layers (kvmesh.versions): the tails' schema
-    where a transform-coded layer has a tail, else the oldest this kvmesh reads."""
-    return TAIL_SCHEMA if any(layer.transform.tail for layer in leaves) else READABLE_SCHEMAS[0]
+    """The oldest schema that describes these (leaf) layers (kvmesh.versions): the predicted layers'
+    where a transform-coded layer is predicted from the one before, the tails' where one has a
+    tail, else the oldest this kvmesh reads."""
+    layers = list(leaves)
+    if any(layer.transform.predicted for layer in layers):
+        return PREDICTED_SCHEMA
+    return TAIL_SCHEMA if any(layer.transform.tail for layer in layers) else READABLE_SCHEMAS[0]
 
 
 def measured_loss(manifest: pb.CacheManifest) -> float | None:

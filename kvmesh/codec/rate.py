@@ -20,6 +20,7 @@ from kvmesh.codec.basis import Basis, LayerKV, TensorBasis
 from kvmesh.codec.coded import TransformCoding
 from kvmesh.codec.layer_pool import LAYER_THREADS
 from kvmesh.codec.levels import LEVELS
+from kvmesh.codec.prediction import Predictor
 from kvmesh.codec.rotary import Rotary, apply_rope
 from kvmesh.codec.transform import fp16_nbytes
 from kvmesh.codec.transform_decode import decode_layers
@@ -29,10 +30,13 @@ from kvmesh.codec.transform_decode import decode_layers
 SPREAD = 4.0
 
 
-def synthetic_basis(layers: int, heads: int, head_dim: int, *, base: float = 500000.0) -> Basis:
+def synthetic_basis(
+    layers: int, heads: int, head_dim: int, *, base: float = 500000.0, predicted_step: float | None = None
+) -> Basis:
     """A basis of the geometry's size whose components are the features themselves (any orthogonal
     basis costs the decoder the same; the identity is its own inverse, so none is computed), with
-    RMS decaying over the components as a fitted one's do."""
+    RMS decaying over the components as a fitted one's do (with `predicted_step`:
+    `with_zero_predictors`)."""
     f = heads * head_dim
     rms = np.exp(-SPREAD * np.arange(f) / f).astype(np.float32)
     eye = np.eye(f, dtype=np.float32)
@@ -41,7 +45,26 @@ def synthetic_basis(layers: int, heads: int, head_dim: int, *, base: float = 500
         for _ in range(2 * layers)
     ]
     rotary = Rotary(dims=head_dim, traditional=False, base=base)
-    return Basis(tensors[:layers], tensors[layers:], [rotary] * layers, {"synthetic": True})
+    basis = Basis(tensors[:layers], tensors[layers:], [rotary] * layers, {"synthetic": True})
+    return basis if predicted_step is None else with_zero_predictors(basis, predicted_step)
+
+
+def with_zero_predictors(basis: Basis, step: float) -> Basis:
+    """`basis` with predictors from the layer before (kvmesh.codec.prediction) for coding at `step`
+    that predict nothing: zero weights, the residual's RMS the tensor's own. A fitted map costs the
+    codec what these do, so they time it without a calibration."""
+
+    def predicting(tb: TensorBasis, layer: int, inputs: int) -> TensorBasis:
+        if not layer:
+            return tb
+        weights = np.zeros((inputs + 1, tb.features), np.float16)
+        return replace(tb, predictor=Predictor(weights, (tb.rms / tb.scale).astype(np.float32)), _mx={}, _np={})
+
+    before = [0] + [tb.features + tv.features for tb, tv in zip(basis.keys, basis.values, strict=True)]
+    keys = [predicting(tb, i, before[i]) for i, tb in enumerate(basis.keys)]
+    values = [predicting(tb, i, before[i] + tb.features) for i, tb in enumerate(basis.values)]
+    info = {**basis.info, "predicted_step": step}
+    return replace(basis, keys=keys, values=values, info=info, _bytes=None, _digest=None)
 
 
 def synthetic_layers(basis: Basis, tokens: int, *, seed: int = 0, dtype: mx.Dtype = mx.float16) -> list[LayerKV]:

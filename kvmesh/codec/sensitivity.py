@@ -30,7 +30,8 @@ from mlx_lm.models.cache import KVCache
 
 from kvmesh.caches.quality import logprobs_given, mean_kl
 from kvmesh.codec.basis import Basis, LayerKV
-from kvmesh.codec.transform import encode_layers, kept_components
+from kvmesh.codec.quantize import kept_components
+from kvmesh.codec.transform import encode_layers
 from kvmesh.codec.transform_decode import decode_layers
 from kvmesh.progress import Progress
 

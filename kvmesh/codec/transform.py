@@ -27,6 +27,10 @@ basis fits every position. Then:
    the packed bytes is what compresses). Each run also carries the mean offset of its nonzero
    values within their bins, which the decoder adds (a centroid reconstruction: less error, no bits).
 
+Steps 3 and 4 are kvmesh.codec.quantize's. At the step a basis's cross-layer predictors were fitted
+at (`Basis.predicted_step`: `--compress small`), each layer after the first is coded as the residual
+of its prediction from the layer before (kvmesh.codec.prediction), layer by layer.
+
 `encode_layers(..., ratio=r)` searches the step (secant steps inside a bisected bracket) until the
 bytes are 1/r of the fp16 cache's. With a basis fitted without step factors, `key_factor` makes
 the keys' step that much coarser than the values' (2 measured best on SmolLM2 at 4-8x).
@@ -45,6 +49,7 @@ basis itself does not travel with each cache: the receiver needs the one whose i
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,193 +60,23 @@ import numpy as np
 
 from kvmesh.codec.basis import Basis, BasisError, LayerKV, TensorBasis
 from kvmesh.codec.layer_blob import (
-    ESCAPE,
     TransformCodecError,
     Writer,
     blob_magic,
     coded_regions,
-    pack_zigzag,
 )
 from kvmesh.codec.layer_pool import map_layers, numpy_by_default
+from kvmesh.codec.prediction import Coefficients, chained, unpredicted
+from kvmesh.codec.quantize import coded_groups, coded_region, dequantized
 from kvmesh.codec.rotary import rotate, token_major_tables
 from kvmesh.codec.transform_decode import RAW_DTYPES
 
-SQRT12 = math.sqrt(12.0)
 # Leading rows sent raw: the first token is the attention sink, whose keys and values are outliers
 # no basis codes well. On SmolLM2 at the default level, coding it too took the worst text's KL from
 # 0.0030 to 0.21 (a throwaway run); keeping the next three raw as well (StreamingLLM's four) left
 # the KL as it was and, in a float32 cache, cost 2.6% of the bytes on the worst text
 # (scripts/bench_quality.py, 2026-12-05: 5.07x with one, 4.94x with four).
 SINKS = 1
-
-
-def bit_allocation(rms: np.ndarray, step: float) -> np.ndarray:
-    """Bits per component that a uniform quantization step gives (reverse water-filling, high-rate
-    approximation): max(0, log2(rms * sqrt(12) / step)). `rms` and `step` in the same units; a
-    component with zero bits is not sent."""
-    r = np.asarray(rms, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        bits = np.log2(np.maximum(r, 0.0) * SQRT12 / float(step))
-    return np.maximum(bits, 0.0)
-
-
-def kept_components(rms: np.ndarray, step: float) -> int:
-    """How many leading components (rms decreasing) get bits at this step."""
-    return int(np.count_nonzero(bit_allocation(rms, step) > 0))
-
-
-# --- integers <-> bytes -----------------------------------------------------------------------------
-
-
-def pack_integers(q: np.ndarray) -> tuple[bytes, bytes]:
-    """Signed integers -> (one zigzagged byte each, the escaped ones as little-endian uint32)."""
-    zz, top = _zigzag_all(q)
-    return _pack(zz, 8, top)
-
-
-def _zigzag_all(q: np.ndarray | mx.array) -> tuple[mx.array, int]:
-    """Signed integers -> (zigzagged, flat; the largest of them)."""
-    flat = (q if isinstance(q, mx.array) else mx.array(np.asarray(q, dtype=np.int64))).reshape(-1)
-    lo, hi = _bounds(np.asarray(mx.stack([flat.min(), flat.max()]))) if flat.size else (0, 0)
-    return _zigzag(flat, lo, hi), max(2 * hi, -2 * lo - 1, 0)
-
-
-def _bounds(bounds: np.ndarray) -> tuple[int, int]:
-    """(smallest, largest) of some integers, refused unless they fit 32 bits."""
-    if not np.isfinite(bounds).all():
-        raise TransformCodecError("the cache holds NaN or infinite numbers")
-    if bounds[1] >= 2**31 or bounds[0] < -(2**31):
-        raise TransformCodecError("a coefficient beyond 32 bits: the step is far too fine")
-    return int(bounds[0]), int(bounds[1])
-
-
-def _zigzag_in_int32(lo: int, hi: int) -> bool:
-    """Whether integers between lo and hi zigzag in 32 bits (2q must fit), else in 64."""
-    return lo >= -(2**30) and hi < 2**30
-
-
-def _zigzag(q: mx.array, lo: int, hi: int) -> mx.array:
-    """Signed integers between lo and hi (in any dtype that holds them) -> zigzagged uint32
-    (0, -1, 1, -2 -> 0, 1, 2, 3)."""
-    wide = mx.int32 if _zigzag_in_int32(lo, hi) else mx.int64
-    flat = q.astype(wide)
-    bits = mx.array(1, wide), mx.array(31 if wide == mx.int32 else 63, wide)
-    return ((flat << bits[0]) ^ (flat >> bits[1])).astype(mx.uint32)
-
-
-def code_width(top: int) -> int:
-    """Bits per code of zigzagged codes whose largest is `top`: see `pack_codes`."""
-    return 8 if top >= 16 else 2 if top < 4 else 4
-
-
-def pack_codes(q: np.ndarray | mx.array) -> tuple[int, bytes, bytes]:
-    """Signed integers of similar size -> (bits per code, packed codes, escapes).
-
-    Zigzagged codes below 4 go four to a byte, below 16 two to a byte (so that the entropy coder,
-    which codes bytes, sees the joint statistics of several small codes and can spend less than a
-    bit on each); larger ones one byte each, 255 escaping to a uint32 in `escapes`."""
-    zz, top = _zigzag_all(q)
-    width = code_width(top)
-    return (width, *_pack(zz, width, top))
-
-
-def _pack(zz: mx.array, width: int, top: int) -> tuple[bytes, bytes]:
-    """Zigzagged codes (flat uint32) -> (codes packed at `width` bits, escapes), packed in MLX: the
-    bytes `kvmesh.codec.layer_blob.pack_zigzag` makes."""
-    if width == 8:
-        plane = np.asarray(mx.minimum(zz, ESCAPE).astype(mx.uint8)).tobytes()
-        if top < ESCAPE:
-            return plane, b""
-        big = np.asarray(zz)
-        return plane, big[big >= ESCAPE].astype("<u4").tobytes()
-    per = 8 // width
-    pad = -zz.size % per
-    codes = mx.concatenate([zz, mx.zeros((pad,), mx.uint32)]) if pad else zz
-    shifts = mx.array(np.arange(per, dtype=np.uint32) * width)
-    packed = (codes.reshape(-1, per) << shifts).sum(axis=1).astype(mx.uint8)
-    return np.asarray(packed).tobytes(), b""
-
-
-@dataclass
-class _Quantized:
-    """One tensor's coefficients rounded at its step. Per component: the smallest and largest code,
-    the count of nonzero codes and the sum of |x| - |q| over them, x in units of the step (float64,
-    to be summed over a group's components: `_centroid_offset`); and the zigzagged codes."""
-
-    lows: np.ndarray
-    highs: np.ndarray
-    nonzero: np.ndarray
-    offsets: np.ndarray
-    zigzagged: mx.array | np.ndarray
-
-    def tops(self) -> np.ndarray:
-        """The largest zigzagged code of each component, from its extremes."""
-        negative = np.where(self.lows < 0, -2 * self.lows - 1, 0)
-        return np.maximum(2 * np.maximum(self.highs, 0), negative).astype(np.int64)
-
-    def pack(self, at: int, count: int, width: int, top: int) -> tuple[bytes, bytes]:
-        """Components [at, at + count) packed at `width` bits: (plane, escapes)."""
-        zz = self.zigzagged[at : at + count].reshape(-1)
-        return pack_zigzag(zz, width) if isinstance(zz, np.ndarray) else _pack(zz, width, top)
-
-
-def _quantize(coeffs: mx.array, n: int, step: float) -> _Quantized:
-    """The first n components rounded at `step`, in MLX's graph (what a GPU runs)."""
-    scaled = coeffs[:n] / mx.array(np.float32(step))
-    q = mx.round(scaled)
-    nonzero = q != 0
-    stats = (
-        q.min(axis=1),
-        q.max(axis=1),
-        nonzero.astype(mx.int32).sum(axis=1),
-        mx.where(nonzero, mx.abs(scaled) - mx.abs(q), 0.0).sum(axis=1),
-    )
-    mx.eval(*stats)
-    lows, highs, count, offsets = (np.asarray(a).astype(np.float64) for a in stats)
-    return _Quantized(lows, highs, count, offsets, _zigzag(q, *_bounds(np.array([lows.min(), highs.max()]))))
-
-
-def _quantize_numpy(coeffs: mx.array, n: int, step: float) -> _Quantized:
-    """`_quantize` in NumPy, on the MLX buffer itself (where MLX computes on the CPU): the same codes,
-    in fewer and quicker passes. A nonzero code's |x| - |q| is (x - q) * sign(q) exactly
-    (x lies within half a step of q), and sign(q) is q clipped to [-1, 1], which is 0 where q is: so
-    no mask is made, and the counts of nonzero codes are the sums of sign(q) squared."""
-    scaled = np.array(coeffs, copy=False)[:n] / np.float32(step)
-    q = np.rint(scaled)
-    lows, highs = q.min(axis=1).astype(np.float64), q.max(axis=1).astype(np.float64)
-    lo, hi = _bounds(np.array([lows.min(), highs.max()]))
-    sign = np.clip(q, -1.0, 1.0)
-    scaled -= q
-    # (float32 sums, as the graph's; + 0.0 so that a sum of negative zeros is written as 0.0)
-    offsets = np.einsum("ij,ij->i", scaled, sign).astype(np.float64) + 0.0
-    count = np.einsum("ij,ij->i", sign, sign).astype(np.float64)
-    wide = np.int32 if _zigzag_in_int32(lo, hi) else np.int64
-    zigzagged = q.astype(wide)
-    negative = zigzagged >> (31 if wide == np.int32 else 63)
-    zigzagged <<= 1
-    zigzagged ^= negative
-    return _Quantized(
-        lows, highs, count, offsets, zigzagged.view(np.uint32) if wide == np.int32 else zigzagged.astype(np.uint32)
-    )
-
-
-def _centroid_offset(count: np.ndarray, total: np.ndarray) -> float:
-    """The mean of |x| - |q| over a group's nonzero codes (from the `_Quantized` of its components):
-    where a nonzero code's values lie on average within its bin (below its centre for peaked
-    distributions). The decoder reconstructs q + offset * sign(q), which lowers the error at no
-    cost in bits."""
-    nonzero = int(count.sum())
-    return round(float(total.sum() / nonzero), 4) if nonzero else 0.0
-
-
-def component_groups(rms: np.ndarray, step: float, n: int) -> list[int]:
-    """Sizes of the runs of the first n components (rms decreasing) whose bit allocations round up to
-    the same whole number (capped at 8): each run is packed and entropy-coded on its own."""
-    if n == 0:
-        return []
-    key = np.minimum(np.ceil(bit_allocation(rms[:n], step)), 8)
-    cuts = np.flatnonzero(np.diff(key)) + 1
-    return np.diff(np.concatenate([[0], cuts, [n]])).astype(int).tolist()
 
 
 # --- layout ---------------------------------------------------------------------------------------
@@ -306,6 +141,13 @@ def _prepare(
     return [p for p, _ in done], [meta for _, meta in done]
 
 
+def prepared_coefficients(layers: Sequence[LayerKV], basis: Basis, sinks: int) -> list[list[np.ndarray]]:
+    """Per layer of a cache (one per basis layer, in order), its keys' and values' coefficients past the
+    `sinks` raw rows, (F, rows) float32 in units of each tensor's scale, as the encoder projects them."""
+    prepared, _ = _prepare(layers, basis, (sinks, 0, 0), list(range(len(layers))))
+    return [[np.array(p.coeffs) for p in layer] for layer, _ in prepared]
+
+
 def _analysed(rows: mx.array, tb: TensorBasis) -> mx.array:
     """(F, N) component-major coefficients of (N, F) rows, in units of the tensor's scale: made
     contiguous once, not per trial step (MLX is slow on strided arrays). The product runs in NumPy
@@ -358,32 +200,6 @@ def _prepare_layer(
     return (prepared, pos if not contiguous else None), meta
 
 
-def _coded_groups(
-    out: Writer, coeffs: mx.array, rms: np.ndarray, step: float, numpy: bool, *, one_run: bool = False
-) -> dict:
-    """One region's coefficients rounded at `step`, packed and added to `out` by runs of components
-    (`one_run`: all in one, for a region of few rows, whose runs would each cost the decoder a call
-    more than their closer fit saves): what the header says of them (the step, the components sent,
-    the runs)."""
-    n = kept_components(rms, step)
-    groups: list = []
-    if n and coeffs.shape[1]:
-        quantized = (_quantize_numpy if numpy else _quantize)(coeffs, n, step)
-        tops = quantized.tops()
-    at = 0
-    for count in [n] if one_run and n else component_groups(rms, step, n):
-        if not coeffs.shape[1]:
-            groups.append([count, 2, out.add(b"", True), None, 0.0])
-            continue
-        top = int(tops[at : at + count].max())
-        width = code_width(top)
-        plane, esc = quantized.pack(at, count, width, top)
-        delta = _centroid_offset(quantized.nonzero[at : at + count], quantized.offsets[at : at + count])
-        groups.append([count, width, out.add(plane, True), out.add(esc, True) if esc else None, delta])
-        at += count
-    return {"step": step, "n": n, "groups": groups}
-
-
 def _assemble_layer(
     layer, pos, meta, basis: Basis, steps: tuple[float, float], key_factor: float, level: int, numpy: bool
 ) -> bytes:
@@ -396,9 +212,9 @@ def _assemble_layer(
     for kind, p in zip("kv", layer, strict=True):
         factor = basis.step_factor(meta["layer"], kind, key_factor)
         rms = p.basis.rms / p.basis.scale
-        km = _coded_groups(out, p.coeffs, rms, steps[0] * factor, numpy)
+        km = coded_groups(out, p.coeffs, rms, steps[0] * factor, numpy)
         if "tail" in meta:
-            km["tail"] = _coded_groups(out, p.tail, rms, steps[1] * factor, numpy, one_run=True)
+            km["tail"] = coded_groups(out, p.tail, rms, steps[1] * factor, numpy, one_run=True)
         lm[kind] = {**km, "raw": out.add(p.raw, False), "raw_dtype": p.raw_dtype}
     return out.blob({"basis": basis.digest, **lm}, blob_magic({p.raw_dtype for p in layer}, "tail" in meta))
 
@@ -413,6 +229,74 @@ def _assemble(
         return _assemble_layer(layer, pos, meta, basis, steps, key_factor, level, numpy)
 
     return map_layers(assemble, list(zip(prepared, metas, strict=True)))
+
+
+def predicted_layers(metas: list[dict], basis: Basis, step: float, tail: int) -> list[bool]:
+    """Which layers are coded as predicted from the one before (kvmesh.codec.prediction): at the
+    step the basis's predictors were fitted at, without a tail, each layer whose layer before is
+    coded too, with the same rows at the same positions (so a prefix cut cuts both alike). A press
+    that kept other positions in each layer, another step, a tail: each layer on its own, as before."""
+    if basis.predicted_step is None or step != basis.predicted_step or tail:
+        return [False] * len(metas)
+    return [False] + [
+        meta["layer"] == before["layer"] + 1
+        and "start" in meta["positions"]
+        and all(meta[key] == before[key] for key in ("shape", "sinks", "recent", "positions"))
+        for before, meta in itertools.pairwise(metas)
+    ]
+
+
+def _assemble_predicted(
+    prepared, metas, basis: Basis, step: float, key_factor: float, level: int, numpy: bool, predicted: list[bool]
+) -> list[bytes]:
+    """Each layer's blob at `step`, those `predicted` coded as the residual of their prediction from
+    the layer before as the receiver decodes it (so layer by layer, on this thread)."""
+    blobs: list[bytes] = []
+    before: list[Coefficients] = []
+    for ((layer, pos), meta), predict in zip(zip(prepared, metas, strict=True), predicted, strict=True):
+        out = Writer(level)
+        lm = dict(meta)
+        if pos is not None:
+            lm["positions"] = {**meta["positions"], "seg": out.add(pos.astype("<i4").tobytes(), True)}
+        decoded: list[Coefficients] = []
+        for kind, p in zip("kv", layer, strict=True):
+            tensor_step = step * basis.step_factor(meta["layer"], kind, key_factor)
+            inputs = (before + decoded[:1] if kind == "v" else before) if predict else None
+            km, coefficients = coded_tensor(out, p.coeffs, p.basis, tensor_step, numpy, inputs)
+            decoded.append(coefficients)
+            lm[kind] = {**km, "raw": out.add(p.raw, False), "raw_dtype": p.raw_dtype}
+        if predict:
+            lm["predicted"] = True
+        before = decoded
+        blobs.append(out.blob({"basis": basis.digest, **lm}, blob_magic({p.raw_dtype for p in layer}, False, predict)))
+    return blobs
+
+
+def coded_tensor(
+    out: Writer,
+    coeffs: mx.array,
+    tb: TensorBasis,
+    step: float,
+    numpy: bool,
+    inputs: list[Coefficients] | None = None,
+) -> tuple[dict, np.ndarray]:
+    """A tensor's coefficients (F, rows), in units of its scale, coded into `out` at `step`: on their
+    own, or (`inputs`) as the residual of their prediction from the layer before (`tb.predictor`),
+    its components in the predictor's order. What the header says of them, and the coefficients
+    (F, rows, float32) the receiver decodes: the sender predicts from those, the same float32
+    operations as the receiver (`kvmesh.codec.prediction.chained`)."""
+    exact = np.asarray(coeffs)
+    if inputs is None:
+        km, quantized = coded_region(out, coeffs, tb.rms / tb.scale, step, numpy)
+        features, rows = exact.shape
+        return km, np.asarray(unpredicted(dequantized(quantized, km), features, rows, step, numpy=True))
+    if tb.predictor is None:
+        raise BasisError("a layer predicted from the one before, with a basis without a predictor for it")
+    prediction = np.asarray(tb.predictor.predicted(inputs, numpy=True))
+    order = tb.predictor.order()
+    residual = mx.array(np.ascontiguousarray((exact - prediction)[order]))
+    km, quantized = coded_region(out, residual, tb.predictor.coded_rms(), step, numpy)
+    return km, np.asarray(chained(prediction, dequantized(quantized, km), order, step))
 
 
 def fp16_nbytes(layers: Sequence[LayerKV]) -> int:
@@ -462,7 +346,9 @@ def encode_layers(
     `sinks` leading and `recent` trailing rows travel raw (in the layers' own dtype); the `tail` rows
     before the recent ones are coded at `tail_factor` times each tensor's step (what a prompt's next
     tokens attend to most: a finer step there costs few bytes for much of the loss). `numpy`: round
-    and pack in NumPy or in MLX's graph (None: `numpy_by_default`); the codes are the same."""
+    and pack in NumPy or in MLX's graph (None: `numpy_by_default`); the codes are the same. At the
+    step a basis's predictors were fitted at, layers are predicted from the one before
+    (`predicted_layers`); a search for a `ratio` never predicts."""
     if (step is None) == (ratio is None):
         raise TransformCodecError("give either step or ratio")
     if step is not None and not (math.isfinite(step) and step > 0):
@@ -476,6 +362,10 @@ def encode_layers(
     prepared, metas = _prepare(layers, basis, (sinks, tail, recent), indices)
     full = fp16_nbytes(layers)
     if step is not None:
+        predicted = predicted_layers(metas, basis, step, tail)
+        if any(predicted):
+            blobs = _assemble_predicted(prepared, metas, basis, step, key_factor, level, numpy, predicted)
+            return Encoded(blobs, step, full)
         return Encoded(
             _assemble(prepared, metas, basis, (step, step * tail_factor), key_factor, level, numpy), step, full
         )

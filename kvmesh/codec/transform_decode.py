@@ -41,6 +41,7 @@ from kvmesh.codec.layer_blob import (
     read_header,
 )
 from kvmesh.codec.layer_pool import map_layers, numpy_by_default
+from kvmesh.codec.prediction import Coefficients, LayerChain, chained, rowwise_product, unpredicted
 from kvmesh.codec.rotary import Rotary, rotate, token_major_tables
 
 # The dtypes raw rows travel in (a header without one: float16).
@@ -52,6 +53,10 @@ ROUNDS_TO_INFINITY = {
     mx.bfloat16: float(2.0**127 * (2 - 2.0**-8)),
     mx.float32: float("inf"),
 }
+
+
+# What a malformed blob raises as it is read (a header's wrong types, a segment that does not inflate).
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError)
 
 
 def decode_group(width: int, plane: bytes, escapes: bytes, count: int, offset: float) -> mx.array:
@@ -125,24 +130,32 @@ def decode_layer(
     *,
     expect: dict[str, Any] | None = None,
     numpy: bool | None = None,
+    chain: LayerChain | None = None,
 ) -> tuple[mx.array, mx.array]:
     """One layer's (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated back.
     With `expect` (what the manifest says: `check_header`), a blob that says otherwise is refused
     before anything is allocated. `memo` keeps rotation tables for the next layers (one per set of
     positions). `numpy`: codes to numbers by NumPy look-ups and the products in NumPy, or all in
     MLX's graph (None: `numpy_by_default`); the floats differ only as two BLAS's products round.
+    `chain`: the cache's layers decoded so far, for a layer predicted from the one before
+    (kvmesh.codec.prediction); this layer's coefficients are added to it for the next.
 
     Raises TransformCodecError for bytes that do not decode, or decode to numbers that are not
     finite (their digest was checked before: this guards against a sender's bug or a lie, not the
     link), BasisError for a blob of another basis."""
     header, body = read_header(data)
-    if expect is not None:
-        check_header(header, expect)
+    layer = header.get("layer")
+    if chain is not None and type(layer) is int:
+        chain.expect(layer)
     try:
+        if expect is not None:
+            check_header(header, expect)
         use_numpy = numpy_by_default() if numpy is None else numpy
-        keys, values, checks = _decode_layer(header, body, basis, {} if memo is None else memo, use_numpy)
-    except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
-        if isinstance(e, (TransformCodecError, BasisError)):
+        keys, values, checks = _decode_layer(header, body, basis, {} if memo is None else memo, use_numpy, chain)
+    except BaseException as e:
+        if chain is not None and type(layer) is int:
+            chain.fail(layer, e)  # (whatever it was: the layers predicted from this one wait for nothing)
+        if isinstance(e, (TransformCodecError, BasisError)) or not isinstance(e, MALFORMED):
             raise
         raise TransformCodecError(f"a malformed layer blob: {type(e).__name__}: {e}") from None
     mx.eval(keys, values, *checks)
@@ -251,7 +264,7 @@ def _synthesised_into(out: np.ndarray, coefficients: np.ndarray, tb: TensorBasis
     Linux link the reference BLAS: a 1,024-token layer of 8B geometry took 0.70 s to decode with
     MLX's product, 0.04 s with NumPy's (OpenBLAS) on this 2-core box; MLX on a Mac's CPU has
     Accelerate, but there the GPU decodes."""
-    np.matmul(coefficients.T.reshape(*out.shape[:2], n), tb.synthesis()[:n] * np.float32(scale), out=out)
+    rowwise_product(coefficients.T.reshape(*out.shape[:2], n), tb.synthesis()[:n] * np.float32(scale), out=out)
 
 
 def _synthesised(coefficients: mx.array | np.ndarray, tb: TensorBasis, n: int, scale: float) -> mx.array:
@@ -271,11 +284,15 @@ def _magnitude_bound(largest: np.ndarray, tb: TensorBasis, scale: float, rotated
 
 
 def _decode_layer(
-    header: dict, body: memoryview, basis: Basis, memo: dict, numpy: bool
+    header: dict, body: memoryview, basis: Basis, memo: dict, numpy: bool, chain: LayerChain | None
 ) -> tuple[mx.array, mx.array, list]:
     """Keys, values, and the checks (scalars) that they are finite: the raw rows are, and the coded
     rows' float32 magnitudes stay below what their dtype rounds to infinity (NaN fails both), which
-    is read off the rows only when the codes' widths do not bound them below it already."""
+    is read off the rows only when the codes' widths do not bound them below it already.
+
+    A layer predicted from the one before unpacks its codes first, then waits for that layer's
+    coefficients (`chain`), and hands its own to the next layer before its products: so the
+    layers' products still run side by side."""
     if header["basis"] != basis.digest:
         raise BasisError(
             f"the cache was coded with basis {header['basis'][:16]}..., this basis is {basis.digest[:16]}..."
@@ -289,36 +306,112 @@ def _decode_layer(
         raise BasisError(f"{h} heads of {d} for a basis layer of {basis.keys[j].features} features")
     s, r, tail = header["sinks"], header["recent"], header.get("tail", 0)
     check_tail(header, t - s - r)
+    predicted = header.get("predicted", False)
+    if predicted is not False and (predicted is not True or tail or chain is None):
+        raise TransformCodecError(
+            "a layer predicted from the one before needs that layer decoded first, and no tail"
+            if predicted is True
+            else f"a layer whose `predicted` is {predicted!r:.20}"
+        )
     pm = header["positions"]
     if "seg" in pm:
         pos = np.frombuffer(seg(pm["seg"], 4 * b * h * t), dtype="<i4").reshape(b, h, t)
     else:
         pos = np.broadcast_to(np.arange(pm["start"], pm["start"] + t, dtype=np.int32)[None, None], (b, h, t))
-    tensors, checks = [], []
-    for kind, tb in (("k", basis.keys[j]), ("v", basis.values[j])):
-        km = header[kind]
-        raw_dtype = km.get("raw_dtype", "float16")
-        raw = _raw_array(seg(km["raw"], 4 * b * h * (s + r) * d), raw_dtype, (b, h, s + r, d))
+    tensors = [_unpacked(header[kind], seg, (b, h, t, d), (s, r, tail), numpy) for kind in "kv"]
+    # Each tensor's coefficients of every component, where the next layer may predict from them
+    # or this one is predicted (no tail: the body is all its coded rows).
+    coefficients: list[Coefficients] = []
+    if predicted:
+        assert chain is not None
+        if any(tb.predictor is None for tb in basis.pair(j)):
+            raise BasisError(f"basis layer {j} is predicted from the one before, and the basis has no predictor for it")
+        before = list(chain.previous(j))
+        for tensor, tb in zip(tensors, basis.pair(j), strict=True):
+            tensor.given = _predicted(tensor, tb, [*before, *coefficients], numpy)
+            coefficients.append(tensor.given)
+    elif chain is not None and not tail and j + 1 < len(basis) and _at_predicted_step(header, basis):
+        coefficients = [tensor.sent(tb.features, numpy) for tensor, tb in zip(tensors, basis.pair(j), strict=True)]
+    if chain is not None:
+        if coefficients:
+            chain.publish(j, (coefficients[0], coefficients[1]))
+        else:
+            chain.fail(j, TransformCodecError("it was not coded to be predicted from"))
+    out, checks = [], []
+    for tensor, tb, kind in zip(tensors, basis.pair(j), "kv", strict=True):
+        raw = tensor.raw
         parts = [raw[:, :, :s]]
         checks.append(mx.isfinite(raw).all())
-        # The body's rows, then the tail's (each region with its own steps and components; a tail's
-        # are there exactly when it has rows: `check_tail`), decoded as one block of rows.
-        regions = [
-            (hi - lo, region)
-            for (lo, hi), region in zip(coded_regions(t, s, r, tail), (km, km.get("tail")), strict=True)
-            if hi > lo
-        ]
-        if regions:
+        if tensor.regions:
             rotation = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo) if kind == "k" else None
-            block = _coded_rows(regions, seg, tb, (b, h, d), rotation, basis.rotaries[j], numpy)
+            block = _coded_rows(tensor, tb, (b, h, d), rotation, basis.rotaries[j], numpy)
             # (each bound compared: NaN, from a step or offset that is not a number, fails its own)
             if not all(bound < ROUNDS_TO_INFINITY[raw.dtype] for bound in block.bounds):
                 checks.append(mx.abs(block.rows).max() < ROUNDS_TO_INFINITY[raw.dtype])
             rows = block.rows.transpose(0, 2, 1, 3)
             parts.append(rows if raw.dtype == mx.float32 else rows.astype(raw.dtype))
         parts.append(raw[:, :, s:])
-        tensors.append(mx.concatenate(parts, axis=2))
-    return tensors[0], tensors[1], checks
+        out.append(mx.concatenate(parts, axis=2))
+    return out[0], out[1], checks
+
+
+def _at_predicted_step(header: dict, basis: Basis) -> bool:
+    """Whether a layer was coded at the step the basis's predictors were fitted at (so the next
+    layer may be predicted from it: `kvmesh.codec.transform.predicted_layers`), as its values' step
+    says (the global step times the layer's factor)."""
+    step = basis.predicted_step
+    return step is not None and header["v"]["step"] == step * basis.step_factor(header["layer"], "v", 1.0)
+
+
+@dataclass
+class _Tensor:
+    """One tensor of a layer, its codes unpacked: its raw rows (B, H, sinks + recent, D), and its coded
+    regions (the body, then the tail, each where it has rows: `check_tail`), each as (rows, the
+    header's entry, its coefficients in units of its step, None where none were sent). `given`: its
+    body's coefficients of every component in units of the tensor's scale, where it is predicted."""
+
+    raw: mx.array
+    regions: list[tuple[int, dict, _Coefficients | None]]
+    rows: int
+    given: Coefficients | None = None
+
+    def sent(self, features: int, numpy: bool) -> Coefficients:
+        """Its coefficients (F, rows), in units of its scale, as the next layer predicts from them."""
+        _, entry, coefficients = self.regions[0] if self.regions else (0, {"step": 1.0}, None)
+        values = coefficients.values if coefficients is not None else None
+        return unpredicted(values, features, self.rows, entry["step"], numpy=numpy)
+
+
+def _unpacked(
+    km: dict, seg: Segments, shape: tuple[int, int, int, int], kept: tuple[int, int, int], numpy: bool
+) -> _Tensor:
+    """A tensor's raw rows and its regions' codes unpacked (`_Tensor`); `kept`: the layer's sink,
+    recent and tail rows."""
+    b, h, t, d = shape
+    s, r, tail = kept
+    raw = _raw_array(seg(km["raw"], 4 * b * h * (s + r) * d), km.get("raw_dtype", "float16"), (b, h, s + r, d))
+    regions = []
+    for (lo, hi), region in zip(coded_regions(t, s, r, tail), (km, km.get("tail", {})), strict=True):
+        if hi > lo:
+            coefficients = _coefficients(region, seg, b * (hi - lo), tables=numpy) if region["n"] else None
+            regions.append((hi - lo, region, coefficients))
+    return _Tensor(raw, regions, b * (t - s - r))
+
+
+def _predicted(tensor: _Tensor, tb: TensorBasis, inputs: list[Coefficients], numpy: bool) -> Coefficients:
+    """A predicted tensor's coefficients (F, rows), in units of its scale: its prediction from `inputs`
+    (the layer before's keys and values, and for values this layer's keys) plus the residual sent."""
+    assert tb.predictor is not None  # (`_decode_layer` checked)
+    if any(x.shape[1] != tensor.rows for x in inputs):
+        raise TransformCodecError(f"a layer of {tensor.rows} coded rows predicted from one of {inputs[0].shape[1]}")
+    _, entry, coefficients = tensor.regions[0] if tensor.regions else (0, {"step": 1.0, "n": 0}, None)
+    if entry["n"] > tb.features:
+        raise TransformCodecError(f"{entry['n']} components sent of {tb.features}")
+    residual = coefficients.values if coefficients is not None else None
+    out = chained(tb.predictor.predicted(inputs, numpy=numpy), residual, tb.predictor.order(), entry["step"])
+    if not numpy:
+        mx.eval(out)
+    return out
 
 
 @dataclass
@@ -331,36 +424,40 @@ class _Rows:
 
 
 def _coded_rows(
-    regions: list[tuple[int, dict]],
-    seg: Segments,
+    tensor: _Tensor,
     tb: TensorBasis,
     shape: tuple[int, int, int],
     rotation: tuple[mx.array, mx.array] | None,
     rotary: Rotary,
     numpy: bool,
 ) -> _Rows:
-    """A tensor's coded regions ((rows, the header's region): the body, then the tail), each its own
-    product with its own steps and components, as one block of rows: the mean added, the rows
-    passed to MLX (from NumPy, where it makes the products) and rotated back with `rotation`'s
-    tables (keys) once per tensor, not once per region (2-6% quicker decoding with a tail)."""
+    """A tensor's coded regions (the body, then the tail), each its own product with its own steps
+    and components, as one block of rows: the mean added, the rows passed to MLX (from NumPy, where
+    it makes the products) and rotated back with `rotation`'s tables (keys) once per tensor, not
+    once per region (2-6% quicker decoding with a tail). A predicted tensor's product is of its
+    coefficients of every component (`_Tensor.given`)."""
     b, h, d = shape
-    into = np.empty((b, sum(rows for rows, _ in regions), h * d), np.float32) if numpy else None
+    into = np.empty((b, sum(rows for rows, _, _ in tensor.regions), h * d), np.float32) if numpy else None
     products: list[mx.array] = []
     bounds: list[float] = []
     at = 0
-    for rows, region in regions:
+    for rows, region, coefficients in tensor.regions:
         scale = region["step"] * tb.scale
         n, largest = region["n"], np.zeros(0)
-        if n:
-            coefficients = _coefficients(region, seg, b * rows, tables=numpy)
+        values = coefficients.values if coefficients is not None else None
+        if tensor.given is not None:
+            scale, n, values = tb.scale, tb.features, tensor.given
+            largest = _largest(values).astype(np.float64)
+        elif coefficients is not None:
             largest = coefficients.largest
         if into is not None:
             if n:
-                _synthesised_into(into[:, at : at + rows], np.asarray(coefficients.values), tb, n, scale)
+                _synthesised_into(into[:, at : at + rows], np.asarray(values), tb, n, scale)
             else:
                 into[:, at : at + rows] = 0.0
         elif n:
-            products.append(_synthesised(coefficients.values, tb, n, scale).reshape(b, rows, h * d))
+            assert values is not None  # (components were sent)
+            products.append(_synthesised(values, tb, n, scale).reshape(b, rows, h * d))
         else:
             products.append(mx.zeros((b, rows, h * d), mx.float32))
         bounds.append(_magnitude_bound(largest, tb, scale, rotated=rotation is not None))
@@ -376,8 +473,24 @@ def _coded_rows(
     return _Rows(block, bounds)
 
 
+def _largest(coefficients: Coefficients) -> np.ndarray:
+    """Each component's largest magnitude over the rows (F,)."""
+    if isinstance(coefficients, np.ndarray):
+        return np.abs(coefficients).max(axis=1, initial=0.0)
+    return np.asarray(mx.abs(coefficients).max(axis=1)) if coefficients.shape[1] else np.zeros(coefficients.shape[0])
+
+
 def decode_layers(blobs: Sequence[bytes], basis: Basis) -> list[tuple[mx.array, mx.array]]:
     """Per layer, (keys, values) in its raw rows' dtype (B, kv_heads, tokens, head_dim), keys rotated
-    back; several layers at once (`kvmesh.codec.layer_pool`)."""
+    back; several layers at once (`kvmesh.codec.layer_pool`), those predicted from the layer before
+    (kvmesh.codec.prediction) once it has decoded."""
     memo: dict = {}
-    return map_layers(lambda blob: decode_layer(blob, basis, memo), blobs)
+    chain = LayerChain()
+    for blob in blobs:  # (in order, before any decodes: `LayerChain`)
+        layer = read_header(blob)[0].get("layer")
+        if type(layer) is int:
+            chain.expect(layer)
+    try:
+        return map_layers(lambda blob: decode_layer(blob, basis, memo, chain=chain), blobs)
+    finally:
+        chain.close("a layer before it did not decode")

@@ -195,6 +195,7 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
                 lossy=e.lossy,
                 quality=pb.Quality(metric=e.loss_metric, value=e.loss) if e.loss is not None else None,
                 on_request=self.coding.offer(e),
+                predicted=e.predicted,
             )
         return response
 

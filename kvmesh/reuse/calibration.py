@@ -6,7 +6,8 @@ prefills) and how long it takes to decode the model's caches in each codec (`mea
 the data directory's disk. It does so on small caches of the model, of arbitrary tokens and of two
 lengths (a fixed cost and one per token: kvmesh.codec.timing.CodecTime), in each codec a peer may
 send: as computed (zstd), 8-bit quantized, and transform coded with a basis fitted on the longer
-cache (the basis's size is what a receiver that lacks it fetches first).
+cache (the basis's size, with the predictors `kvmesh model calibrate` adds, is what a receiver that lacks
+it fetches first).
 """
 
 import logging
@@ -23,7 +24,8 @@ from kvmesh.codec.basis import Basis, fit_basis
 from kvmesh.codec.calibration import full_attention_layers
 from kvmesh.codec.coded import code_at_level
 from kvmesh.codec.encode import encode_cache
-from kvmesh.codec.rate import fastest_run
+from kvmesh.codec.levels import PREDICTED_STEP
+from kvmesh.codec.rate import fastest_run, with_zero_predictors
 from kvmesh.codec.rotary import model_rotaries
 from kvmesh.codec.timing import CodecTime, fit_codec_time
 from kvmesh.codec.transform import layers_of_cache
@@ -49,7 +51,10 @@ def ensure_calibrated(
     """Measure the model's prefill rate and decode rates here, each unless it was measured before;
     `announce` is called first when anything is to be measured (it takes seconds). Whether it was."""
     model_id = model_fp.model_id
-    todo = rates.prefill_model(model_id) is None, rates.decoding(model_id) is None
+    decoding = rates.decoding(model_id)
+    # (measured before predicted copies were: measured again)
+    stale = decoding is not None and "transform" in decoding.times and "predicted" not in decoding.times
+    todo = rates.prefill_model(model_id) is None, decoding is None or stale
     if not any(todo):
         return False
     if announce is not None:
@@ -83,11 +88,16 @@ def measure_decoding(
         "quantized": [(quantize.apply(cache), quantize) for cache in fresh],
     }
     basis = None
+    bases: dict[str, Basis] = {}
     if layers := full_attention_layers(model, fresh[-1]):  # else nothing the transform codec codes
         calibration = [layers_of_cache([fresh[-1][i] for i in layers])]
         basis = fit_basis(calibration, model_rotaries(model, layers), info={"layers": layers})
         copies["transform"] = [(code_at_level(c, basis, "default"), None) for c in full]
-    bases = {basis.digest: basis} if basis else {}
+        # `small`, each layer predicted from the one before: predictors of zeros cost the decoder
+        # what fitted ones do, and fitting them here would take an 8B model's start seconds.
+        predicting = with_zero_predictors(basis, PREDICTED_STEP)
+        copies["predicted"] = [(code_at_level(c, predicting, "small"), None) for c in full]
+        bases = {b.digest: b for b in (basis, predicting)}
 
     def timed(keep_in: Path | None) -> dict[str, CodecTime]:
         return {
@@ -104,7 +114,8 @@ def measure_decoding(
     except (OSError, StoreError) as e:  # a full disk, a data dir not made yet: the choice is only advice
         log.warning("cannot time keeping caches in %s (%s): timing decoding alone", scratch or "a temporary dir", e)
         times = timed(None)
-    return Decoding(times, basis.nbytes if basis else 0)
+    # (the basis `kvmesh model calibrate` fits holds predictors: kvmesh.codec.prediction)
+    return Decoding(times, predicting.nbytes if basis else 0)
 
 
 def receive_seconds(

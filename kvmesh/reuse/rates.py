@@ -32,8 +32,12 @@ MIN_TIMED_TOKENS = 32
 # The prefill model is fitted to this many of the latest prefills of a model.
 PREFILL_SAMPLES = 16
 # The codecs a copy of a cache may travel in, as the decode times and stream rates name them: fp16 or float32 as
-# computed, mlx-lm's 8-bit (or other) quantization, the transform codec (kvmesh.codec.transform).
-CODECS = ("full", "quantized", "transform")
+# computed, mlx-lm's 8-bit (or other) quantization, the transform codec (kvmesh.codec.transform), and
+# the transform codec with each layer predicted from the one before (`--compress small`:
+# kvmesh.codec.prediction), which decodes slower on a CPU.
+CODECS = ("full", "quantized", "transform", "predicted")
+# Those that need the model's basis.
+TRANSFORM_CODECS = ("transform", "predicted")
 # The bases remembered per model (a mesh codes a model's caches with one or a few).
 BASES_KEPT = 8
 

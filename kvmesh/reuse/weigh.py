@@ -11,7 +11,7 @@ import math
 from collections.abc import Collection, Sequence
 
 from kvmesh.codec.levels import LEVELS
-from kvmesh.codec.manifest import LOSS_METRICS
+from kvmesh.codec.manifest import LOSS_METRICS, predicted
 from kvmesh.errors import PeerError
 from kvmesh.model.fingerprint import ModelFingerprint
 from kvmesh.net.client import PeerClient, Probe
@@ -19,7 +19,7 @@ from kvmesh.net.on_request import OFFERED_LEVEL
 from kvmesh.net.timeouts import TIMEOUTS
 from kvmesh.reuse.choice import MAX_PROBE_BYTES, MIN_PROBE_SECONDS, Copy, Decision, choose, probe_bytes
 from kvmesh.reuse.fetch import Fetched
-from kvmesh.reuse.rates import Rates
+from kvmesh.reuse.rates import TRANSFORM_CODECS, Rates
 from kvmesh.v1.service_pb2 import Candidate
 
 log = logging.getLogger(__name__)
@@ -31,10 +31,19 @@ DECODE_BOUND = 1.25
 
 def codec_of(candidate: Candidate) -> str:
     """The codec a peer's copy travels in, as its lookup answer tells: a lossy cache that no press
-    changed is transform coded, a quantize press's is quantized, any other travels as computed."""
+    changed is transform coded (its layers predicted from the one before, where it says so), a
+    quantize press's is quantized, any other travels as computed."""
     if candidate.method == "quantize":
         return "quantized"
-    return "transform" if candidate.method == "full" and candidate.lossy else "full"
+    if candidate.method == "full" and candidate.lossy:
+        return "predicted" if candidate.predicted else "transform"
+    return "full"
+
+
+def level_codec(level: str) -> str:
+    """The codec of a copy coded on request at `level`: predicted where the level predicts (a peer's
+    basis fitted before the predictors codes it layer by layer, which decodes quicker)."""
+    return "predicted" if LEVELS[level].predicted_step is not None else "transform"
 
 
 def within_floor(candidate: Candidate, max_kl: float | None) -> bool:
@@ -85,7 +94,7 @@ def fetch_or_prefill(
                 wire,
                 rates.stream_rate(address, codec) or math.inf,  # unknown without a prefill to weigh: not probed
                 measured=rates.link_source(address, codec),
-                basis_bytes=decoding.basis_bytes if decoding and codec == "transform" and not bases else 0,
+                basis_bytes=decoding.basis_bytes if decoding and codec in TRANSFORM_CODECS and not bases else 0,
                 basis_bytes_per_s=rates.basis_rate(address),
                 decode_s=decoding.seconds(codec, held + tokens) if decoding else None,
                 layers=model_fp.num_layers,
@@ -146,7 +155,8 @@ def on_request_copy(
     offer = candidate.on_request
     share = tokens / max(1, candidate.num_tokens)
     decoding = rates.decoding(model_fp.model_id)
-    decode_s = decoding.seconds("transform", tokens) if decoding else None
+    codec = level_codec(level)
+    decode_s = decoding.seconds(codec, tokens) if decoding else None
     if offer.encode_s > 0:
         fixed = min(offer.encode_fixed_s, offer.encode_s)  # (0 from a peer that does not say)
         encode_s, how = fixed + (offer.encode_s - fixed) * share, "measured there"
@@ -155,10 +165,10 @@ def on_request_copy(
     return Copy(
         address,
         candidate.cache_id,
-        "transform",
+        codec,
         LEVELS[level].coded_bytes(offer.fp16_bytes * share),
-        rates.stream_rate(address, "transform") or math.inf,
-        measured=rates.link_source(address, "transform"),
+        rates.stream_rate(address, codec) or math.inf,
+        measured=rates.link_source(address, codec),
         basis_bytes=0 if offer.basis_sha256 in bases else offer.basis_bytes,
         basis_bytes_per_s=rates.basis_rate(address),
         decode_s=decode_s,
@@ -178,9 +188,10 @@ def record_fetch(
     DECODE_BOUND of this machine's decode time of it, only ever raises the link's rate), of the rate
     a basis comes ready at from that peer (fetched, checked, parsed, kept), of its setup (the time to
     its first chunk, less the time its basis took and that chunk's bytes at the link's rate) and of
-    the bases the model's caches are coded with. A copy coded `on_request` is a transform coded one;
-    its setup, which the peer's coding took part of, is not recorded."""
-    codec = "transform" if on_request else codec_of(candidate)
+    the bases the model's caches are coded with. A copy coded `on_request` is a transform coded one
+    (predicted where its manifest says so); its setup, which the peer's coding took part of, is not
+    recorded."""
+    codec = ("predicted" if predicted(fetched.manifest) else "transform") if on_request else codec_of(candidate)
     decoding = rates.decoding(model_id)
     decode_s = decoding.seconds(codec, fetched.manifest.prefix.num_tokens) if decoding else None
     paced = decode_s is not None and fetched.stream_s <= DECODE_BOUND * decode_s

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from kvmesh.codec.manifest import cuttable, lossy, measured_loss
+from kvmesh.codec.manifest import cuttable, lossy, measured_loss, predicted
 from kvmesh.errors import StoreError
 from kvmesh.store.blocks import Piece
 from kvmesh.v1 import cache_pb2 as pb
@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 # entries of bits alone recorded as `full` lose their lossless mark; 6: transform-coded entries are
 # `cuttable`, their shorter prefixes re-coded by kvmesh.codec.cut; 7: entry files are segments whose
 # blocks others refer to, kvmesh.store.blocks; 8: the measured loss's metric is kept beside it, so a
-# lookup names it: kvmesh.codec.manifest.LOSS_METRICS).
-INDEX_VERSION = 8
+# lookup names it: kvmesh.codec.manifest.LOSS_METRICS; 9: whether transform-coded layers are
+# predicted from the layer before, kvmesh.codec.prediction).
+INDEX_VERSION = 9
 INDEX = "index.sqlite3"
 # Opening the index is tried this many times on an error that may pass, waiting this long times
 # the attempt between tries.
@@ -57,6 +58,8 @@ class StoredEntry:
     lossy: bool = False
     loss: float | None = None
     loss_metric: str | None = None
+    # Its transform-coded layers are predicted from the layer before (they decode slower on a CPU).
+    predicted: bool = False
 
 
 def now_ms() -> int:
@@ -65,7 +68,7 @@ def now_ms() -> int:
 
 ENTRY_COLUMNS = (
     "cache_id, model_id, num_tokens, prefix_sha256, method, cuttable, raw_bytes, file_bytes, created_ms, "
-    "last_used_ms, lossy, loss, loss_metric"
+    "last_used_ms, lossy, loss, loss_metric, predicted"
 )
 SCHEMA_SQL = """
     CREATE TABLE IF NOT EXISTS entries (
@@ -73,7 +76,7 @@ SCHEMA_SQL = """
         prefix_sha256 BLOB NOT NULL, block_size INTEGER NOT NULL, method TEXT NOT NULL,
         cuttable INTEGER NOT NULL, raw_bytes INTEGER NOT NULL,
         file_bytes INTEGER NOT NULL, created_ms INTEGER NOT NULL, last_used_ms INTEGER NOT NULL,
-        lossy INTEGER NOT NULL, loss REAL, loss_metric TEXT);
+        lossy INTEGER NOT NULL, loss REAL, loss_metric TEXT, predicted INTEGER NOT NULL);
     CREATE INDEX IF NOT EXISTS entries_model ON entries (model_id);
     CREATE TABLE IF NOT EXISTS blocks (
         cache_id TEXT NOT NULL, idx INTEGER NOT NULL, hash BLOB NOT NULL, PRIMARY KEY (cache_id, idx));
@@ -256,7 +259,15 @@ class Index:
         with self.read() as db:
             rows = db.execute(f"SELECT {ENTRY_COLUMNS} FROM entries {clause}", args).fetchall()
         return [
-            StoredEntry(**{**dict(row), "cuttable": bool(row["cuttable"]), "lossy": bool(row["lossy"])}) for row in rows
+            StoredEntry(
+                **{
+                    **dict(row),
+                    "cuttable": bool(row["cuttable"]),
+                    "lossy": bool(row["lossy"]),
+                    "predicted": bool(row["predicted"]),
+                }
+            )
+            for row in rows
         ]
 
     @staticmethod
@@ -270,7 +281,7 @@ class Index:
         loss = measured_loss(manifest)
         cls.unindex(db, manifest.cache_id)
         db.execute(
-            "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 manifest.cache_id,
                 manifest.model.model_id,
@@ -286,6 +297,7 @@ class Index:
                 lossy(manifest),
                 loss,
                 manifest.quality.metric if loss is not None else None,
+                predicted(manifest),
             ),
         )
         db.executemany(

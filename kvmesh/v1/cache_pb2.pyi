@@ -147,7 +147,7 @@ class Rotary(_message.Message):
     def __init__(self, dims: _Optional[int] = ..., traditional: _Optional[bool] = ..., base: _Optional[float] = ..., scale: _Optional[float] = ..., freqs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TransformSpec(_message.Message):
-    __slots__ = ("basis_sha256", "basis_layer", "kv_heads", "head_dim", "sinks", "recent", "key_step", "value_step", "key_components", "value_components", "rotary", "tail", "key_tail_step", "value_tail_step", "key_tail_components", "value_tail_components")
+    __slots__ = ("basis_sha256", "basis_layer", "kv_heads", "head_dim", "sinks", "recent", "key_step", "value_step", "key_components", "value_components", "rotary", "tail", "key_tail_step", "value_tail_step", "key_tail_components", "value_tail_components", "predicted")
     BASIS_SHA256_FIELD_NUMBER: _ClassVar[int]
     BASIS_LAYER_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class TransformSpec(_message.Message):
     VALUE_TAIL_STEP_FIELD_NUMBER: _ClassVar[int]
     KEY_TAIL_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     VALUE_TAIL_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
     basis_sha256: str
     basis_layer: int
     kv_heads: int
@@ -180,7 +181,8 @@ class TransformSpec(_message.Message):
     value_tail_step: float
     key_tail_components: int
     value_tail_components: int
-    def __init__(self, basis_sha256: _Optional[str] = ..., basis_layer: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., sinks: _Optional[int] = ..., recent: _Optional[int] = ..., key_step: _Optional[float] = ..., value_step: _Optional[float] = ..., key_components: _Optional[int] = ..., value_components: _Optional[int] = ..., rotary: _Optional[_Union[Rotary, _Mapping]] = ..., tail: _Optional[int] = ..., key_tail_step: _Optional[float] = ..., value_tail_step: _Optional[float] = ..., key_tail_components: _Optional[int] = ..., value_tail_components: _Optional[int] = ...) -> None: ...
+    predicted: bool
+    def __init__(self, basis_sha256: _Optional[str] = ..., basis_layer: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., sinks: _Optional[int] = ..., recent: _Optional[int] = ..., key_step: _Optional[float] = ..., value_step: _Optional[float] = ..., key_components: _Optional[int] = ..., value_components: _Optional[int] = ..., rotary: _Optional[_Union[Rotary, _Mapping]] = ..., tail: _Optional[int] = ..., key_tail_step: _Optional[float] = ..., value_tail_step: _Optional[float] = ..., key_tail_components: _Optional[int] = ..., value_tail_components: _Optional[int] = ..., predicted: _Optional[bool] = ...) -> None: ...
 
 class Artifact(_message.Message):
     __slots__ = ("kind", "sha256", "nbytes")

@@ -75,7 +75,7 @@ class LookupRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Candidate(_message.Message):
-    __slots__ = ("cache_id", "num_tokens", "prefix_sha256", "matched_tokens", "cuttable", "method", "raw_bytes", "stored_bytes", "lossy", "quality", "on_request")
+    __slots__ = ("cache_id", "num_tokens", "prefix_sha256", "matched_tokens", "cuttable", "method", "raw_bytes", "stored_bytes", "lossy", "quality", "on_request", "predicted")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class Candidate(_message.Message):
     LOSSY_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
     ON_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     num_tokens: int
     prefix_sha256: bytes
@@ -98,7 +99,8 @@ class Candidate(_message.Message):
     lossy: bool
     quality: _cache_pb2.Quality
     on_request: OnRequest
-    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., cuttable: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., lossy: _Optional[bool] = ..., quality: _Optional[_Union[_cache_pb2.Quality, _Mapping]] = ..., on_request: _Optional[_Union[OnRequest, _Mapping]] = ...) -> None: ...
+    predicted: bool
+    def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., cuttable: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., lossy: _Optional[bool] = ..., quality: _Optional[_Union[_cache_pb2.Quality, _Mapping]] = ..., on_request: _Optional[_Union[OnRequest, _Mapping]] = ..., predicted: _Optional[bool] = ...) -> None: ...
 
 class OnRequest(_message.Message):
     __slots__ = ("basis_sha256", "basis_bytes", "fp16_bytes", "coded_bytes", "encode_s", "encode_fixed_s")

@@ -98,7 +98,9 @@ def test_the_server_keeps_compressed_caches_with_their_loss(tiny, tiny_fp, promp
     (entry,) = coded.store.entries()
     manifest = coded.store.manifest(entry.cache_id)
     assert [a.sha256 for a in manifest.artifacts] == [basis.digest]
-    assert manifest.layers[0].transform.value_step == pytest.approx(LEVELS["small"].step * basis.info["steps"]["v"][0])
+    step = basis.step_at(LEVELS["small"])  # (the predicted step: the basis has predictors)
+    assert manifest.layers[0].transform.value_step == pytest.approx(step * basis.info["steps"]["v"][0])
+    assert [layer.transform.predicted for layer in manifest.layers] == [False] + [True] * (len(manifest.layers) - 1)
     assert manifest.quality.metric == "tail_kl" and manifest.quality.value > 0
 
 

@@ -67,7 +67,7 @@ def test_schema(manifest, profile):
     for other in (1, SCHEMA_VERSION + 1):
         manifest.schema_version = other
         assert reason(manifest, profile) == "schema"
-        assert f"manifest schema {other}, this kvmesh reads 2 and 3" in str(check_manifest(manifest, profile))
+        assert f"manifest schema {other}, this kvmesh reads 2, 3, 4" in str(check_manifest(manifest, profile))
 
 
 def test_model_config(manifest, profile, tiny_dir, tmp_path):

@@ -5,6 +5,7 @@ kept nowhere, and served by no daemon, not even one that kept it under an older 
 decodes to numbers that are not finite never reaches the store."""
 
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +20,7 @@ from kvmesh.codec.calibration import fit_model_basis
 from kvmesh.codec.coded import TransformCoding, transform_code
 from kvmesh.codec.decode import CacheDecoder, decode_chunks
 from kvmesh.codec.encode import encode_cache
+from kvmesh.codec.prediction import Predictor
 from kvmesh.codec.rotary import Rotary
 from kvmesh.errors import IntegrityError, PeerError
 from kvmesh.net.client import PeerClient
@@ -40,7 +42,7 @@ def honest(tiny, prompt_ids):
 
 
 def tensor_copy(tb: TensorBasis) -> TensorBasis:
-    return TensorBasis(tb.mean.copy(), tb.components.copy(), tb.rms.copy())
+    return TensorBasis(tb.mean.copy(), tb.components.copy(), tb.rms.copy(), tb.predictor)
 
 
 def altered(basis: Basis, change) -> Basis:
@@ -67,8 +69,9 @@ def extra_layer(keys, values, rotaries, info):
     """One more layer, of a model layer the model does not have (small: a basis under the bound)."""
     f = keys[0].features
     unit = TensorBasis(np.zeros(f, np.float32), np.eye(f, dtype=np.float16), np.ones(f, np.float32))
-    keys.append(unit)
-    values.append(tensor_copy(unit))
+    # (predicted from the layer before, as every layer after the first of a basis that predicts)
+    keys.append(replace(unit, predictor=Predictor(np.zeros((2 * f + 1, f), np.float16), np.ones(f, np.float32))))
+    values.append(replace(unit, predictor=Predictor(np.zeros((3 * f + 1, f), np.float16), np.ones(f, np.float32))))
     rotaries.append(rotaries[0])
     info["layers"].append(len(info["layers"]))
     for factors in info["steps"].values():

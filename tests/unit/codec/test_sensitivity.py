@@ -109,17 +109,28 @@ def unweighted(basis: Basis, **info) -> Basis:
     return replace(basis, info={**plain, **info}, _bytes=None, _digest=None)
 
 
+def unpredicting(basis: Basis, **info) -> Basis:
+    """`basis` as a kvmesh before cross-layer prediction fitted it."""
+    plain = basis.without_predictors()
+    return replace(plain, info={**plain.info, **info}, _bytes=None, _digest=None)
+
+
 @pytest.mark.parametrize(
     "older, predates, step_of",
-    [(unfitted, "per-layer steps", "one_step"), (unweighted, "attention weights", "factors_step")],
-    ids=["without-factors", "without-weights"],
+    [
+        (unfitted, "per-layer steps and small's predictors", "one_step"),
+        (unweighted, "attention weights", "factors_step"),
+        (unpredicting, "small's predictors", "step"),
+    ],
+    ids=["without-factors", "without-weights", "without-predictors"],
 )
 def test_a_stored_basis_from_before_is_fitted_again_unless_fitted_on_the_users_texts(
     basis, tiny_loaded, prompt_ids, tmp_path, caplog, older, predates, step_of
 ):
-    """--compress on a store whose basis predates step factors or the attention's weights: one fitted
-    on the default texts is fitted again (the levels are measured on current bases); one fitted on the
-    user's texts is kept, said, and coded at the step the level met its bar with on such bases."""
+    """--compress on a store whose basis predates step factors, the attention's weights or `small`'s
+    predictors: one fitted on the default texts is fitted again (the levels are measured on current
+    bases); one fitted on the user's texts is kept, said, and coded at the step the level met its bar
+    with on such bases."""
     model_id = tiny_loaded.fingerprint.model_id
     assert basis.weighted and basis.has_step_factors
     for store, old, refitted in [
@@ -130,7 +141,8 @@ def test_a_stored_basis_from_before_is_fitted_again_unless_fitted_on_the_users_t
         artifacts.put(old.to_bytes(), old.digest)
         artifacts.set_model_basis(model_id, old.digest)
         got, calibrated = model_basis(store, tiny_loaded, tokens_per_text=64)
-        assert (calibrated is not None) is refitted and (got.weighted and got.has_step_factors) is refitted
+        current = got.weighted and got.has_step_factors and got.predicted_step is not None
+        assert (calibrated is not None) is refitted and current is refitted
         assert artifacts.model_basis(model_id) == (got.digest if refitted else old.digest)
         level = LEVELS["default"]
         coded = compress(tiny_loaded.model, prefill(tiny_loaded.model, prompt_ids).cache, prompt_ids, "default", got)

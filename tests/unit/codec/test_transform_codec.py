@@ -18,16 +18,9 @@ from kvmesh.codec.layer_blob import (
     cut_codes,
     read_header,
 )
+from kvmesh.codec.quantize import bit_allocation, component_groups, kept_components, pack_codes, pack_integers
 from kvmesh.codec.rotary import Rotary, apply_rope, model_rotaries, remove_rope, rotary_of
-from kvmesh.codec.transform import (
-    bit_allocation,
-    component_groups,
-    encode_layers,
-    kept_components,
-    layers_of_cache,
-    pack_codes,
-    pack_integers,
-)
+from kvmesh.codec.transform import encode_layers, layers_of_cache
 from kvmesh.codec.transform_decode import decode_group, decode_layers
 
 

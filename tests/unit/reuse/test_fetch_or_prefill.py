@@ -199,7 +199,7 @@ def test_generate_fetches_only_when_that_is_faster(tiny, tiny_fp, peer_with_a_ca
     generate(model, tiny_fp, prompt, CacheStore(tmp_path / "d"), peers=[address], max_tokens=2, rates=fresh)
     assert [m for m, _, _ in fresh.prefill[tiny_fp.model_id][:2]] == [128, 512]
     decoding = fresh.decoding(tiny_fp.model_id)
-    assert decoding is not None and set(decoding.times) == {"full", "quantized", "transform"}
+    assert decoding is not None and set(decoding.times) == {"full", "quantized", "transform", "predicted"}
     for time in decoding.times.values():  # decodes of two lengths: a cost per token, at the least
         assert time.per_token_s > 0 and time.fixed_s >= 0
     assert decoding.basis_bytes > 0
