@@ -208,10 +208,10 @@ def transform_problem(m: pb.CacheManifest, layer: pb.LayerSpec, bad: Callable[[s
             )
     if t.tail and m.schema_version < TAIL_SCHEMA:
         return bad(f"a tail of {t.tail} rows in a schema {m.schema_version} manifest")
-    if t.predicted and (m.schema_version < PREDICTED_SCHEMA or t.tail or t.basis_layer == 0):
-        return bad(
-            f"predicted from the layer before, with a tail of {t.tail} rows, in a schema {m.schema_version} manifest"
-        )
+    if t.predicted and m.schema_version < PREDICTED_SCHEMA:
+        return bad(f"predicted from the layer before in a schema {m.schema_version} manifest")
+    if t.predicted and (t.tail or t.basis_layer == 0):
+        return bad(f"basis layer {t.basis_layer}, with a tail of {t.tail} rows, predicted from the layer before")
     if t.sinks + t.recent + t.tail > layer.n_kept:
         return bad(f"{sink_rows(t.sinks)}, {t.tail} tail and {t.recent} recent rows of {layer.n_kept}")
     r = t.rotary

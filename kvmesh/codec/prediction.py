@@ -13,8 +13,10 @@ its variants).
 The maps are fitted in the closed loop at one step (kvmesh.codec.prediction_fit): each from the
 layer before as a receiver decodes it at that step, so the encoder predicts only at that step
 (`Basis.predicted_step`). The sender predicts from what it decoded itself, the same float32
-operations as the receiver (`chained`): on the same BLAS the two agree bit for bit, across BLASes
-within float32 rounding (0.001 of a step on SmolLM2, printed by the study).
+operations as the receiver (`chained`), in NumPy: where the receiver's products are NumPy's too (a
+CPU) the two agree bit for bit on the same BLAS; a GPU's products, or another BLAS, round otherwise,
+within float32 rounding (0.001 of a step on SmolLM2, printed by the study; on a tiny model's 24
+layers the gap stayed within 5e-5 of the scale).
 
 Units: coefficients in units of the tensor's scale (`TensorBasis.scale`), component-major
 (components, coded rows), float32 (NumPy arrays where the codec's products are NumPy's, MLX arrays
@@ -23,7 +25,6 @@ in MLX's graph).
 
 from __future__ import annotations
 
-import itertools
 import threading
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -61,12 +62,19 @@ class Predictor:
         """The residual's RMS in coding order (what the codec's bit allocation reads)."""
         return self.residual_rms[self.order()]
 
-    def _matrices(self) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, F) float32 and (1, F) float32: the map and the constant, token-major."""
-        if "map" not in self._np:
-            w = self.weights.astype(np.float32)
-            self._np["map"], self._np["constant"] = np.ascontiguousarray(w[:-1]), np.ascontiguousarray(w[-1:])
-        return self._np["map"], self._np["constant"]
+    def _matrices(self, numpy: bool) -> tuple[Coefficients, Coefficients]:
+        """(inputs, F) and (1, F) float32: the map and the constant, token-major, in NumPy or in MLX
+        (each made on first use by its path: a GPU's decoder holds no NumPy copy)."""
+        cache = self._np if numpy else self._mx
+        if "map" not in cache:
+            if numpy:
+                w = self.weights.astype(np.float32)
+                self._np["map"], self._np["constant"] = np.ascontiguousarray(w[:-1]), np.ascontiguousarray(w[-1:])
+            else:
+                w16 = mx.array(self.weights)
+                self._mx["map"], self._mx["constant"] = w16[:-1].astype(mx.float32), w16[-1:].astype(mx.float32)
+                mx.eval(self._mx["map"], self._mx["constant"])
+        return cache["map"], cache["constant"]
 
     def _check(self, inputs: int) -> None:
         if inputs != self.inputs:
@@ -78,29 +86,16 @@ class Predictor:
         The product runs token-major ((rows, inputs) x (inputs, F)), as the decoder's synthesis
         does: each row's numbers then do not depend on how many rows there are, so a prefix cut
         from a cache decodes to exactly the whole's first rows."""
-        matrix, constant = self._matrices()
+        matrix, constant = self._matrices(numpy)
         if numpy:
             stacked = np.concatenate([np.asarray(x) for x in inputs]) if len(inputs) > 1 else np.asarray(inputs[0])
             self._check(stacked.shape[0])
-            out = rowwise_product(stacked.T, matrix)
+            out = rowwise_product(stacked.T, np.asarray(matrix))
             out += constant
             return np.ascontiguousarray(out.T)
-        if "map" not in self._mx:
-            self._mx["map"], self._mx["constant"] = mx.array(matrix), mx.array(constant)
         stacked_mx = mx.concatenate([mx.array(x) if isinstance(x, np.ndarray) else x for x in inputs])
         self._check(stacked_mx.shape[0])
-        return mx.contiguous((stacked_mx.T @ self._mx["map"] + self._mx["constant"]).T)
-
-
-def predictors_nbytes(features: list[int]) -> int:
-    """The bytes a basis's predictors take, for layers of `features` each (keys' and values' alike):
-    each layer after the first, a float16 map for its keys (from the layer before's keys and values
-    and a constant) and one for its values (those and this layer's keys), and their float32 residual
-    RMS. (SmolLM2's: 11 MB, beside the rest of its basis's 4.5 MB.)"""
-    total = 0
-    for before, f in itertools.pairwise(features):
-        total += 2 * (2 * before + 1) * f + 2 * (2 * before + f + 1) * f + 2 * 4 * f
-    return total
+        return mx.contiguous((stacked_mx.T @ matrix + constant).T)
 
 
 def rowwise_product(rows: np.ndarray, matrix: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -149,37 +144,52 @@ def unpredicted(values: Coefficients | None, features: int, rows: int, step: flo
 
 class LayerChain:
     """The decoded coefficients (keys, values) of a cache's coded layers, by basis layer, for the
-    layers predicted from them; shared by the threads that decode them. A layer is `expect`ed
-    before it is decoded (where layers decode on several threads, in the order they were handed
-    out, before any is started), so that a layer predicted from one never expected fails at once
-    instead of waiting for it."""
+    layers predicted from them; shared by the threads that decode them.
+
+    Layers are `expect`ed in the order they are handed to those threads (all before any starts, or
+    each as it is handed out: the pool takes them first in, first out), and a layer waits only for
+    one expected before it, which was handed out first and so is running or done: waiting never
+    deadlocks the pool, and a layer predicted from one expected after it, or never, fails at once.
+    Each layer's coefficients are read once, by the layer after it, and dropped then (a decode holds
+    one layer's, not the cache's)."""
 
     def __init__(self) -> None:
         self._layers: dict[int, Future[tuple[Coefficients, Coefficients]]] = {}
+        self._order: dict[int, int] = {}  # basis layer -> when it was expected
         self._lock = threading.Lock()
 
     def expect(self, layer: int) -> None:
+        self._future(layer)
+
+    def _future(self, layer: int) -> Future[tuple[Coefficients, Coefficients]]:
         with self._lock:
-            self._layers.setdefault(layer, Future())
+            if layer not in self._layers:
+                self._layers[layer] = Future()
+                self._order.setdefault(layer, len(self._order))
+            return self._layers[layer]
 
     def publish(self, layer: int, coefficients: tuple[Coefficients, Coefficients]) -> None:
-        self.expect(layer)
-        _settle(self._layers[layer], coefficients)
+        _settle(self._future(layer), coefficients)
 
     def fail(self, layer: int, error: BaseException) -> None:
         """Layer `layer` did not decode: those predicted from it fail too (with its error)."""
-        self.expect(layer)
-        _settle(self._layers[layer], TransformCodecError(f"the layer it is predicted from did not decode: {error}"))
+        _settle(self._future(layer), TransformCodecError(f"the layer it is predicted from did not decode: {error}"))
 
     def previous(self, layer: int) -> tuple[Coefficients, Coefficients]:
-        """Basis layer `layer - 1`'s decoded coefficients, once decoded."""
+        """Basis layer `layer - 1`'s decoded coefficients, once decoded (`layer` expected already)."""
         with self._lock:
             future = self._layers.get(layer - 1)
-        if future is None:
+            before, mine = self._order.get(layer - 1), self._order.get(layer)
+        if future is None or before is None:
             raise TransformCodecError(
                 f"basis layer {layer} is predicted from layer {layer - 1}, which is not decoded before it"
             )
-        return future.result()
+        if mine is not None and before > mine:
+            raise TransformCodecError(f"basis layer {layer} is predicted from layer {layer - 1}, which comes after it")
+        coefficients = future.result()
+        with self._lock:
+            self._layers.pop(layer - 1, None)
+        return coefficients
 
     def close(self, why: str) -> None:
         """Fail every layer not decoded yet (a transfer that stopped), so that nothing waits on it."""

@@ -204,7 +204,7 @@ def _assemble_layer(
     layer, pos, meta, basis: Basis, steps: tuple[float, float], key_factor: float, level: int, numpy: bool
 ) -> bytes:
     """One layer's blob, its body's coefficients rounded at `steps[0]` and its tail's at `steps[1]`
-    (`numpy`: by `_quantize_numpy`)."""
+    (`numpy`: rounded in NumPy, kvmesh.codec.quantize)."""
     out = Writer(level)
     lm = dict(meta)
     if pos is not None:

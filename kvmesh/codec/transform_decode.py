@@ -332,6 +332,8 @@ def _decode_layer(
             coefficients.append(tensor.given)
     elif chain is not None and not tail and j + 1 < len(basis) and _at_predicted_step(header, basis):
         coefficients = [tensor.sent(tb.features, numpy) for tensor, tb in zip(tensors, basis.pair(j), strict=True)]
+        if not numpy:
+            mx.eval(*coefficients)  # (here: an MLX graph is evaluated on the thread that made it)
     if chain is not None:
         if coefficients:
             chain.publish(j, (coefficients[0], coefficients[1]))

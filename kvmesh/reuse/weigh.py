@@ -41,8 +41,9 @@ def codec_of(candidate: Candidate) -> str:
 
 
 def level_codec(level: str) -> str:
-    """The codec of a copy coded on request at `level`: predicted where the level predicts (a peer's
-    basis fitted before the predictors codes it layer by layer, which decodes quicker)."""
+    """The codec of a copy coded on request at `level`: `predicted` where the level predicts each
+    layer from the one before (as a peer with a current basis codes it: a peer whose basis has no
+    predictors sends a copy that decodes quicker than weighed)."""
     return "predicted" if LEVELS[level].predicted_step is not None else "transform"
 
 

@@ -11,14 +11,16 @@ import pytest
 from kvmesh.caches.prefill import prefill
 from kvmesh.caches.presses import make_press
 from kvmesh.codec.basis import Basis, BasisError
+from kvmesh.codec.basis_file import basis_bytes_bound
 from kvmesh.codec.calibration import fit_model_basis
 from kvmesh.codec.coded import TransformCoding, code_at_level, decoded
 from kvmesh.codec.compat import validate_manifest
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.layer_blob import MAGIC_PREDICTED, TransformCodecError, cut_layer, read_header
+from kvmesh.codec.layer_pool import map_layers
 from kvmesh.codec.levels import LEVELS, PREDICTED_STEP
-from kvmesh.codec.prediction import LayerChain, predictors_nbytes
+from kvmesh.codec.prediction import LayerChain, Predictor
 from kvmesh.codec.rate import synthetic_basis, synthetic_layers
 from kvmesh.codec.transform import encode_layers, layers_of_cache
 from kvmesh.codec.transform_decode import decode_layer, decode_layers
@@ -114,6 +116,40 @@ def test_numpy_and_mlx_and_the_layer_threads_decode_a_predicted_cache_alike(basi
             assert mx.array_equal(a, b).item()
 
 
+def test_mlx_s_graph_decodes_a_predicted_cache_on_the_layer_threads(basis, layers):
+    """What a Mac's GPU runs: each layer's graph on a thread of its own, the layer before's
+    coefficients evaluated where they were made before the next thread reads them."""
+    blobs = encode_layers(layers, basis, step=PREDICTED_STEP).blobs
+    chain = LayerChain()
+    for i in range(len(blobs)):
+        chain.expect(i)
+    threaded = map_layers(lambda blob: decode_layer(blob, basis, numpy=False, chain=chain), blobs)
+    for mine, theirs in zip(threaded, decode_layers(blobs, basis), strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_a_layer_predicted_from_one_handed_out_after_it_fails_at_once(basis, layers):
+    """A sender's manifest may list layers in any order: a layer never waits for one the threads take
+    after it (which could leave every thread waiting), and reads the layer before's coefficients once."""
+    blobs = encode_layers(layers, basis, step=PREDICTED_STEP).blobs
+    with pytest.raises(TransformCodecError, match="which comes after it"):
+        decode_layers(blobs[::-1], basis)
+    chain = LayerChain()
+    decode_layer(blobs[0], basis, chain=chain)
+    decode_layer(blobs[1], basis, chain=chain)
+    with pytest.raises(TransformCodecError, match="not decoded before it"):  # (read, and dropped)
+        decode_layer(blobs[1], basis, chain=chain)
+
+
+def test_layers_at_other_positions_are_coded_alone(basis, layers):
+    shifted = list(layers)
+    keys, values, positions = shifted[2]
+    shifted[2] = (keys, values, np.asarray(positions) + 5)
+    blobs = encode_layers(shifted, basis, step=PREDICTED_STEP).blobs
+    assert [read_header(b)[0].get("predicted", False) for b in blobs] == [False, True, False, False]
+
+
 def test_a_predicted_cache_cuts_to_exactly_its_first_rows(basis, layers):
     blobs = encode_layers(layers, basis, step=PREDICTED_STEP).blobs
     whole = decode_layers(blobs, basis)
@@ -146,11 +182,23 @@ def test_what_a_predicted_layer_cannot_decode_from_is_named(basis, layers):
         decode_layers(blobs[:2], bare)
 
 
-def test_a_basis_with_predictors_for_some_layers_only_is_refused(basis):
-    keys = [dataclasses.replace(tb, predictor=None) if i == 2 else tb for i, tb in enumerate(basis.keys)]
-    partial = dataclasses.replace(basis, keys=keys, _bytes=None, _digest=None)
-    with pytest.raises(BasisError, match="every layer after the first"):
-        Basis.from_bytes(partial.to_bytes(), partial.digest)
+def test_a_basis_with_predictors_for_some_layers_only_or_poisoned_ones_is_refused(basis):
+    def changed(predictor) -> Basis:
+        keys = [dataclasses.replace(tb, predictor=predictor) if i == 2 else tb for i, tb in enumerate(basis.keys)]
+        return dataclasses.replace(basis, keys=keys, _bytes=None, _digest=None)
+
+    weights, rms = basis.keys[2].predictor.weights, basis.keys[2].predictor.residual_rms
+    nan = weights.copy()
+    nan[0, 0] = np.nan
+    for bad, why in [
+        (None, "every layer after the first"),
+        (Predictor(nan, rms), "NaN or infinite"),
+        (Predictor(weights[:-1], rms), "a predictor"),
+        (Predictor(weights, -rms), "outside"),
+    ]:
+        poisoned = changed(bad)
+        with pytest.raises(BasisError, match=why):
+            Basis.from_bytes(poisoned.to_bytes(), poisoned.digest)
 
 
 def test_a_small_cache_travels_predicted_in_schema_4_and_decodes_as_where_it_was_made(tiny, basis, prompt_ids, tiny_fp):
@@ -160,6 +208,7 @@ def test_a_small_cache_travels_predicted_in_schema_4_and_decodes_as_where_it_was
     manifest, chunks = encode_cache(cache, tiny_fp, prompt_ids)
     chunks = list(chunks)
     assert manifest.schema_version == PREDICTED_SCHEMA and validate_manifest(manifest) is None
+    assert basis.nbytes <= basis_bytes_bound(manifest)  # (a receiver fetches a basis that predicts)
     assert [layer.transform.predicted for layer in manifest.layers] == [False] + [True] * (len(full) - 1)
     got = decode_chunks(manifest, chunks, bases={basis.digest: basis})
     for layer, same in zip(got, decoded(cache), strict=True):
@@ -181,12 +230,6 @@ def test_a_lying_manifest_that_hides_the_prediction_is_refused(tiny, basis, prom
         layer.transform.predicted = False
     with pytest.raises(IntegrityError, match="predicted"):
         decode_chunks(manifest, list(chunks), bases={basis.digest: basis})
-
-
-def test_the_predictors_take_the_bytes_the_choice_counts_for_them(basis):
-    features = [tb.features for tb in basis.keys]
-    grown = basis.nbytes - basis.without_predictors().nbytes
-    assert 0 < predictors_nbytes(features) <= grown < predictors_nbytes(features) + (16 << 10)  # (+ header)
 
 
 def test_a_synthetic_basis_that_predicts_codes_and_decodes_as_a_fitted_one():
