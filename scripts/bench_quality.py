@@ -308,7 +308,9 @@ def main() -> None:
         best = max(fits, key=lambda f: f["ratio"], default=None)
         chosen = LEVELS[level]
         verdict = f"{best['method']}: {best['ratio']:.2f}x, worst KL {best['kl']:.4f}" if best else "none"
-        shipped = f"step={chosen.step:g}" + (f", tail {chosen.tail} at x{chosen.tail_factor:g}" if chosen.tail else "")
+        step = basis.step_at(chosen)  # (with this basis: its predictors' step where the level predicts)
+        shipped = f"step={step:g}" + (f", tail {chosen.tail} at x{chosen.tail_factor:g}" if chosen.tail else "")
+        shipped += " (predicted)" if step == basis.predicted_step else ""
         print(
             f"--compress {level} (KL <= {bar}, every fact): smallest {verdict} (tail {args.tail} at "
             f"x{args.tail_factor:g}); shipped: {shipped}"
