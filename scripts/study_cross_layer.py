@@ -49,6 +49,7 @@ from kvmesh.codec.basis import Basis  # noqa: E402
 from kvmesh.codec.calibration import default_texts, fit_model_basis  # noqa: E402
 from kvmesh.codec.layer_blob import MAGIC, Segments, Writer, blob_magic, read_header  # noqa: E402
 from kvmesh.codec.levels import CALIBRATION_TOKENS  # noqa: E402
+from kvmesh.codec.prediction_fit import ridge_map  # noqa: E402
 from kvmesh.codec.quantize import coded_groups  # noqa: E402
 from kvmesh.codec.rotary import apply_rope  # noqa: E402
 from kvmesh.codec.sensitivity import KEY_FACTOR, PROBE_TOKENS  # noqa: E402
@@ -64,10 +65,6 @@ from support.quality_probes import (  # noqa: E402
     load_texts,
     split_context,
 )
-
-# Ridge regularisation, as a share of each predictor's own energy (the constant's too), plus a
-# trace-scaled floor for predictors that are all zero (components the layer before did not code).
-RIDGE = 0.01
 
 Coefficients = list[list[np.ndarray]]  # [layer][0 keys, 1 values]: (coded rows, features), float64
 Maps = dict[tuple[int, int], "Map"]  # (layer, kind) -> its map
@@ -168,9 +165,7 @@ def fit_maps(sets: list[Coefficients], basis: Basis, step: float, setting: Setti
                 maps[layer, kind] = Map(np.zeros((0, len(rms))), rms, np.arange(len(rms)))
             else:
                 x, y = np.concatenate(xs), np.concatenate(ys)
-                gram = x.T @ x
-                gram += RIDGE * np.diag(np.diag(gram)) + 1e-6 * np.trace(gram) / len(gram) * np.eye(len(gram))
-                w = np.linalg.solve(gram, x.T @ y)
+                w = ridge_map(x, y)  # (the codec's own fit: kvmesh.codec.prediction_fit)
                 if setting.rank:
                     _, _, vt = np.linalg.svd(x @ w, full_matrices=False)
                     w = w @ vt[: setting.rank].T @ vt[: setting.rank]

@@ -56,6 +56,13 @@ def fit_predictors(calibration: Sequence[Sequence[LayerKV]], basis: Basis, step:
     return Basis(fitted["k"], fitted["v"], list(basis.rotaries), info)
 
 
+def ridge_map(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The ridge regression of rows `y` (N, F) on rows `x` (N, inputs), float64 (inputs, F)."""
+    gram = x.T @ x
+    gram += RIDGE * np.diag(np.diag(gram)) + 1e-6 * np.trace(gram) / len(gram) * np.eye(len(gram))
+    return np.linalg.solve(gram, x.T @ y)
+
+
 def _fitted(inputs: list[list[np.ndarray]], exact: list[np.ndarray]) -> Predictor:
     """The ridge map from the inputs (per text, the arrays (F', rows) they stack) and a constant to
     the exact coefficients (per text, (F, rows)), its weights in float16."""
@@ -63,8 +70,6 @@ def _fitted(inputs: list[list[np.ndarray]], exact: list[np.ndarray]) -> Predicto
     x = np.concatenate([np.concatenate([*parts, one]) for parts, one in zip(inputs, ones, strict=True)], axis=1)
     x = x.astype(np.float64).T
     y = np.concatenate(exact, axis=1).astype(np.float64).T
-    gram = x.T @ x
-    gram += RIDGE * np.diag(np.diag(gram)) + 1e-6 * np.trace(gram) / len(gram) * np.eye(len(gram))
-    weights = np.linalg.solve(gram, x.T @ y).astype(np.float16)
+    weights = ridge_map(x, y).astype(np.float16)
     residual = y - x @ weights.astype(np.float64)
     return Predictor(weights, np.sqrt((residual**2).mean(axis=0)).astype(np.float32))

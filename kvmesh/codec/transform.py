@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,18 +205,33 @@ def _assemble_layer(
 ) -> bytes:
     """One layer's blob, its body's coefficients rounded at `steps[0]` and its tail's at `steps[1]`
     (`numpy`: rounded in NumPy, kvmesh.codec.quantize)."""
-    out = Writer(level)
-    lm = dict(meta)
-    if pos is not None:
-        lm["positions"] = {**meta["positions"], "seg": out.add(pos.astype("<i4").tobytes(), True)}
-    for kind, p in zip("kv", layer, strict=True):
+
+    def code(out: Writer, kind: str, p: _Prepared) -> dict:
         factor = basis.step_factor(meta["layer"], kind, key_factor)
         rms = p.basis.rms / p.basis.scale
         km = coded_groups(out, p.coeffs, rms, steps[0] * factor, numpy)
         if "tail" in meta:
             km["tail"] = coded_groups(out, p.tail, rms, steps[1] * factor, numpy, one_run=True)
-        lm[kind] = {**km, "raw": out.add(p.raw, False), "raw_dtype": p.raw_dtype}
-    return out.blob({"basis": basis.digest, **lm}, blob_magic({p.raw_dtype for p in layer}, "tail" in meta))
+        return km
+
+    return _layer_blob(layer, pos, meta, basis, level, code)
+
+
+def _layer_blob(
+    layer, pos, meta, basis: Basis, level: int, code: Callable[[Writer, str, _Prepared], dict], predicted: bool = False
+) -> bytes:
+    """One layer's blob: its positions (where they are not a run), each tensor's codes as `code(out,
+    kind, tensor)` adds them to the blob and says them for its header, each tensor's raw rows."""
+    out = Writer(level)
+    lm = dict(meta)
+    if pos is not None:
+        lm["positions"] = {**meta["positions"], "seg": out.add(pos.astype("<i4").tobytes(), True)}
+    for kind, p in zip("kv", layer, strict=True):
+        lm[kind] = {**code(out, kind, p), "raw": out.add(p.raw, False), "raw_dtype": p.raw_dtype}
+    if predicted:
+        lm["predicted"] = True
+    magic = blob_magic({p.raw_dtype for p in layer}, "tail" in meta, predicted)
+    return out.blob({"basis": basis.digest, **lm}, magic)
 
 
 def _assemble(
@@ -254,22 +269,27 @@ def _assemble_predicted(
     blobs: list[bytes] = []
     before: list[Coefficients] = []
     for ((layer, pos), meta), predict in zip(zip(prepared, metas, strict=True), predicted, strict=True):
-        out = Writer(level)
-        lm = dict(meta)
-        if pos is not None:
-            lm["positions"] = {**meta["positions"], "seg": out.add(pos.astype("<i4").tobytes(), True)}
-        decoded: list[Coefficients] = []
-        for kind, p in zip("kv", layer, strict=True):
-            tensor_step = step * basis.step_factor(meta["layer"], kind, key_factor)
-            inputs = (before + decoded[:1] if kind == "v" else before) if predict else None
-            km, coefficients = coded_tensor(out, p.coeffs, p.basis, tensor_step, numpy, inputs)
-            decoded.append(coefficients)
-            lm[kind] = {**km, "raw": out.add(p.raw, False), "raw_dtype": p.raw_dtype}
-        if predict:
-            lm["predicted"] = True
-        before = decoded
-        blobs.append(out.blob({"basis": basis.digest, **lm}, blob_magic({p.raw_dtype for p in layer}, False, predict)))
+        predicted_from = before if predict else None
+        blob, before = _chained_layer(layer, pos, meta, basis, step, key_factor, level, numpy, predicted_from)
+        blobs.append(blob)
     return blobs
+
+
+def _chained_layer(
+    layer, pos, meta, basis: Basis, step: float, key_factor: float, level: int, numpy: bool, before: list | None
+) -> tuple[bytes, list[Coefficients]]:
+    """One layer's blob at `step`, predicted from `before` (the layer before's decoded coefficients;
+    None: coded on its own), and its own coefficients as the receiver decodes them, for the next."""
+    decoded: list[Coefficients] = []
+
+    def code(out: Writer, kind: str, p: _Prepared) -> dict:
+        tensor_step = step * basis.step_factor(meta["layer"], kind, key_factor)
+        inputs = None if before is None else (before + decoded[:1] if kind == "v" else before)
+        km, coefficients = coded_tensor(out, p.coeffs, p.basis, tensor_step, numpy, inputs)
+        decoded.append(coefficients)
+        return km
+
+    return _layer_blob(layer, pos, meta, basis, level, code, before is not None), decoded
 
 
 def coded_tensor(

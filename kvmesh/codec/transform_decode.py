@@ -377,11 +377,18 @@ class _Tensor:
     rows: int
     given: Coefficients | None = None
 
+    def body(self) -> tuple[float, Coefficients | None]:
+        """Its body's step and its coefficients sent (n, rows), in units of that step (None: none
+        were sent, or it has no coded rows)."""
+        if not self.regions:
+            return 1.0, None
+        _, entry, coefficients = self.regions[0]
+        return entry["step"], coefficients.values if coefficients is not None else None
+
     def sent(self, features: int, numpy: bool) -> Coefficients:
         """Its coefficients (F, rows), in units of its scale, as the next layer predicts from them."""
-        _, entry, coefficients = self.regions[0] if self.regions else (0, {"step": 1.0}, None)
-        values = coefficients.values if coefficients is not None else None
-        return unpredicted(values, features, self.rows, entry["step"], numpy=numpy)
+        step, values = self.body()
+        return unpredicted(values, features, self.rows, step, numpy=numpy)
 
 
 def _unpacked(
@@ -406,11 +413,10 @@ def _predicted(tensor: _Tensor, tb: TensorBasis, inputs: list[Coefficients], num
     assert tb.predictor is not None  # (`_decode_layer` checked)
     if any(x.shape[1] != tensor.rows for x in inputs):
         raise TransformCodecError(f"a layer of {tensor.rows} coded rows predicted from one of {inputs[0].shape[1]}")
-    _, entry, coefficients = tensor.regions[0] if tensor.regions else (0, {"step": 1.0, "n": 0}, None)
-    if entry["n"] > tb.features:
-        raise TransformCodecError(f"{entry['n']} components sent of {tb.features}")
-    residual = coefficients.values if coefficients is not None else None
-    out = chained(tb.predictor.predicted(inputs, numpy=numpy), residual, tb.predictor.order(), entry["step"])
+    step, residual = tensor.body()
+    if residual is not None and residual.shape[0] > tb.features:
+        raise TransformCodecError(f"{residual.shape[0]} components sent of {tb.features}")
+    out = chained(tb.predictor.predicted(inputs, numpy=numpy), residual, tb.predictor.order(), step)
     if not numpy:
         mx.eval(out)
     return out
