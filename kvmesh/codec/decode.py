@@ -73,6 +73,7 @@ class CacheDecoder:
         self._memo: dict = {}  # rotation tables, shared by the coded layers' threads
         # Their coefficients, for the layers predicted from the one before (kvmesh.codec.prediction).
         self._chain = LayerChain()
+        self._settled = False
 
     def _allocate(self, chunk: Chunk) -> Chunk:
         """Make the buffer of the tensor where the plan puts `chunk` (not where it claims to go)."""
@@ -97,9 +98,11 @@ class CacheDecoder:
         for _ in self.feed_iter(chunks, threads):
             pass
 
-    def feed_iter(self, chunks: Iterable[Chunk], threads: int = DECODE_THREADS) -> Iterator[Chunk]:
+    def feed_iter(
+        self, chunks: Iterable[Chunk], threads: int = DECODE_THREADS, *, settle: bool = True
+    ) -> Iterator[Chunk]:
         """Feed chunks, yielding each in order once it is checked and written; after the last, check
-        that the payload is complete and its digest the manifest's.
+        that the payload is complete and its digest the manifest's, then `settle` (all decoded, finite).
 
         Each chunk is checked against its slot, decoded and written into its own rows on one of
         `threads` threads while the caller brings the next; only the order check runs here, so a
@@ -107,6 +110,10 @@ class CacheDecoder:
         What this yields may go to a store as it comes (`store.add(manifest, decoder.feed_iter(...))`):
         a bad chunk or digest, or a tensor of numbers that are not finite, raises before the store's
         write completes, so nothing is kept.
+
+        With `settle=False` it ends after the digest, coded layers maybe still decoding: the store's
+        last write and sync then overlap their decoding, and the store settles before it commits
+        (`store.add(manifest, decoder.feed_iter(chunks, settle=False), before_commit=decoder.settle)`).
         """
 
         def decode(chunk: Chunk) -> Chunk:
@@ -121,10 +128,24 @@ class CacheDecoder:
                 self._collect_coded(wait=False)  # a layer that failed fails the transfer now
                 yield chunk
             self.checker.finish()
+        except BaseException:  # (a failure, or a consumer that stopped early)
+            self._stop_coded()
+            raise
+        if settle:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the coded layers still decoding (raising the first failure), then check that every
+        tensor that arrived as it is holds finite numbers: what must hold before the cache is kept or
+        used. Once is enough: later calls return at once."""
+        if self._settled:
+            return
+        try:
             self._collect_coded(wait=True)
         finally:
             self._stop_coded()
         self._check_finite()
+        self._settled = True
 
     def _check_finite(self) -> None:
         """Every float tensor that arrived as it is holds finite numbers (coded layers are checked as
@@ -184,7 +205,7 @@ class CacheDecoder:
     def finish(self) -> list[Layer]:
         """Check the payload is complete and intact, then hand over the caches."""
         self.checker.finish()
-        self._collect_coded(wait=True)
+        self.settle()
         # Tensors of no bytes had no chunk to make theirs.
         buffers = [self._buffer(i) for i in range(len(self.buffers))]
         tensors = iter(enumerate(zip(self.checker.specs, buffers, strict=True)))

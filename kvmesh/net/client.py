@@ -102,6 +102,7 @@ class Transfer:
         # The chunks the receiver holds, which do not travel (CacheManifest.held), by index.
         self.held: dict[int, Chunk] = {}
         self._client, self._call, self._outbox = client, call, outbox
+        self._accepted = False
         self._stream = iter(call)
         self._progress = progress
         # A deadline given runs from the open; else each part gets its own (transfer_deadline).
@@ -169,16 +170,25 @@ class Transfer:
             pass  # it went away instead: refused all the same
         self.close()
 
-    def chunks(self) -> Iterator[Chunk]:
-        """Accept the cache, then its chunks as they arrive, parsed from their frames (their bytes
-        stay where gRPC put them); after the last, the trailer is checked. Each chunk's bytes are
-        checked by whoever decodes or stores them (kvmesh.codec.decode, the store)."""
+    def accept(self) -> None:
+        """Tell the peer yes: its chunks start to move. A receiver calls it as soon as it knows, so
+        that the first chunk is on its way while it readies what takes it; `chunks()` accepts too."""
+        if self._accepted:
+            return
+        self._accepted = True
         encoding = self.manifest.encoding
         self._outbox.put(spb.FetchRequest(decision=accept()))
         left = None if self._ends is None else self._ends - time.monotonic()
         self._watchdog.allow(TIMEOUTS.transfer_deadline(encoding.encoded_bytes) if left is None else left)
         # A message is a chunk, or a batch of small ones (kvmesh.codec.chunks.batch_frames).
         self._watchdog.measure_rate(TIMEOUTS.min_receive_rate, rate_window(max(encoding.chunk_size, BATCH_BYTES)))
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Accept the cache (if not yet), then its chunks as they arrive, parsed from their frames
+        (their bytes stay where gRPC put them); after the last, the trailer is checked. Each chunk's
+        bytes are checked by whoever decodes or stores them (kvmesh.codec.decode, the store)."""
+        encoding = self.manifest.encoding
+        self.accept()
         frames = FrameReader(self._next)
         for i in range(encoding.chunk_count):
             if (own := self.held.get(i)) is not None:  # held here: it did not travel

@@ -103,6 +103,7 @@ def fetch_cache(
             if keep:
                 fetch.refuse(Rejection(pb.REJECT_REASON_SIZE_LIMIT, f"the local store cannot keep it: {problem}"))
             store = None  # decode it all the same, without keeping it
+        fetch.accept()  # (the first chunk travels while the decoder and the store's entry are made)
         arrived = Arrivals(start, start)
         received = receive(manifest, timed(fetch.chunks(), arrived, fetch.held), bases, store)
     seconds = time.perf_counter() - start

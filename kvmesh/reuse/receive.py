@@ -34,14 +34,15 @@ def receive(
 ) -> Received:
     """The caches `manifest` and its `chunks` describe, kept in `store` in the same pass (None: kept
     nowhere). A store that fails costs only the keeping (a warning): the cache is decoded all the
-    same. A damaged chunk or digest raises IntegrityError before the store's entry is complete, so
-    nothing is kept."""
+    same. A damaged chunk or digest, or a layer that does not decode, raises IntegrityError before
+    the store's entry is indexed, so nothing is kept."""
     decoder = CacheDecoder(manifest, bases)
-    decoded = decoder.feed_iter(chunks)
+    # The store writes and syncs the entry while the last layers decode; it indexes it once they have.
+    decoded = decoder.feed_iter(chunks, settle=False)
     kept = store is not None
     if store is not None:
         try:
-            manifest = store.add(manifest, decoded)
+            manifest = store.add(manifest, decoded, before_commit=decoder.settle)
         except StoreError as e:
             log.warning("the fetched cache is used but not kept: %s", e)
             kept = False

@@ -116,15 +116,23 @@ class CacheStore:
 
     # Writing
 
-    def add(self, manifest: pb.CacheManifest, chunks: Iterable[Chunk]) -> pb.CacheManifest:
+    def add(
+        self,
+        manifest: pb.CacheManifest,
+        chunks: Iterable[Chunk],
+        *,
+        before_commit: Callable[[], None] | None = None,
+    ) -> pb.CacheManifest:
         """Store a cache whose chunks this process made or checked: `store.add(*encode_cache(...))`,
         or a fetched cache as its decoder checks it (`kvmesh.codec.decode.CacheDecoder.feed_iter`).
 
         The chunks are written as they come; the manifest, completed by the encoder once the last
         chunk is out, gets its id and goes last. Returns it. Whatever `chunks` raises (a chunk or
-        digest that fails its decoder's checks) leaves nothing in the store.
+        digest that fails its decoder's checks) leaves nothing in the store, and so does whatever
+        `before_commit` raises: it runs once the entry is written and synced, before it is indexed
+        (a fetch's decoder waits there for its last layers: the sync overlaps their decoding).
         """
-        return self._write(manifest, chunks)
+        return self._write(manifest, chunks, before_commit)
 
     def receive(self, manifest: pb.CacheManifest, chunks: Iterable[Chunk]) -> pb.CacheManifest:
         """Store a cache that arrives as chunks nobody here checked (a peer's publish, a file),
@@ -163,7 +171,9 @@ class CacheStore:
             )
         return None
 
-    def _write(self, manifest: pb.CacheManifest, chunks: Iterable[Chunk]) -> pb.CacheManifest:
+    def _write(
+        self, manifest: pb.CacheManifest, chunks: Iterable[Chunk], before_commit: Callable[[], None] | None = None
+    ) -> pb.CacheManifest:
         """Write an entry: staged, synced, renamed and indexed in one transaction, then the budget
         kept. A blockwise cache's blocks that another entry holds become references to it
         (`kvmesh.store.blocks`), pinned from the first chunk until the index commits."""
@@ -203,6 +213,8 @@ class CacheStore:
                         f"the cache keeps {kept:,} bytes on disk with the blocks it shares, more than the "
                         f"store's budget of {self.max_bytes:,}"
                     )
+                if before_commit is not None:
+                    before_commit()
                 path = self.layout.path(manifest.cache_id)
                 written = Written(tmp.name, writer.refs, writer.referred, writer.new)
                 self.index.add_file(manifest, path, source=tmp, written=written)

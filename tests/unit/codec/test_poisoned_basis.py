@@ -24,6 +24,7 @@ from kvmesh.codec.prediction import Predictor
 from kvmesh.codec.rotary import Rotary
 from kvmesh.errors import IntegrityError, PeerError
 from kvmesh.net.client import PeerClient
+from kvmesh.reuse.receive import receive
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import ArtifactStore, Incoming, artifact_store
 from kvmesh.v1 import cache_pb2 as pb
@@ -287,10 +288,17 @@ def test_a_layer_that_decodes_to_numbers_not_finite_never_reaches_the_store(hone
     store = CacheStore(tmp_path / "store")
     with pytest.raises(IntegrityError, match="NaN or infinite numbers"):
         store.add(manifest, CacheDecoder(manifest, {bad.digest: bad}).feed_iter(chunks))
+    # As a fetch keeps it: written and synced while its layers decode, indexed only once they have.
+    with pytest.raises(IntegrityError, match="NaN or infinite numbers"):
+        receive(manifest, chunks, {bad.digest: bad}, store)
+    assert list(store.incoming_dir.iterdir()) == []
     values = mx.ones((1, 2, 64, 64))
     values[0, 1, 7, 3] = mx.nan
     plain = [SparseKVCache.from_arrays(mx.ones((1, 2, 64, 64)), values, 64) for _ in range(4)]
-    manifest, chunks = encode_cache(plain, tiny_fp, list(range(64)))
+    manifest, made = encode_cache(plain, tiny_fp, list(range(64)))
+    chunks = list(made)
     with pytest.raises(IntegrityError, match=r"tensor 1 \(values\) of the cache holds NaN"):
         store.add(manifest, CacheDecoder(manifest).feed_iter(chunks))
-    assert store.entries() == []
+    with pytest.raises(IntegrityError, match=r"tensor 1 \(values\) of the cache holds NaN"):
+        receive(manifest, chunks, {}, store)
+    assert store.entries() == [] and list(store.incoming_dir.iterdir()) == []

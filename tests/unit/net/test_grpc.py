@@ -21,6 +21,7 @@ from kvmesh.caches.presses import Press, make_press
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.chunks import FRAME_HEADER
 from kvmesh.codec.compat import ReceiverProfile
+from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.codec.manifest import content_id
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError
@@ -197,6 +198,24 @@ def test_an_incompatible_cache_is_rejected_before_any_chunk(
         stats = client.info().transfers
     assert stats.chunk_bytes_sent == 0 and stats.fetches_rejected == 1 and stats.fetches_completed == 0
     assert client_store.entries() == []
+
+
+def test_chunks_move_once_accepted_before_the_receiver_reads_them(prompt_ids, fp, producer, serve, tmp_path):
+    """No chunk before the accept; after it, the first is on its way while the receiver readies its
+    decoder and store (kvmesh.reuse.fetch accepts first), and they arrive as the manifest said."""
+    root, made = producer
+    manifest, cache = made["dense", "zstd"]
+    address = serve(copy_store(root, tmp_path, "served"))
+    with PeerClient(address) as client:
+        with client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=prompt_ids)) as transfer:
+            assert client.info().transfers.chunk_bytes_sent == 0  # the manifest alone, waiting for a decision
+            transfer.accept()
+            wait_for(lambda: client.info().transfers.chunk_bytes_sent > 0, what="the first chunk to be sent")
+            transfer.accept()  # (once is enough: chunks() accepts only if nobody did)
+            decoded = decode_chunks(transfer.manifest, transfer.chunks())
+        assert transfer.wire_bytes == manifest.encoding.encoded_bytes
+        assert client.info().transfers.fetches_completed == 1
+    assert same_tensors(decoded, cache)
 
 
 @pytest.mark.parametrize(

@@ -167,6 +167,33 @@ def test_bad_input_leaves_nothing_in_the_store(tmp_path, store, dense500, fp, lo
     assert entry_files(store) == [] and list(store.incoming_dir.iterdir()) == []
 
 
+def test_before_commit_runs_on_the_written_entry_and_its_failure_keeps_nothing(tmp_path, store, dense500, fp, long_ids):
+    """What a fetch's decoder does (kvmesh.reuse.receive): its last layers decode while the store
+    writes and syncs the entry; the entry is indexed only once they have, and not at all if they fail."""
+    source = CacheStore(tmp_path / "source")
+    manifest = put_dense500(source, dense500, fp, long_ids)
+    seen = []
+
+    def staged():  # every chunk is on disk, under a staging name, and nothing is indexed yet
+        [staging] = list(store.incoming_dir.iterdir())
+        seen.append((staging.stat().st_size, store.entries()))
+
+    kept = store.add(manifest, list(source.chunks(manifest.cache_id)), before_commit=staged)
+    [(size, entries)] = seen
+    assert entries == [] and size == store.layout.path(kept.cache_id).stat().st_size
+    assert [e.cache_id for e in store.entries()] == [manifest.cache_id]
+    assert same_tensors(load(store, manifest.cache_id)[1], dense500)
+
+    other = CacheStore(tmp_path / "other")
+
+    def undecodable():
+        raise IntegrityError("a transform-coded layer does not decode")
+
+    with pytest.raises(IntegrityError, match="does not decode"):
+        other.add(manifest, list(source.chunks(manifest.cache_id)), before_commit=undecodable)
+    assert other.entries() == [] and entry_files(other) == [] and list(other.incoming_dir.iterdir()) == []
+
+
 def test_a_malformed_manifest_is_refused_before_any_chunk(store, tmp_path, dense500, fp, long_ids):
     manifest = put_dense500(CacheStore(tmp_path / "source"), dense500, fp, long_ids)
     manifest.layers[0].tensors[0].shape[0] = 10**12
