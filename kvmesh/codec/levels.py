@@ -36,17 +36,17 @@ class Level:
     predicted_ratio: float = 0.0
     predicted_kl: float = 0.0
 
-    def measured(self) -> tuple[float, float]:
+    def measured(self, *, predicts: bool = True) -> tuple[float, float]:
         """(x smaller than fp16, KL) on the bench's worst text, with a basis `kvmesh model calibrate`
-        fits now (one that predicts, where the level does)."""
-        if self.predicted_step is not None:
+        fits now (one that predicts, where the level does), or with one that `predicts` not."""
+        if self.predicted_step is not None and predicts:
             return self.predicted_ratio, self.predicted_kl
         return self.ratio, self.kl
 
-    def coded_bytes(self, fp16_bytes: float) -> int:
+    def coded_bytes(self, fp16_bytes: float, *, predicts: bool = True) -> int:
         """What a cache of `fp16_bytes` in float16 is expected to take coded at this level: over
         its ratio on the bench's worst text (`measured`)."""
-        return int(fp16_bytes / self.measured()[0])
+        return int(fp16_bytes / self.measured(predicts=predicts)[0])
 
     def step_for(self, *, factors: bool, weighted: bool, predicted_step: float | None = None) -> float:
         """The level's step for a basis with or without per-layer step factors, fitted with or

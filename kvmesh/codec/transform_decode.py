@@ -244,7 +244,9 @@ def _unpack_tables(planes: list, n: int, rows: int) -> np.ndarray:
         into = out[at : at + count].reshape(-1)
         per = 8 // width
         whole = into.size // per  # bytes whose codes all belong to the group (the last may hold fewer)
-        np.take(table, packed[:whole], axis=0, out=into[: whole * per].reshape(-1, per))
+        # mode="clip": a byte indexes all 256 rows, and NumPy's default ("raise") writes `out` through
+        # a copy of it, twice over the layer's coefficients
+        np.take(table, packed[:whole], axis=0, out=into[: whole * per].reshape(-1, per), mode="clip")
         if whole < packed.size:
             into[whole * per :] = table[packed[whole]][: into.size - whole * per]
     return out

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvmesh.codec.cut import cut_prefix
-from kvmesh.codec.levels import LEVELS
+from kvmesh.codec.levels import LEVELS, PREDICTED_STEP
 from kvmesh.codec.manifest import fp16_bytes, uncodable_reason
 from kvmesh.codec.timing import CodecTime, fit_codec_time
 from kvmesh.errors import KvmeshError, NotFoundError, Rejection, StoreError
@@ -60,10 +60,10 @@ WARM_UP_TOKENS = 32
 CODING_TIMINGS = 8
 
 
-def expected_coded_bytes(manifest: pb.CacheManifest, level: str) -> int:
-    """What a coded copy of the cache at `level` is expected to take: its float16 bytes over the
-    level's ratio on the bench's worst text (kvmesh.codec.levels)."""
-    return LEVELS[level].coded_bytes(fp16_bytes(manifest))
+def expected_coded_bytes(manifest: pb.CacheManifest, level: str, *, predicts: bool = True) -> int:
+    """What a coded copy of the cache at `level` is expected to take, with a basis that `predicts`
+    or not: its float16 bytes over the level's ratio on the bench's worst text (kvmesh.codec.levels)."""
+    return LEVELS[level].coded_bytes(fp16_bytes(manifest), predicts=predicts)
 
 
 class OnRequestCoding:
@@ -86,6 +86,8 @@ class OnRequestCoding:
         # (source id, tokens, level, basis) -> the id of the coded copy made for it.
         self._made: dict[tuple[str, int, str, str], str] = {}
         self._readied: set[str] = set()
+        # The bases read so far without cross-layer predictors at the levels' step (OnRequest.unpredicted).
+        self._unpredicted: set[str] = set()
         if self.enabled:  # a Mac that holds a basis is ready to code with it (module docstring)
             try:
                 bases = set(self.artifacts.model_bases().values())
@@ -124,6 +126,7 @@ class OnRequestCoding:
             coded_bytes=expected_coded_bytes(manifest, OFFERED_LEVEL),
             encode_s=timed.seconds(entry.num_tokens) if timed else 0.0,
             encode_fixed_s=timed.fixed_s if timed else 0.0,
+            unpredicted=digest in self._unpredicted,
         )
 
     def coding_time(self, model_id: str) -> CodecTime | None:
@@ -181,7 +184,8 @@ class OnRequestCoding:
                 f"waits ({TIMEOUTS.code_on_request:g} s)"
             )
         if timed is not None and request.link_bytes_per_s > 0:
-            saved = (manifest.encoding.encoded_bytes - expected_coded_bytes(manifest, request.level)) * share
+            expected = expected_coded_bytes(manifest, request.level, predicts=digest not in self._unpredicted)
+            saved = (manifest.encoding.encoded_bytes - expected) * share
             saved_s = saved / request.link_bytes_per_s
             if coding_s >= saved_s:
                 return (
@@ -206,6 +210,8 @@ class OnRequestCoding:
 
         try:
             basis = self._basis(digest)
+            if basis.predicted_step != PREDICTED_STEP:  # (the step the levels predict at: kvmesh.codec.levels)
+                self._unpredicted.add(digest)
             TransformCoding.at_level(basis, LEVELS[OFFERED_LEVEL]).encode(synthetic_layers(basis, WARM_UP_TOKENS))
         except (KvmeshError, ValueError) as e:  # the request that follows says so
             log.warning("cannot ready basis %s for coding on request: %s", digest[:12], e)

@@ -40,11 +40,11 @@ def codec_of(candidate: Candidate) -> str:
     return "full"
 
 
-def level_codec(level: str) -> str:
-    """The codec of a copy coded on request at `level`: `predicted` where the level predicts each
-    layer from the one before (as a peer with a current basis codes it: a peer whose basis has no
-    predictors sends a copy that decodes quicker than weighed)."""
-    return "predicted" if LEVELS[level].predicted_step is not None else "transform"
+def level_codec(level: str, *, predicts: bool = True) -> str:
+    """The codec of a copy coded on request at `level` with a basis that `predicts` or not
+    (OnRequest.unpredicted): `predicted` where both the level and the basis predict each layer from
+    the one before."""
+    return "predicted" if LEVELS[level].predicted_step is not None and predicts else "transform"
 
 
 def within_floor(candidate: Candidate, max_kl: float | None) -> bool:
@@ -156,7 +156,7 @@ def on_request_copy(
     offer = candidate.on_request
     share = tokens / max(1, candidate.num_tokens)
     decoding = rates.decoding(model_fp.model_id)
-    codec = level_codec(level)
+    codec = level_codec(level, predicts=not offer.unpredicted)
     decode_s = decoding.seconds(codec, tokens) if decoding else None
     if offer.encode_s > 0:
         fixed = min(offer.encode_fixed_s, offer.encode_s)  # (0 from a peer that does not say)
@@ -167,7 +167,7 @@ def on_request_copy(
         address,
         candidate.cache_id,
         codec,
-        LEVELS[level].coded_bytes(offer.fp16_bytes * share),
+        LEVELS[level].coded_bytes(offer.fp16_bytes * share, predicts=not offer.unpredicted),
         rates.stream_rate(address, codec) or math.inf,
         measured=rates.link_source(address, codec),
         basis_bytes=0 if offer.basis_sha256 in bases else offer.basis_bytes,

@@ -26,7 +26,7 @@ from kvmesh.v1 import cache_pb2 as kvmesh_dot_v1_dot_cache__pb2
 from kvmesh.v1 import model_pb2 as kvmesh_dot_v1_dot_model__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/service.proto\x12\tkvmesh.v1\x1a\x15kvmesh/v1/cache.proto\x1a\x15kvmesh/v1/model.proto\"\r\n\x0bInfoRequest\"B\n\nStoreStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x04\"\x94\x02\n\rTransferStats\x12\x17\n\x0f\x66\x65tches_started\x18\x01 \x01(\x04\x12\x19\n\x11\x66\x65tches_completed\x18\x02 \x01(\x04\x12\x18\n\x10\x66\x65tches_rejected\x18\x03 \x01(\x04\x12\x16\n\x0e\x66\x65tches_failed\x18\x04 \x01(\x04\x12\x18\n\x10\x63hunk_bytes_sent\x18\x05 \x01(\x04\x12\x18\n\x10transfers_active\x18\x06 \x01(\r\x12\x1a\n\x12transfers_max_seen\x18\x07 \x01(\r\x12\x15\n\rtransfers_cap\x18\x08 \x01(\r\x12\x1a\n\x12publishes_accepted\x18\t \x01(\x04\x12\x1a\n\x12publishes_rejected\x18\n \x01(\x04\"\xc3\x01\n\x0cInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x11\n\tmodel_ids\x18\x04 \x03(\t\x12$\n\x05store\x18\x05 \x01(\x0b\x32\x15.kvmesh.v1.StoreStats\x12+\n\ttransfers\x18\x06 \x01(\x0b\x32\x18.kvmesh.v1.TransferStats\x12\x11\n\thost_name\x18\x07 \x01(\t\"K\n\rLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\x9c\x02\n\tCandidate\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x15\n\rprefix_sha256\x18\x03 \x01(\x0c\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\x04\x12\x10\n\x08\x63uttable\x18\x05 \x01(\x08\x12\x0e\n\x06method\x18\x06 \x01(\t\x12\x11\n\traw_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x08 \x01(\x04\x12\r\n\x05lossy\x18\t \x01(\x08\x12#\n\x07quality\x18\n \x01(\x0b\x32\x12.kvmesh.v1.Quality\x12(\n\non_request\x18\x0b \x01(\x0b\x32\x14.kvmesh.v1.OnRequest\x12\x11\n\tpredicted\x18\x0c \x01(\x08\"\x89\x01\n\tOnRequest\x12\x14\n\x0c\x62\x61sis_sha256\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61sis_bytes\x18\x02 \x01(\x04\x12\x12\n\nfp16_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x63oded_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x65ncode_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x65ncode_fixed_s\x18\x06 \x01(\x01\":\n\x0eLookupResponse\x12(\n\ncandidates\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Candidate\"\xd4\x01\n\x0fReceiverProfile\x12*\n\x05model\x18\x01 \x01(\x0b\x32\x1b.kvmesh.v1.ModelFingerprint\x12 \n\x06\x63odecs\x18\x02 \x03(\x0e\x32\x10.kvmesh.v1.Codec\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14\x61\x63\x63\x65pt_other_weights\x18\x04 \x01(\x08\x12\"\n\x1a\x61\x63\x63\x65pt_other_chat_template\x18\x05 \x01(\x08\x12\x13\n\x06max_kl\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_max_kl\"\xca\x01\n\tFetchOpen\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12+\n\x07profile\x18\x03 \x01(\x0b\x32\x1a.kvmesh.v1.ReceiverProfile\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12\x13\n\x0bheld_tokens\x18\x05 \x01(\x04\x12\x15\n\rframe_batches\x18\x06 \x01(\x08\x12$\n\x04\x63ode\x18\x07 \x01(\x0b\x32\x16.kvmesh.v1.CodeRequest\"6\n\x0b\x43odeRequest\x12\r\n\x05level\x18\x01 \x01(\t\x12\x18\n\x10link_bytes_per_s\x18\x02 \x01(\x01\"T\n\x08\x44\x65\x63ision\x12\x0e\n\x06\x61\x63\x63\x65pt\x18\x01 \x01(\x08\x12\'\n\x06reason\x18\x02 \x01(\x0e\x32\x17.kvmesh.v1.RejectReason\x12\x0f\n\x07message\x18\x03 \x01(\t\"6\n\x07Trailer\x12\x16\n\x0epayload_digest\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_count\x18\x02 \x01(\r\"d\n\x0c\x46\x65tchRequest\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.FetchOpenH\x00\x12\'\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x42\x05\n\x03msg\"\xb3\x01\n\rFetchResponse\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.CacheManifestH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.TrailerH\x00\x12&\n\x07refused\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x12\x18\n\x10protocol_version\x18\x05 \x01(\rB\x05\n\x03msgJ\x04\x08\x02\x10\x03\"\x8c\x01\n\x0ePublishRequest\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.CacheManifestH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.TrailerH\x00\x12\x18\n\x10protocol_version\x18\x04 \x01(\rB\x05\n\x03msgJ\x04\x08\x02\x10\x03\"!\n\rPublishResult\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\"\x9e\x01\n\x0fPublishResponse\x12\'\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.PublishResultH\x00\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x15\n\rframe_batches\x18\x04 \x01(\x08\x42\x05\n\x03msg\"\x1d\n\x0cProbeRequest\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"\x19\n\tProbeData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"!\n\x0f\x41rtifactRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"\x1c\n\x0c\x41rtifactData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\x83\x03\n\x06KvMesh\x12\x37\n\x04Info\x12\x16.kvmesh.v1.InfoRequest\x1a\x17.kvmesh.v1.InfoResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12>\n\x05\x46\x65tch\x12\x17.kvmesh.v1.FetchRequest\x1a\x18.kvmesh.v1.FetchResponse(\x01\x30\x01\x12\x44\n\x07Publish\x12\x19.kvmesh.v1.PublishRequest\x1a\x1a.kvmesh.v1.PublishResponse(\x01\x30\x01\x12\x38\n\x05Probe\x12\x17.kvmesh.v1.ProbeRequest\x1a\x14.kvmesh.v1.ProbeData0\x01\x12\x41\n\x08\x41rtifact\x12\x1a.kvmesh.v1.ArtifactRequest\x1a\x17.kvmesh.v1.ArtifactData0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/service.proto\x12\tkvmesh.v1\x1a\x15kvmesh/v1/cache.proto\x1a\x15kvmesh/v1/model.proto\"\r\n\x0bInfoRequest\"B\n\nStoreStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x04\"\x94\x02\n\rTransferStats\x12\x17\n\x0f\x66\x65tches_started\x18\x01 \x01(\x04\x12\x19\n\x11\x66\x65tches_completed\x18\x02 \x01(\x04\x12\x18\n\x10\x66\x65tches_rejected\x18\x03 \x01(\x04\x12\x16\n\x0e\x66\x65tches_failed\x18\x04 \x01(\x04\x12\x18\n\x10\x63hunk_bytes_sent\x18\x05 \x01(\x04\x12\x18\n\x10transfers_active\x18\x06 \x01(\r\x12\x1a\n\x12transfers_max_seen\x18\x07 \x01(\r\x12\x15\n\rtransfers_cap\x18\x08 \x01(\r\x12\x1a\n\x12publishes_accepted\x18\t \x01(\x04\x12\x1a\n\x12publishes_rejected\x18\n \x01(\x04\"\xc3\x01\n\x0cInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x11\n\tmodel_ids\x18\x04 \x03(\t\x12$\n\x05store\x18\x05 \x01(\x0b\x32\x15.kvmesh.v1.StoreStats\x12+\n\ttransfers\x18\x06 \x01(\x0b\x32\x18.kvmesh.v1.TransferStats\x12\x11\n\thost_name\x18\x07 \x01(\t\"K\n\rLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\x9c\x02\n\tCandidate\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x15\n\rprefix_sha256\x18\x03 \x01(\x0c\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\x04\x12\x10\n\x08\x63uttable\x18\x05 \x01(\x08\x12\x0e\n\x06method\x18\x06 \x01(\t\x12\x11\n\traw_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x08 \x01(\x04\x12\r\n\x05lossy\x18\t \x01(\x08\x12#\n\x07quality\x18\n \x01(\x0b\x32\x12.kvmesh.v1.Quality\x12(\n\non_request\x18\x0b \x01(\x0b\x32\x14.kvmesh.v1.OnRequest\x12\x11\n\tpredicted\x18\x0c \x01(\x08\"\x9e\x01\n\tOnRequest\x12\x14\n\x0c\x62\x61sis_sha256\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61sis_bytes\x18\x02 \x01(\x04\x12\x12\n\nfp16_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x63oded_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x65ncode_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x65ncode_fixed_s\x18\x06 \x01(\x01\x12\x13\n\x0bunpredicted\x18\x07 \x01(\x08\":\n\x0eLookupResponse\x12(\n\ncandidates\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.Candidate\"\xd4\x01\n\x0fReceiverProfile\x12*\n\x05model\x18\x01 \x01(\x0b\x32\x1b.kvmesh.v1.ModelFingerprint\x12 \n\x06\x63odecs\x18\x02 \x03(\x0e\x32\x10.kvmesh.v1.Codec\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14\x61\x63\x63\x65pt_other_weights\x18\x04 \x01(\x08\x12\"\n\x1a\x61\x63\x63\x65pt_other_chat_template\x18\x05 \x01(\x08\x12\x13\n\x06max_kl\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_max_kl\"\xca\x01\n\tFetchOpen\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12+\n\x07profile\x18\x03 \x01(\x0b\x32\x1a.kvmesh.v1.ReceiverProfile\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12\x13\n\x0bheld_tokens\x18\x05 \x01(\x04\x12\x15\n\rframe_batches\x18\x06 \x01(\x08\x12$\n\x04\x63ode\x18\x07 \x01(\x0b\x32\x16.kvmesh.v1.CodeRequest\"6\n\x0b\x43odeRequest\x12\r\n\x05level\x18\x01 \x01(\t\x12\x18\n\x10link_bytes_per_s\x18\x02 \x01(\x01\"T\n\x08\x44\x65\x63ision\x12\x0e\n\x06\x61\x63\x63\x65pt\x18\x01 \x01(\x08\x12\'\n\x06reason\x18\x02 \x01(\x0e\x32\x17.kvmesh.v1.RejectReason\x12\x0f\n\x07message\x18\x03 \x01(\t\"6\n\x07Trailer\x12\x16\n\x0epayload_digest\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_count\x18\x02 \x01(\r\"d\n\x0c\x46\x65tchRequest\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.FetchOpenH\x00\x12\'\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x42\x05\n\x03msg\"\xb3\x01\n\rFetchResponse\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.CacheManifestH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.TrailerH\x00\x12&\n\x07refused\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x12\x18\n\x10protocol_version\x18\x05 \x01(\rB\x05\n\x03msgJ\x04\x08\x02\x10\x03\"\x8c\x01\n\x0ePublishRequest\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.CacheManifestH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.TrailerH\x00\x12\x18\n\x10protocol_version\x18\x04 \x01(\rB\x05\n\x03msgJ\x04\x08\x02\x10\x03\"!\n\rPublishResult\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\"\x9e\x01\n\x0fPublishResponse\x12\'\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.DecisionH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.PublishResultH\x00\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x15\n\rframe_batches\x18\x04 \x01(\x08\x42\x05\n\x03msg\"\x1d\n\x0cProbeRequest\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"\x19\n\tProbeData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"!\n\x0f\x41rtifactRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"\x1c\n\x0c\x41rtifactData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\x83\x03\n\x06KvMesh\x12\x37\n\x04Info\x12\x16.kvmesh.v1.InfoRequest\x1a\x17.kvmesh.v1.InfoResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12>\n\x05\x46\x65tch\x12\x17.kvmesh.v1.FetchRequest\x1a\x18.kvmesh.v1.FetchResponse(\x01\x30\x01\x12\x44\n\x07Publish\x12\x19.kvmesh.v1.PublishRequest\x1a\x1a.kvmesh.v1.PublishResponse(\x01\x30\x01\x12\x38\n\x05Probe\x12\x17.kvmesh.v1.ProbeRequest\x1a\x14.kvmesh.v1.ProbeData0\x01\x12\x41\n\x08\x41rtifact\x12\x1a.kvmesh.v1.ArtifactRequest\x1a\x17.kvmesh.v1.ArtifactData0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,37 +46,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANDIDATE']._serialized_start=722
   _globals['_CANDIDATE']._serialized_end=1006
   _globals['_ONREQUEST']._serialized_start=1009
-  _globals['_ONREQUEST']._serialized_end=1146
-  _globals['_LOOKUPRESPONSE']._serialized_start=1148
-  _globals['_LOOKUPRESPONSE']._serialized_end=1206
-  _globals['_RECEIVERPROFILE']._serialized_start=1209
-  _globals['_RECEIVERPROFILE']._serialized_end=1421
-  _globals['_FETCHOPEN']._serialized_start=1424
-  _globals['_FETCHOPEN']._serialized_end=1626
-  _globals['_CODEREQUEST']._serialized_start=1628
-  _globals['_CODEREQUEST']._serialized_end=1682
-  _globals['_DECISION']._serialized_start=1684
-  _globals['_DECISION']._serialized_end=1768
-  _globals['_TRAILER']._serialized_start=1770
-  _globals['_TRAILER']._serialized_end=1824
-  _globals['_FETCHREQUEST']._serialized_start=1826
-  _globals['_FETCHREQUEST']._serialized_end=1926
-  _globals['_FETCHRESPONSE']._serialized_start=1929
-  _globals['_FETCHRESPONSE']._serialized_end=2108
-  _globals['_PUBLISHREQUEST']._serialized_start=2111
-  _globals['_PUBLISHREQUEST']._serialized_end=2251
-  _globals['_PUBLISHRESULT']._serialized_start=2253
-  _globals['_PUBLISHRESULT']._serialized_end=2286
-  _globals['_PUBLISHRESPONSE']._serialized_start=2289
-  _globals['_PUBLISHRESPONSE']._serialized_end=2447
-  _globals['_PROBEREQUEST']._serialized_start=2449
-  _globals['_PROBEREQUEST']._serialized_end=2478
-  _globals['_PROBEDATA']._serialized_start=2480
-  _globals['_PROBEDATA']._serialized_end=2505
-  _globals['_ARTIFACTREQUEST']._serialized_start=2507
-  _globals['_ARTIFACTREQUEST']._serialized_end=2540
-  _globals['_ARTIFACTDATA']._serialized_start=2542
-  _globals['_ARTIFACTDATA']._serialized_end=2570
-  _globals['_KVMESH']._serialized_start=2573
-  _globals['_KVMESH']._serialized_end=2960
+  _globals['_ONREQUEST']._serialized_end=1167
+  _globals['_LOOKUPRESPONSE']._serialized_start=1169
+  _globals['_LOOKUPRESPONSE']._serialized_end=1227
+  _globals['_RECEIVERPROFILE']._serialized_start=1230
+  _globals['_RECEIVERPROFILE']._serialized_end=1442
+  _globals['_FETCHOPEN']._serialized_start=1445
+  _globals['_FETCHOPEN']._serialized_end=1647
+  _globals['_CODEREQUEST']._serialized_start=1649
+  _globals['_CODEREQUEST']._serialized_end=1703
+  _globals['_DECISION']._serialized_start=1705
+  _globals['_DECISION']._serialized_end=1789
+  _globals['_TRAILER']._serialized_start=1791
+  _globals['_TRAILER']._serialized_end=1845
+  _globals['_FETCHREQUEST']._serialized_start=1847
+  _globals['_FETCHREQUEST']._serialized_end=1947
+  _globals['_FETCHRESPONSE']._serialized_start=1950
+  _globals['_FETCHRESPONSE']._serialized_end=2129
+  _globals['_PUBLISHREQUEST']._serialized_start=2132
+  _globals['_PUBLISHREQUEST']._serialized_end=2272
+  _globals['_PUBLISHRESULT']._serialized_start=2274
+  _globals['_PUBLISHRESULT']._serialized_end=2307
+  _globals['_PUBLISHRESPONSE']._serialized_start=2310
+  _globals['_PUBLISHRESPONSE']._serialized_end=2468
+  _globals['_PROBEREQUEST']._serialized_start=2470
+  _globals['_PROBEREQUEST']._serialized_end=2499
+  _globals['_PROBEDATA']._serialized_start=2501
+  _globals['_PROBEDATA']._serialized_end=2526
+  _globals['_ARTIFACTREQUEST']._serialized_start=2528
+  _globals['_ARTIFACTREQUEST']._serialized_end=2561
+  _globals['_ARTIFACTDATA']._serialized_start=2563
+  _globals['_ARTIFACTDATA']._serialized_end=2591
+  _globals['_KVMESH']._serialized_start=2594
+  _globals['_KVMESH']._serialized_end=2981
 # @@protoc_insertion_point(module_scope)

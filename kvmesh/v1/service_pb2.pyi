@@ -103,20 +103,22 @@ class Candidate(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., cuttable: _Optional[bool] = ..., method: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., lossy: _Optional[bool] = ..., quality: _Optional[_Union[_cache_pb2.Quality, _Mapping]] = ..., on_request: _Optional[_Union[OnRequest, _Mapping]] = ..., predicted: _Optional[bool] = ...) -> None: ...
 
 class OnRequest(_message.Message):
-    __slots__ = ("basis_sha256", "basis_bytes", "fp16_bytes", "coded_bytes", "encode_s", "encode_fixed_s")
+    __slots__ = ("basis_sha256", "basis_bytes", "fp16_bytes", "coded_bytes", "encode_s", "encode_fixed_s", "unpredicted")
     BASIS_SHA256_FIELD_NUMBER: _ClassVar[int]
     BASIS_BYTES_FIELD_NUMBER: _ClassVar[int]
     FP16_BYTES_FIELD_NUMBER: _ClassVar[int]
     CODED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
     ENCODE_FIXED_S_FIELD_NUMBER: _ClassVar[int]
+    UNPREDICTED_FIELD_NUMBER: _ClassVar[int]
     basis_sha256: str
     basis_bytes: int
     fp16_bytes: int
     coded_bytes: int
     encode_s: float
     encode_fixed_s: float
-    def __init__(self, basis_sha256: _Optional[str] = ..., basis_bytes: _Optional[int] = ..., fp16_bytes: _Optional[int] = ..., coded_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., encode_fixed_s: _Optional[float] = ...) -> None: ...
+    unpredicted: bool
+    def __init__(self, basis_sha256: _Optional[str] = ..., basis_bytes: _Optional[int] = ..., fp16_bytes: _Optional[int] = ..., coded_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., encode_fixed_s: _Optional[float] = ..., unpredicted: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("candidates",)

@@ -15,7 +15,7 @@ from kvmesh.codec.calibration import fit_model_basis
 from kvmesh.codec.coded import TransformCoding, decoded, transform_code
 from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.levels import LEVELS
-from kvmesh.codec.manifest import LEVEL_KL, transform_coded
+from kvmesh.codec.manifest import LEVEL_KL, predicted, transform_coded
 from kvmesh.codec.timing import CodecTime
 from kvmesh.errors import CacheRejected
 from kvmesh.net.client import PeerClient
@@ -23,12 +23,14 @@ from kvmesh.paths import coding_times_file
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.reuse.find import find_prefix
 from kvmesh.reuse.rates import Decoding, Rates
+from kvmesh.reuse.weigh import on_request_copy
 from kvmesh.store import CacheStore
 from kvmesh.store.artifacts import artifact_store
 from kvmesh.v1 import cache_pb2 as pb
 from kvmesh.v1 import service_pb2 as spb
 from support.processes import cli
 from support.stores import put
+from support.waiting import wait_for
 
 MB = 1 << 20
 TOKENS = 384
@@ -138,6 +140,45 @@ def test_a_restarted_peer_offers_the_coding_times_it_measured_before(tiny_fp, fu
     address = restarted(address)
     assert full_candidate(address, tiny_fp.model_id, prompt).on_request.encode_s == 0
     assert "coding-times.json is unreadable" in Path(f"{root}.log").read_text()
+
+
+def test_a_peer_whose_basis_does_not_predict_says_so_and_its_small_copy_is_weighed_as_coded(
+    tiny, tiny_fp, basis, full_peer, serve, tmp_path
+):
+    """`small` predicts each layer from the one before only with a basis fitted with predictors; a peer
+    whose basis has none (fitted before them) codes it layer by layer: larger and quicker to decode.
+    Its offer says so once it has read its basis, and the receiver weighs the copy as that."""
+    address, _, prompt, _ = full_peer
+    assert not full_candidate(address, tiny_fp.model_id, prompt).on_request.unpredicted
+    bare = basis.without_predictors()
+    root = tmp_path / "bare"
+    sender_store(root, tiny, tiny_fp, bare)
+    bare_address = serve(root)
+    # (the daemon reads its basis in the background once it starts: kvmesh.net.on_request._ready)
+    wait_for(
+        lambda: full_candidate(bare_address, tiny_fp.model_id, prompt).on_request.unpredicted,
+        what="the peer to say its basis does not predict",
+    )
+    rates = Rates(tmp_path / "receiver")  # (decoding a predicted copy taking longer, as on a CPU)
+    times = {"transform": CodecTime(0, 1e-4), "predicted": CodecTime(0, 3e-4)}
+    rates.record_decoding(tiny_fp.model_id, Decoding(times, basis_bytes=0))
+    weighed = {}
+    for name, at in (("bare", bare_address), ("predicting", address)):
+        candidate = full_candidate(at, tiny_fp.model_id, prompt)
+        weighed[name] = on_request_copy(rates, tiny_fp, at, candidate, tokens=TOKENS, bases=(), level="small")
+    fp16 = full_candidate(address, tiny_fp.model_id, prompt).on_request.fp16_bytes
+    small = LEVELS["small"]
+    assert (weighed["bare"].codec, weighed["bare"].wire_bytes) == ("transform", int(fp16 / small.ratio))
+    assert (weighed["predicting"].codec, weighed["predicting"].wire_bytes) == (
+        "predicted",
+        int(fp16 / small.predicted_ratio),
+    )
+    assert weighed["bare"].decode_s < weighed["predicting"].decode_s
+    # What it codes is what it said: layer by layer.
+    with PeerClient(bare_address) as client:
+        candidate = full_candidate(bare_address, tiny_fp.model_id, prompt)
+        coded = fetch_cache(client, candidate.cache_id, ReceiverProfile(tiny_fp), code=spb.CodeRequest(level="small"))
+    assert not predicted(coded.manifest)
 
 
 def test_a_shorter_prefix_is_cut_then_coded(tiny_fp, full_peer):
