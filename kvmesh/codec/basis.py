@@ -214,6 +214,12 @@ class Basis:
         """The global step a `--compress` level codes with on this basis."""
         return level.step_for(factors=self.has_step_factors, weighted=self.weighted, predicted_step=self.predicted_step)
 
+    def predicts_at(self, level: Level) -> bool:
+        """Whether a cache coded at `level` with this basis has each layer predicted from the one
+        before: at the step its predictors were fitted at, without a tail
+        (kvmesh.codec.transform.predicted_layers)."""
+        return self.predicted_step is not None and self.step_at(level) == self.predicted_step and not level.tail
+
     def without_step_factors(self) -> Basis:
         """This basis as fitted before per-layer step factors: one step for every layer."""
         if not self.has_step_factors:

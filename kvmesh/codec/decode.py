@@ -73,7 +73,9 @@ class CacheDecoder:
         self._memo: dict = {}  # rotation tables, shared by the coded layers' threads
         # Their coefficients, for the layers predicted from the one before (kvmesh.codec.prediction).
         self._chain = LayerChain()
+        # Whether `settle` passed, or what it raised.
         self._settled = False
+        self._failure: Exception | None = None
 
     def _allocate(self, chunk: Chunk) -> Chunk:
         """Make the buffer of the tensor where the plan puts `chunk` (not where it claims to go)."""
@@ -129,7 +131,7 @@ class CacheDecoder:
                 yield chunk
             self.checker.finish()
         except BaseException:  # (a failure, or a consumer that stopped early)
-            self._stop_coded()
+            self.stop()
             raise
         if settle:
             self.settle()
@@ -137,14 +139,20 @@ class CacheDecoder:
     def settle(self) -> None:
         """Wait for the coded layers still decoding (raising the first failure), then check that every
         tensor that arrived as it is holds finite numbers: what must hold before the cache is kept or
-        used. Once is enough: later calls return at once."""
+        used. Once is enough: later calls return at once, or raise the same failure again."""
+        if self._failure is not None:
+            raise self._failure
         if self._settled:
             return
         try:
-            self._collect_coded(wait=True)
-        finally:
-            self._stop_coded()
-        self._check_finite()
+            try:
+                self._collect_coded(wait=True)
+            finally:
+                self.stop()
+            self._check_finite()
+        except Exception as e:
+            self._failure = e
+            raise
         self._settled = True
 
     def _check_finite(self) -> None:
@@ -170,8 +178,9 @@ class CacheDecoder:
             tensor, future = self._decoding.pop(0)
             self.coded[tensor] = future.result()
 
-    def _stop_coded(self) -> None:
-        """Cancel the coded layers not started and wait for those running (the pool is the process's)."""
+    def stop(self) -> None:
+        """Cancel the coded layers not started and wait for those running (the pool is the process's):
+        what a receiver that gives up on the cache calls (a failure, an early exit)."""
         for _, future in self._decoding:
             future.cancel()
         self._chain.close("the transfer stopped before the layer it is predicted from decoded")

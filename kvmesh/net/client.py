@@ -81,8 +81,9 @@ def rate_window(chunk_size: int, min_rate: float = TIMEOUTS.min_receive_rate) ->
 class Transfer:
     """A fetch whose manifest arrived and fits the receiver's profile; no chunk byte has moved yet.
 
-    `chunks()` accepts it and brings its chunks; `refuse()` declines it. A context manager: leaving
-    the block ends the call, so a transfer given up halfway (an error, a cancel) stops the sender.
+    `accept()` accepts it (the chunks start to move), `chunks()` accepts it if nobody did and brings
+    its chunks; `refuse()` declines it (before an accept). A context manager: leaving the block ends
+    the call, so a transfer given up halfway (an error, a cancel) stops the sender.
     """
 
     def __init__(
@@ -325,7 +326,8 @@ class PeerClient:
         code: spb.CodeRequest | None = None,
     ) -> Transfer:
         """Open a fetch of a cache (or of a block-aligned prefix of a dense one, `num_tokens`): the
-        Transfer, once its manifest arrived and fits `profile`; its `chunks()` accept and bring them.
+        Transfer, once its manifest arrived and fits `profile`; its `accept()` lets the chunks move,
+        its `chunks()` (accepting if need be) brings them.
 
         With `held_from` (the receiver's store), a blockwise cache whose first blocks that store
         holds already is asked for again without them (kvmesh.net.held): those chunks come from the

@@ -11,7 +11,6 @@ cuts a half-open connection (the guard closes its side then).
 """
 
 import asyncio
-import contextlib
 import logging
 import socket
 import threading
@@ -117,8 +116,7 @@ class Guard:
     async def _serve(self, connection: socket.socket, source: str, origin: str) -> None:
         try:
             connection.setblocking(False)
-            reader, writer = await asyncio.open_connection(sock=connection)
-            await self._relay(reader, writer, origin)
+            await self._relay(connection, origin)
         finally:
             connection.close()
             self.count -= 1
@@ -138,28 +136,32 @@ class Guard:
                 else f"{self.total} connections are open, all this daemon's descriptors allow",
             )
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, origin: str) -> None:
+    async def _relay(self, connection: socket.socket, origin: str) -> None:
         """Copy bytes both ways until either side closes, then close both; meanwhile `caller` names
-        `origin` for the calls on this connection."""
+        `origin` for the calls on this connection. gRPC's side is connected first, so the peer's
+        first bytes have somewhere to go."""
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        inner, outer = RelayEnd(ended), RelayEnd(ended)
+        inner.other, outer.other = outer, inner
         try:
-            inner_reader, inner_writer = await asyncio.open_connection(*self.target)
+            transport, _ = await loop.create_connection(lambda: inner, *self.target)
         except OSError as e:
             log.warning("cannot reach this daemon's own gRPC server at %s: %s", host_port(*self.target), e)
-            writer.transport.abort()
             return
-        local_port = inner_writer.get_extra_info("sockname")[1]
+        transport.pause_reading()  # (until the peer's end is made, nothing to write to)
+        local_port = transport.get_extra_info("sockname")[1]
         ORIGINS[local_port] = origin
-        pipes = [
-            asyncio.ensure_future(pipe(reader, inner_writer)),
-            asyncio.ensure_future(pipe(inner_reader, writer)),
-        ]
         try:
-            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+            await loop.connect_accepted_socket(lambda: outer, sock=connection)
+            transport.resume_reading()
+            await ended
+        except OSError:
+            pass  # (the peer went away before its end was made: nothing to relay)
         finally:
-            for task in pipes:
-                task.cancel()
-            for end in (writer, inner_writer):
-                end.transport.abort()
+            for end in (inner, outer):
+                if end.transport is not None:
+                    end.transport.abort()
             ORIGINS.pop(local_port, None)
 
     def stop(self) -> None:
@@ -195,12 +197,57 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return listener
 
 
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy `reader` to `writer` until its end (or an error on either side)."""
-    with contextlib.suppress(OSError):
-        while data := await reader.read(RELAY_BYTES):
-            writer.write(data)
-            await writer.drain()
+class RelayEnd(asyncio.BufferedProtocol):
+    """One end of a relayed connection: what it reads (into a buffer of its own, RELAY_BYTES at a
+    time) is written straight to the other end's transport, which sends it at once or keeps what
+    the kernel did not take (then this end reads into a new buffer). When that end has too much
+    kept (asyncio's flow control), this end stops reading until it drains. Either end closing, or
+    failing, ends the relay (`ended`).
+
+    asyncio's streams cost the guard about twice the CPU per byte (200 MB each way through the
+    guard on loopback: 3.5-5.0 against 1.6-2.5 ms of its thread per 4.6 MB): each read lands in
+    the stream's buffer, is copied out of it, the buffer shifted, and a coroutine woken."""
+
+    def __init__(self, ended: asyncio.Future):
+        self.ended = ended
+        self.other: RelayEnd | None = None
+        self.transport: asyncio.Transport | None = None
+        self._buffer = memoryview(bytearray(RELAY_BYTES))
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        assert self.other is not None and self.other.transport is not None
+        transport = self.other.transport
+        transport.write(self._buffer[:nbytes])
+        if transport.get_write_buffer_size():
+            # It kept what the kernel did not take: Python 3.12 and later keep a view of the buffer
+            # (3.11 a copy), so the next read goes to a new one.
+            self._buffer = memoryview(bytearray(RELAY_BYTES))
+
+    def pause_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        self._end()
+        return False  # (the transport closes)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
 
 
 def limits(connections: int, per_address: int) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvmesh.codec.cut import cut_prefix
-from kvmesh.codec.levels import LEVELS, PREDICTED_STEP
+from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.manifest import fp16_bytes, uncodable_reason
 from kvmesh.codec.timing import CodecTime, fit_codec_time
 from kvmesh.errors import KvmeshError, NotFoundError, Rejection, StoreError
@@ -86,7 +86,8 @@ class OnRequestCoding:
         # (source id, tokens, level, basis) -> the id of the coded copy made for it.
         self._made: dict[tuple[str, int, str, str], str] = {}
         self._readied: set[str] = set()
-        # The bases read so far without cross-layer predictors at the levels' step (OnRequest.unpredicted).
+        # The bases read so far with which no level predicts (OnRequest.unpredicted): fitted before
+        # cross-layer predictors, or with them at another step.
         self._unpredicted: set[str] = set()
         if self.enabled:  # a Mac that holds a basis is ready to code with it (module docstring)
             try:
@@ -210,8 +211,6 @@ class OnRequestCoding:
 
         try:
             basis = self._basis(digest)
-            if basis.predicted_step != PREDICTED_STEP:  # (the step the levels predict at: kvmesh.codec.levels)
-                self._unpredicted.add(digest)
             TransformCoding.at_level(basis, LEVELS[OFFERED_LEVEL]).encode(synthetic_layers(basis, WARM_UP_TOKENS))
         except (KvmeshError, ValueError) as e:  # the request that follows says so
             log.warning("cannot ready basis %s for coding on request: %s", digest[:12], e)
@@ -220,11 +219,13 @@ class OnRequestCoding:
         """The basis of that id, parsed once per process (kvmesh.codec.coded.parse_basis)."""
         from kvmesh.codec.coded import parse_basis, parsed_basis
 
-        if (basis := parsed_basis(digest)) is not None:
-            return basis
-        if (data := self.artifacts.get(digest)) is None:
-            raise StoreError(f"its basis {digest[:12]} is gone")
-        return parse_basis(data, digest)
+        if (basis := parsed_basis(digest)) is None:
+            if (data := self.artifacts.get(digest)) is None:
+                raise StoreError(f"its basis {digest[:12]} is gone")
+            basis = parse_basis(data, digest)
+        if not any(basis.predicts_at(level) for level in LEVELS.values() if level.predicted_step is not None):
+            self._unpredicted.add(digest)
+        return basis
 
     def _held(self, cache_id: str) -> bool:
         try:

@@ -40,12 +40,16 @@ def receive(
     # The store writes and syncs the entry while the last layers decode; it indexes it once they have.
     decoded = decoder.feed_iter(chunks, settle=False)
     kept = store is not None
-    if store is not None:
-        try:
-            manifest = store.add(manifest, decoded, before_commit=decoder.settle)
-        except StoreError as e:
-            log.warning("the fetched cache is used but not kept: %s", e)
-            kept = False
-    for _ in decoded:  # (what store.add left: all of it when nothing keeps it)
-        pass
-    return Received(manifest, decoder.finish(), kept)
+    try:
+        if store is not None:
+            try:
+                manifest = store.add(manifest, decoded, before_commit=decoder.settle)
+            except StoreError as e:
+                log.warning("the fetched cache is used but not kept: %s", e)
+                kept = False
+        for _ in decoded:  # (what store.add left: all of it when nothing keeps it)
+            pass
+        return Received(manifest, decoder.finish(), kept)
+    except BaseException:
+        decoder.stop()  # (layers still decoding when the store failed otherwise: not left running)
+        raise

@@ -148,8 +148,10 @@ def on_request_copy(
 ) -> Copy:
     """The copy of `tokens` of `candidate` that its peer offers to code on request at `level`, as
     this machine would fetch it: the coded bytes the peer expects (its float16 bytes over the level's
-    ratio on the bench, as the offer sizes OFFERED_LEVEL's), streaming at the rate coded copies
-    reached from it, its basis unless held here, the coding as long as the peer expects (its fixed
+    ratio on the bench, as the offer sizes OFFERED_LEVEL's; a level that predicts, at its ratio
+    without predictors where the offer says its basis has none: OnRequest.unpredicted), streaming
+    at the rate coded copies reached from it, its basis unless held here, the coding as long as the
+    peer expects (its fixed
     part and a share of the rest for a shorter prefix; the same at any level, which changes only the
     step; before the peer has coded one: this machine's decode time of the copy, a like amount of
     work) and this machine's decode."""
