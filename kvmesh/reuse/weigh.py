@@ -151,10 +151,9 @@ def on_request_copy(
     ratio on the bench, as the offer sizes OFFERED_LEVEL's; a level that predicts, at its ratio
     without predictors where the offer says its basis has none: OnRequest.unpredicted), streaming
     at the rate coded copies reached from it, its basis unless held here, the coding as long as the
-    peer expects (its fixed
-    part and a share of the rest for a shorter prefix; the same at any level, which changes only the
-    step; before the peer has coded one: this machine's decode time of the copy, a like amount of
-    work) and this machine's decode."""
+    peer expects (its fixed part and a share of the rest for a shorter prefix; the same at any
+    level, which changes only the step; before the peer has coded one: this machine's decode time
+    of the copy, a like amount of work) and this machine's decode."""
     offer = candidate.on_request
     share = tokens / max(1, candidate.num_tokens)
     decoding = rates.decoding(model_fp.model_id)
