@@ -214,11 +214,15 @@ class Basis:
         """The global step a `--compress` level codes with on this basis."""
         return level.step_for(factors=self.has_step_factors, weighted=self.weighted, predicted_step=self.predicted_step)
 
+    def predicts(self, step: float, tail: int) -> bool:
+        """Whether layers coded with this basis at the global `step`, with a tail of `tail` rows,
+        are predicted from the one before (kvmesh.codec.transform.predicted_layers): at the step its
+        predictors were fitted at, without a tail."""
+        return self.predicted_step is not None and step == self.predicted_step and not tail
+
     def predicts_at(self, level: Level) -> bool:
-        """Whether a cache coded at `level` with this basis has each layer predicted from the one
-        before: at the step its predictors were fitted at, without a tail
-        (kvmesh.codec.transform.predicted_layers)."""
-        return self.predicted_step is not None and self.step_at(level) == self.predicted_step and not level.tail
+        """Whether a cache coded at `level` with this basis has its layers predicted (`predicts`)."""
+        return self.predicts(self.step_at(level), level.tail)
 
     def without_step_factors(self) -> Basis:
         """This basis as fitted before per-layer step factors: one step for every layer."""

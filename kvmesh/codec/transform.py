@@ -251,7 +251,7 @@ def predicted_layers(metas: list[dict], basis: Basis, step: float, tail: int) ->
     step the basis's predictors were fitted at, without a tail, each layer whose layer before is
     coded too, with the same rows at the same positions (so a prefix cut cuts both alike). A press
     that kept other positions in each layer, another step, a tail: each layer on its own, as before."""
-    if basis.predicted_step is None or step != basis.predicted_step or tail:
+    if not basis.predicts(step, tail):
         return [False] * len(metas)
     return [False] + [
         meta["layer"] == before["layer"] + 1
