@@ -123,7 +123,7 @@ class CacheDecoder:
             return chunk
 
         try:
-            for chunk in ordered_map(decode, map(self._allocate, chunks), threads):
+            for chunk in ordered_map(decode, map(self._allocate, chunks), threads, inline=self._codes_a_layer):
                 self.checker.accept(chunk)
                 if chunk.index in self.coded_at:
                     self._start_coded(*self.coded_at[chunk.index])
@@ -135,6 +135,10 @@ class CacheDecoder:
             raise
         if settle:
             self.settle()
+
+    def _codes_a_layer(self, chunk: Chunk) -> bool:
+        """Whether `chunk` holds a transform-coded layer's bytes (by where the plan puts it)."""
+        return chunk.index < len(self.checker.plan) and self.checker.plan[chunk.index].tensor in self.coded_tensors
 
     def settle(self) -> None:
         """Wait for the coded layers still decoding (raising the first failure), then check that every

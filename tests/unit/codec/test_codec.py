@@ -106,6 +106,30 @@ def test_a_result_goes_out_once_it_is_done_and_the_next_item_has_come():
     assert out_before_the_last_item[0] >= 3
 
 
+def test_an_item_picked_to_run_inline_goes_out_before_the_next_item_is_asked_for():
+    """An item `inline` picks, when nothing is in flight, runs on the caller's thread and goes out
+    at once (a coded layer's chunk: its layer starts to decode before the next chunk comes off the
+    wire); the others still run on the pool, and every result comes out in order."""
+    asked: list[int] = []
+    out: list[tuple[int, int, bool]] = []  # (result, items asked for by then, ran on the caller's thread)
+    caller = threading.get_ident()
+
+    def work(i: int) -> tuple[int, bool]:
+        return i, threading.get_ident() == caller
+
+    def arriving():
+        for i in range(8):
+            asked.append(i)
+            yield i
+
+    for i, here in ordered_map(work, arriving(), threads=2, inline=lambda i: i % 2 == 0):
+        out.append((i, len(asked), here))
+    assert [i for i, _, _ in out] == list(range(8))
+    # Item 0 is inline and nothing is in flight: out before item 1 was asked for.
+    assert out[0] == (0, 1, True)
+    assert not any(here for i, _, here in out if i % 2)  # the others ran on the pool
+
+
 @pytest.fixture
 def stream(caches, tiny_fp, prompt_ids):
     cache, press = caches["dense", mx.bfloat16]

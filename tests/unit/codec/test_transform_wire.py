@@ -467,3 +467,23 @@ def test_decoding_coded_caches_again_and_again_leaves_no_thread_behind(wire, cal
     for _ in range(8):
         decode_chunks(manifest, iter(chunks), bases=bases)
     assert len(os.listdir("/proc/self/task")) <= before
+
+
+def test_a_coded_layer_starts_to_decode_as_soon_as_its_chunk_is_in(wire, calibrated):
+    """Each coded layer is handed to the layer threads before the next chunk is asked for: over a
+    link, a layer decodes while the next arrives, not from when it has come."""
+    from kvmesh.codec.decode import CacheDecoder
+
+    manifest, chunks = wire
+    decoder = CacheDecoder(manifest, {calibrated.basis.digest: calibrated.basis})
+    started_before: list[int] = []  # coded layers handed out when each chunk was asked for
+
+    def arriving():
+        for chunk in chunks:
+            started_before.append(len(decoder._decoding) + len(decoder.coded))
+            yield chunk
+
+    decoder.feed_all(arriving())
+    assert len(started_before) == len(chunks) > 2
+    assert started_before == list(range(len(chunks)))  # (one chunk per coded layer here)
+    assert len(decoder.finish()) == len(manifest.layers)
