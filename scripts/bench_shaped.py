@@ -7,18 +7,17 @@ veth pair limited with `tbf` to each rate (mutual TLS, as on a LAN): the coded c
 receiver without the basis (it travels first), then again with it held (--repeat times: a fetch of
 a tenth of a second on a shared 2-core box varies by half between runs, so the table gives each
 figure's median over them, and below it each fetch's ratio to the slower of its wire and decode),
-then the full copy, then a
-copy the daemon codes on request from a full one (kvmesh.net.on_request; a full copy of its own for
-each link, stored with another zstd level, so that each is coded anew: the row's fetch counts the
-coding, and "coding s" is that fetch less the median of the stored coded copy's with the basis
-held: one fetch's noise). Each fetch
-follows a lookup over the same channel, as `kvmesh.reuse.find.find_prefix` fetches: lookup s
-(connecting, mutual TLS and the lookup), then per fetch: wire s (request to the last byte, the basis
-included), decode s (the same copy decoded again here, from the receiver's store), fetch s (request
-to caches ready), first token s (lookup and fetch, then the next token fed), and the CPU seconds the
-fetch took here (the receiving process, every thread) and there (the daemon): both ends share this
-machine's cores, which a pair of Macs would not; against a prefill of the same tokens here, then the
-next token.
+then the full copy, then a copy the daemon codes on request from a full one
+(kvmesh.net.on_request; a full copy of its own for each link, stored with another zstd level, so
+that each is coded anew: the row's fetch counts the coding, and "coding s" is that fetch less the
+median of the stored coded copy's with the basis held: one fetch's noise). Each fetch follows a
+lookup over the same channel, as `kvmesh.reuse.find.find_prefix` fetches: lookup s (connecting,
+mutual TLS and the lookup), then per fetch: wire s (request to the last byte, the basis included),
+decode s (the same copy decoded again here, from the receiver's store, which then drops it: each
+fetch is into a store without the cache), fetch s (request to caches ready), first token s (lookup
+and fetch, then the next token fed), and the CPU seconds the fetch took here (the receiving
+process, every thread) and there (the daemon): both ends share this machine's cores, which a pair
+of Macs would not; against a prefill of the same tokens here, then the next token.
 """
 
 import json
@@ -55,12 +54,17 @@ from kvmesh.collector import freeze_startup_objects
 
 tune_allocator()  # as the kvmesh command does
 model_dir, address, mesh_dir, prompt_file, copies, daemon_pid = sys.argv[1:7]
-TICK = os.sysconf("SC_CLK_TCK")
 
 def daemon_cpu():
-    # utime and stime of the daemon (every thread), fields 14 and 15 of /proc/PID/stat
-    fields = Path(f"/proc/{daemon_pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    # the daemon's seconds on a CPU, every thread's (the first field of schedstat, in ns: /proc/PID/stat
+    # counts clock ticks of 10 ms, a tenth of a fetch); threads that ended since are not counted
+    total = 0
+    for task in Path(f"/proc/{daemon_pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # (a thread that ended)
+    return total / 1e9
 model, _ = mlx_lm.load(model_dir)
 fp = fingerprint(Path(model_dir))
 credentials = load_credentials(Path(mesh_dir))
@@ -98,6 +102,9 @@ def fetch_once(store, cache_id, code):
     start = time.perf_counter()
     ready(load_prefix(store, fetched.manifest.cache_id, len(prompt) - 1))
     decode_s = time.perf_counter() - start
+    # The next fetch comes to a store without it, as a receiver fetches (one that held it would write it
+    # again and drop the copy: a 4.6 MB file deleted on the fetch's path, 1.7 ms of its 0.1 s here)
+    store.delete(fetched.manifest.cache_id)
     return {
         "wire_bytes": fetched.wire_bytes, "basis_bytes": fetched.basis_bytes, "lookup_s": lookup_s,
         "wire_s": fetched.wire_s, "decode_s": decode_s, "fetch_s": fetch_s, "ttft_s": ttft,
