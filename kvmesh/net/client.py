@@ -103,7 +103,7 @@ class Transfer:
         # The chunks the receiver holds, which do not travel (CacheManifest.held), by index.
         self.held: dict[int, Chunk] = {}
         self._client, self._call, self._outbox = client, call, outbox
-        self._accepted = False
+        self._accepted = self._declined = False
         self._stream = iter(call)
         self._progress = progress
         # A deadline given runs from the open; else each part gets its own (transfer_deadline).
@@ -161,7 +161,12 @@ class Transfer:
         raise CacheRejected(rejection)
 
     def decline(self, rejection: Rejection) -> None:
-        """Tell the peer no (it sends no chunk) and wait for it to end the call."""
+        """Tell the peer no (it sends no chunk) and wait for it to end the call. Once accepted, the
+        call is cut instead: its chunks are moving, and waiting for its end would take them all."""
+        if self._accepted:
+            self.close()
+            return
+        self._declined = True
         self._outbox.put(spb.FetchRequest(decision=reject(rejection)))
         self._outbox.put(None)
         try:
@@ -174,6 +179,8 @@ class Transfer:
     def accept(self) -> None:
         """Tell the peer yes: its chunks start to move. A receiver calls it as soon as it knows, so
         that the first chunk is on its way while it readies what takes it; `chunks()` accepts too."""
+        if self._declined:
+            raise RuntimeError(f"a fetch declined cannot be accepted ({self.manifest.cache_id} from {self.address})")
         if self._accepted:
             return
         self._accepted = True

@@ -24,7 +24,7 @@ from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.codec.manifest import content_id
-from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError
+from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
 from kvmesh.net.client import PeerClient
 from kvmesh.net.policy import Policy
 from kvmesh.reuse.fetch import fetch_cache
@@ -216,6 +216,27 @@ def test_chunks_move_once_accepted_before_the_receiver_reads_them(prompt_ids, fp
         assert transfer.wire_bytes == manifest.encoding.encoded_bytes
         assert client.info().transfers.fetches_completed == 1
     assert same_tensors(decoded, cache)
+
+
+def test_a_fetch_declined_once_accepted_is_cut_not_drained(fp, big, serve, tmp_path):
+    """A receiver that says no after its accept (the chunks moving) cuts the call: the sender stops,
+    nothing more is read; and a fetch declined cannot be accepted after all."""
+    root, manifest, tokens = big
+    address = serve(copy_store(root, tmp_path, "served"))
+    with PeerClient(address) as client:
+        transfer = client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=tokens))
+        transfer.accept()
+        wait_for(lambda: client.info().transfers.chunk_bytes_sent > 0, what="the first chunk to be sent")
+        transfer.decline(Rejection(pb.REJECT_REASON_SIZE_LIMIT, "changed its mind"))
+        wait_for(lambda: client.info().transfers.transfers_active == 0, what="the sender to stop")
+        stats = client.info().transfers
+        assert stats.fetches_completed == 0 and stats.chunk_bytes_sent < manifest.encoding.encoded_bytes
+        assert transfer.wire_bytes == 0
+        declined = client.fetch(manifest.cache_id, ReceiverProfile(fp, prompt=tokens))
+        declined.decline(Rejection(pb.REJECT_REASON_SIZE_LIMIT, "no"))
+        with pytest.raises(RuntimeError, match="declined cannot be accepted"):
+            declined.accept()
+        assert client.info().transfers.chunk_bytes_sent == stats.chunk_bytes_sent  # (none for the second)
 
 
 @pytest.mark.parametrize(
