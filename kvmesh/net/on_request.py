@@ -185,7 +185,11 @@ class OnRequestCoding:
                 f"waits ({TIMEOUTS.code_on_request:g} s)"
             )
         if timed is not None and request.link_bytes_per_s > 0:
-            expected = expected_coded_bytes(manifest, request.level, predicts=digest not in self._unpredicted)
+            try:
+                predicts = self._predicts(digest)
+            except (KvmeshError, ValueError) as e:  # (a damaged basis is a ValueError: BasisError)
+                return f"its basis {digest[:12]} cannot be read: {e}"
+            expected = expected_coded_bytes(manifest, request.level, predicts=predicts)
             saved = (manifest.encoding.encoded_bytes - expected) * share
             saved_s = saved / request.link_bytes_per_s
             if coding_s >= saved_s:
@@ -226,6 +230,12 @@ class OnRequestCoding:
         if not any(basis.predicts_at(level) for level in LEVELS.values() if level.predicted_step is not None):
             self._unpredicted.add(digest)
         return basis
+
+    def _predicts(self, digest: str) -> bool:
+        """Whether some level predicts with the basis `digest`, read now if this process has not
+        read it yet (timings kept from before a restart weigh a request before the background read)."""
+        self._basis(digest)
+        return digest not in self._unpredicted
 
     def _held(self, cache_id: str) -> bool:
         try:

@@ -3,7 +3,9 @@ it, codes it when a receiver asks (and it pays), keeps the copy, and refuses wit
 would not pay or cannot be done; the receiver's choice weighs that copy against the others."""
 
 import json
+import math
 import sys
+from collections import deque
 from importlib import resources
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from kvmesh.codec.compat import ReceiverProfile
 from kvmesh.codec.levels import LEVELS
 from kvmesh.codec.manifest import LEVEL_KL, predicted, transform_coded
 from kvmesh.codec.timing import CodecTime
-from kvmesh.errors import CacheRejected
+from kvmesh.errors import CacheRejected, Rejection
 from kvmesh.net.client import PeerClient
 from kvmesh.paths import coding_times_file
 from kvmesh.reuse.fetch import fetch_cache
@@ -179,6 +181,36 @@ def test_a_peer_whose_basis_does_not_predict_says_so_and_its_small_copy_is_weigh
         candidate = full_candidate(bare_address, tiny_fp.model_id, prompt)
         coded = fetch_cache(client, candidate.cache_id, ReceiverProfile(tiny_fp), code=spb.CodeRequest(level="small"))
     assert not predicted(coded.manifest)
+
+
+def test_a_request_is_weighed_by_what_the_basis_codes_before_the_daemon_read_it(tiny, tiny_fp, basis, tmp_path):
+    """A daemon restarted with its coding times but not yet its basis read weighs a request for
+    `small` by what its basis codes: without predictors, layer by layer (larger: it saves less), so
+    a link on which a predicted copy would pay and this one does not is refused."""
+    from kvmesh.net.on_request import OnRequestCoding, expected_coded_bytes, write_timings
+
+    model, tokenizer = tiny
+    root = tmp_path / "sender"
+    store = CacheStore(root)
+    prompt = tokenizer.encode(resources.files("kvmesh").joinpath("data/corpus.txt").read_text()[:2000])
+    manifest = put(store, prefill(model, prompt[:TOKENS]).cache, tiny_fp, prompt[:TOKENS])
+    bare = basis.without_predictors()
+    artifacts = artifact_store(root)
+    artifacts.put(bare.to_bytes(), bare.digest)
+    timings = tmp_path / "coding-times.json"
+    write_timings(timings, {tiny_fp.model_id: deque([(TOKENS, 0.5)])})
+    coding = OnRequestCoding(store, "sender", timings=timings)  # (no model basis yet: none read at start)
+    artifacts.set_model_basis(tiny_fp.model_id, bare.digest)
+    coding_s = coding.coding_s(tiny_fp.model_id, TOKENS)
+    assert coding_s is not None
+    saved = {
+        predicts: manifest.encoding.encoded_bytes - expected_coded_bytes(manifest, "small", predicts=predicts)
+        for predicts in (True, False)
+    }
+    assert saved[False] < saved[True]
+    link = math.sqrt(saved[False] * saved[True]) / coding_s  # (a predicted copy would pay; this one not)
+    refused = coding.coded(manifest.cache_id, manifest, spb.CodeRequest(level="small", link_bytes_per_s=link), 0)
+    assert isinstance(refused, Rejection) and "fetch it as stored" in refused.message
 
 
 def test_a_shorter_prefix_is_cut_then_coded(tiny_fp, full_peer):
