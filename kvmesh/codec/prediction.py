@@ -35,8 +35,6 @@ import numpy as np
 from kvmesh.codec.layer_blob import TransformCodecError
 
 Coefficients = np.ndarray | mx.array
-# Rows multiplied at once by `rowwise_product`.
-ROW_BLOCK = 256
 
 
 @dataclass
@@ -101,28 +99,16 @@ class Predictor:
 
 
 def rowwise_product(rows: np.ndarray, matrix: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """`rows @ matrix` ((..., N, K) x (K, M)), each row's numbers the same whatever N is (so a prefix
-    cut from a cache decodes to exactly the whole's first rows, and a receiver predicts what its
-    sender predicted): every product is of `ROW_BLOCK` rows, the last block padded with zeros.
-
-    BLAS's sums round otherwise for another number of rows, by up to an ulp of the row's largest
-    terms: NumPy hands one row to the matrix-vector routine, and OpenBLAS 0.3.30-0.3.31 (NumPy
-    2.3-2.4's) on an AMD EPYC CPU rounded the first rows of every count of rows tried otherwise
-    (1 to 4,095 of 4,096). Blocks of 256 rows cost no more than one product here (1,020 rows of
-    SmolLM2's geometry or of 8B's)."""
-    *lead, n, k = rows.shape
+    """`rows @ matrix` ((..., N, K) x (K, M)), each row's numbers the same whatever N is: NumPy hands
+    a product of one row to BLAS's matrix-vector routine, whose sums round otherwise than its
+    matrix-matrix one (on OpenBLAS, by up to an ulp), so one row is multiplied as two."""
+    if rows.shape[-2] != 1:
+        return np.matmul(rows, matrix, out=out)
+    padded = np.concatenate([rows, np.zeros_like(rows)], axis=-2)
+    result = np.matmul(padded, matrix)[..., :1, :]
     if out is None:
-        out = np.empty((*lead, n, matrix.shape[1]), np.result_type(rows, matrix))
-    for index in np.ndindex(*lead):
-        these, into = rows[index], out[index]
-        for start in range(0, n, ROW_BLOCK):
-            block = these[start : start + ROW_BLOCK]
-            if len(block) == ROW_BLOCK:
-                np.matmul(block, matrix, out=into[start : start + ROW_BLOCK])
-            else:
-                padded = np.zeros((ROW_BLOCK, k), block.dtype)
-                padded[: len(block)] = block
-                into[start:] = np.matmul(padded, matrix)[: len(block)]
+        return result
+    out[...] = result
     return out
 
 

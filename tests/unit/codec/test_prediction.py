@@ -20,7 +20,7 @@ from kvmesh.codec.encode import encode_cache
 from kvmesh.codec.layer_blob import MAGIC_PREDICTED, TransformCodecError, cut_layer, read_header
 from kvmesh.codec.layer_pool import map_layers
 from kvmesh.codec.levels import LEVELS, PREDICTED_STEP
-from kvmesh.codec.prediction import ROW_BLOCK, LayerChain, Predictor, rowwise_product
+from kvmesh.codec.prediction import LayerChain, Predictor
 from kvmesh.codec.rate import synthetic_basis, synthetic_layers
 from kvmesh.codec.transform import encode_layers, layers_of_cache
 from kvmesh.codec.transform_decode import decode_layer, decode_layers
@@ -258,22 +258,3 @@ def test_a_store_says_which_caches_are_predicted_and_the_choice_weighs_them_apar
     assert codec_of(spb.Candidate(**coded, predicted=True)) == "predicted"
     assert codec_of(spb.Candidate(**coded)) == "transform"
     assert level_codec("small") == "predicted" and level_codec("default") == "transform"
-
-
-@pytest.mark.parametrize("k", [1, 24, 192])
-def test_each_row_of_a_product_is_the_same_whatever_the_number_of_rows(k):
-    """A prefix of the rows, of any length (one row, a block's, across blocks), multiplies to
-    exactly the whole's first rows (what a cut prefix and a receiver's prediction rely on: BLAS
-    rounds each row by how many there are, on some CPUs), and to the product within float32
-    rounding; a batch's sequences each as if alone."""
-    rng = np.random.default_rng(5)
-    rows = rng.standard_normal((2, 2 * ROW_BLOCK + 37, k)).astype(np.float32)
-    matrix = rng.standard_normal((k, 64)).astype(np.float32)
-    whole = rowwise_product(rows, matrix)
-    np.testing.assert_allclose(whole, rows @ matrix, rtol=1e-5, atol=1e-4)
-    for n in (1, 7, ROW_BLOCK - 1, ROW_BLOCK, ROW_BLOCK + 1, 2 * ROW_BLOCK + 36):
-        np.testing.assert_array_equal(rowwise_product(rows[:, :n], matrix), whole[:, :n])
-        np.testing.assert_array_equal(rowwise_product(rows[1, :n], matrix), whole[1, :n])
-    out = np.full_like(whole, np.nan)
-    assert rowwise_product(rows, matrix, out=out) is out
-    np.testing.assert_array_equal(out, whole)

@@ -27,7 +27,6 @@ from test_transform_codec import random_layers, sparse_positions
 from kvmesh.codec.basis import Basis, fit_basis
 from kvmesh.codec.layer_blob import Segments, TransformCodecError, coded_regions, cut_layer, read_header
 from kvmesh.codec.layer_pool import layer_pool, map_layers
-from kvmesh.codec.prediction import rowwise_product
 from kvmesh.codec.rate import measure_decode_rate, synthetic_basis, synthetic_layers
 from kvmesh.codec.rotary import Rotary, apply_rope
 from kvmesh.codec.transform import SINKS, encode_layers
@@ -83,8 +82,7 @@ def reference_group(width: int, plane: bytes, escapes: bytes, count: int, offset
 
 def reference_decode(blob: bytes, basis: Basis, *, numpy_product: bool) -> list[mx.array]:
     """The NumPy decoder the MLX one replaced: keys and values of one layer's blob; the inverse
-    transform's product made by NumPy (as `rowwise_product` makes it) or by MLX (two BLAS's
-    products round apart)."""
+    transform's product made by NumPy or by MLX (two BLAS's products round apart)."""
     header, body = read_header(blob)
     seg = Segments(header, body)
     j, (b, h, t, d) = header["layer"], header["shape"]
@@ -116,8 +114,8 @@ def reference_decode(blob: bytes, basis: Basis, *, numpy_product: bool) -> list[
                 or [np.zeros((0, b * m), np.float32)]
             )
             synthesis = tb.synthesis()[:n] * np.float32(region["step"] * tb.scale)
-            if n and numpy_product:  # (per sequence, in the blocks of rows the decoder multiplies)
-                rows = rowwise_product(coded.T.reshape(b, m, n), synthesis).reshape(b * m, -1) + tb.mean
+            if n and numpy_product:
+                rows = coded.T @ synthesis + tb.mean
             elif n:
                 rows = np.asarray(mx.array(coded).T @ mx.array(synthesis) + mx.array(tb.mean))
             else:
