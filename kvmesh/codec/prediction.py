@@ -84,8 +84,8 @@ class Predictor:
         """(F, rows) float32: this tensor's coefficients predicted from `inputs`, each (F', rows).
 
         The product runs token-major ((rows, inputs) x (inputs, F)), as the decoder's synthesis
-        does: each row's numbers then do not depend on how many rows there are, so a prefix cut
-        from a cache decodes to exactly the whole's first rows."""
+        does (`rowwise_product`): a prefix cut from a cache decodes to the whole's first rows, exactly
+        where the BLAS rounds each row alike whatever the number of rows."""
         matrix, constant = self._matrices(numpy)
         if numpy:
             stacked = np.concatenate([np.asarray(x) for x in inputs]) if len(inputs) > 1 else np.asarray(inputs[0])
@@ -99,9 +99,14 @@ class Predictor:
 
 
 def rowwise_product(rows: np.ndarray, matrix: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """`rows @ matrix` ((..., N, K) x (K, M)), each row's numbers the same whatever N is: NumPy hands
-    a product of one row to BLAS's matrix-vector routine, whose sums round otherwise than its
-    matrix-matrix one (on OpenBLAS, by up to an ulp), so one row is multiplied as two."""
+    """`rows @ matrix` ((..., N, K) x (K, M)), one row multiplied as two: NumPy hands a product of
+    one row to BLAS's matrix-vector routine, whose sums round otherwise than its matrix-matrix one
+    (on OpenBLAS, by up to an ulp). Most BLAS builds then round each row alike whatever N is, so a
+    cut prefix decodes to exactly the whole's first rows; OpenBLAS 0.3.30-0.3.31 (NumPy 2.3-2.4's)
+    on an AMD EPYC CPU rounds each row by how many rows it multiplies (every count tried, 1 to
+    4,095 of 4,096), by up to an ulp of the row's largest terms. Products in blocks of a fixed
+    number of rows would agree there too, but decoded SmolLM2's cache 15-23% slower on that CPU
+    (throwaway A/B, 2026-12-07): those rows agree within float32 rounding instead."""
     if rows.shape[-2] != 1:
         return np.matmul(rows, matrix, out=out)
     padded = np.concatenate([rows, np.zeros_like(rows)], axis=-2)

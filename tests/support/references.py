@@ -2,6 +2,7 @@
 cached path must equal), continuations of a cache, and bit-for-bit comparisons of what they give."""
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
@@ -68,6 +69,19 @@ def same_arrays(a, b) -> bool:
 def same_tensors(a, b) -> bool:
     """Every tensor of every layer of two caches equal bit for bit."""
     return len(a) == len(b) and all(same_arrays(layer_tensors(x), layer_tensors(y)) for x, y in zip(a, b))
+
+
+def rounded_alike(a, b, ulps: int = 16) -> bool:
+    """Two arrays of decoded numbers of one shape and dtype equal, or apart by at most `ulps` units
+    in the last place of their dtype at their largest magnitude: what a prefix's rows may be from
+    the whole's where BLAS rounds each row by how many rows it multiplies at once (OpenBLAS
+    0.3.30-0.3.31 on an AMD EPYC CPU: kvmesh.codec.prediction.rowwise_product; the codec's tests
+    needed 8 there). A wrong row, or one off by a position, is apart by its own size."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    x, y = (np.asarray(t.astype(mx.float32)) for t in (a, b))
+    largest = max(float(np.abs(x).max(initial=0.0)), float(np.abs(y).max(initial=0.0)))
+    return float(np.abs(x - y).max(initial=0.0)) <= ulps * float(mx.finfo(a.dtype).eps) * largest
 
 
 def assert_same_caches(a, b) -> None:
