@@ -55,16 +55,21 @@ from kvmesh.collector import freeze_startup_objects
 tune_allocator()  # as the kvmesh command does
 model_dir, address, mesh_dir, prompt_file, copies, daemon_pid = sys.argv[1:7]
 
-def daemon_cpu():
-    # the daemon's seconds on a CPU, every thread's (the first field of schedstat, in ns: /proc/PID/stat
-    # counts clock ticks of 10 ms, a tenth of a fetch); threads that ended since are not counted
-    total = 0
+def daemon_threads():
+    # each of the daemon's threads' nanoseconds on a CPU (the first field of its schedstat: /proc/PID/stat
+    # counts clock ticks of 10 ms, a tenth of a fetch)
+    times = {}
     for task in Path(f"/proc/{daemon_pid}/task").iterdir():
         try:
-            total += int((task / "schedstat").read_text().split()[0])
+            times[task.name] = int((task / "schedstat").read_text().split()[0])
         except (FileNotFoundError, ProcessLookupError):
             pass  # (a thread that ended)
-    return total / 1e9
+    return times
+
+def daemon_cpu_since(before):
+    # the daemon's CPU seconds since `before`, of the threads alive now (one that ended meanwhile, a
+    # read's or a watch's of a few ms, is not counted)
+    return sum(ns - before.get(tid, 0) for tid, ns in daemon_threads().items()) / 1e9
 model, _ = mlx_lm.load(model_dir)
 fp = fingerprint(Path(model_dir))
 credentials = load_credentials(Path(mesh_dir))
@@ -93,11 +98,11 @@ def fetch_once(store, cache_id, code):
         start = time.perf_counter()
         client.lookup(fp.model_id, prompt[:-1])
         lookup_s = time.perf_counter() - start
-        start, cpu_here, cpu_there = time.perf_counter(), time.process_time(), daemon_cpu()
+        start, cpu_here, there = time.perf_counter(), time.process_time(), daemon_threads()
         fetched = fetch_cache(client, cache_id, ReceiverProfile(fp, prompt=prompt), store=store, code=code)
         ready(fetched.cache)
         fetch_s = time.perf_counter() - start
-        cpu_here, cpu_there = time.process_time() - cpu_here, daemon_cpu() - cpu_there
+        cpu_here, cpu_there = time.process_time() - cpu_here, daemon_cpu_since(there)
     ttft = lookup_s + fetch_s + first_token(fetched.cache, prompt[-1:])
     start = time.perf_counter()
     ready(load_prefix(store, fetched.manifest.cache_id, len(prompt) - 1))
@@ -242,7 +247,7 @@ def shaped(links: list[float], tokens: int, rounds: int) -> None:
                         *cells,
                         f"{statistics.median(ratios):.2f}" if ratios else "-",
                         f"{median['ttft_s']:.3f}",
-                        f"{median['cpu_here_s']:.2f} / {median['cpu_there_s']:.2f}" if "cpu_here_s" in median else "-",
+                        f"{median['cpu_here_s']:.3f} / {median['cpu_there_s']:.3f}" if "cpu_here_s" in median else "-",
                     )
     Console(width=180).print(table)
     print(
