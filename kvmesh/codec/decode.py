@@ -107,8 +107,10 @@ class CacheDecoder:
         that the payload is complete and its digest the manifest's, then `settle` (all decoded, finite).
 
         Each chunk is checked against its slot, decoded and written into its own rows on one of
-        `threads` threads while the caller brings the next; only the order check runs here, so a
-        chunk out of place never lands outside its announced rows and still fails the transfer.
+        `threads` threads while the caller brings the next (a transform-coded layer's chunk, short
+        work, here when none is in flight: its layer then starts to decode at once, `ordered_map`'s
+        `inline`); the order check runs here, so a chunk out of place never lands outside its
+        announced rows and still fails the transfer.
         What this yields may go to a store as it comes (`store.add(manifest, decoder.feed_iter(...))`):
         a bad chunk or digest, or a tensor of numbers that are not finite, raises before the store's
         write completes, so nothing is kept.
