@@ -98,7 +98,8 @@ def fetch_once(store, cache_id, code):
         start = time.perf_counter()
         client.lookup(fp.model_id, prompt[:-1])
         lookup_s = time.perf_counter() - start
-        start, cpu_here, there = time.perf_counter(), time.process_time(), daemon_threads()
+        there, cpu_here = daemon_threads(), time.process_time()  # (read before the fetch's time: 0.6 ms)
+        start = time.perf_counter()
         fetched = fetch_cache(client, cache_id, ReceiverProfile(fp, prompt=prompt), store=store, code=code)
         ready(fetched.cache)
         fetch_s = time.perf_counter() - start

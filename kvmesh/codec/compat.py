@@ -328,14 +328,16 @@ def expected_width(name: str, head_dim: int, bits: int, group_size: int) -> int:
     return head_dim
 
 
-def check_manifest(m: pb.CacheManifest, profile: ReceiverProfile) -> Rejection | None:
-    """None if the receiver can use the cache, else why not (the first reason found)."""
+def check_manifest(m: pb.CacheManifest, profile: ReceiverProfile, *, validated: bool = False) -> Rejection | None:
+    """None if the receiver can use the cache, else why not (the first reason found). `validated`:
+    `validate_manifest` passed it already (a sender's own, from its store), so it is not run again
+    (0.3 ms of a fetch's path for a 30-layer cache); a manifest from a peer is never that."""
     if m.schema_version not in READABLE_SCHEMAS:
         return Rejection(
             pb.REJECT_REASON_SCHEMA,
             f"manifest schema {m.schema_version}, this kvmesh reads {', '.join(map(str, READABLE_SCHEMAS))}",
         )
-    if rejection := validate_manifest(m):
+    if not validated and (rejection := validate_manifest(m)):
         return rejection
     ours = profile.model
     geometry = {

@@ -92,11 +92,18 @@ def dtype_to_proto(name: str) -> model_pb2.DType:
     return cast(model_pb2.DType, value)
 
 
+# (a dict: the enum's own Name() and values() build lists on each call, and a manifest's check asks
+# for every tensor's dtype)
+_DTYPE_NAME = {
+    value: name.removeprefix("DTYPE_").lower()
+    for name, value in model_pb2.DType.items()
+    if value != model_pb2.DTYPE_UNSPECIFIED
+}
+
+
 def dtype_name(value: int) -> str:
     """DTYPE_FLOAT16 -> `float16`; a value this version does not know gives `unknown(N)`."""
-    if value in model_pb2.DType.values() and value != model_pb2.DTYPE_UNSPECIFIED:
-        return model_pb2.DType.Name(value).removeprefix("DTYPE_").lower()
-    return f"unknown({value})"
+    return _DTYPE_NAME.get(value) or f"unknown({value})"
 
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "uint32", "uint8")

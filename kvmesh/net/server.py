@@ -224,7 +224,8 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             rejection = found
         elif rejection is None and not isinstance(found, Rejection):
             manifest, records = found
-            rejection = check_manifest(manifest, profile) if profile else None
+            # (one of its store's, or cut or coded from one here: validated when read or made)
+            rejection = check_manifest(manifest, profile, validated=True) if profile else None
         if rejection:
             self.counters.add("fetches_rejected")
             log.info("refused %s to %s: %s", opened.cache_id, peer, rejection)

@@ -37,7 +37,7 @@ from kvmesh.errors import IntegrityError, NotFoundError, StoreError
 from kvmesh.store import blocks, entry_file, eviction, matching, recovery
 from kvmesh.store.budget import AUTO_BUDGET, resolve_budget
 from kvmesh.store.index import INDEX, Index, StoredEntry, Written
-from kvmesh.store.layout import Layout, verified_manifest
+from kvmesh.store.layout import Layout, VerifiedManifests
 from kvmesh.store.matching import PrefixMatch
 from kvmesh.v1 import cache_pb2 as pb
 
@@ -68,6 +68,7 @@ class CacheStore:
         self.incoming_dir = self.layout.incoming_dir
         self.quarantine_dir = self.layout.quarantine_dir
         self.index = Index(self.root)
+        self._manifests = VerifiedManifests()
         # Why this process cannot write the store (None: it can); reads work either way.
         self.read_only_reason = self.layout.make_dirs(self.index.path)
         # The disk the entries are on (entries/ may be a link to another one).
@@ -279,7 +280,7 @@ class CacheStore:
         """The entry's manifest, checked to be that entry's (a damaged or misplaced file is quarantined)."""
         path = self.layout.path(cache_id)
         try:
-            return verified_manifest(path, cache_id)
+            return self._manifests.get(path, cache_id)
         except IntegrityError as e:
             self._quarantine(path, str(e))
             raise

@@ -189,3 +189,13 @@ def test_size_limit(manifest, profile):
 def test_a_manifest_that_lies_about_itself_is_malformed(manifest, profile, lie):
     lie(manifest)
     assert reason(manifest, profile) == "malformed"
+
+
+def test_a_validated_manifest_is_held_to_the_profile_without_its_checks_run_again(manifest, profile):
+    """A sender's own manifest (validated when its store read it) is checked against the receiver's
+    profile only: its consistency is not checked again on each open."""
+    manifest.encoding.chunk_count = 3  # (what only validation finds)
+    assert reason(manifest, profile) == "malformed"
+    assert check_manifest(manifest, profile, validated=True) is None
+    limited = ReceiverProfile(model=profile.model, max_bytes=manifest.encoding.raw_bytes - 1)
+    assert check_manifest(manifest, limited, validated=True).reason == pb.REJECT_REASON_SIZE_LIMIT

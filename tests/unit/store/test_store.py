@@ -264,6 +264,25 @@ def test_importing_a_bad_file_leaves_nothing(store, tmp_path, dense500, fp, long
     assert store.entries() == [] and list(store.incoming_dir.iterdir()) == []
 
 
+def test_a_manifest_is_read_once_per_entry_file_and_again_when_the_file_changes(store, dense500, fp, long_ids):
+    """A daemon reads a cache's manifest for each open and for its records: once read and checked, the
+    same file (inode, size, time) is not read again; a file changed in place is, and damage found."""
+    manifest = put_dense500(store, dense500, fp, long_ids)
+    path = store.entries_dir / f"{manifest.cache_id}.kvc"
+    assert store.manifest(manifest.cache_id) == manifest
+    data = path.read_bytes()
+    before = path.stat()
+    damaged = data[:-20] + bytes(20)  # (the footer's checksum and magic zeroed: unreadable)
+    with open(path, "r+b") as f:  # in place: the same inode and size
+        f.write(damaged)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert store.manifest(manifest.cache_id) == manifest  # the file's identity is the one read: not read again
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1))
+    with pytest.raises(IntegrityError, match="truncated or corrupt"):
+        store.manifest(manifest.cache_id)
+    assert not path.exists() and list(store.quarantine_dir.iterdir())
+
+
 def test_ids_never_become_paths(store):
     for bad in ("../../etc/passwd", "a" * 31, "A" * 32, "g" * 32):
         with pytest.raises(NotFoundError):
