@@ -57,6 +57,7 @@ PROBE_MESSAGE_BYTES = 1 << 20
 # Artefacts (in pieces of ARTIFACT_PIECE_BYTES) go to at most this many receivers at once.
 ARTIFACT_SENDS = 4
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 # Worker threads no transfer may take: health checks, Info and Lookup always find one.
 RESERVED_WORKERS = 4
 
@@ -77,6 +78,29 @@ def next_within(requests: Iterator, seconds: float, context: grpc.ServicerContex
     except TimeoutError:
         log.warning("%s sent no %s within %.0f s: stream cut", caller(context), what, seconds)
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {what} within {seconds:.0f} s")
+
+
+class ReadAhead(Iterator[T]):
+    """`items`, the first of them taken at once: a sender reads a fetch's first message while the
+    receiver decides (nothing of it moves before an accept), and sends it the moment it accepts.
+    A failure taking it is raised when it is asked for, where it would have been."""
+
+    def __init__(self, items: Iterator[T]):
+        self._items = items
+        self._first: list[T] = []
+        self._failure: Exception | None = None
+        try:
+            self._first.append(next(items))
+        except StopIteration:
+            pass
+        except Exception as e:
+            self._failure = e
+
+    def __next__(self) -> T:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        return self._first.pop() if self._first else next(self._items)
 
 
 # A receiver that accepted a fetch and stopped reading (its TCP stack still answering keepalive
@@ -232,6 +256,8 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             yield spb.FetchResponse(refused=reject(rejection))
             return
         yield spb.FetchResponse(manifest=manifest, protocol_version=PROTOCOL_VERSION)
+        # Stored as they travel: read, then sent, several small ones a message to a receiver that reads them so.
+        messages = ReadAhead(batch_frames(records) if opened.frame_batches else ((f, [len(f)]) for f in records))
         reply = next_within(requests, self.policy.idle_timeout, context, "decision")
         if reply is None or reply.WhichOneof("msg") != "decision":
             self.counters.add("fetches_failed")
@@ -241,8 +267,6 @@ class KvMeshService(service_pb2_grpc.KvMeshServicer):
             log.info("%s rejected %s: %s", peer, manifest.cache_id, reply.decision.message)
             return
         watch = IdleWatch(context.cancel, self.policy.idle_timeout, silent=NOT_READING)
-        # Stored as they travel: read, then sent, several small ones a message to a receiver that reads them so.
-        messages = batch_frames(records) if opened.frame_batches else ((f, [len(f)]) for f in records)
         try:
             for message, lengths in messages:
                 watch.waiting()

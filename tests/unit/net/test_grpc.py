@@ -311,6 +311,33 @@ def test_a_corrupted_chunk_is_refused_and_the_server_serves_on(prompt_ids, fp, p
         assert fetch_cache(client, good.cache_id, profile, store=client_store).manifest.cache_id == good.cache_id
 
 
+@pytest.mark.parametrize("decision", ["accept", "decline"])
+def test_a_copy_damaged_on_disk_is_found_before_the_decision_and_fails_only_an_accepted_fetch(
+    prompt_ids, fp, producer, serve, tmp_path, decision
+):
+    """The sender reads a fetch's first message while the receiver decides: damage in it quarantines
+    the entry then, and is the receiver's error only once it accepts (a decline ends quietly)."""
+    root, made = producer
+    served = copy_store(root, tmp_path, "served")
+    bad = made["dense", "none"][0]
+    path = served / "entries" / f"{bad.cache_id}.kvc"
+    data = bytearray(path.read_bytes())
+    data[len(MAGIC) + RECORD_HEADER.size + FRAME_HEADER.size] ^= 0xFF  # chunk 0's data, its record checksum kept
+    path.write_bytes(bytes(data))
+    with PeerClient(serve(served)) as client:
+        transfer = client.fetch(bad.cache_id, ReceiverProfile(fp, prompt=prompt_ids))
+        with transfer:
+            if decision == "decline":
+                transfer.decline(Rejection(pb.REJECT_REASON_PREFIX, "not this one"))
+            else:
+                with pytest.raises(PeerError, match="this peer's copy is damaged: .*chunk 0 is damaged on disk") as e:
+                    next(transfer.chunks())
+                assert e.value.code == grpc.StatusCode.DATA_LOSS
+        info = client.info()
+    assert info.transfers.chunk_bytes_sent == 0
+    assert not path.exists() and [p.name.split(".")[0] for p in (served / "quarantine").iterdir()] == [bad.cache_id]
+
+
 class Stop(Exception):
     pass
 
