@@ -25,12 +25,13 @@ from kvmesh.codec.decode import decode_chunks
 from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.codec.manifest import content_id
 from kvmesh.errors import CacheRejected, IntegrityError, KvmeshError, PeerError, Rejection
-from kvmesh.net.client import PeerClient
+from kvmesh.net.client import Outbox, PeerClient
 from kvmesh.net.policy import Policy
 from kvmesh.reuse.fetch import fetch_cache
 from kvmesh.store import CacheStore
 from kvmesh.store.entry_file import FOOTER, MAGIC, RECORD_HEADER
 from kvmesh.v1 import cache_pb2 as pb
+from kvmesh.v1 import service_pb2 as spb
 from kvmesh.versions import PROTOCOL_VERSION
 from support.references import assert_same_generation, same_tensors, steps_after
 from support.waiting import wait_for
@@ -336,6 +337,28 @@ def test_a_copy_damaged_on_disk_is_found_before_the_decision_and_fails_only_an_a
         info = client.info()
     assert info.transfers.chunk_bytes_sent == 0
     assert not path.exists() and [p.name.split(".")[0] for p in (served / "quarantine").iterdir()] == [bad.cache_id]
+
+
+def test_the_accept_is_handed_to_grpcs_thread_before_the_receiver_goes_on():
+    """`Outbox.hand_over` returns once the request stream took the message (the receiver's work after
+    an accept would hold the GIL that thread needs to send it), or after HAND_OVER_S when nothing
+    takes it (a call that ended)."""
+    outbox, order = Outbox(), []
+    stream = outbox.requests()
+
+    def send():  # (what gRPC's thread does with the request stream)
+        order.append(next(stream).decision.accept)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    outbox.hand_over(spb.FetchRequest(decision=spb.Decision(accept=True)))
+    order.append("went on")
+    sender.join()
+    assert order == [True, "went on"]
+    outbox.HAND_OVER_S = 0.05
+    outbox.hand_over(spb.FetchRequest(decision=spb.Decision(accept=True)))  # nobody takes it: returns all the same
+    outbox.put(None)
+    assert next(stream).decision.accept and next(stream, "ended") == "ended"
 
 
 class Stop(Exception):
