@@ -77,10 +77,15 @@ class CacheDecoder:
         self._settled = False
         self._failure: Exception | None = None
 
+    def _planned_tensor(self, chunk: Chunk) -> int | None:
+        """The tensor where the plan puts `chunk` (not where it claims to go); None beyond the plan
+        (the checker refuses it)."""
+        return self.checker.plan[chunk.index].tensor if chunk.index < len(self.checker.plan) else None
+
     def _allocate(self, chunk: Chunk) -> Chunk:
-        """Make the buffer of the tensor where the plan puts `chunk` (not where it claims to go)."""
-        if chunk.index < len(self.checker.plan):
-            self._buffer(self.checker.plan[chunk.index].tensor)
+        """Make the buffer of the tensor where the plan puts `chunk`."""
+        if (tensor := self._planned_tensor(chunk)) is not None:
+            self._buffer(tensor)
         return chunk
 
     def _buffer(self, tensor: int) -> mx.array | None:
@@ -140,7 +145,7 @@ class CacheDecoder:
 
     def _codes_a_layer(self, chunk: Chunk) -> bool:
         """Whether `chunk` holds a transform-coded layer's bytes (by where the plan puts it)."""
-        return chunk.index < len(self.checker.plan) and self.checker.plan[chunk.index].tensor in self.coded_tensors
+        return self._planned_tensor(chunk) in self.coded_tensors
 
     def settle(self) -> None:
         """Wait for the coded layers still decoding (raising the first failure), then check that every
