@@ -167,7 +167,10 @@ def prefill_arguments(parser: Any) -> None:
         "--kv-bits", type=int, choices=QUANT_BITS, help="quantize what is kept to this many bits per value"
     )
     parser.add_argument(
-        "--codec", default="zstd", choices=["zstd", "none"], help="wire and disk encoding (default zstd)"
+        "--codec",
+        default="zstd",
+        choices=["zstd", "none"],
+        help="wire and disk encoding (default zstd; a --compress cache goes without: its layers are entropy coded)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
 

@@ -8,6 +8,7 @@ The decoder writes each chunk into per-tensor MLX buffers through their zero-cop
 decoding needs about one copy of the cache in memory, never the whole encoded payload.
 """
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent import futures
 
@@ -66,8 +67,14 @@ class CacheDecoder:
             for t, layer in enumerate(leaves)
             if layer.kind == pb.CACHE_KIND_TRANSFORM_KV and t in last
         }
-        # Their bytes are a blob for the decoder, not a tensor of the cache: received into NumPy.
+        # Their bytes are a blob for the decoder, not a tensor of the cache: received into NumPy, or,
+        # a blob in one chunk (a layer of up to a chunk's size: all of SmolLM2's and an 8B model's
+        # up to about 8K tokens), read where its chunk's check left them (the wire's message, or what
+        # zstd made): no buffer and no copy. By tensor, until its layer starts to decode.
         self.coded_tensors = {t for t, _ in self.coded_at.values()}
+        chunks_of = Counter(slot.tensor for slot in self.checker.plan)
+        self.whole_blobs = {t for t in self.coded_tensors if chunks_of[t] == 1}
+        self._blobs: dict[int, Raw] = {}
         self.coded: dict[int, Layer] = {}
         self._decoding: list[tuple[int, futures.Future[Layer]]] = []
         self._memo: dict = {}  # rotation tables, shared by the coded layers' threads
@@ -90,8 +97,8 @@ class CacheDecoder:
 
     def _buffer(self, tensor: int) -> mx.array | None:
         """The tensor's MLX buffer, made now if need be (None for a transform-coded layer's bytes:
-        a NumPy buffer of their own, read by its decoder and dropped)."""
-        if self.views[tensor] is None:
+        a NumPy buffer of their own, read by its decoder and dropped; none for a blob in one chunk)."""
+        if self.views[tensor] is None and tensor not in self.whole_blobs:
             shape, dtype = self.shapes[tensor]
             if tensor in self.coded_tensors:
                 self.views[tensor] = np.empty(shape[1:], np.dtype(f"uint{8 * dtype.size}"))
@@ -177,9 +184,13 @@ class CacheDecoder:
     def _start_coded(self, tensor: int, layer: pb.LayerSpec) -> None:
         """Decode a transform-coded layer whose bytes are all in (each chunk checked) on the coded
         layers' threads (`kvmesh.codec.layer_pool`) while the next ones arrive; taken in order."""
-        view = self.views[tensor]
-        assert view is not None, "a coded tensor is decoded once its chunks are written"
-        blob = view.reshape(-1).view(np.uint8).data  # (its chunks are all in: nothing writes it again)
+        if tensor in self.whole_blobs:
+            raw = self._blobs.pop(tensor)
+            blob = raw.data if isinstance(raw, np.ndarray) else memoryview(raw)
+        else:
+            view = self.views[tensor]
+            assert view is not None, "a coded tensor is decoded once its chunks are written"
+            blob = view.reshape(-1).view(np.uint8).data  # (its chunks are all in: nothing writes it again)
         self._chain.expect(layer.transform.basis_layer)  # (before it is handed out: `LayerChain`)
         self._decoding.append((tensor, layer_pool().submit(self._decode_coded, layer, blob)))
 
@@ -197,6 +208,7 @@ class CacheDecoder:
         self._chain.close("the transfer stopped before the layer it is predicted from decoded")
         futures.wait([future for _, future in self._decoding])
         self._decoding = []
+        self._blobs.clear()
 
     def _decode_coded(self, layer: pb.LayerSpec, blob: memoryview) -> Layer:
         """A transform-coded layer into its SparseKVCache (or the quantized cache asked for)."""
@@ -218,6 +230,9 @@ class CacheDecoder:
 
     def _write(self, chunk: Chunk, raw: Raw) -> None:
         slot = self.checker.plan[chunk.index]
+        if slot.tensor in self.whole_blobs:
+            self._blobs[slot.tensor] = raw
+            return
         view = self.views[slot.tensor]
         assert view is not None, "a chunk is decoded only once its buffer is made"
         write_rows(view, self.layouts[slot.tensor], slot.byte_offset // slot.row_bytes, raw)

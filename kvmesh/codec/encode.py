@@ -133,7 +133,12 @@ def build_manifest(
         raise ValueError(f"a cache's attention layers must have one float dtype, found {sorted(float_dtypes)}")
     dtype = float_dtypes.pop()
     byte_shuffle = dtype == "bfloat16" if options.byte_shuffle is None else options.byte_shuffle
-    zstd = options.codec == "zstd"
+    # A transform-coded layer's blob is entropy coded already (its segments are zstd frames:
+    # kvmesh.codec.layer_blob), so zstd over it saved nothing (SmolLM2's 1,024-token coded cache:
+    # 418 bytes more) and cost every reader a decompression and a copy of each chunk. A cache of
+    # coded layers only goes without.
+    codec = "none" if leaves and all(layer.kind == pb.CACHE_KIND_TRANSFORM_KV for layer in leaves) else options.codec
+    zstd = codec == "zstd"
     manifest = pb.CacheManifest(
         schema_version=manifest_schema(leaves),
         model=model.to_proto(),
@@ -145,7 +150,7 @@ def build_manifest(
         layers=layers,
         compression=pb.Compression(method=press.method, config=press_config_to_proto(press.config())),
         encoding=pb.Encoding(
-            codec=CODECS[options.codec],
+            codec=CODECS[codec],
             level=options.level if zstd else 0,
             byte_shuffle=byte_shuffle and zstd,
             chunk_size=options.chunk_size,

@@ -21,7 +21,7 @@ from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis
 from kvmesh.codec.compat import ReceiverProfile, basis_problem, check_manifest, quality_problem, validate_manifest
 from kvmesh.codec.cut import cut_prefix
 from kvmesh.codec.decode import decode_chunks
-from kvmesh.codec.encode import encode_cache
+from kvmesh.codec.encode import EncodeOptions, encode_cache
 from kvmesh.codec.layer_blob import read_header
 from kvmesh.codec.manifest import layer_codec, layer_report, lossy, uncuttable_reason
 from kvmesh.codec.transform_decode import decode_layer
@@ -79,6 +79,8 @@ def test_the_manifest_states_the_codec_and_the_basis(coded, wire, calibrated):
         assert 0 < t.value_components <= t.kv_heads * t.head_dim
         assert t.rotary.dims == manifest.head_dim and t.rotary.HasField("base")
     assert validate_manifest(manifest) is None
+    # Its layers are entropy coded: no zstd over them, whatever the options ask (zstd by default).
+    assert manifest.encoding.codec == pb.CODEC_NONE and manifest.encoding.encoded_bytes == manifest.encoding.raw_bytes
     assert lossy(manifest)
     assert uncuttable_reason(manifest) is None  # each position's row is coded: shorter prefixes are cut
     assert all(row["codec"].startswith("transform k ") for row in layer_report(manifest))
@@ -104,6 +106,22 @@ def test_a_coded_cache_decodes_into_mlx_lm_classes_and_runs(tiny, coded, wire, c
     have = model(probe, cache=[_fork(c) for c in got])[0]
     lp_w, lp_h = (x - mx.logsumexp(x, axis=-1, keepdims=True) for x in (want, have))
     assert (mx.exp(lp_w) * (lp_w - lp_h)).sum(-1).mean().item() < 0.01
+
+
+def test_a_coded_layer_decodes_alike_from_one_chunk_or_several(coded, wire, calibrated, tiny_fp, prompt_ids):
+    """A layer's blob in one chunk is decoded from where its chunk's check left it; a blob split over
+    several chunks is put together first: the same caches either way."""
+    _, cache = coded
+    manifest, chunks = wire
+    assert len(chunks) == len(manifest.layers)  # (each layer's blob in one chunk)
+    third = min(layer.tensors[0].nbytes for layer in manifest.layers) // 3
+    split, split_chunks = encode_cache(cache, tiny_fp, prompt_ids, options=EncodeOptions(chunk_size=third))
+    split_chunks = list(split_chunks)
+    assert len(split_chunks) >= 3 * len(manifest.layers)
+    bases = {calibrated.basis.digest: calibrated.basis}
+    whole, parts = decode_chunks(manifest, chunks, bases=bases), decode_chunks(split, split_chunks, bases=bases)
+    for a, b in zip(whole, parts, strict=True):
+        assert all(mx.array_equal(x, y) for x, y in zip(a.keys_and_values(), b.keys_and_values(), strict=True))
 
 
 def _fork(layer):
@@ -353,6 +371,7 @@ def test_in_mixed_models_only_full_attention_layers_are_coded(preset, tmp_path):
     cache = transform_code(full, TransformCoding(basis, step=0.1))
     assert [isinstance(c, CodedLayer) for c in cache] == [kind is KVCache for kind in kinds]
     manifest, chunks = encode_cache(cache, fingerprint(model_dir), ids)
+    assert manifest.encoding.codec == pb.CODEC_ZSTD  # (for the windows and the state beside the coded layers)
     got = decode_chunks(manifest, list(chunks), bases={basis.digest: basis})
     assert [type(c) for c in got] == [SparseKVCache if kind is KVCache else kind for kind in kinds]
     logits = model(mx.array(ids[-4:])[None], cache=[_fork(c) for c in got])
