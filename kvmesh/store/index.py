@@ -233,6 +233,11 @@ class Index:
         db = getattr(self._connections, "db", None)
         if db is None:
             db = sqlite3.connect(self._uri, uri=True, timeout=30, isolation_level=None)
+            # A commit is not synced (a power cut may lose the last ones, never the index's
+            # consistency): the index is rebuilt from the entry files, each synced before its row is
+            # written, so a lost row comes back at the next open (kvmesh.store.recovery). A synced
+            # commit was a second fsync on every fetch's path, after its last layer decoded.
+            db.execute("PRAGMA synchronous=NORMAL")
             db.row_factory = sqlite3.Row
             self._connections.db = db
         return db

@@ -304,6 +304,22 @@ def test_recovery_removes_orphans_and_dangling_rows(store, tmp_path, dense500, f
     assert list(reopened.incoming_dir.iterdir()) == [] and not orphan.exists()
 
 
+def test_a_row_the_index_lost_comes_back_when_the_store_opens(store, dense500, fp, long_ids):
+    """The index's commits are not synced (a power cut may lose the last ones): an entry whose row is
+    lost, its file synced and in place, is indexed again at the next open and found as before."""
+    kept = put_dense500(store, dense500, fp, long_ids)
+    assert store.index.connection().execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL: not synced
+    with store.index.write() as db:  # (what a power cut after its commit, before any sync, loses)
+        rows = (("entries", "cache_id"), ("blocks", "cache_id"), ("segments", "cache_id"), ("pieces", "segment"))
+        for table, column in rows:
+            db.execute(f"DELETE FROM {table} WHERE {column} = ?", (kept.cache_id,))
+    assert store.entries() == []
+
+    reopened = CacheStore(store.root)
+    assert [e.cache_id for e in reopened.entries()] == [kept.cache_id]
+    assert reopened.lookup(fp.model_id, long_ids[:500]).entry.cache_id == kept.cache_id
+
+
 WRITER = textwrap.dedent(
     """
     import sys
