@@ -16,7 +16,7 @@ from kvmesh.caches.presses import make_press
 from kvmesh.caches.sparse import SparseKVCache, SparseQuantizedKVCache
 from kvmesh.codec.basis import BasisError
 from kvmesh.codec.calibration import fit_model_basis
-from kvmesh.codec.chunks import parse_frame
+from kvmesh.codec.chunks import Chunk, parse_frame
 from kvmesh.codec.coded import CodedLayer, TransformCoding, decoded, parse_basis, transform_code
 from kvmesh.codec.compat import ReceiverProfile, basis_problem, check_manifest, quality_problem, validate_manifest
 from kvmesh.codec.cut import cut_prefix
@@ -121,6 +121,25 @@ def test_a_coded_layer_decodes_alike_from_one_chunk_or_several(coded, wire, cali
     bases = {calibrated.basis.digest: calibrated.basis}
     whole, parts = decode_chunks(manifest, chunks, bases=bases), decode_chunks(split, split_chunks, bases=bases)
     for a, b in zip(whole, parts, strict=True):
+        assert all(mx.array_equal(x, y) for x, y in zip(a.keys_and_values(), b.keys_and_values(), strict=True))
+
+
+def test_a_coded_cache_from_an_older_kvmesh_with_zstd_over_its_layers_decodes_alike(coded, wire, calibrated):
+    """Before, a coded cache's chunks were zstd-coded like any other, and byte-shuffled when its
+    dtype asked (bfloat16): such a cache, from an older peer or store, decodes as before."""
+    manifest, chunks = wire
+    older = pb.CacheManifest()
+    older.CopyFrom(manifest)
+    older.encoding.codec, older.encoding.level, older.encoding.byte_shuffle = pb.CODEC_ZSTD, 1, True
+    compressor = zstandard.ZstdCompressor(level=1)
+    older_chunks = [
+        Chunk(c.index, c.tensor, c.byte_offset, c.raw_length, c.checksum, compressor.compress(bytes(c.data)))
+        for c in chunks
+    ]
+    older.encoding.encoded_bytes = sum(len(c.data) for c in older_chunks)
+    bases = {calibrated.basis.digest: calibrated.basis}
+    now, before = decode_chunks(manifest, chunks, bases=bases), decode_chunks(older, older_chunks, bases=bases)
+    for a, b in zip(now, before, strict=True):
         assert all(mx.array_equal(x, y) for x, y in zip(a.keys_and_values(), b.keys_and_values(), strict=True))
 
 
