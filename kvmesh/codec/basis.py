@@ -80,6 +80,11 @@ class TensorBasis:
             self._np["largest"] = np.abs(self.synthesis().astype(np.float64)).max(axis=1)
         return self._np["largest"]
 
+    @functools.cached_property
+    def largest_mean(self) -> float:
+        """max |mean|: with `largest_weights`, what bounds a decoded number."""
+        return float(np.abs(self.mean).max(initial=0.0))
+
     def on_mlx(self, which: str) -> mx.array:
         """`mean`, `synthesis` or `analysis` as an MLX float32 array (kept for the next call)."""
         if which not in self._mx:

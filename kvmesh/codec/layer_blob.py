@@ -8,6 +8,7 @@ little-endian u32 header length, a canonical JSON header, the segments.
 
 import json
 import struct
+import threading
 from typing import Any
 
 import numpy as np
@@ -153,12 +154,24 @@ def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
     return header, view[start + n :]
 
 
+_decompressors = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor (one is not to be shared by threads; making one per layer held
+    the GIL 30-50 us a layer, while the other layer thread waited for it)."""
+    found = getattr(_decompressors, "one", None)
+    if found is None:
+        found = _decompressors.one = zstandard.ZstdDecompressor()
+    return found
+
+
 class Segments:
     """The segments of a layer's blob, each read at most to the size it may have."""
 
     def __init__(self, header: dict, body: memoryview):
         self.offsets, self.body = header["segments"], body
-        self.decompressor = zstandard.ZstdDecompressor()
+        self.decompressor = _decompressor()
 
     def __call__(self, ref: list[int], size: int) -> bytes:
         """Segment `ref`, which must inflate to at most `size` bytes (never allocating more)."""

@@ -123,9 +123,9 @@ class _Quantized:
         return pack_zigzag(zz, width) if isinstance(zz, np.ndarray) else _pack(zz, width, top)
 
 
-def _quantize(coeffs: mx.array, n: int, step: float) -> _Quantized:
+def _quantize(coeffs: mx.array | np.ndarray, n: int, step: float) -> _Quantized:
     """The first n components rounded at `step`, in MLX's graph (what a GPU runs)."""
-    scaled = coeffs[:n] / mx.array(np.float32(step))
+    scaled = mx.array(coeffs[:n]) / mx.array(np.float32(step))
     q = mx.round(scaled)
     nonzero = q != 0
     stats = (
@@ -139,8 +139,8 @@ def _quantize(coeffs: mx.array, n: int, step: float) -> _Quantized:
     return _Quantized(lows, highs, count, offsets, _zigzag(q, *_bounds(np.array([lows.min(), highs.max()]))))
 
 
-def _quantize_numpy(coeffs: mx.array, n: int, step: float) -> _Quantized:
-    """`_quantize` in NumPy, on the MLX buffer itself (where MLX computes on the CPU): the same codes,
+def _quantize_numpy(coeffs: mx.array | np.ndarray, n: int, step: float) -> _Quantized:
+    """`_quantize` in NumPy, on the coefficients' buffer itself (where MLX computes on the CPU): the same codes,
     in fewer and quicker passes. A nonzero code's |x| - |q| is (x - q) * sign(q) exactly
     (x lies within half a step of q), and sign(q) is q clipped to [-1, 1], which is 0 where q is: so
     no mask is made, and the counts of nonzero codes are the sums of sign(q) squared."""
@@ -183,7 +183,7 @@ def component_groups(rms: np.ndarray, step: float, n: int) -> list[int]:
 
 
 def coded_groups(
-    out: Writer, coeffs: mx.array, rms: np.ndarray, step: float, numpy: bool, *, one_run: bool = False
+    out: Writer, coeffs: mx.array | np.ndarray, rms: np.ndarray, step: float, numpy: bool, *, one_run: bool = False
 ) -> dict:
     """One region's coefficients rounded at `step`, packed and added to `out` by runs of components
     (`one_run`: all in one, for a region of few rows, whose runs would each cost the decoder a call
@@ -193,7 +193,7 @@ def coded_groups(
 
 
 def coded_region(
-    out: Writer, coeffs: mx.array, rms: np.ndarray, step: float, numpy: bool, *, one_run: bool = False
+    out: Writer, coeffs: mx.array | np.ndarray, rms: np.ndarray, step: float, numpy: bool, *, one_run: bool = False
 ) -> tuple[dict, _Quantized | None]:
     """`coded_groups`, and the codes it rounded to (None where nothing was sent)."""
     n = kept_components(rms, step)

@@ -68,7 +68,7 @@ from kvmesh.codec.layer_blob import (
 from kvmesh.codec.layer_pool import map_layers, numpy_by_default
 from kvmesh.codec.prediction import Coefficients, chained, unpredicted
 from kvmesh.codec.quantize import coded_groups, coded_region, dequantized
-from kvmesh.codec.rotary import rotate, token_major_tables
+from kvmesh.codec.rotary import Rotary, rotate, rotate_into, token_major_numpy_tables, token_major_tables
 from kvmesh.codec.transform_decode import RAW_DTYPES
 
 # Leading rows sent raw: the first token is the attention sink, whose keys and values are outliers
@@ -105,8 +105,8 @@ class _Prepared:
 
     # (F, N) coefficients / tensor scale, component-major (as they are coded), of the body's rows
     # and of the tail's (coded at a finer step: `encode_layers`)
-    coeffs: mx.array
-    tail: mx.array
+    coeffs: Coefficients
+    tail: Coefficients
     basis: TensorBasis
     raw: bytes  # the sink and recent rows, (B, H, rows, D), in `raw_dtype`
     raw_dtype: str
@@ -148,17 +148,39 @@ def prepared_coefficients(layers: Sequence[LayerKV], basis: Basis, sinks: int) -
     return [[np.array(p.coeffs) for p in layer] for layer, _ in prepared]
 
 
-def _analysed(rows: mx.array, tb: TensorBasis) -> mx.array:
-    """(F, N) component-major coefficients of (N, F) rows, in units of the tensor's scale: made
-    contiguous once, not per trial step (MLX is slow on strided arrays). The product runs in NumPy
-    where MLX computes on the CPU (`kvmesh.codec.transform_decode._synthesised` says why)."""
-    if numpy_by_default():
-        centred = np.asarray(rows) - tb.mean
-        coeffs = tb.analysis().T @ centred.T
-        coeffs *= np.float32(1.0 / tb.scale)
-        return mx.array(coeffs)
+def _analysed(x: mx.array, tb: TensorBasis, rotation: tuple[mx.array, mx.array] | None, rotary: Rotary) -> mx.array:
+    """(F, N) component-major coefficients of a region's rows (B, H, T', D), RoPE taken off with
+    `rotation`'s tables (keys), in units of the tensor's scale: made contiguous once, not per trial
+    step (MLX is slow on strided arrays). An MLX graph (what a GPU runs)."""
+    b, h, m, d = x.shape
+    block = x.transpose(0, 2, 1, 3)  # (B, T', H, D): token-major
+    if rotation is not None:
+        block = rotate(block, rotation[0], rotation[1], rotary, inverse=True)
+    rows = block.reshape(b * m, h * d)
     coeffs = ((rows - tb.on_mlx("mean")) @ tb.on_mlx("analysis")) * mx.array(np.float32(1.0 / tb.scale))
-    return mx.contiguous(coeffs.T)
+    coeffs = mx.contiguous(coeffs.T)
+    mx.eval(coeffs)
+    return coeffs
+
+
+def _analysed_numpy(
+    x: np.ndarray, tb: TensorBasis, rotation: tuple[np.ndarray, np.ndarray] | None, rotary: Rotary
+) -> np.ndarray:
+    """`_analysed` in NumPy, where MLX computes on the CPU: its product is NumPy's
+    (`kvmesh.codec.transform_decode._synthesised_into` says why), and the rotation and the rest are
+    NumPy passes on the layer's own buffer, with no hand-off to MLX's stream thread."""
+    b, h, m, d = x.shape
+    rows = np.empty((b, m, h, d), np.float32)
+    block = x.transpose(0, 2, 1, 3)
+    if rotation is not None:
+        rotate_into(rows, block, rotation[0], rotation[1], rotary, inverse=True)
+    else:
+        rows[...] = block
+    centred = rows.reshape(b * m, h * d)
+    centred -= tb.mean
+    coeffs = tb.analysis().T @ centred.T
+    coeffs *= np.float32(1.0 / tb.scale)
+    return coeffs
 
 
 def _prepare_layer(
@@ -181,18 +203,20 @@ def _prepare_layer(
     if tail:
         meta["tail"] = tail
     prepared = []
+    numpy = numpy_by_default()
     for kind, x, tb in (("k", keys, basis.keys[j]), ("v", values, basis.values[j])):
-        regions = []
+        regions: list[Coefficients] = []
+        rows_of = np.array(x, copy=False) if numpy else None  # (MLX evaluates x here, on this thread)
         for lo, hi in coded_regions(t, s, r, tail):
-            coeffs = mx.zeros((h * d, 0))
-            if hi > lo:
-                block = x[:, :, lo:hi].transpose(0, 2, 1, 3)  # (B, T', H, D): token-major
-                if kind == "k":
-                    cos, sin = token_major_tables(basis.rotaries[j], pos[:, :, lo:hi], memo)
-                    block = rotate(block, cos, sin, basis.rotaries[j], inverse=True)
-                coeffs = _analysed(block.reshape(b * (hi - lo), h * d), tb)
-            mx.eval(coeffs)
-            regions.append(coeffs)
+            rotary, at = basis.rotaries[j], pos[:, :, lo:hi]
+            if hi == lo:
+                regions.append(np.zeros((h * d, 0), np.float32) if numpy else mx.zeros((h * d, 0)))
+            elif rows_of is not None:
+                tables = token_major_numpy_tables(rotary, at, memo) if kind == "k" else None
+                regions.append(_analysed_numpy(rows_of[:, :, lo:hi], tb, tables, rotary))
+            else:
+                graph_tables = token_major_tables(rotary, at, memo) if kind == "k" else None
+                regions.append(_analysed(x[:, :, lo:hi], tb, graph_tables, rotary))
         body, tail_coeffs = regions
         prepared.append(_Prepared(body, tail_coeffs, tb, *_raw_rows(k if kind == "k" else v, s, r)))
     contiguous = t == 0 or bool((pos == pos.flat[0] + np.arange(t, dtype=np.int32)).all())
@@ -294,7 +318,7 @@ def _chained_layer(
 
 def coded_tensor(
     out: Writer,
-    coeffs: mx.array,
+    coeffs: Coefficients,
     tb: TensorBasis,
     step: float,
     numpy: bool,

@@ -19,8 +19,18 @@ from kvmesh.codec.layer_blob import (
     read_header,
 )
 from kvmesh.codec.quantize import bit_allocation, component_groups, kept_components, pack_codes, pack_integers
-from kvmesh.codec.rotary import Rotary, apply_rope, model_rotaries, remove_rope, rotary_of
-from kvmesh.codec.transform import encode_layers, layers_of_cache
+from kvmesh.codec.rotary import (
+    Rotary,
+    apply_rope,
+    model_rotaries,
+    remove_rope,
+    rotary_of,
+    rotate,
+    rotate_into,
+    token_major_numpy_tables,
+    token_major_tables,
+)
+from kvmesh.codec.transform import _analysed, _analysed_numpy, encode_layers, layers_of_cache
 from kvmesh.codec.transform_decode import decode_group, decode_layers
 
 
@@ -107,6 +117,40 @@ def test_rows_at_positions_of_their_own_are_rotated_as_the_model_rotates_each_on
                 one = mx.contiguous(x[:, h : h + 1, t : t + 1])
                 want = mx.fast.rope(one, 16, traditional=traditional, base=10000.0, scale=1.0, offset=int(pos[h, t]))
                 np.testing.assert_allclose(got[:, h : h + 1, t : t + 1], np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("traditional, dims", [(False, 16), (True, 16), (False, 8)])
+@pytest.mark.parametrize("inverse", [False, True], ids=["on", "off"])
+def test_numpy_s_rotation_gives_the_graph_s_floats(traditional, dims, inverse):
+    """`rotate_into` (NumPy, where MLX computes on the CPU) gives `rotate`'s floats bit for bit, both
+    pairings, partial rotary dims, either way, at rows of their own positions per head, written
+    into a strided view (as the decoder writes the layer's array), and leaves its input as it was."""
+    rng = np.random.default_rng(8)
+    rot = Rotary(dims=dims, traditional=traditional, base=10000.0)
+    pos = np.stack([sparse_positions(rng, 40, 3000) for _ in range(2)])[None]  # (B, H, T)
+    x = (rng.standard_normal((1, 40, 2, 16)) * 30).astype(np.float32)  # token-major (B, T, H, D)
+    want = np.asarray(rotate(mx.array(x), *token_major_tables(rot, pos, {}), rot, inverse=inverse))
+    layer = np.full((1, 2, 43, 16), np.nan, np.float32)
+    before = x.copy()
+    rotate_into(layer[:, :, 3:].transpose(0, 2, 1, 3), x, *token_major_numpy_tables(rot, pos, {}), rot, inverse=inverse)
+    np.testing.assert_array_equal(layer[:, :, 3:].transpose(0, 2, 1, 3), want)
+    assert np.isnan(layer[:, :, :3]).all() and np.array_equal(x, before)
+
+
+def test_the_encoder_s_two_projections_agree():
+    """The encoder's projection as an MLX graph (what a GPU runs) and in NumPy (a CPU) give the same
+    coefficients, but for their products' rounding (two BLAS's): RoPE taken off at per-head
+    positions, the mean, the scale, component-major."""
+    rng = np.random.default_rng(9)
+    rot = Rotary(dims=16, traditional=False, base=10000.0)
+    basis = fit_basis([random_layers(rng, 1, 2, 200, 16)], [rot])
+    pos = np.stack([sparse_positions(rng, 50, 3000) for _ in range(2)])[None]
+    x = rng.standard_normal((1, 2, 50, 16)).astype(np.float32)
+    for tb, rotation in ((basis.keys[0], True), (basis.values[0], False)):
+        graph = _analysed(mx.array(x), tb, token_major_tables(rot, pos, {}) if rotation else None, rot)
+        mine = _analysed_numpy(x, tb, token_major_numpy_tables(rot, pos, {}) if rotation else None, rot)
+        assert isinstance(mine, np.ndarray) and mine.shape == (32, 50)
+        np.testing.assert_allclose(mine, np.asarray(graph), rtol=1e-4, atol=1e-4)
 
 
 def test_rotary_with_freqs_and_scale():
