@@ -37,8 +37,10 @@ the keys' step that much coarser than the values' (2 measured best on SmolLM2 at
 `kvmesh.codec.transform_decode.decode_layers` gives arrays of that dtype in mlx-lm's KVCache layout
 (batch, kv_heads, tokens, head_dim), keys with RoPE re-applied at their positions. Both directions
 are MLX graphs over a whole layer (all its heads in each operation), so a Mac runs them on its GPU;
-only zstd, the headers and the escaped codes' rare uint32s pass through NumPy. No Python loop runs
-per value or per head, only per layer and per run of components.
+only zstd, the headers and the escaped codes' rare uint32s pass through NumPy. Where MLX computes
+on the CPU, the same steps run as NumPy passes (quicker there, and with no hand-off to MLX's
+stream thread), to the same floats and bytes. No Python loop runs per value or per head, only per
+layer and per run of components.
 
 Each layer is its own blob (so a layer decodes as soon as its bytes arrive): `MAGIC` (`MAGIC_RAW_DTYPE`
 when its raw rows are not float16, `MAGIC_TAIL` when it has a tail: an older kvmesh refuses what it
