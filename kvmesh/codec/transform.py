@@ -124,8 +124,11 @@ def _raw_rows(x: Any, sinks: int, recent: int) -> tuple[bytes, str]:
     if name not in RAW_DTYPES:
         raise TransformCodecError(f"a {name} cache: the transform codec takes float16, bfloat16 or float32 ones")
     t = x.shape[2]
+    if x.dtype != mx.bfloat16:  # (in NumPy, on x's own buffer: no hand-off to MLX's stream thread)
+        a = np.array(x, copy=False)
+        return np.concatenate([a[:, :, :sinks], a[:, :, t - recent :]], axis=2).tobytes(), name
     rows = mx.concatenate([x[:, :, :sinks], x[:, :, t - recent :]], axis=2)
-    return np.asarray(rows.view(mx.uint16) if x.dtype == mx.bfloat16 else rows).tobytes(), name
+    return np.asarray(rows.view(mx.uint16)).tobytes(), name
 
 
 def _prepare(
