@@ -18,8 +18,8 @@ runs each on a 2-core box: decoding at 0.18-0.20 GB/s against 0.23-0.24 on one B
 0.08-0.12 against 0.13-0.15). So the pool, when made where the products are NumPy's, sets NumPy's
 BLAS to one thread for the process (threadpoolctl). Where MLX computes on a GPU (a Mac), NumPy's BLAS
 runs none of the codec's work, and is left as it is for whatever else the process computes with it.
-Where the C library is glibc, the pool also keeps freed heap memory for the next layer's arrays
-(kvmesh.codec.heap).
+Where the C library is glibc, the pool also tunes its allocator as the `kvmesh` command does
+(kvmesh.allocator): a layer's arrays reuse the last layer's pages.
 """
 
 import os
@@ -31,7 +31,7 @@ from typing import TypeVar
 import mlx.core as mx
 from threadpoolctl import threadpool_limits
 
-from kvmesh.codec.heap import keep_freed_memory
+from kvmesh.allocator import tune_allocator
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -69,7 +69,7 @@ def layer_pool() -> ThreadPoolExecutor:
         if _pool is None:
             if numpy_by_default():
                 threadpool_limits(1, user_api="blas")
-            keep_freed_memory()
+            tune_allocator()
             _pool = ThreadPoolExecutor(LAYER_THREADS, thread_name_prefix=THREAD_PREFIX)
         return _pool
 

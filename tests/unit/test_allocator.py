@@ -1,6 +1,6 @@
-"""Freed heap memory kept for the next array (kvmesh.codec.heap): measured as the pages a fresh
-process faults in while it makes a few arrays of 1 MB and frees them, again and again, as the
-codec's passes do.
+"""Freed heap memory kept for the next array (kvmesh.allocator), where the codec's layer pool is
+made: measured as the pages a fresh process faults in while it makes a few arrays of 1 MB and frees
+them, again and again, as the codec's passes do.
 """
 
 import json
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvmesh.codec.heap import USER_SETTINGS
+from kvmesh.allocator import USER_SETTINGS
 
 pytestmark = [
     pytest.mark.slow,  # (Python children: the thresholds hold for a whole process)
