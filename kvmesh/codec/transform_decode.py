@@ -15,9 +15,8 @@ several, each on one core), the inverse transform is NumPy's product (MLX's Linu
 reference BLAS), and the mean, the rotation (`kvmesh.codec.rotary.rotate_into`) and the placing
 are written straight into the MLX arrays the layer returns, through NumPy views of them. A layer
 thread then waits for MLX's stream thread once, for its two arrays, and copies nothing while it
-holds the GIL (on a 2-core CPU: a 1,024-token SmolLM2 cache decoded in 76 against 96 ms on two
-threads, 112 against 118 on one, the two decoders alternated in one process; a fifth of the time
-had gone to the graph that placed, rotated and checked the rows).
+holds the GIL (on a 2-core CPU a 1,024-token SmolLM2 cache decoded in 113-118 ms on one thread
+against 115-124 with the graph, 78-83 on two against 80-87: three alternated pairs of processes).
 
 The floats are those of the NumPy decoder that came before it, on any device: the same products,
 each product and sum of the rotation its own float32 operation, the same conversions
