@@ -18,8 +18,9 @@ row (every transform-coded key decoded wrong), and failed to launch on 396 rows 
 (`cudaGraphAddKernelNode ... invalid argument`), where its CPU kernel gives the same floats either
 way (Metal: not measured).
 
-The codec itself rotates with these tables (`rotate`, in MLX), computed once per set of positions
-for all layers: the same angles as the model's, without a kernel call per layer.
+The codec itself rotates with these tables (`rotate`, in MLX; `rotate_into`, the same floats in
+NumPy, where MLX computes on the CPU), computed once per set of positions for all layers: the same
+angles as the model's, without a kernel call per layer.
 """
 
 from __future__ import annotations
