@@ -125,7 +125,8 @@ class _Quantized:
 
 def _quantize(coeffs: mx.array | np.ndarray, n: int, step: float) -> _Quantized:
     """The first n components rounded at `step`, in MLX's graph (what a GPU runs)."""
-    scaled = mx.array(coeffs[:n]) / mx.array(np.float32(step))
+    sent = coeffs[:n] if isinstance(coeffs, mx.array) else mx.array(coeffs[:n])  # (NumPy's where a CPU projected)
+    scaled = sent / mx.array(np.float32(step))
     q = mx.round(scaled)
     nonzero = q != 0
     stats = (

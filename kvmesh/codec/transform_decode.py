@@ -540,7 +540,8 @@ def _coded_rows(
             products.append(mx.zeros((b, rows, h * d), mx.float32))
         bounds.append(_magnitude_bound(largest, tb, scale, rotated=rotation is not None))
         at += rows
-    if made is not None and into is not None:
+    if into is not None:
+        assert made is not None  # (made with `into`)
         if rotation is None:
             np.add(made.reshape(b, at, h, d), tb.mean.reshape(h, d), out=into)
         else:
