@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from kvmesh.codec.cpu_kernels import ESCAPE, packed_codes
+
 MAGIC = b"KVTC\x01"
 MAGIC_RAW_DTYPE = b"KVTC\x02"
 MAGIC_TAIL = b"KVTC\x03"
 # A layer predicted from the one before (kvmesh.codec.prediction): its header says `predicted`.
 MAGIC_PREDICTED = b"KVTC\x04"
 MAGICS = (MAGIC, MAGIC_RAW_DTYPE, MAGIC_TAIL, MAGIC_PREDICTED)
-ESCAPE = 255
 # Bits per packed code, and bytes per value of the dtypes raw rows travel in.
 WIDTHS = (2, 4, 8)
 RAW_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -32,18 +33,9 @@ class TransformCodecError(ValueError):
 
 def pack_zigzag(zz: np.ndarray, width: int) -> tuple[bytes, bytes]:
     """Zigzagged codes -> (packed codes of `width` bits, escapes): `kvmesh.codec.transform.pack_codes` at a
-    given width."""
-    if width == 8:
-        big = zz >= ESCAPE
-        return np.where(big, ESCAPE, zz).astype(np.uint8).tobytes(), zz[big].astype("<u4").tobytes()
-    per = 8 // width
-    flat = np.zeros(-(-zz.size // per) * per, dtype=np.uint8)
-    flat[: zz.size] = zz
-    codes = flat.reshape(-1, per)
-    packed = codes[:, 0].copy()
-    for j in range(1, per):
-        packed |= codes[:, j] << np.uint8(width * j)
-    return packed.tobytes(), b""
+    given width (one compiled pass: `kvmesh.codec.cpu_kernels.packed_codes`)."""
+    plane, escapes = packed_codes(np.ascontiguousarray(zz, dtype=np.uint32), width)
+    return plane.tobytes(), escapes.astype("<u4").tobytes()
 
 
 def cut_codes(width: int, plane: bytes, escapes: bytes, rows: int, cols: int, kept: int) -> tuple[bytes, bytes]:

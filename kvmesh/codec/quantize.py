@@ -11,9 +11,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from kvmesh.codec.cpu_kernels import quantized_rows
 from kvmesh.codec.layer_blob import ESCAPE, TransformCodecError, Writer, pack_zigzag
 
 SQRT12 = math.sqrt(12.0)
+NOT_FINITE = "the cache holds NaN or infinite numbers"
+TOO_FINE = "a coefficient beyond 32 bits: the step is far too fine"
 
 
 def bit_allocation(rms: np.ndarray, step: float) -> np.ndarray:
@@ -47,9 +50,9 @@ def _zigzag_all(q: np.ndarray | mx.array) -> tuple[mx.array, int]:
 def _bounds(bounds: np.ndarray) -> tuple[int, int]:
     """(smallest, largest) of some integers, refused unless they fit 32 bits."""
     if not np.isfinite(bounds).all():
-        raise TransformCodecError("the cache holds NaN or infinite numbers")
+        raise TransformCodecError(NOT_FINITE)
     if bounds[1] >= 2**31 or bounds[0] < -(2**31):
-        raise TransformCodecError("a coefficient beyond 32 bits: the step is far too fine")
+        raise TransformCodecError(TOO_FINE)
     return int(bounds[0]), int(bounds[1])
 
 
@@ -141,27 +144,13 @@ def _quantize(coeffs: mx.array | np.ndarray, n: int, step: float) -> _Quantized:
 
 
 def _quantize_numpy(coeffs: mx.array | np.ndarray, n: int, step: float) -> _Quantized:
-    """`_quantize` in NumPy, on the coefficients' buffer itself (where MLX computes on the CPU): the same codes,
-    in fewer and quicker passes. A nonzero code's |x| - |q| is (x - q) * sign(q) exactly
-    (x lies within half a step of q), and sign(q) is q clipped to [-1, 1], which is 0 where q is: so
-    no mask is made, and the counts of nonzero codes are the sums of sign(q) squared."""
-    scaled = np.array(coeffs, copy=False)[:n] / np.float32(step)
-    q = np.rint(scaled)
-    lows, highs = q.min(axis=1).astype(np.float64), q.max(axis=1).astype(np.float64)
-    lo, hi = _bounds(np.array([lows.min(), highs.max()]))
-    sign = np.clip(q, -1.0, 1.0)
-    scaled -= q
-    # (float32 sums, as the graph's; + 0.0 so that a sum of negative zeros is written as 0.0)
-    offsets = np.einsum("ij,ij->i", scaled, sign).astype(np.float64) + 0.0
-    count = np.einsum("ij,ij->i", sign, sign).astype(np.float64)
-    wide = np.int32 if _zigzag_in_int32(lo, hi) else np.int64
-    zigzagged = q.astype(wide)
-    negative = zigzagged >> (31 if wide == np.int32 else 63)
-    zigzagged <<= 1
-    zigzagged ^= negative
-    return _Quantized(
-        lows, highs, count, offsets, zigzagged.view(np.uint32) if wide == np.int32 else zigzagged.astype(np.uint32)
-    )
+    """`_quantize` where MLX computes on the CPU: the same codes, in one compiled pass over the
+    coefficients' own buffer that lets the GIL go (`kvmesh.codec.cpu_kernels.quantized_rows`)."""
+    values = np.ascontiguousarray(np.array(coeffs, copy=False)[:n])
+    fits, lows, highs, count, offsets, zigzagged = quantized_rows(values, n, np.float32(step))
+    if not fits:
+        raise TransformCodecError(NOT_FINITE if not np.isfinite(values).all() else TOO_FINE)
+    return _Quantized(lows, highs, count, offsets, zigzagged)
 
 
 def _centroid_offset(count: np.ndarray, total: np.ndarray) -> float:

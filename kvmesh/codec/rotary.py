@@ -18,9 +18,9 @@ row (every transform-coded key decoded wrong), and failed to launch on 396 rows 
 (`cudaGraphAddKernelNode ... invalid argument`), where its CPU kernel gives the same floats either
 way (Metal: not measured).
 
-The codec itself rotates with these tables (`rotate`, in MLX; `rotate_into`, the same floats in
-NumPy, where MLX computes on the CPU), computed once per set of positions for all layers: the same
-angles as the model's, without a kernel call per layer.
+The codec itself rotates with these tables (`rotate`, in MLX; where MLX computes on the CPU,
+`kvmesh.codec.cpu_kernels`' compiled loops, the same floats), computed once per set of positions
+for all layers: the same angles as the model's, without a kernel call per layer.
 """
 
 from __future__ import annotations
@@ -247,11 +247,12 @@ def token_major_tables(rotary: Rotary, positions: np.ndarray, memo: dict) -> tup
 
 
 def token_major_numpy_tables(rotary: Rotary, positions: np.ndarray, memo: dict) -> tuple[np.ndarray, np.ndarray]:
-    """`token_major_tables` as NumPy arrays (for `rotate_into`), kept in `memo` beside them."""
+    """`token_major_tables` as C-ordered NumPy arrays (for `kvmesh.codec.cpu_kernels`), kept in
+    `memo` beside them."""
     key = ("numpy", rotary, positions.shape, np.ascontiguousarray(positions).tobytes())
     found = memo.get(key)
     if found is None:
-        found = memo[key] = tuple(np.array(a) for a in token_major_tables(rotary, positions, memo))
+        found = memo[key] = tuple(np.array(a, order="C") for a in token_major_tables(rotary, positions, memo))
     return found
 
 
@@ -269,27 +270,3 @@ def rotate(x: mx.array, cos: mx.array, sin: mx.array, rotary: Rotary, inverse: b
         swapped = mx.concatenate([rotated[..., half:], rotated[..., :half]], axis=-1)
     out = rotated * cos + swapped * (-sin if inverse else sin)
     return out if dims == x.shape[-1] else mx.concatenate([out, x[..., dims:]], axis=-1)
-
-
-def rotate_into(
-    out: np.ndarray, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary: Rotary, *, inverse: bool = False
-) -> None:
-    """`rotate` in NumPy, written into `out` (x's shape, any strides, not overlapping x): the same
-    floats, each product and sum its own float32 operation, in the same order (`x * C + swapped(x)
-    * S`; inverse: `- swapped(x) * S`, the same float as `+ swapped(x) * -S`). Where MLX computes
-    on the CPU the codec rotates here, straight into the array it writes, with no hand-off to MLX's
-    stream thread. Whole rows at a time: NumPy's passes over half rows (32 numbers a run for a head
-    of 64) took twice as long."""
-    dims, half = rotary.dims, rotary.dims // 2
-    rotated, into = x[..., :dims], out[..., :dims]
-    swapped = np.empty(rotated.shape, np.float32)
-    if rotary.traditional:
-        swapped[..., 0::2], swapped[..., 1::2] = rotated[..., 1::2], rotated[..., 0::2]
-    else:
-        swapped[..., :half], swapped[..., half:] = rotated[..., half:], rotated[..., :half]
-    np.multiply(swapped, sin, out=swapped)
-    # (into a new array, then added into `out`: a product written into a strided `out` and added
-    # there again took a third longer)
-    (np.subtract if inverse else np.add)(np.multiply(rotated, cos), swapped, out=into)
-    if dims < x.shape[-1]:
-        out[..., dims:] = x[..., dims:]

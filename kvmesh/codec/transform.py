@@ -38,9 +38,10 @@ the keys' step that much coarser than the values' (2 measured best on SmolLM2 at
 (batch, kv_heads, tokens, head_dim), keys with RoPE re-applied at their positions. Both directions
 are MLX graphs over a whole layer (all its heads in each operation), so a Mac runs them on its GPU;
 only zstd, the headers and the escaped codes' rare uint32s pass through NumPy. Where MLX computes
-on the CPU, the same steps run as NumPy passes (quicker there, and with no hand-off to MLX's
-stream thread), to the same floats and bytes. No Python loop runs per value or per head, only per
-layer and per run of components.
+on the CPU, the same steps run as NumPy's products and passes and as compiled loops that let the
+GIL go (`kvmesh.codec.cpu_kernels`: the rotation, the rounding, the packing), quicker there and with
+no hand-off to MLX's stream thread, to the same floats and bytes. No Python loop runs per value or
+per head, only per layer and per run of components.
 
 Each layer is its own blob (so a layer decodes as soon as its bytes arrive): `MAGIC` (`MAGIC_RAW_DTYPE`
 when its raw rows are not float16, `MAGIC_TAIL` when it has a tail: an older kvmesh refuses what it
@@ -61,6 +62,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvmesh.codec.basis import Basis, BasisError, LayerKV, TensorBasis
+from kvmesh.codec.cpu_kernels import rotated_off_centred
 from kvmesh.codec.layer_blob import (
     TransformCodecError,
     Writer,
@@ -70,7 +72,7 @@ from kvmesh.codec.layer_blob import (
 from kvmesh.codec.layer_pool import map_layers, numpy_by_default
 from kvmesh.codec.prediction import Coefficients, chained, unpredicted
 from kvmesh.codec.quantize import coded_groups, coded_region, dequantized
-from kvmesh.codec.rotary import Rotary, rotate, rotate_into, token_major_numpy_tables, token_major_tables
+from kvmesh.codec.rotary import Rotary, rotate, token_major_numpy_tables, token_major_tables
 from kvmesh.codec.transform_decode import RAW_DTYPES
 
 # Leading rows sent raw: the first token is the attention sink, whose keys and values are outliers
@@ -169,21 +171,25 @@ def _analysed(x: mx.array, tb: TensorBasis, rotation: tuple[mx.array, mx.array] 
 
 
 def _analysed_numpy(
-    x: np.ndarray, tb: TensorBasis, rotation: tuple[np.ndarray, np.ndarray] | None, rotary: Rotary
+    x: np.ndarray,
+    region: tuple[int, int],
+    tb: TensorBasis,
+    rotation: tuple[np.ndarray, np.ndarray] | None,
+    rotary: Rotary,
 ) -> np.ndarray:
-    """`_analysed` in NumPy, where MLX computes on the CPU: its product is NumPy's
-    (`kvmesh.codec.transform_decode._synthesised_into` says why), and the rotation and the rest are
-    NumPy passes on the layer's own buffer, with no hand-off to MLX's stream thread."""
-    b, h, m, d = x.shape
-    rows = np.empty((b, m, h, d), np.float32)
-    block = x.transpose(0, 2, 1, 3)
+    """`_analysed` of rows [lo, hi) of x (B, H, T, D) where MLX computes on the CPU: its product is
+    NumPy's (`kvmesh.codec.transform_decode._synthesised_into` says why); the rotation taken off and
+    the mean in one compiled pass over the layer's own buffer (`kvmesh.codec.cpu_kernels`), with no
+    hand-off to MLX's stream thread."""
+    b, h, _, d = x.shape
+    lo, hi = region
+    rows = np.empty((b, hi - lo, h, d), np.float32)
+    mean = tb.mean.reshape(h, d)
     if rotation is not None:
-        rotate_into(rows, block, rotation[0], rotation[1], rotary, inverse=True)
+        rotated_off_centred(x, lo, mean, rotation[0], rotation[1], rotary.dims, rotary.traditional, rows)
     else:
-        rows[...] = block
-    centred = rows.reshape(b * m, h * d)
-    centred -= tb.mean
-    coeffs = tb.analysis().T @ centred.T
+        np.subtract(x[:, :, lo:hi].transpose(0, 2, 1, 3), mean, out=rows)
+    coeffs = tb.analysis().T @ rows.reshape(-1, h * d).T
     coeffs *= np.float32(1.0 / tb.scale)
     return coeffs
 
@@ -218,7 +224,7 @@ def _prepare_layer(
                 regions.append(np.zeros((h * d, 0), np.float32) if numpy else mx.zeros((h * d, 0)))
             elif rows_of is not None:
                 tables = token_major_numpy_tables(rotary, at, memo) if kind == "k" else None
-                regions.append(_analysed_numpy(rows_of[:, :, lo:hi], tb, tables, rotary))
+                regions.append(_analysed_numpy(rows_of, (lo, hi), tb, tables, rotary))
             else:
                 graph_tables = token_major_tables(rotary, at, memo) if kind == "k" else None
                 regions.append(_analysed(x[:, :, lo:hi], tb, graph_tables, rotary))

@@ -12,11 +12,12 @@ what must run on the CPU stays in Python and NumPy: zstd, the header, and findin
 codes. So a Mac runs the decoder on its GPU. Where MLX computes on the CPU, the layer is NumPy's
 from end to end: the codes become numbers by table look-ups (one pass, where the graph makes
 several, each on one core), the inverse transform is NumPy's product (MLX's Linux wheels link the
-reference BLAS), and the mean, the rotation (`kvmesh.codec.rotary.rotate_into`) and the placing
-are written straight into the MLX arrays the layer returns, through NumPy views of them. A layer
-thread then waits for MLX's stream thread once, for its two arrays, and copies nothing while it
-holds the GIL (on a 2-core CPU a 1,024-token SmolLM2 cache decoded in 113-118 ms on one thread
-against 115-124 with the graph, 78-83 on two against 80-87: three alternated pairs of processes).
+reference BLAS), and the mean, the rotation (a compiled loop that lets the GIL go:
+`kvmesh.codec.cpu_kernels.mean_rotated_into`) and the placing are written straight into the MLX
+arrays the layer returns, through NumPy views of them. A layer thread then waits for MLX's stream
+thread once, for its two arrays, and copies nothing while it holds the GIL (on a 2-core CPU a
+1,024-token SmolLM2 cache decoded in 113-118 ms on one thread against 115-124 with the graph, 78-83
+on two against 80-87: three alternated pairs of processes).
 
 The floats are those of the NumPy decoder that came before it, on any device: the same products,
 each product and sum of the rotation its own float32 operation, the same conversions
@@ -34,6 +35,7 @@ import numpy as np
 import zstandard
 
 from kvmesh.codec.basis import Basis, BasisError, TensorBasis
+from kvmesh.codec.cpu_kernels import mean_rotated_into
 from kvmesh.codec.layer_blob import (
     ESCAPE,
     WIDTHS,
@@ -46,7 +48,7 @@ from kvmesh.codec.layer_blob import (
 )
 from kvmesh.codec.layer_pool import map_layers, numpy_by_default
 from kvmesh.codec.prediction import Coefficients, LayerChain, chained, rowwise_product, unpredicted
-from kvmesh.codec.rotary import Rotary, rotate, rotate_into, token_major_numpy_tables, token_major_tables
+from kvmesh.codec.rotary import Rotary, rotate, token_major_numpy_tables, token_major_tables
 
 # The dtypes raw rows travel in (a header without one: float16).
 RAW_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -388,11 +390,10 @@ def _numpy_tensor(
     full[:, :, :s], full[:, :, t - r :] = raw[:, :, :s], raw[:, :, s:]
     finite = bool(np.isfinite(raw).all())
     if tensor.regions:
-        coded = full[:, :, s : t - r].transpose(0, 2, 1, 3)
-        block = _coded_rows(tensor, tb, (b, h, d), rotation, rotary, into=coded)
+        block = _coded_rows(tensor, tb, (b, h, d), rotation, rotary, into=(full, s))
         limit = ROUNDS_TO_INFINITY[tensor.dtype]
         if not all(bound < limit for bound in block.bounds):
-            finite = finite and bool(np.abs(coded).max() < limit)
+            finite = finite and bool(np.abs(block.rows).max() < limit)
     return (x if tensor.dtype == mx.float32 else x.astype(tensor.dtype)), finite
 
 
@@ -492,8 +493,9 @@ def _predicted(tensor: _Tensor, tb: TensorBasis, inputs: list[Coefficients], num
 
 @dataclass
 class _Rows:
-    """A tensor's coded rows (B, rows, H, D), token-major, and per region the bound on their
-    magnitude that its codes' widths give (`_magnitude_bound`)."""
+    """A tensor's coded rows (the graph's: (B, rows, H, D), token-major; NumPy's: where it wrote
+    them in the layer's array, (B, H, rows, D)), and per region the bound on their magnitude that
+    its codes' widths give (`_magnitude_bound`)."""
 
     rows: mx.array | np.ndarray
     bounds: list[float]
@@ -506,14 +508,14 @@ def _coded_rows(
     rotation: tuple[mx.array, mx.array] | tuple[np.ndarray, np.ndarray] | None,
     rotary: Rotary,
     *,
-    into: np.ndarray | None = None,
+    into: tuple[np.ndarray, int] | None = None,
 ) -> _Rows:
     """A tensor's coded regions (the body, then the tail), each its own product with its own steps
     and components, as one block of rows (B, rows, H, D): the mean added and rotated back with
     `rotation`'s tables (keys) once per tensor, not once per region (2-6% quicker decoding with a
-    tail). With `into` (a view of the layer's array, token-major) all of it in NumPy, the block
-    written there; else an MLX graph. A predicted tensor's product is of its coefficients of every
-    component (`_Tensor.given`)."""
+    tail). With `into` (the layer's array (B, H, T, D) and the row the block starts at) all of it
+    in NumPy and compiled loops, the block written there; else an MLX graph. A predicted tensor's
+    product is of its coefficients of every component (`_Tensor.given`)."""
     b, h, d = shape
     made = np.empty((b, sum(rows for rows, _, _ in tensor.regions), h * d), np.float32) if into is not None else None
     products: list[mx.array] = []
@@ -542,14 +544,15 @@ def _coded_rows(
         at += rows
     if into is not None:
         assert made is not None  # (made with `into`)
+        full, start = into
+        mean, token_major = tb.mean.reshape(h, d), made.reshape(b, at, h, d)
         if rotation is None:
-            np.add(made.reshape(b, at, h, d), tb.mean.reshape(h, d), out=into)
+            np.add(token_major, mean, out=full[:, :, start : start + at].transpose(0, 2, 1, 3))
         else:
-            made += tb.mean
             cos, sin = rotation
             assert isinstance(cos, np.ndarray) and isinstance(sin, np.ndarray)
-            rotate_into(into, made.reshape(b, at, h, d), cos, sin, rotary)
-        return _Rows(into, bounds)
+            mean_rotated_into(full, start, token_major, mean, cos, sin, rotary.dims, rotary.traditional)
+        return _Rows(full[:, :, start : start + at], bounds)
     block = (mx.concatenate(products, axis=1) if len(products) > 1 else products[0]) + tb.on_mlx("mean")
     block = block.reshape(b, at, h, d)
     if rotation is not None:

@@ -9,6 +9,7 @@ import pytest
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError, fit_basis, fit_tensor_basis
 from kvmesh.codec.coded import TransformCoding, decoded, transform_code
+from kvmesh.codec.cpu_kernels import mean_rotated_into, rotated_off_centred
 from kvmesh.codec.layer_blob import (
     ESCAPE,
     MAGIC,
@@ -16,9 +17,18 @@ from kvmesh.codec.layer_blob import (
     MAGIC_TAIL,
     TransformCodecError,
     cut_codes,
+    pack_zigzag,
     read_header,
 )
-from kvmesh.codec.quantize import bit_allocation, component_groups, kept_components, pack_codes, pack_integers
+from kvmesh.codec.quantize import (
+    _quantize,
+    _quantize_numpy,
+    bit_allocation,
+    component_groups,
+    kept_components,
+    pack_codes,
+    pack_integers,
+)
 from kvmesh.codec.rotary import (
     Rotary,
     apply_rope,
@@ -26,7 +36,6 @@ from kvmesh.codec.rotary import (
     remove_rope,
     rotary_of,
     rotate,
-    rotate_into,
     token_major_numpy_tables,
     token_major_tables,
 )
@@ -120,21 +129,67 @@ def test_rows_at_positions_of_their_own_are_rotated_as_the_model_rotates_each_on
 
 
 @pytest.mark.parametrize("traditional, dims", [(False, 16), (True, 16), (False, 8)])
-@pytest.mark.parametrize("inverse", [False, True], ids=["on", "off"])
-def test_numpy_s_rotation_gives_the_graph_s_floats(traditional, dims, inverse):
-    """`rotate_into` (NumPy, where MLX computes on the CPU) gives `rotate`'s floats bit for bit, both
-    pairings, partial rotary dims, either way, at rows of their own positions per head, written
-    into a strided view (as the decoder writes the layer's array), and leaves its input as it was."""
+@pytest.mark.parametrize("heads", ["shared", "per head"])
+def test_the_compiled_rotations_give_the_graph_s_floats(traditional, dims, heads):
+    """The CPU's compiled rotations (kvmesh.codec.cpu_kernels) give `rotate`'s floats bit for bit,
+    both pairings, partial rotary dims, either way, at positions shared by the heads or each head's
+    own: the decoder's (the mean added, written into the rows of the layer's array it is given) and
+    the coder's (the rotation taken off, then the mean), inputs left as they were."""
     rng = np.random.default_rng(8)
     rot = Rotary(dims=dims, traditional=traditional, base=10000.0)
-    pos = np.stack([sparse_positions(rng, 40, 3000) for _ in range(2)])[None]  # (B, H, T)
+    if heads == "shared":
+        pos = np.broadcast_to(np.arange(100, 140, dtype=np.int32), (1, 2, 40))
+    else:
+        pos = np.stack([sparse_positions(rng, 40, 3000) for _ in range(2)])[None]  # (B, H, T)
+    tables = token_major_tables(rot, pos, {})
+    numpy_tables = token_major_numpy_tables(rot, pos, {})
     x = (rng.standard_normal((1, 40, 2, 16)) * 30).astype(np.float32)  # token-major (B, T, H, D)
-    want = np.asarray(rotate(mx.array(x), *token_major_tables(rot, pos, {}), rot, inverse=inverse))
-    layer = np.full((1, 2, 43, 16), np.nan, np.float32)
+    mean = (rng.standard_normal((2, 16)) * 3).astype(np.float32)
     before = x.copy()
-    rotate_into(layer[:, :, 3:].transpose(0, 2, 1, 3), x, *token_major_numpy_tables(rot, pos, {}), rot, inverse=inverse)
-    np.testing.assert_array_equal(layer[:, :, 3:].transpose(0, 2, 1, 3), want)
-    assert np.isnan(layer[:, :, :3]).all() and np.array_equal(x, before)
+
+    want = np.asarray(rotate(mx.array(x) + mx.array(mean), *tables, rot)).transpose(0, 2, 1, 3)
+    layer = np.full((1, 2, 45, 16), np.nan, np.float32)
+    mean_rotated_into(layer, 3, x, mean, *numpy_tables, dims, traditional)
+    np.testing.assert_array_equal(layer[:, :, 3:43], want)
+    assert np.isnan(layer[:, :, :3]).all() and np.isnan(layer[:, :, 43:]).all() and np.array_equal(x, before)
+
+    head_major = np.ascontiguousarray(np.concatenate([x[:, :2], x], axis=1).transpose(0, 2, 1, 3))  # (B, H, 42, D)
+    want = np.asarray(rotate(mx.array(x), *tables, rot, inverse=True) - mx.array(mean))
+    out = np.full(x.shape, np.nan, np.float32)
+    rotated_off_centred(head_major, 2, mean, *numpy_tables, dims, traditional, out)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_the_compiled_rounding_and_packing_give_numpy_s_codes():
+    """The CPU's compiled rounding gives the graph's codes and statistics (the offsets' sums to float32
+    rounding), refuses NaN and codes beyond 32 bits as the graph does, and its packing writes the
+    bytes a NumPy reading of the format makes: at every width, lengths that fill their last byte or
+    not, escapes in order."""
+    rng = np.random.default_rng(5)
+    coeffs = (rng.standard_normal((12, 301)) * np.geomspace(40, 0.01, 12)[:, None]).astype(np.float32)
+    for step in (0.003, 0.1, 2.0, 1e3):
+        graph, mine = _quantize(coeffs, 10, step), _quantize_numpy(coeffs, 10, step)
+        for field in ("lows", "highs", "nonzero"):
+            np.testing.assert_array_equal(getattr(mine, field), getattr(graph, field))
+        np.testing.assert_allclose(mine.offsets, graph.offsets, rtol=1e-5, atol=1e-3)
+        np.testing.assert_array_equal(mine.zigzagged, np.asarray(graph.zigzagged))
+    for bad, says in ((np.nan, "NaN or infinite"), (np.inf, "NaN or infinite"), (1e12, "beyond 32 bits")):
+        poisoned = coeffs.copy()
+        poisoned[3, 7] = bad
+        for quantize in (_quantize, _quantize_numpy):
+            with pytest.raises(TransformCodecError, match=says):
+                quantize(poisoned, 10, 0.1)
+    for width, top in ((2, 3), (4, 15), (8, 254), (8, 100_000)):
+        for size in (1, 7, 64, 1001, 1002, 1003):
+            zz = rng.integers(0, top + 1, size).astype(np.uint32)
+            plane, escapes = pack_zigzag(zz, width)
+            per = 8 // width
+            codes = np.minimum(zz, 255) if width == 8 else zz
+            padded = np.zeros(-(-size // per) * per, np.uint32)
+            padded[:size] = codes
+            want = (padded.reshape(-1, per) << (np.arange(per, dtype=np.uint32) * width)).sum(axis=1)
+            assert plane == want.astype(np.uint8).tobytes()
+            assert escapes == zz[zz >= 255].astype("<u4").tobytes() if width == 8 else escapes == b""
 
 
 def test_the_encoder_s_two_projections_agree():
@@ -148,7 +203,7 @@ def test_the_encoder_s_two_projections_agree():
     x = rng.standard_normal((1, 2, 50, 16)).astype(np.float32)
     for tb, rotation in ((basis.keys[0], True), (basis.values[0], False)):
         graph = _analysed(mx.array(x), tb, token_major_tables(rot, pos, {}) if rotation else None, rot)
-        mine = _analysed_numpy(x, tb, token_major_numpy_tables(rot, pos, {}) if rotation else None, rot)
+        mine = _analysed_numpy(x, (0, 50), tb, token_major_numpy_tables(rot, pos, {}) if rotation else None, rot)
         assert isinstance(mine, np.ndarray) and mine.shape == (32, 50)
         np.testing.assert_allclose(mine, np.asarray(graph), rtol=1e-4, atol=1e-4)
 
