@@ -352,16 +352,11 @@ def _decode_layer(
             chain.fail(j, TransformCodecError("it was not coded to be predicted from"))
     out: list[mx.array] = []
     checks: list[mx.array | bool] = []
-    # Where NumPy writes the tensors: MLX's own arrays (allocated on its stream's thread, which does
-    # not hold the GIL), through NumPy views of them, so that no copy holding the GIL follows (on a
-    # 2-core CPU a tenth of a millisecond a tensor, with the other layer's thread waiting).
-    arrays = [mx.zeros((b, h, t, d), mx.float32) for _ in "kv"] if numpy else []
-    mx.eval(*arrays)
-    for i, (tensor, tb, kind) in enumerate(zip(tensors, basis.pair(j), "kv", strict=True)):
+    for tensor, tb, kind in zip(tensors, basis.pair(j), "kv", strict=True):
         rotated = kind == "k" and bool(tensor.regions)
         if numpy:
             tables = token_major_numpy_tables(basis.rotaries[j], pos[:, :, s : t - r], memo) if rotated else None
-            x, finite = _numpy_tensor(arrays[i], tensor, tb, (s, r), tables, basis.rotaries[j])
+            x, finite = _numpy_tensor(tensor, tb, (b, h, t, d), (s, r), tables, basis.rotaries[j])
             checks.append(finite)
         else:
             graph_tables = token_major_tables(basis.rotaries[j], pos[:, :, s : t - r], memo) if rotated else None
@@ -372,21 +367,24 @@ def _decode_layer(
 
 
 def _numpy_tensor(
-    x: mx.array,
     tensor: "_Tensor",
     tb: TensorBasis,
+    shape: tuple[int, int, int, int],
     kept: tuple[int, int],
     rotation: tuple[np.ndarray, np.ndarray] | None,
     rotary: Rotary,
 ) -> tuple[mx.array, bool]:
     """A tensor (B, H, T, D) made in NumPy: its raw rows and its coded ones (the mean added, rotated
-    back) written straight into `x` (float32, evaluated, its own), which MLX then casts to the raw
-    rows' dtype; and whether its numbers are finite. No MLX operation runs but that cast."""
-    b, h, t, d = x.shape
+    back) written into one float32 array, which becomes an MLX array (a copy made on this thread, a
+    tenth of a millisecond for SmolLM2's 1,024 tokens), cast by MLX to the raw rows' dtype; and whether
+    its numbers are finite. No MLX operation runs but that cast: an array MLX made for NumPy to write
+    would be made on MLX's stream thread, which a layer thread waited 0.6-1.9 ms a layer to run on a
+    busy 2-core box (0.04 ms on an idle one)."""
+    b, h, t, d = shape
     s, r = kept
     raw = tensor.raw
     assert isinstance(raw, np.ndarray)
-    full = np.array(x, copy=False)  # (MLX documents that writing to this view writes to x)
+    full = np.empty(shape, np.float32)
     full[:, :, :s], full[:, :, t - r :] = raw[:, :, :s], raw[:, :, s:]
     finite = bool(np.isfinite(raw).all())
     if tensor.regions:
@@ -394,6 +392,7 @@ def _numpy_tensor(
         limit = ROUNDS_TO_INFINITY[tensor.dtype]
         if not all(bound < limit for bound in block.bounds):
             finite = finite and bool(np.abs(block.rows).max() < limit)
+    x = mx.array(full)
     return (x if tensor.dtype == mx.float32 else x.astype(tensor.dtype)), finite
 
 
