@@ -118,54 +118,35 @@ def _rotated(
 
 
 @njit(nogil=True, cache=True)
-def mean_rotated_into(
+def rotated_rows(
     full: np.ndarray,
     start: int,
-    made: np.ndarray,
+    block: np.ndarray,
     mean: np.ndarray,
     cos: np.ndarray,
     sin: np.ndarray,
     dims: int,
     traditional: bool,
+    inverse: bool,
 ) -> None:
-    """The decoder's keys: `made` (B, T', H, D) token-major, plus `mean` (H, D), rotated by the tables
-    (B or 1, T', H or 1, dims) and written to rows [start, start + T') of the layer's `full` (B, H, T,
-    D): as NumPy's `made + mean` and `rotate` make them."""
-    b_all, t_all, h_all, d = made.shape
+    """Keys between rows [start, start + T') of a layer's `full` (B, H, T, D) and a token-major
+    `block` (B, T', H, D), by the rotation tables (B or 1, T', H or 1, dims). The decoder's way
+    (`inverse` False): `block` plus `mean` (H, D), rotated, written to `full`, as NumPy's `block +
+    mean` and `rotate` make them. The coder's (`inverse`): `full`'s rows with the rotation taken off,
+    less `mean`, written to `block`, as `rotate(..., inverse=True)` and NumPy's `- mean` make them."""
+    b_all, t_all, h_all, d = block.shape
     a = np.empty(d, np.float32)
     for b in range(b_all):
         cb = b if cos.shape[0] > 1 else 0
         for t in range(t_all):
             for h in range(h_all):
                 ch = h if cos.shape[2] > 1 else 0
-                row, centre = made[b, t, h], mean[h]
-                for i in range(d):
-                    a[i] = row[i] + centre[i]
-                _rotated(a, cos[cb, t, ch], sin[cb, t, ch], full[b, h, start + t], dims, traditional, False)
-
-
-@njit(nogil=True, cache=True)
-def rotated_off_centred(
-    full: np.ndarray,
-    start: int,
-    mean: np.ndarray,
-    cos: np.ndarray,
-    sin: np.ndarray,
-    dims: int,
-    traditional: bool,
-    out: np.ndarray,
-) -> None:
-    """The coder's keys: rows [start, start + T') of the layer's `full` (B, H, T, D) with the rotation
-    taken off by the tables (B or 1, T', H or 1, dims), less `mean` (H, D), written to `out` (B, T',
-    H, D) token-major: as `rotate(..., inverse=True)` and NumPy's `- mean` make them."""
-    b_all, t_all, h_all, d = out.shape
-    a = np.empty(d, np.float32)
-    for b in range(b_all):
-        cb = b if cos.shape[0] > 1 else 0
-        for t in range(t_all):
-            for h in range(h_all):
-                ch = h if cos.shape[2] > 1 else 0
-                _rotated(full[b, h, start + t], cos[cb, t, ch], sin[cb, t, ch], a, dims, traditional, True)
-                row, centre = out[b, t, h], mean[h]
-                for i in range(d):
-                    row[i] = a[i] - centre[i]
+                row, centre, layer_row = block[b, t, h], mean[h], full[b, h, start + t]
+                if inverse:
+                    _rotated(layer_row, cos[cb, t, ch], sin[cb, t, ch], a, dims, traditional, True)
+                    for i in range(d):
+                        row[i] = a[i] - centre[i]
+                else:
+                    for i in range(d):
+                        a[i] = row[i] + centre[i]
+                    _rotated(a, cos[cb, t, ch], sin[cb, t, ch], layer_row, dims, traditional, False)

@@ -62,7 +62,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvmesh.codec.basis import Basis, BasisError, LayerKV, TensorBasis
-from kvmesh.codec.cpu_kernels import rotated_off_centred
+from kvmesh.codec.cpu_kernels import rotated_rows
 from kvmesh.codec.layer_blob import (
     TransformCodecError,
     Writer,
@@ -186,7 +186,7 @@ def _analysed_numpy(
     rows = np.empty((b, hi - lo, h, d), np.float32)
     mean = tb.mean.reshape(h, d)
     if rotation is not None:
-        rotated_off_centred(x, lo, mean, rotation[0], rotation[1], rotary.dims, rotary.traditional, rows)
+        rotated_rows(x, lo, rows, mean, rotation[0], rotation[1], rotary.dims, rotary.traditional, True)
     else:
         np.subtract(x[:, :, lo:hi].transpose(0, 2, 1, 3), mean, out=rows)
     coeffs = tb.analysis().T @ rows.reshape(-1, h * d).T

@@ -13,7 +13,7 @@ codes. So a Mac runs the decoder on its GPU. Where MLX computes on the CPU, the 
 from end to end: the codes become numbers by table look-ups (one pass, where the graph makes
 several, each on one core), the inverse transform is NumPy's product (MLX's Linux wheels link the
 reference BLAS), and the mean, the rotation (a compiled loop that lets the GIL go:
-`kvmesh.codec.cpu_kernels.mean_rotated_into`) and the placing are written straight into the MLX
+`kvmesh.codec.cpu_kernels.rotated_rows`) and the placing are written straight into the MLX
 arrays the layer returns, through NumPy views of them. A layer thread then waits for MLX's stream
 thread once, for its two arrays, and copies nothing while it holds the GIL (on a 2-core CPU a
 1,024-token SmolLM2 cache decoded in 113-118 ms on one thread against 115-124 with the graph, 78-83
@@ -35,7 +35,7 @@ import numpy as np
 import zstandard
 
 from kvmesh.codec.basis import Basis, BasisError, TensorBasis
-from kvmesh.codec.cpu_kernels import mean_rotated_into
+from kvmesh.codec.cpu_kernels import rotated_rows
 from kvmesh.codec.layer_blob import (
     ESCAPE,
     WIDTHS,
@@ -550,7 +550,7 @@ def _coded_rows(
         else:
             cos, sin = rotation
             assert isinstance(cos, np.ndarray) and isinstance(sin, np.ndarray)
-            mean_rotated_into(full, start, token_major, mean, cos, sin, rotary.dims, rotary.traditional)
+            rotated_rows(full, start, token_major, mean, cos, sin, rotary.dims, rotary.traditional, False)
         return _Rows(full[:, :, start : start + at], bounds)
     block = (mx.concatenate(products, axis=1) if len(products) > 1 else products[0]) + tb.on_mlx("mean")
     block = block.reshape(b, at, h, d)

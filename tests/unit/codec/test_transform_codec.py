@@ -9,7 +9,7 @@ import pytest
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError, fit_basis, fit_tensor_basis
 from kvmesh.codec.coded import TransformCoding, decoded, transform_code
-from kvmesh.codec.cpu_kernels import mean_rotated_into, rotated_off_centred
+from kvmesh.codec.cpu_kernels import rotated_rows
 from kvmesh.codec.layer_blob import (
     ESCAPE,
     MAGIC,
@@ -149,14 +149,14 @@ def test_the_compiled_rotations_give_the_graph_s_floats(traditional, dims, heads
 
     want = np.asarray(rotate(mx.array(x) + mx.array(mean), *tables, rot)).transpose(0, 2, 1, 3)
     layer = np.full((1, 2, 45, 16), np.nan, np.float32)
-    mean_rotated_into(layer, 3, x, mean, *numpy_tables, dims, traditional)
+    rotated_rows(layer, 3, x, mean, *numpy_tables, dims, traditional, False)
     np.testing.assert_array_equal(layer[:, :, 3:43], want)
     assert np.isnan(layer[:, :, :3]).all() and np.isnan(layer[:, :, 43:]).all() and np.array_equal(x, before)
 
     head_major = np.ascontiguousarray(np.concatenate([x[:, :2], x], axis=1).transpose(0, 2, 1, 3))  # (B, H, 42, D)
     want = np.asarray(rotate(mx.array(x), *tables, rot, inverse=True) - mx.array(mean))
     out = np.full(x.shape, np.nan, np.float32)
-    rotated_off_centred(head_major, 2, mean, *numpy_tables, dims, traditional, out)
+    rotated_rows(head_major, 2, out, mean, *numpy_tables, dims, traditional, True)
     np.testing.assert_array_equal(out, want)
 
 
