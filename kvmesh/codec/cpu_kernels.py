@@ -56,6 +56,22 @@ def quantized_rows(coeffs: np.ndarray, n: int, step: np.float32) -> tuple:
 
 
 @njit(nogil=True, cache=True)
+def dequantized_rows(zigzagged: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Zigzagged codes (n, rows) uint32 -> the float32 values q + offset * sign(q) the decoder makes of
+    them, with each row's centroid `offsets` (n,) float32: q converted to float32, then the product
+    and the sum each a float32 operation (the decoder's table holds the same floats)."""
+    n, rows = zigzagged.shape
+    out = np.empty((n, rows), np.float32)
+    for i in range(n):
+        offset, z, row = offsets[i], zigzagged[i], out[i]
+        for j in range(rows):
+            code = np.int64(z[j])
+            q = np.float32((code >> 1) ^ -(code & 1))
+            row[j] = q + offset * np.float32((q > 0) - (q < 0))
+    return out
+
+
+@njit(nogil=True, cache=True)
 def packed_codes(zigzagged: np.ndarray, width: int) -> tuple:
     """Zigzagged codes (uint32, C order) -> (codes packed `8 // width` to a byte, the first in the
     lowest bits; escapes): `kvmesh.codec.layer_blob.pack_zigzag`'s bytes. One-byte codes of 255 and

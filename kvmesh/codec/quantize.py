@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kvmesh.codec.cpu_kernels import quantized_rows
+from kvmesh.codec.cpu_kernels import dequantized_rows, quantized_rows
 from kvmesh.codec.layer_blob import ESCAPE, TransformCodecError, Writer, pack_zigzag
 
 SQRT12 = math.sqrt(12.0)
@@ -209,10 +209,9 @@ def coded_region(
 def dequantized(quantized: _Quantized | None, entry: dict) -> np.ndarray | None:
     """The (n, rows) float32 values, in units of the step, that the decoder makes of a region's codes
     (`entry`: what `coded_groups` said of them): q + offset * sign(q), the same float32 operations
-    as `kvmesh.codec.transform_decode`'s. None where nothing was sent."""
+    as `kvmesh.codec.transform_decode`'s, in one compiled pass (a predicted layer's coder runs this
+    on the chain of layers, one after another). None where nothing was sent."""
     if quantized is None:
         return None
-    zz = np.asarray(quantized.zigzagged).astype(np.int64)
-    q = ((zz >> 1) ^ -(zz & 1)).astype(np.float32)
     offsets = np.concatenate([np.full(count, delta, np.float32) for count, _, _, _, delta in entry["groups"]])
-    return q + offsets[:, None] * np.sign(q)
+    return dequantized_rows(np.ascontiguousarray(quantized.zigzagged, dtype=np.uint32), offsets)

@@ -9,7 +9,7 @@ import pytest
 from kvmesh.caches.sparse import SparseKVCache
 from kvmesh.codec.basis import Basis, BasisError, fit_basis, fit_tensor_basis
 from kvmesh.codec.coded import TransformCoding, decoded, transform_code
-from kvmesh.codec.cpu_kernels import rotated_rows
+from kvmesh.codec.cpu_kernels import dequantized_rows, rotated_rows
 from kvmesh.codec.layer_blob import (
     ESCAPE,
     MAGIC,
@@ -162,9 +162,9 @@ def test_the_compiled_rotations_give_the_graph_s_floats(traditional, dims, heads
 
 def test_the_compiled_rounding_and_packing_give_numpy_s_codes():
     """The CPU's compiled rounding gives the graph's codes and statistics (the offsets' sums to float32
-    rounding), refuses NaN and codes beyond 32 bits as the graph does, and its packing writes the
-    bytes a NumPy reading of the format makes: at every width, lengths that fill their last byte or
-    not, escapes in order."""
+    rounding), refuses NaN and codes beyond 32 bits as the graph does, its packing writes the bytes a
+    NumPy reading of the format makes (at every width, lengths that fill their last byte or not,
+    escapes in order), and the values it makes of codes are the decoder's, bit for bit."""
     rng = np.random.default_rng(5)
     coeffs = (rng.standard_normal((12, 301)) * np.geomspace(40, 0.01, 12)[:, None]).astype(np.float32)
     for step in (0.003, 0.1, 2.0, 1e3):
@@ -190,6 +190,11 @@ def test_the_compiled_rounding_and_packing_give_numpy_s_codes():
             want = (padded.reshape(-1, per) << (np.arange(per, dtype=np.uint32) * width)).sum(axis=1)
             assert plane == want.astype(np.uint8).tobytes()
             assert escapes == zz[zz >= 255].astype("<u4").tobytes() if width == 8 else escapes == b""
+            # the coder's values of the codes (what it predicts the next layer from) are the decoder's
+            offset = float(rng.choice([0.0, -0.1, 0.037]))
+            got = dequantized_rows(zz[None], np.array([offset], np.float32))[0]
+            want = np.asarray(decode_group(width, plane, escapes, size, offset))
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_the_encoder_s_two_projections_agree():
