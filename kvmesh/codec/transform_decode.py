@@ -13,11 +13,11 @@ codes. So a Mac runs the decoder on its GPU. Where MLX computes on the CPU, the 
 from end to end: the codes become numbers by table look-ups (one pass, where the graph makes
 several, each on one core), the inverse transform is NumPy's product (MLX's Linux wheels link the
 reference BLAS), and the mean, the rotation (a compiled loop that lets the GIL go:
-`kvmesh.codec.cpu_kernels.rotated_rows`) and the placing are written straight into the MLX
-arrays the layer returns, through NumPy views of them. A layer thread then waits for MLX's stream
-thread once, for its two arrays, and copies nothing while it holds the GIL (on a 2-core CPU a
-1,024-token SmolLM2 cache decoded in 113-118 ms on one thread against 115-124 with the graph, 78-83
-on two against 80-87: three alternated pairs of processes).
+`kvmesh.codec.cpu_kernels.rotated_rows`) and the placing are written into one NumPy array per
+tensor, which MLX copies (`_numpy_tensor`): a layer thread never waits for MLX's stream thread but
+to cast the rows to a narrower dtype (on a 2-core CPU a 1,024-token SmolLM2 cache decoded in 113-118
+ms on one thread against 115-124 with the graph, 78-83 on two against 80-87: three alternated pairs
+of processes, with the layer's arrays made by MLX then).
 
 The floats are those of the NumPy decoder that came before it, on any device: the same products,
 each product and sum of the rotation its own float32 operation, the same conversions
